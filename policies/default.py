@@ -1,0 +1,237 @@
+"""The default remediation policy: the escalation ladder of Google's resiliency supervisor.
+
+Ladder, per event (see `DefaultPolicy`):
+
+* worker exited (non-zero), worker heartbeat lost, hang: restart in place while the job has
+  in-job restarts left (`max_in_job_restarts`), then restart the whole workload;
+* node failure (host heartbeat lost, GPU XID/ECC, flapping, node not ready): restart the
+  workload while the node has failed at most `max_workload_restarts` times, then hot-swap it
+  for a spare, else scale the job down by one data-parallel replica (when scaling is enabled
+  and the job is above its minimum), else restart the workload as a last resort. A flapping
+  node skips the restart rung. A failing node that serves no job is cordoned;
+* spare available / node recovered: scale jobs below their maximum back up, one replica each,
+  as long as there are enough spares;
+* workload down: restart the workload.
+
+Beyond the anchor: every action that stops workers is preceded by an emergency checkpoint of
+the healthy workers, and a job that used up its restart budget (`max_restarts_in_window`
+disruptive actions within `restart_window_s`) is left alone instead of being restarted forever.
+"""
+
+from __future__ import annotations
+
+from supervisor.domain import (
+    DISRUPTIVE_ACTIONS,
+    NODE_FAILURE_EVENTS,
+    ActionRequest,
+    Event,
+    EventType,
+)
+from supervisor.policy import Policy, PolicyContext, actions, handles
+
+#: Node failures that say the hardware itself is bad: such a node is cordoned when no job
+#: can be remedied (spare node, or restart budget spent). A lost heartbeat or a NotReady
+#: node may just be a network blip, so it is not cordoned.
+HARDWARE_FAULTS = frozenset({EventType.GPU_XID, EventType.GPU_ECC, EventType.NODE_FLAPPING})
+
+
+def describe(event: Event) -> str:
+    """A short human description of an event, the start of every action's reason."""
+    text = event.type.value
+    if event.type is EventType.GPU_XID and "code" in event.details:
+        text += f" {event.details['code']}"
+    if event.type is EventType.WORKER_EXITED:
+        text += f" (exit code {event.details.get('exit_code')})"
+    if event.node:
+        text += f" on {event.node}"
+    if event.rank is not None:
+        text += f" rank {event.rank}"
+    if event.job and not event.node:
+        text += f" in {event.job}"
+    return text
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+class DefaultPolicy(Policy):
+    """Restart in place, restart the workload, hot-swap, scale down; checkpoint before each."""
+
+    name = "default"
+
+    # --- helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def budget_exhausted(ctx: PolicyContext, job: str | None) -> bool:
+        """True when the job took `max_restarts_in_window` disruptive actions in the window.
+
+        Such a job is considered broken: it gets no further disruptive action until older
+        restarts leave the window, so a job that cannot be healed is not restarted forever.
+        """
+        return ctx.recent_restarts(job) >= ctx.limits.max_restarts_in_window
+
+    def _remedy(
+        self, ctx: PolicyContext, action: ActionRequest, *, failed_node: str | None = None
+    ) -> list[ActionRequest]:
+        """`action`, preceded by an emergency checkpoint when it stops workers.
+
+        The checkpoint is taken by the job's healthy workers, i.e. without `failed_node`.
+        Returns nothing when the job's restart budget is spent.
+        """
+        if action.type not in DISRUPTIVE_ACTIONS:
+            return [action]
+        if self.budget_exhausted(ctx, action.job):
+            return []
+        checkpoint = actions.emergency_checkpoint(
+            action.job,
+            exclude_nodes=(failed_node,) if failed_node else (),
+            reason=f"save healthy workers before {action.type.value}: {action.reason}",
+        )
+        return [checkpoint, action]
+
+    def _in_job_ladder(
+        self, event: Event, ctx: PolicyContext, job: str, node: str | None
+    ) -> list[ActionRequest]:
+        """Restart in place while the job has in-job restarts left, else the workload."""
+        used, limit = ctx.in_job_restarts(job), ctx.limits.max_in_job_restarts
+        what = describe(event)
+        if used < limit:
+            action = actions.restart_in_place(
+                job, node, reason=f"{what}: in-job restart {used + 1} of {limit}"
+            )
+        else:
+            action = actions.restart_workload(
+                job, reason=f"{what}: {used} in-job restarts >= max_in_job_restarts={limit}"
+            )
+        return self._remedy(ctx, action, failed_node=node)
+
+    def _evict(
+        self, event: Event, ctx: PolicyContext, job: str, node: str, why: str
+    ) -> list[ActionRequest]:
+        """Get the job off `node`: hot-swap to a spare, else scale down, else restart.
+
+        `why` says why the node must go; it starts each reason after the event description.
+        """
+        what = f"{describe(event)}: {why}"
+        spares = [s for s in ctx.spares if s != node]
+        if spares:
+            spare = spares[0]
+            action = actions.hot_swap(
+                job, node, spare=spare, reason=f"{what}, spare {spare} available"
+            )
+            return self._remedy(ctx, action, failed_node=node)
+        view = ctx.job(job)
+        if not ctx.limits.enable_workload_scaling:
+            fallback = "no spare and workload scaling disabled"
+        elif view is None:
+            fallback = f"no spare and job {job} unknown"
+        elif view.num_dp_replicas > view.min_num_dp_replicas:
+            to = view.num_dp_replicas - 1
+            action = actions.scale_down(
+                job,
+                to_replicas=to,
+                exclude_node=node,
+                reason=f"{what}, no spare: scaling {job} from {view.num_dp_replicas} to {to}"
+                " data-parallel replicas",
+            )
+            return self._remedy(ctx, action, failed_node=node)
+        else:
+            fallback = f"no spare and {job} at its minimum of {view.min_num_dp_replicas} replicas"
+        action = actions.restart_workload(job, reason=f"{what}, {fallback}: last resort")
+        return self._remedy(ctx, action, failed_node=node)
+
+    def _node_failure_in_job(
+        self, event: Event, ctx: PolicyContext, job: str, node: str
+    ) -> list[ActionRequest]:
+        """The restart rung, then `_evict`. Overridable per event type by subclasses."""
+        failures, limit = ctx.failures_of(node), ctx.limits.max_workload_restarts
+        if event.type is EventType.NODE_FLAPPING:
+            return self._evict(event, ctx, job, node, "a flapping node must go")
+        if failures <= limit:
+            action = actions.restart_workload(
+                job,
+                reason=f"{describe(event)}: {_plural(failures, 'failure')}"
+                f" <= max_workload_restarts={limit}",
+            )
+            return self._remedy(ctx, action, failed_node=node)
+        why = f"{_plural(failures, 'failure')} > max_workload_restarts={limit}"
+        return self._evict(event, ctx, job, node, why)
+
+    # --- handlers -----------------------------------------------------------------------
+
+    @handles(EventType.WORKER_EXITED, EventType.WORKER_HEARTBEAT_LOST)
+    def on_worker_failure(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        if event.type is EventType.WORKER_EXITED and event.details.get("exit_code") == 0:
+            return []  # normal completion
+        view = ctx.node(event.node)
+        job = event.job or (view.job if view else None)
+        if job is None:
+            return []
+        return self._in_job_ladder(event, ctx, job, event.node)
+
+    @handles(EventType.HANG)
+    def on_hang(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        # `event.node`, when set, names the suspect: the node with the lowest step.
+        if event.job is None:
+            return []
+        return self._in_job_ladder(event, ctx, event.job, event.node)
+
+    @handles(*NODE_FAILURE_EVENTS)
+    def on_node_failure(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        node = event.node
+        if node is None:
+            return []
+        view = ctx.node(node)
+        job = event.job or (view.job if view else None)
+        bad_hardware = event.type in HARDWARE_FAULTS and not (view and view.cordoned)
+        if job is None:
+            # A spare or idle node: keep the scheduler off bad hardware, nothing else to do.
+            if not bad_hardware:
+                return []
+            return [actions.cordon(node, reason=f"{describe(event)}: bad hardware, no job")]
+        if self.budget_exhausted(ctx, job):
+            if not bad_hardware:
+                return []
+            limits = ctx.limits
+            reason = (
+                f"{describe(event)}: bad hardware; {job} left alone, restart budget of"
+                f" {limits.max_restarts_in_window} in {limits.restart_window_s:g}s spent"
+            )
+            return [actions.cordon(node, reason=reason)]
+        return self._node_failure_in_job(event, ctx, job, node)
+
+    @handles(EventType.SPARE_AVAILABLE, EventType.NODE_RECOVERED)
+    def on_capacity(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        """Scale jobs below their maximum up by one replica while spares suffice."""
+        if not ctx.limits.enable_workload_scaling:
+            return []
+        free = list(ctx.spares)
+        out: list[ActionRequest] = []
+        for name in sorted(ctx.jobs):
+            view = ctx.jobs[name]
+            need = max(1, view.num_nodes_per_dp)
+            if view.num_dp_replicas >= view.max_num_dp_replicas or len(free) < need:
+                continue
+            if self.budget_exhausted(ctx, name):
+                continue
+            promised, free = free[:need], free[need:]
+            to = view.num_dp_replicas + 1
+            action = actions.scale_up(
+                name,
+                to_replicas=to,
+                reason=f"{describe(event)}: spares {', '.join(promised)} available, scaling"
+                f" {name} from {view.num_dp_replicas} to {to} data-parallel replicas",
+            )
+            out += self._remedy(ctx, action)
+        return out
+
+    @handles(EventType.WORKLOAD_DOWN)
+    def on_workload_down(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        if event.job is None:
+            return []
+        action = actions.restart_workload(event.job, reason=f"{describe(event)}: restarting")
+        return self._remedy(ctx, action)
+
+    # EventType.POD_STUCK_TERMINATING: no action yet. A later Kubernetes backend adds a
+    # force-delete action; until then the event is only recorded (no handler, no action).

@@ -1,0 +1,118 @@
+"""Carries out recorded actions through a backend: bounded in time, retried with backoff,
+and recorded before and after every attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+from typing import Any
+
+from supervisor.actuator.backend import ActionError, Backend
+from supervisor.config import Settings
+from supervisor.domain import ActionRecord, ActionStatus, ActionType
+from supervisor.metrics import Metrics
+from supervisor.store import Store
+
+log = logging.getLogger(__name__)
+
+OnFinished = Callable[[ActionRecord], Awaitable[None]]
+
+
+class Actuator:
+    def __init__(
+        self,
+        store: Store,
+        backend: Backend,
+        settings: Settings,
+        metrics: Metrics,
+        on_succeeded: OnFinished | None = None,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.settings = settings
+        self.metrics = metrics
+        self._on_succeeded = on_succeeded
+
+    def timeout_s(self, action_type: ActionType) -> float:
+        if action_type is ActionType.EMERGENCY_CHECKPOINT:
+            return self.settings.emergency_checkpoint_timeout_s
+        return self.settings.action_timeout_s
+
+    def max_attempts(self, action_type: ActionType) -> int:
+        # A checkpoint that comes late is worth nothing: it gets one attempt.
+        if action_type is ActionType.EMERGENCY_CHECKPOINT:
+            return 1
+        return self.settings.action_max_attempts
+
+    async def run(self, action: ActionRecord) -> ActionRecord:
+        """Run an action to its end. Finished actions are returned as they are."""
+        if action.status.finished:
+            return action
+        timeout = self.timeout_s(action.type)
+        limit = self.max_attempts(action.type)
+        started = time.monotonic()
+        error = "not attempted"
+        while action.attempts < limit:
+            action = await asyncio.to_thread(self.store.start_attempt, action.id)
+            try:
+                async with asyncio.timeout(timeout):
+                    result = await self.backend.execute(action)
+            except TimeoutError:
+                error = f"timed out after {timeout:g}s"
+                retryable = action.type is not ActionType.EMERGENCY_CHECKPOINT
+            except ActionError as exc:
+                error = str(exc) or type(exc).__name__
+                retryable = exc.retryable
+            except Exception as exc:  # a backend bug must not take the supervisor down
+                log.exception("backend %s crashed on action %s", self.backend.name, action.id)
+                error = f"{type(exc).__name__}: {exc}"
+                retryable = False
+            else:
+                return await self._finish(action, ActionStatus.SUCCEEDED, started, result=result)
+            log.warning(
+                "action %s (%s) attempt %d/%d failed: %s",
+                action.id,
+                action.type.value,
+                action.attempts,
+                limit,
+                error,
+            )
+            if not retryable or action.attempts >= limit:
+                break
+            await asyncio.to_thread(self.store.note_attempt_error, action.id, error)
+            delay = self.settings.action_retry_backoff_s * 2 ** (action.attempts - 1)
+            await asyncio.sleep(delay)
+        else:
+            error = f"no attempts left ({action.attempts}/{limit} used before a restart)"
+        return await self._finish(action, ActionStatus.FAILED, started, error=error)
+
+    async def _finish(
+        self,
+        action: ActionRecord,
+        status: ActionStatus,
+        started: float,
+        *,
+        error: str | None = None,
+        result: Mapping[str, Any] | None = None,
+    ) -> ActionRecord:
+        stored_result = dict(result) if result is not None else None
+        finished = await asyncio.to_thread(
+            partial(self.store.finish_action, action.id, status, error=error, result=stored_result)
+        )
+        self.metrics.actions.labels(action.type.value, status.value).inc()
+        self.metrics.action_seconds.labels(action.type.value).observe(time.monotonic() - started)
+        log.info(
+            "action %s %s job=%s node=%s: %s%s",
+            finished.id,
+            finished.type.value,
+            finished.job,
+            finished.node,
+            status.value,
+            f" ({error})" if error else "",
+        )
+        if status is ActionStatus.SUCCEEDED and self._on_succeeded is not None:
+            await self._on_succeeded(finished)
+        return finished

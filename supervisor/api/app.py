@@ -1,0 +1,88 @@
+"""The FastAPI application: routes, error format, OpenAPI, and the supervisor's lifespan."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import SecretStr
+
+from supervisor.api.routes import actions, cluster, events, faults, health, heartbeats
+from supervisor.config import Settings
+from supervisor.runtime import Supervisor
+from supervisor.sensor import HostHeartbeat
+
+log = logging.getLogger(__name__)
+
+
+def with_tokens(settings: Settings) -> Settings:
+    """Never serve without tokens: generate the missing ones and say so once."""
+    update: dict[str, Any] = {}
+    for name in ("agent_token", "operator_token"):
+        if getattr(settings, name) is None:
+            token = secrets.token_urlsafe(32)
+            update[name] = SecretStr(token)
+            log.warning("%s not set; generated one for this run: %s", name, token)
+    return settings.model_copy(update=update) if update else settings
+
+
+def create_app(settings: Settings, supervisor: Supervisor | None = None) -> FastAPI:
+    settings = with_tokens(settings)
+    runtime = supervisor or Supervisor(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(
+        title="Resiliency supervisor",
+        version="0.1.0",
+        summary="Detects failures of ML training jobs and heals them by policy.",
+        lifespan=lifespan,
+    )
+    app.state.supervisor = runtime
+    app.state.settings = settings
+    for module in (heartbeats, events, actions, cluster, faults, health):
+        app.include_router(module.router)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """422 whose `message` names each offending field in one line."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
+    detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
+    return JSONResponse({"message": "; ".join(parts), "detail": detail}, status_code=422)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title, version=app.version, summary=app.summary, routes=app.routes
+    )
+    # The heartbeat route parses its raw body itself (it is the hot path), so its model
+    # is added to the components by hand.
+    model = HostHeartbeat.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(model.pop("$defs", {}))
+    components["HostHeartbeat"] = model
+    app.openapi_schema = schema
+    return schema

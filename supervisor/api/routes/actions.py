@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+
+from supervisor.api.deps import Operator, Reader, SupervisorDep
+from supervisor.api.routes.common import as_utc, check_known, page_of
+from supervisor.api.schemas import ActionIn, ActionOut, Page
+from supervisor.domain import ActionRequest, ActionStatus, ActionType
+from supervisor.runtime import UnknownTarget
+from supervisor.store import ActionFilter
+
+router = APIRouter(prefix="/api/v1/actions", tags=["actions"])
+
+
+@router.get(
+    "", response_model=Page[ActionOut], dependencies=[Reader], summary="Actions, newest first"
+)
+async def list_actions(
+    supervisor: SupervisorDep,
+    type: Annotated[list[ActionType] | None, Query(description="Repeat to match several.")] = None,
+    status: ActionStatus | None = None,
+    node: str | None = None,
+    job: str | None = None,
+    event_id: int | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    cursor: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Page[ActionOut]:
+    check_known(supervisor, node=node, job=job)
+    filters = ActionFilter(
+        types=type or (),
+        status=status,
+        node=node,
+        job=job,
+        event_id=event_id,
+        since=as_utc(since),
+        until=as_utc(until),
+    )
+    page = await page_of(supervisor.store.list_actions, filters, cursor, limit)
+    return Page[ActionOut](
+        items=[ActionOut.of(a) for a in page.items], next_cursor=page.next_cursor
+    )
+
+
+@router.get("/{action_id}", response_model=ActionOut, dependencies=[Reader], summary="One action")
+async def get_action(supervisor: SupervisorDep, action_id: int) -> ActionOut:
+    action = await asyncio.to_thread(supervisor.store.get_action, action_id)
+    if action is None:
+        raise HTTPException(404, f"action {action_id} not found")
+    return ActionOut.of(action)
+
+
+@router.post(
+    "",
+    response_model=ActionOut,
+    status_code=status.HTTP_202_ACCEPTED,
+    dependencies=[Operator],
+    summary="Ask for an action by hand",
+    responses={200: {"model": ActionOut, "description": "Same Idempotency-Key seen before."}},
+)
+async def post_action(
+    supervisor: SupervisorDep,
+    body: ActionIn,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(max_length=150, description="Repeat a request safely: same key, same action."),
+    ] = None,
+) -> ActionOut:
+    request = ActionRequest(
+        body.type, job=body.job, node=body.node, params=body.params, reason=body.reason
+    )
+    try:
+        action, created = await supervisor.request_action(
+            request, idempotency_key or uuid.uuid4().hex
+        )
+    except UnknownTarget as exc:
+        raise HTTPException(404, str(exc)) from None
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return ActionOut.of(action)

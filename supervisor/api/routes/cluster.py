@@ -1,0 +1,60 @@
+"""The live picture: nodes and jobs as the sensor sees them now."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+
+from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.schemas import JobOut, NodeOut
+from supervisor.domain import NodeState
+
+router = APIRouter(prefix="/api/v1", tags=["cluster"], dependencies=[Reader])
+
+
+@router.get("/nodes", response_model=list[NodeOut], summary="All nodes")
+async def list_nodes(
+    supervisor: SupervisorDep,
+    state: NodeState | None = None,
+    job: str | None = None,
+    alive: bool | None = None,
+) -> list[NodeOut]:
+    sensor = supervisor.sensor
+    out = []
+    for name in sorted(sensor.nodes):
+        view = sensor.node_view(name)
+        assert view is not None
+        if state is not None and view.state is not state:
+            continue
+        if job is not None and view.job != job:
+            continue
+        if alive is not None and view.alive is not alive:
+            continue
+        out.append(NodeOut.of(view, sensor.heartbeat_age_s(name)))
+    return out
+
+
+@router.get("/nodes/{name}", response_model=NodeOut, summary="One node")
+async def get_node(supervisor: SupervisorDep, name: str) -> NodeOut:
+    view = supervisor.sensor.node_view(name)
+    if view is None:
+        raise HTTPException(404, f"node {name!r} not found")
+    return NodeOut.of(view, supervisor.sensor.heartbeat_age_s(name))
+
+
+@router.get("/jobs", response_model=list[JobOut], summary="All jobs")
+async def list_jobs(supervisor: SupervisorDep) -> list[JobOut]:
+    sensor = supervisor.sensor
+    out = []
+    for name in sorted(sensor.jobs):
+        view = sensor.job_view(name)
+        assert view is not None
+        out.append(JobOut.of(view, sensor.hang_timeout_s(name)))
+    return out
+
+
+@router.get("/jobs/{name}", response_model=JobOut, summary="One job")
+async def get_job(supervisor: SupervisorDep, name: str) -> JobOut:
+    view = supervisor.sensor.job_view(name)
+    if view is None:
+        raise HTTPException(404, f"job {name!r} not found")
+    return JobOut.of(view, supervisor.sensor.hang_timeout_s(name))

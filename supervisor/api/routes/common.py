@@ -1,0 +1,48 @@
+"""Helpers shared by the read routes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from fastapi import HTTPException
+
+from supervisor.runtime import Supervisor
+from supervisor.store import InvalidCursor, Page
+
+T = TypeVar("T")
+F = TypeVar("F")
+
+
+def check_known(supervisor: Supervisor, *, node: str | None = None, job: str | None = None) -> None:
+    """404 for a node or job the supervisor has never seen (most often a typo)."""
+    if node is not None and node not in supervisor.sensor.nodes:
+        raise HTTPException(404, f"node {node!r} not found")
+    if job is not None and job not in supervisor.sensor.jobs:
+        raise HTTPException(404, f"job {job!r} not found")
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """Query times without a zone are taken as UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def check_range(since: datetime | None, until: datetime | None) -> None:
+    if since is not None and until is not None and since >= until:
+        raise HTTPException(422, "since: must be earlier than until")
+
+
+async def page_of(
+    query: Callable[[F, str | None, int], Page[T]], filters: F, cursor: str | None, limit: int
+) -> Page[T]:
+    since: Any = getattr(filters, "since", None)
+    until: Any = getattr(filters, "until", None)
+    check_range(since, until)
+    try:
+        return await asyncio.to_thread(query, filters, cursor, limit)
+    except InvalidCursor as exc:
+        raise HTTPException(422, str(exc)) from None

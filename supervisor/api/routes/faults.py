@@ -1,0 +1,53 @@
+"""Fault injection: proves the whole loop works. Off unless enable_fault_injection."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, HTTPException, status
+
+from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
+from supervisor.api.schemas import FaultIn, FaultOut
+from supervisor.runtime import FaultSpec, UnknownTarget
+
+router = APIRouter(
+    prefix="/api/v1/faults", tags=["faults"], dependencies=[Operator, FaultInjection]
+)
+
+
+@router.post(
+    "", response_model=FaultOut, status_code=status.HTTP_201_CREATED, summary="Inject a fault"
+)
+async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
+    node = supervisor.sensor.nodes.get(body.node)
+    if node is None:
+        raise HTTPException(404, f"node {body.node!r} not found")
+    spec = FaultSpec(kind=body.kind, node=body.node, job=node.job, params=body.params())
+    try:
+        fault, events = await supervisor.inject_fault(spec)
+    except UnknownTarget as exc:
+        raise HTTPException(404, str(exc)) from None
+    return FaultOut.of(fault, [e.id for e in events if e.id is not None])
+
+
+@router.get("", response_model=list[FaultOut], summary="Faults injected, newest first")
+async def list_faults(supervisor: SupervisorDep, active: bool | None = None) -> list[FaultOut]:
+    faults = await asyncio.to_thread(supervisor.store.list_faults, active)
+    return [FaultOut.of(f) for f in faults]
+
+
+@router.get("/{fault_id}", response_model=FaultOut, summary="A fault and what it caused")
+async def get_fault(supervisor: SupervisorDep, fault_id: int) -> FaultOut:
+    fault = await asyncio.to_thread(supervisor.store.get_fault, fault_id)
+    if fault is None:
+        raise HTTPException(404, f"fault {fault_id} not found")
+    events, actions = await asyncio.to_thread(supervisor.store.linked_to_fault, fault_id)
+    return FaultOut.of(fault, [e.id for e in events if e.id is not None], [a.id for a in actions])
+
+
+@router.delete("/{fault_id}", response_model=FaultOut, summary="End a fault")
+async def end_fault(supervisor: SupervisorDep, fault_id: int) -> FaultOut:
+    fault = await supervisor.end_fault(fault_id)
+    if fault is None:
+        raise HTTPException(404, f"fault {fault_id} not found")
+    return FaultOut.of(fault)

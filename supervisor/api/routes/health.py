@@ -1,0 +1,45 @@
+"""Probes and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Response, status
+from prometheus_client import CONTENT_TYPE_LATEST
+from sqlalchemy import text
+
+from supervisor.api.deps import SupervisorDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="Liveness: the process serves requests")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: started and the database answers",
+    responses={503: {"description": "Not ready"}},
+)
+async def readyz(supervisor: SupervisorDep, response: Response) -> dict[str, str]:
+    if not supervisor.ready:
+        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+        return {"status": "starting"}
+    try:
+        await asyncio.wait_for(asyncio.to_thread(_ping, supervisor), timeout=2)
+    except Exception as exc:
+        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+        return {"status": f"database unavailable: {type(exc).__name__}"}
+    return {"status": "ready"}
+
+
+def _ping(supervisor: SupervisorDep) -> None:
+    with supervisor.store.engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(supervisor: SupervisorDep) -> Response:
+    return Response(supervisor.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,269 @@
+"""Request and response bodies of the REST API (what /openapi.json documents)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Generic, Literal, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from supervisor.domain import (
+    ActionRecord,
+    ActionStatus,
+    ActionType,
+    Event,
+    EventType,
+    Fault,
+    JobView,
+    NodeState,
+    NodeView,
+    WorkerState,
+)
+from supervisor.sensor.heartbeat import Name
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` to get the next (older) page; null on the last page."
+    )
+
+
+class HeartbeatAck(BaseModel):
+    events: list[int] = Field(description="Ids of the events this heartbeat raised.")
+
+
+class EventOut(BaseModel):
+    id: int
+    type: EventType
+    time: datetime
+    node: str | None
+    job: str | None
+    rank: int | None
+    details: dict[str, Any]
+    fault_id: int | None
+
+    @classmethod
+    def of(cls, e: Event) -> EventOut:
+        assert e.id is not None
+        return cls(
+            id=e.id,
+            type=e.type,
+            time=e.time,
+            node=e.node,
+            job=e.job,
+            rank=e.rank,
+            details=dict(e.details),
+            fault_id=e.fault_id,
+        )
+
+
+class ActionOut(BaseModel):
+    id: int
+    type: ActionType
+    status: ActionStatus
+    job: str | None
+    node: str | None
+    params: dict[str, Any]
+    reason: str
+    source: Literal["policy", "operator"] | str
+    idempotency_key: str
+    event_id: int | None
+    fault_id: int | None
+    attempts: int
+    error: str | None
+    result: dict[str, Any] | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_s: float | None = Field(description="From the first attempt's start to the end.")
+
+    @classmethod
+    def of(cls, a: ActionRecord) -> ActionOut:
+        duration = None
+        if a.started_at and a.finished_at:
+            duration = round((a.finished_at - a.started_at).total_seconds(), 3)
+        return cls(
+            id=a.id,
+            type=a.type,
+            status=a.status,
+            job=a.job,
+            node=a.node,
+            params=dict(a.params),
+            reason=a.reason,
+            source=a.source,
+            idempotency_key=a.idempotency_key,
+            event_id=a.event_id,
+            fault_id=a.fault_id,
+            attempts=a.attempts,
+            error=a.error,
+            result=dict(a.result) if a.result is not None else None,
+            created_at=a.created_at,
+            started_at=a.started_at,
+            finished_at=a.finished_at,
+            duration_s=duration,
+        )
+
+
+class ActionIn(BaseModel):
+    """An action an operator asks for by hand."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: ActionType
+    job: Name | None = None
+    node: Name | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    reason: str = Field("requested by operator", max_length=1000)
+
+    @model_validator(mode="after")
+    def _check_target(self) -> Self:
+        node_actions = {ActionType.CORDON, ActionType.UNCORDON, ActionType.HOT_SWAP}
+        if self.type in node_actions and self.node is None:
+            raise ValueError(f"node is required for {self.type.value}")
+        if self.type not in {ActionType.CORDON, ActionType.UNCORDON} and self.job is None:
+            raise ValueError(f"job is required for {self.type.value}")
+        if self.type in {ActionType.SCALE_DOWN, ActionType.SCALE_UP}:
+            to = self.params.get("to_replicas")
+            if not isinstance(to, int) or isinstance(to, bool) or to < 1:
+                raise ValueError("params.to_replicas must be a positive integer")
+        return self
+
+
+class WorkerOut(BaseModel):
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: WorkerState
+    step: int | None
+    exit_code: int | None
+
+
+class NodeOut(BaseModel):
+    name: str
+    state: NodeState
+    job: str | None
+    alive: bool
+    cordoned: bool
+    flapping: bool
+    last_heartbeat: datetime | None
+    heartbeat_age_s: float | None
+    workers: list[WorkerOut]
+
+    @classmethod
+    def of(cls, n: NodeView, age_s: float | None) -> NodeOut:
+        return cls(
+            name=n.name,
+            state=n.state,
+            job=n.job,
+            alive=n.alive,
+            cordoned=n.cordoned,
+            flapping=n.flapping,
+            last_heartbeat=n.last_heartbeat,
+            heartbeat_age_s=None if age_s is None else round(age_s, 3),
+            workers=[
+                WorkerOut(
+                    rank=w.rank,
+                    local_rank=w.local_rank,
+                    pid=w.pid,
+                    state=w.state,
+                    step=w.step,
+                    exit_code=w.exit_code,
+                )
+                for w in n.workers
+            ],
+        )
+
+
+class JobOut(BaseModel):
+    name: str
+    num_dp_replicas: int
+    min_num_dp_replicas: int
+    max_num_dp_replicas: int
+    num_nodes_per_dp: int
+    nodes: list[str]
+    last_step: int | None
+    hang_timeout_s: float | None = Field(
+        description="Hang timeout in force (learned or fixed); null while warming up."
+    )
+
+    @classmethod
+    def of(cls, j: JobView, hang_timeout_s: float | None) -> JobOut:
+        return cls(
+            name=j.name,
+            num_dp_replicas=j.num_dp_replicas,
+            min_num_dp_replicas=j.min_num_dp_replicas,
+            max_num_dp_replicas=j.max_num_dp_replicas,
+            num_nodes_per_dp=j.num_nodes_per_dp,
+            nodes=list(j.nodes),
+            last_step=j.last_step,
+            hang_timeout_s=None if hang_timeout_s is None else round(hang_timeout_s, 3),
+        )
+
+
+FaultKind = Literal["heartbeat_loss", "xid", "ecc"]
+
+
+class FaultIn(BaseModel):
+    """A fault to inject. `heartbeat_loss` drops the node's heartbeats (for `duration_s`,
+    or until the fault is deleted); `xid` and `ecc` report a synthetic GPU error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: FaultKind
+    node: Name
+    code: Annotated[int, Field(ge=0, le=1000)] | None = Field(None, description="XID code.")
+    gpu: Annotated[int, Field(ge=0, le=255)] | None = None
+    count: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Uncorrected ECC count to report."
+    )
+    duration_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> Self:
+        if self.kind == "xid" and self.code is None:
+            raise ValueError("code is required for an xid fault")
+        if self.kind == "ecc" and self.count is None:
+            raise ValueError("count is required for an ecc fault")
+        if self.kind != "heartbeat_loss" and self.duration_s is not None:
+            raise ValueError("duration_s applies to heartbeat_loss only")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"kind", "node"}, exclude_none=True)
+
+
+class FaultOut(BaseModel):
+    id: int
+    kind: str
+    node: str | None
+    job: str | None
+    params: dict[str, Any]
+    active: bool
+    created_at: datetime
+    ended_at: datetime | None
+    events: list[int] = Field(default_factory=list, description="Events the fault caused.")
+    actions: list[int] = Field(default_factory=list, description="Actions taken for it.")
+
+    @classmethod
+    def of(
+        cls, f: Fault, events: list[int] | None = None, actions: list[int] | None = None
+    ) -> FaultOut:
+        return cls(
+            id=f.id,
+            kind=f.kind,
+            node=f.node,
+            job=f.job,
+            params=dict(f.params),
+            active=f.active,
+            created_at=f.created_at,
+            ended_at=f.ended_at,
+            events=events or [],
+            actions=actions or [],
+        )
+
+
+class Problem(BaseModel):
+    detail: str

@@ -1,0 +1,206 @@
+"""Settings, read from `SUPERVISOR_*` environment variables and an optional YAML file.
+
+Names follow the systems our users already run (see README, "Configuration"), so a
+`heartbeat_timeout_s` means here what it means there.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
+
+BackendName = Literal["dry_run"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SUPERVISOR_",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    # --- heartbeats and detection -------------------------------------------------
+    heartbeat_polling_period_s: float = Field(
+        5.0, gt=0, description="How often host monitors send a heartbeat."
+    )
+    heartbeat_timeout_s: float = Field(
+        15.0, gt=0, description="A node is declared lost this long after its last heartbeat."
+    )
+    hang_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Fixed hang timeout. Unset: learned per job from observed step intervals.",
+    )
+    hang_min_timeout_s: float = Field(
+        60.0, gt=0, description="Lower bound of the learned hang timeout."
+    )
+    hang_safety_factor: float = Field(
+        5.0, ge=1, description="Learned hang timeout = longest observed step interval x this."
+    )
+    hang_warmup_intervals: int = Field(
+        5, ge=0, description="Step intervals observed before hang detection starts for a job."
+    )
+    flap_window_s: float = Field(
+        300.0, gt=0, description="Window in which repeated losses of one node count as flapping."
+    )
+    flap_max_losses: int = Field(
+        3, ge=2, description="Losses within flap_window_s that mark a node as flapping."
+    )
+    gpu_report_cooldown_s: float = Field(
+        60.0, ge=0, description="Repeats of the same GPU error on a node within this are dropped."
+    )
+
+    # --- Kubernetes-side thresholds (used by the Kubernetes backend) ------------------
+    pod_termination_threshold_s: float = Field(
+        60.0, gt=0, description="A pod terminating for longer than this is reported as stuck."
+    )
+    jobset_downtime_threshold_s: float = Field(
+        180.0, gt=0, description="A workload not fully running for longer than this is reported."
+    )
+
+    # --- workload shape and remediation ladder ----------------------------------------
+    num_dp_replicas: int = Field(4, ge=1, description="Data-parallel replicas of a job.")
+    min_num_dp_replicas: int = Field(2, ge=1, description="Never scale a job below this.")
+    max_num_dp_replicas: int = Field(4, ge=1, description="Never scale a job above this.")
+    num_nodes_per_dp: int = Field(4, ge=1, description="Nodes in one data-parallel replica.")
+    max_in_job_restarts: int = Field(
+        3, ge=0, description="Restarts of a job's workers in place before a workload restart."
+    )
+    max_workload_restarts: int = Field(
+        0, ge=0, description="Restarts on a failing node before it is hot-swapped for a spare."
+    )
+    enable_workload_scaling: bool = Field(
+        False, description="Allow scaling a job down when no spare exists, and back up later."
+    )
+    restart_window_s: float = Field(
+        3600.0, gt=0, description="Window over which restarts of a job are counted and bounded."
+    )
+    max_restarts_in_window: int = Field(
+        10, ge=1, description="Disruptive actions per job per window before the policy gives up."
+    )
+
+    # --- actuator ---------------------------------------------------------------------
+    emergency_checkpoint_timeout_s: float = Field(
+        60.0, gt=0, description="Time allowed for healthy workers to save an emergency checkpoint."
+    )
+    action_timeout_s: float = Field(300.0, gt=0, description="Time allowed for any other action.")
+    action_max_attempts: int = Field(3, ge=1, description="Attempts per action (retryable errors).")
+    action_retry_backoff_s: float = Field(
+        1.0, ge=0, description="First retry delay; doubles on each further attempt."
+    )
+    backend: BackendName = Field("dry_run", description="Where actions are carried out.")
+    dry_run: bool = Field(
+        False, description="Record what the policy decides without touching anything."
+    )
+    policy: str = Field(
+        "policies.default:DefaultPolicy",
+        min_length=1,
+        description="The policy: `module:Class` or a path to a .py file (`file.py:Class`).",
+    )
+
+    # --- fault injection ----------------------------------------------------------------
+    enable_fault_injection: bool = Field(
+        False, description="Accept POST /api/v1/faults. Off by default."
+    )
+
+    # --- service ----------------------------------------------------------------------
+    database_url: str = Field(
+        "sqlite:///./var/supervisor.db", min_length=1, description="SQLAlchemy database URL."
+    )
+    agent_token: SecretStr | None = Field(
+        None, description="Bearer token of host monitors. Generated and logged when unset."
+    )
+    operator_token: SecretStr | None = Field(
+        None, description="Bearer token of operators. Generated and logged when unset."
+    )
+    read_requires_token: bool = Field(
+        True, description="Read endpoints need the operator token (else open to all)."
+    )
+    host: str = Field("127.0.0.1", description="Address `supervisor serve` binds.")
+    port: int = Field(8080, ge=0, le=65535, description="Port `supervisor serve` binds.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> Self:
+        if self.heartbeat_timeout_s <= self.heartbeat_polling_period_s:
+            raise ValueError(
+                "heartbeat_timeout_s must be greater than heartbeat_polling_period_s "
+                f"({self.heartbeat_timeout_s} <= {self.heartbeat_polling_period_s})"
+            )
+        if not self.min_num_dp_replicas <= self.num_dp_replicas <= self.max_num_dp_replicas:
+            raise ValueError(
+                "need min_num_dp_replicas <= num_dp_replicas <= max_num_dp_replicas "
+                f"(got {self.min_num_dp_replicas}, {self.num_dp_replicas}, "
+                f"{self.max_num_dp_replicas})"
+            )
+        if (
+            self.agent_token is not None
+            and self.operator_token is not None
+            and self.agent_token.get_secret_value() == self.operator_token.get_secret_value()
+        ):
+            raise ValueError("agent_token and operator_token must differ")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(CONFIG_FILE_ENV)
+        if config_file:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+        return tuple(sources)
+
+
+class ConfigError(Exception):
+    """Settings that cannot be used; the message is one line meant for the operator."""
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from overrides > environment > YAML file > defaults.
+
+    Raises ConfigError with a single readable line naming the offending setting.
+    """
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        os.environ[CONFIG_FILE_ENV] = str(path)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    except (OSError, ValueError) as exc:  # unreadable or malformed YAML
+        raise ConfigError(f"cannot read configuration: {exc}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown setting '{name}'")
+        elif err["loc"]:
+            parts.append(f"invalid setting '{name}': {msg} (got {err.get('input')!r})")
+        else:
+            parts.append(f"invalid settings: {msg}")
+    return "; ".join(parts)

@@ -1,0 +1,166 @@
+"""The controller: runs the policy on each event and hands the chosen actions to the
+actuator.
+
+Work is serialised per job (one lane each), so the policy for a job's next event sees
+the result of what was done for the previous one, while jobs proceed independently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from supervisor.actuator import Actuator
+from supervisor.config import Settings
+from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
+from supervisor.policy import Policy, PolicyContext, PolicyLimits
+from supervisor.store import Store
+
+log = logging.getLogger(__name__)
+
+Snapshot = Callable[[], tuple[dict[str, NodeView], dict[str, JobView]]]
+CLUSTER_LANE = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _HandleEvent:
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class _RunActions:
+    actions: tuple[ActionRecord, ...]
+
+
+_Work = _HandleEvent | _RunActions
+
+
+class Controller:
+    def __init__(
+        self,
+        settings: Settings,
+        policy: Policy,
+        store: Store,
+        actuator: Actuator,
+        snapshot: Snapshot,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.store = store
+        self.actuator = actuator
+        self._snapshot = snapshot
+        self._limits = PolicyLimits(
+            max_in_job_restarts=settings.max_in_job_restarts,
+            max_workload_restarts=settings.max_workload_restarts,
+            enable_workload_scaling=settings.enable_workload_scaling,
+            restart_window_s=settings.restart_window_s,
+            max_restarts_in_window=settings.max_restarts_in_window,
+        )
+        self._lanes: dict[str, asyncio.Queue[_Work]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._busy = 0
+
+    # --- intake -------------------------------------------------------------------------
+
+    def submit_event(self, event: Event) -> None:
+        self._lane(event.job).put_nowait(_HandleEvent(event))
+
+    def submit_actions(self, actions: list[ActionRecord]) -> None:
+        by_job: dict[str | None, list[ActionRecord]] = {}
+        for action in actions:
+            by_job.setdefault(action.job, []).append(action)
+        for job, group in by_job.items():
+            self._lane(job).put_nowait(_RunActions(tuple(group)))
+
+    @property
+    def idle(self) -> bool:
+        return self._busy == 0 and all(q.empty() for q in self._lanes.values())
+
+    async def drain(self) -> None:
+        """Wait until every submitted piece of work is done (used by tests and shutdown)."""
+        while not self.idle:
+            await asyncio.gather(*(q.join() for q in list(self._lanes.values())))
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+
+    def _lane(self, job: str | None) -> asyncio.Queue[_Work]:
+        key = job or CLUSTER_LANE
+        queue = self._lanes.get(key)
+        if queue is None:
+            queue = asyncio.Queue()
+            self._lanes[key] = queue
+            self._tasks[key] = asyncio.create_task(self._work(queue), name=f"lane:{key}")
+        return queue
+
+    async def _work(self, queue: asyncio.Queue[_Work]) -> None:
+        while True:
+            item = await queue.get()
+            self._busy += 1
+            try:
+                if isinstance(item, _HandleEvent):
+                    await self.handle(item.event)
+                else:
+                    for action in item.actions:
+                        await self.actuator.run(action)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("controller lane failed on %r", item)
+            finally:
+                self._busy -= 1
+                queue.task_done()
+
+    # --- decisions -------------------------------------------------------------------
+
+    async def context(self) -> PolicyContext:
+        now = utcnow()
+        window_start = now - timedelta(seconds=self.settings.restart_window_s)
+        counts = await asyncio.to_thread(self.store.policy_counts, window_start)
+        nodes, jobs = self._snapshot()
+        return PolicyContext(
+            now=now,
+            limits=self._limits,
+            nodes=nodes,
+            jobs=jobs,
+            node_failures=counts.node_failures,
+            action_counts=counts.action_counts,
+            restarts_in_window=counts.restarts_in_window,
+        )
+
+    def decide(self, event: Event, context: PolicyContext) -> list[ActionRequest]:
+        """Run the policy; a policy that raises or returns garbage decides nothing."""
+        try:
+            decided = self.policy.event_policy(event, context)
+        except Exception:
+            log.exception("policy %s raised on event %s", self.policy.name, event.id)
+            return []
+        requests = [r for r in decided if isinstance(r, ActionRequest)]
+        if len(requests) != len(decided):
+            log.error("policy %s returned non-actions for event %s", self.policy.name, event.id)
+        return requests
+
+    async def handle(self, event: Event) -> list[ActionRecord]:
+        """Decide on one persisted event, record the decision, then carry it out."""
+        if event.id is None:
+            raise ValueError("only persisted events can be handled")
+        requests = self.decide(event, await self.context())
+        actions = await asyncio.to_thread(self.store.handle_event, event.id, requests)
+        log.info(
+            "event %s %s node=%s job=%s -> %s",
+            event.id,
+            event.type.value,
+            event.node,
+            event.job,
+            ", ".join(a.type.value for a in actions) or "no action",
+        )
+        done = []
+        for action in actions:
+            done.append(await self.actuator.run(action))
+        return done

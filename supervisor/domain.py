@@ -1,0 +1,204 @@
+"""Plain value types shared by the sensor, the controller, the policies and the actuator.
+
+Nothing here performs I/O or knows about HTTP, SQL or Kubernetes, so policies can import
+it freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class NodeState(StrEnum):
+    """What a host monitor says its node is doing (the anchor's host states)."""
+
+    UNDEFINED = "undefined"
+    RUNNING = "running"
+    SPARE = "spare"
+    FAILED = "failed"
+    COMPLETE = "complete"
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    EXITED = "exited"
+    # The host monitor stopped hearing from the worker although its process may live.
+    LOST = "lost"
+    STOPPED = "stopped"
+
+
+class EventType(StrEnum):
+    HOST_HEARTBEAT_LOST = "host_heartbeat_lost"
+    WORKER_HEARTBEAT_LOST = "worker_heartbeat_lost"
+    WORKER_EXITED = "worker_exited"
+    HANG = "hang"
+    GPU_XID = "gpu_xid"
+    GPU_ECC = "gpu_ecc"
+    SPARE_AVAILABLE = "spare_available"
+    NODE_RECOVERED = "node_recovered"
+    NODE_FLAPPING = "node_flapping"
+    # Raised by the Kubernetes backend's watchers.
+    POD_STUCK_TERMINATING = "pod_stuck_terminating"
+    WORKLOAD_DOWN = "workload_down"
+    NODE_NOT_READY = "node_not_ready"
+
+
+#: Events that mean a node can no longer be trusted to run its share of the job.
+NODE_FAILURE_EVENTS = frozenset(
+    {
+        EventType.HOST_HEARTBEAT_LOST,
+        EventType.GPU_XID,
+        EventType.GPU_ECC,
+        EventType.NODE_FLAPPING,
+        EventType.NODE_NOT_READY,
+    }
+)
+
+
+class ActionType(StrEnum):
+    EMERGENCY_CHECKPOINT = "emergency_checkpoint"
+    RESTART_IN_PLACE = "restart_in_place"
+    RESTART_WORKLOAD = "restart_workload"
+    HOT_SWAP = "hot_swap"
+    SCALE_DOWN = "scale_down"
+    SCALE_UP = "scale_up"
+    CORDON = "cordon"
+    UNCORDON = "uncordon"
+
+
+#: Actions that stop training workers; the default policy checkpoints before each.
+DISRUPTIVE_ACTIONS = frozenset(
+    {
+        ActionType.RESTART_IN_PLACE,
+        ActionType.RESTART_WORKLOAD,
+        ActionType.HOT_SWAP,
+        ActionType.SCALE_DOWN,
+        ActionType.SCALE_UP,
+    }
+)
+
+#: Actions that count as a restart of the job for the restart-window bound.
+RESTART_ACTIONS = DISRUPTIVE_ACTIONS
+
+
+class ActionStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (ActionStatus.SUCCEEDED, ActionStatus.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: EventType
+    time: datetime
+    node: str | None = None
+    job: str | None = None
+    rank: int | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+    fault_id: int | None = None
+    id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRequest:
+    """One step a policy asks for. Targets are names; the backend resolves them."""
+
+    type: ActionType
+    job: str | None = None
+    node: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: WorkerState
+    step: int | None
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    state: NodeState
+    job: str | None
+    alive: bool
+    last_heartbeat: datetime | None
+    workers: tuple[WorkerView, ...] = ()
+    cordoned: bool = False
+    flapping: bool = False
+
+    @property
+    def is_usable_spare(self) -> bool:
+        return (
+            self.alive and self.state is NodeState.SPARE and not self.cordoned and not self.flapping
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    name: str
+    num_dp_replicas: int
+    min_num_dp_replicas: int
+    max_num_dp_replicas: int
+    num_nodes_per_dp: int
+    nodes: tuple[str, ...] = ()
+    last_step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRecord:
+    """An action as recorded: what was asked, why, and how it went."""
+
+    id: int
+    type: ActionType
+    status: ActionStatus
+    idempotency_key: str
+    source: str
+    created_at: datetime
+    job: str | None = None
+    node: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    event_id: int | None = None
+    fault_id: int | None = None
+    attempts: int = 0
+    error: str | None = None
+    result: Mapping[str, Any] | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def request(self) -> ActionRequest:
+        return ActionRequest(
+            self.type, job=self.job, node=self.node, params=self.params, reason=self.reason
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    id: int
+    kind: str
+    created_at: datetime
+    node: str | None = None
+    job: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    active: bool = True
+    ended_at: datetime | None = None

@@ -1,0 +1,255 @@
+"""Wires the parts together: sensor -> store -> controller -> actuator -> backend.
+
+Rules kept here:
+- an event is in the database before anyone is told about it (the API's ack, the policy);
+- timer-driven sensor changes are persisted in the order they happened;
+- on start, the picture, unfinished actions and unhandled events are taken back, so a
+  restart loses nothing and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.actuator import Actuator, Backend, DryRunBackend
+from supervisor.config import Settings
+from supervisor.controller import Controller, load_policy
+from supervisor.domain import (
+    ActionRecord,
+    ActionRequest,
+    ActionType,
+    Event,
+    Fault,
+)
+from supervisor.metrics import Metrics
+from supervisor.policy import Policy
+from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor
+from supervisor.store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+
+class UnknownTarget(LookupError):
+    """A fault or action names a node or job the supervisor does not know."""
+
+
+def make_backend(settings: Settings) -> Backend:
+    if settings.dry_run or settings.backend == "dry_run":
+        return DryRunBackend()
+    raise ValueError(f"unknown backend {settings.backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: str
+    node: str | None
+    job: str | None
+    params: dict[str, Any]
+
+
+class Supervisor:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        backend: Backend | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.policy = policy or load_policy(settings.policy)
+        self.backend = backend or make_backend(settings)
+        self.sensor = Sensor(settings, self._on_timer_changes, self.metrics)
+        self._store: Store | None = None
+        self._actuator: Actuator | None = None
+        self._controller: Controller | None = None
+        self._pending: asyncio.Queue[Changes] = asyncio.Queue()
+        self._recorder: asyncio.Task[None] | None = None
+        self._fault_timers: dict[int, asyncio.TimerHandle] = {}
+        self.ready = False
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("supervisor not started")
+        return self._store
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            raise RuntimeError("supervisor not started")
+        return self._controller
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._store = await asyncio.to_thread(open_store, self.settings.database_url)
+        self._actuator = Actuator(
+            self.store, self.backend, self.settings, self.metrics, self._apply_effects
+        )
+        self._controller = Controller(
+            self.settings, self.policy, self.store, self._actuator, self.sensor.snapshot
+        )
+        nodes, jobs = await asyncio.gather(
+            asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)
+        )
+        self.sensor.restore(nodes, jobs)
+        unfinished = await asyncio.to_thread(self.store.unfinished_actions)
+        unhandled = await asyncio.to_thread(self.store.unhandled_events)
+        if unfinished or unhandled:
+            log.info(
+                "resuming %d unfinished actions and %d unhandled events",
+                len(unfinished),
+                len(unhandled),
+            )
+        self.controller.submit_actions(unfinished)
+        for event in unhandled:
+            self.controller.submit_event(event)
+        self._recorder = asyncio.create_task(self._record_timer_changes(), name="recorder")
+        self.ready = True
+        log.info(
+            "supervisor ready: %d nodes, %d jobs, policy %s, backend %s",
+            len(nodes),
+            len(jobs),
+            type(self.policy).__name__,
+            self.backend.name,
+        )
+
+    async def stop(self) -> None:
+        self.ready = False
+        self.sensor.close()
+        for timer in self._fault_timers.values():
+            timer.cancel()
+        if self._recorder is not None:
+            self._recorder.cancel()
+            await asyncio.gather(self._recorder, return_exceptions=True)
+        if self._controller is not None:
+            await self._controller.close()
+        await self.backend.close()
+        if self._store is not None:
+            self._store.close()
+
+    async def settle(self) -> None:
+        """Wait until recorded changes are persisted and their handling is done."""
+        await self._pending.join()
+        await self.controller.drain()
+
+    # --- sensor input ---------------------------------------------------------------------
+
+    async def ingest(self, heartbeat: HostHeartbeat) -> list[Event]:
+        changes = self.sensor.ingest(heartbeat)
+        if not changes:
+            return []
+        return await self._record(changes)
+
+    async def _record(self, changes: Changes) -> list[Event]:
+        events = await asyncio.to_thread(
+            self.store.record, changes.events, changes.nodes, changes.jobs
+        )
+        for event in events:
+            self.controller.submit_event(event)
+        return events
+
+    def _on_timer_changes(self, changes: Changes) -> None:
+        self._pending.put_nowait(changes)
+
+    async def _record_timer_changes(self) -> None:
+        while True:
+            changes = await self._pending.get()
+            try:
+                await self._record_with_retry(changes)
+            finally:
+                self._pending.task_done()
+
+    async def _record_with_retry(self, changes: Changes) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self._record(changes)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # The database is down: keep the events in memory and try again; they
+                # were never acknowledged to anyone, so nothing is lost by waiting.
+                log.exception("cannot persist %d events; retrying", len(changes.events))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # --- effects of finished actions --------------------------------------------------------
+
+    async def _apply_effects(self, action: ActionRecord) -> None:
+        """Keep the sensor's picture in step with what the backend changed."""
+        nodes = []
+        jobs = []
+        if action.type in (ActionType.CORDON, ActionType.HOT_SWAP) and action.node:
+            view = self.sensor.set_cordoned(action.node, True)
+            nodes.append(view)
+        elif action.type is ActionType.UNCORDON and action.node:
+            nodes.append(self.sensor.set_cordoned(action.node, False))
+        elif action.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP) and action.job:
+            replicas = action.params.get("to_replicas")
+            if isinstance(replicas, int):
+                jobs.append(self.sensor.set_replicas(action.job, replicas))
+        changed = Changes(
+            nodes=[n for n in nodes if n is not None], jobs=[j for j in jobs if j is not None]
+        )
+        if changed:
+            await asyncio.to_thread(self.store.record, [], changed.nodes, changed.jobs)
+
+    # --- operator requests ----------------------------------------------------------------
+
+    async def request_action(self, request: ActionRequest, key: str) -> tuple[ActionRecord, bool]:
+        """Record an operator's action and queue it on its job's lane. Idempotent by key."""
+        if request.node and request.node not in self.sensor.nodes:
+            raise UnknownTarget(f"node {request.node!r} is not known")
+        if request.job and request.job not in self.sensor.jobs:
+            raise UnknownTarget(f"job {request.job!r} is not known")
+        action, created = await asyncio.to_thread(
+            lambda: self.store.create_action(request, key=f"operator-{key}", source="operator")
+        )
+        if created:
+            self.controller.submit_actions([action])
+        return action, created
+
+    async def inject_fault(self, spec: FaultSpec) -> tuple[Fault, list[Event]]:
+        """Inject a sensor-level fault; the events it causes carry the fault's id."""
+        if spec.node is not None and spec.node not in self.sensor.nodes:
+            raise UnknownTarget(f"node {spec.node!r} is not known")
+        fault = await asyncio.to_thread(
+            lambda: self.store.create_fault(
+                spec.kind, node=spec.node, job=spec.job, params=spec.params
+            )
+        )
+        events: list[Event] = []
+        assert spec.node is not None  # every sensor-level fault targets a node
+        if spec.kind == "heartbeat_loss":
+            duration = spec.params.get("duration_s")
+            self.sensor.inject_heartbeat_loss(spec.node, fault.id, duration)
+            if duration is not None:
+                loop = asyncio.get_running_loop()
+                self._fault_timers[fault.id] = loop.call_later(
+                    duration, lambda: asyncio.ensure_future(self.end_fault(fault.id))
+                )
+        else:
+            report = GpuReport(
+                kind="xid" if spec.kind == "xid" else "ecc",
+                gpu=spec.params.get("gpu"),
+                code=spec.params.get("code"),
+                count=spec.params.get("count"),
+                message=f"injected by fault {fault.id}",
+            )
+            changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
+            if changes:
+                events = await self._record(changes)
+        return fault, events
+
+    async def end_fault(self, fault_id: int) -> Fault | None:
+        timer = self._fault_timers.pop(fault_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.sensor.end_fault(fault_id)
+        return await asyncio.to_thread(self.store.end_fault, fault_id)

@@ -1,0 +1,73 @@
+"""Per-job step progress and the hang timeout learned from it.
+
+Like NVRx, the timeout is learned: the longest interval seen between two observed step
+advances, times a safety factor, never below a floor. The first few intervals (warm-up,
+compilation, data loader start) are not watched. A fixed timeout can be set instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class HangParams:
+    fixed_timeout_s: float | None
+    min_timeout_s: float
+    safety_factor: float
+    warmup_intervals: int
+
+
+@dataclass(slots=True)
+class JobProgress:
+    params: HangParams
+    max_step: int = -1
+    last_progress: float = 0.0  # event-loop time of the last step advance
+    intervals_seen: int = 0
+    longest_interval_s: float = 0.0
+    node_steps: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def learned(self) -> bool:
+        return self.params.fixed_timeout_s is None
+
+    @property
+    def watching(self) -> bool:
+        """Whether hangs are detected yet (past the warm-up)."""
+        return self.max_step >= 0 and self.intervals_seen >= self.params.warmup_intervals
+
+    @property
+    def timeout_s(self) -> float:
+        if self.params.fixed_timeout_s is not None:
+            return self.params.fixed_timeout_s
+        return max(self.params.min_timeout_s, self.params.safety_factor * self.longest_interval_s)
+
+    def observe(self, node: str, step: int, now: float) -> bool:
+        """Record the newest step a node reports. True when the job advanced."""
+        previous = self.node_steps.get(node)
+        self.node_steps[node] = step
+        if previous is not None and step < previous:
+            # The job was restarted from a checkpoint: progress is measured afresh.
+            self.max_step = step
+            self.last_progress = now
+            return True
+        if step <= self.max_step:
+            return False
+        if self.max_step >= 0:
+            interval = now - self.last_progress
+            if self.intervals_seen >= self.params.warmup_intervals:
+                self.longest_interval_s = max(self.longest_interval_s, interval)
+            self.intervals_seen += 1
+        self.max_step = step
+        self.last_progress = now
+        return True
+
+    def forget(self, node: str) -> None:
+        self.node_steps.pop(node, None)
+
+    def laggard(self) -> tuple[str, int] | None:
+        """The node with the lowest reported step, when nodes disagree."""
+        if len(self.node_steps) < 2:
+            return None
+        node, step = min(self.node_steps.items(), key=lambda item: (item[1], item[0]))
+        return (node, step) if step < self.max_step else None

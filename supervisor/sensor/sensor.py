@@ -1,0 +1,585 @@
+"""The sensor: keeps the live picture of every node in memory and turns changes into events.
+
+A heartbeat only updates memory and moves a deadline. Events come from state changes
+(a worker exits, a GPU error is reported, a node comes back) and from deadlines passing
+(a node goes silent, a job stops making progress). The caller persists what
+`ingest` returns before acknowledging; timer-driven changes go to the `emit` callback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from supervisor.config import Settings
+from supervisor.domain import (
+    Event,
+    EventType,
+    JobView,
+    NodeState,
+    NodeView,
+    WorkerState,
+    WorkerView,
+    utcnow,
+)
+from supervisor.metrics import Metrics
+from supervisor.sensor.deadlines import DeadlineQueue
+from supervisor.sensor.heartbeat import GpuReport, HostHeartbeat, WorkerReport
+from supervisor.sensor.progress import HangParams, JobProgress
+
+NODE = "node"
+HANG = "hang"
+DeadlineKey = tuple[str, str]
+
+
+@dataclass(slots=True)
+class Changes:
+    """What a sensor step produced: events to raise and records to persist."""
+
+    events: list[Event] = field(default_factory=list)
+    nodes: list[NodeView] = field(default_factory=list)
+    jobs: list[JobView] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.nodes or self.jobs)
+
+    def extend(self, other: Changes) -> None:
+        self.events.extend(other.events)
+        self.nodes.extend(other.nodes)
+        self.jobs.extend(other.jobs)
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    name: str
+    state: NodeState
+    job: str | None
+    last_seen: float  # event-loop time
+    last_seen_wall: float  # Unix time, for display
+    workers: dict[int, WorkerReport] = field(default_factory=dict)
+    address: str | None = None
+    topology: dict[str, str] = field(default_factory=dict)
+    alive: bool = True
+    cordoned: bool = False
+    flapping: bool = False
+    up_since: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    ecc_counts: dict[int | None, int] | None = None
+    gpu_seen: dict[tuple[str, int | None, int | None], float] | None = None
+    muted_by_fault: int | None = None
+    muted_until: float | None = None
+    loss_fault: int | None = None
+
+    def view(self) -> NodeView:
+        return NodeView(
+            name=self.name,
+            state=self.state,
+            job=self.job,
+            alive=self.alive,
+            last_heartbeat=datetime.fromtimestamp(self.last_seen_wall, UTC),
+            workers=tuple(
+                WorkerView(
+                    rank=w.rank,
+                    local_rank=w.local_rank,
+                    pid=w.pid,
+                    state=w.state,
+                    step=w.step,
+                    exit_code=w.exit_code,
+                )
+                for w in self.workers.values()
+            ),
+            cordoned=self.cordoned,
+            flapping=self.flapping,
+        )
+
+
+@dataclass(slots=True)
+class JobRecord:
+    name: str
+    num_dp_replicas: int
+    min_num_dp_replicas: int
+    max_num_dp_replicas: int
+    num_nodes_per_dp: int
+    progress: JobProgress
+    nodes: set[str] = field(default_factory=set)
+    hang_reported: bool = False
+
+    def view(self) -> JobView:
+        return JobView(
+            name=self.name,
+            num_dp_replicas=self.num_dp_replicas,
+            min_num_dp_replicas=self.min_num_dp_replicas,
+            max_num_dp_replicas=self.max_num_dp_replicas,
+            num_nodes_per_dp=self.num_nodes_per_dp,
+            nodes=tuple(sorted(self.nodes)),
+            last_step=self.progress.max_step if self.progress.max_step >= 0 else None,
+        )
+
+
+class Sensor:
+    def __init__(
+        self,
+        settings: Settings,
+        emit: Callable[[Changes], None],
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self._emit = emit
+        self.metrics = metrics or Metrics()
+        self.nodes: dict[str, NodeRecord] = {}
+        self.jobs: dict[str, JobRecord] = {}
+        self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(self._expired)
+        self._hang = HangParams(
+            fixed_timeout_s=settings.hang_timeout_s,
+            min_timeout_s=settings.hang_min_timeout_s,
+            safety_factor=settings.hang_safety_factor,
+            warmup_intervals=settings.hang_warmup_intervals,
+        )
+        # Counted when scraped: cheaper than keeping counts right on every transition.
+        self.metrics.nodes.labels("true").set_function(
+            lambda: sum(1 for n in self.nodes.values() if n.alive)
+        )
+        self.metrics.nodes.labels("false").set_function(
+            lambda: sum(1 for n in self.nodes.values() if not n.alive)
+        )
+
+    def close(self) -> None:
+        self._deadlines.close()
+
+    # --- inputs ---------------------------------------------------------------------
+
+    def ingest(self, hb: HostHeartbeat) -> Changes:
+        """Apply one heartbeat. The returned changes must be persisted before the ack."""
+        now = self._deadlines.time()
+        self.metrics.heartbeats.inc()
+        changes = Changes()
+        node = self.nodes.get(hb.node)
+        if node is not None and node.muted_by_fault is not None:
+            if node.muted_until is None or now < node.muted_until:
+                return changes  # an injected fault: drop it as a lost packet would be
+            node.muted_by_fault = node.muted_until = None
+        wall = time.time()
+        if node is None:
+            node = self._register(hb, now, wall, changes)
+        else:
+            self._update(node, hb, now, wall, changes)
+        self._deadlines.arm((NODE, node.name), now + self.settings.heartbeat_timeout_s)
+        if hb.gpu_reports:
+            for report in hb.gpu_reports:
+                self._gpu_report(node, report, now, None, changes)
+        if node.job is not None and hb.workers:
+            self._progress(node, hb.workers, now)
+        for event in changes.events:
+            self.metrics.events.labels(event.type.value).inc()
+        return changes
+
+    def inject_heartbeat_loss(
+        self, node_name: str, fault_id: int, duration_s: float | None
+    ) -> None:
+        """Drop the node's heartbeats from now on, as if its network were down."""
+        node = self._require(node_name)
+        now = self._deadlines.time()
+        node.muted_by_fault = fault_id
+        node.muted_until = None if duration_s is None else now + duration_s
+        node.loss_fault = fault_id
+
+    def inject_gpu_report(self, node_name: str, report: GpuReport, fault_id: int) -> Changes:
+        node = self._require(node_name)
+        changes = Changes()
+        self._gpu_report(node, report, self._deadlines.time(), fault_id, changes)
+        for event in changes.events:
+            self.metrics.events.labels(event.type.value).inc()
+        return changes
+
+    def end_fault(self, fault_id: int) -> None:
+        for node in self.nodes.values():
+            if node.muted_by_fault == fault_id:
+                node.muted_by_fault = node.muted_until = None
+
+    def set_cordoned(self, node_name: str, cordoned: bool) -> NodeView | None:
+        node = self.nodes.get(node_name)
+        if node is None:
+            return None
+        node.cordoned = cordoned
+        return node.view()
+
+    def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
+        job = self.jobs.get(job_name)
+        if job is None:
+            return None
+        job.num_dp_replicas = num_dp_replicas
+        return job.view()
+
+    def restore(self, nodes: Iterable[NodeView], jobs: Iterable[JobView]) -> None:
+        """Take back the picture persisted before a restart.
+
+        Nodes that were alive get a fresh grace period of one heartbeat timeout, so a
+        restart of the supervisor does not declare the whole cluster lost.
+        """
+        now = self._deadlines.time()
+        for jv in jobs:
+            job = self._job(jv.name)
+            job.num_dp_replicas = jv.num_dp_replicas
+            job.min_num_dp_replicas = jv.min_num_dp_replicas
+            job.max_num_dp_replicas = jv.max_num_dp_replicas
+            job.num_nodes_per_dp = jv.num_nodes_per_dp
+        for nv in nodes:
+            seen = nv.last_heartbeat.timestamp() if nv.last_heartbeat else time.time()
+            record = NodeRecord(
+                name=nv.name,
+                state=nv.state,
+                job=nv.job,
+                last_seen=now,
+                last_seen_wall=seen,
+                alive=nv.alive,
+                cordoned=nv.cordoned,
+                flapping=nv.flapping,
+                up_since=now,
+            )
+            self.nodes[nv.name] = record
+            if nv.job is not None:
+                self._job(nv.job).nodes.add(nv.name)
+            if nv.alive:
+                self._deadlines.arm((NODE, nv.name), now + self.settings.heartbeat_timeout_s)
+
+    # --- reads ------------------------------------------------------------------------
+
+    def node_view(self, name: str) -> NodeView | None:
+        node = self.nodes.get(name)
+        return node.view() if node else None
+
+    def job_view(self, name: str) -> JobView | None:
+        job = self.jobs.get(name)
+        return job.view() if job else None
+
+    def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
+        return (
+            {name: n.view() for name, n in self.nodes.items()},
+            {name: j.view() for name, j in self.jobs.items()},
+        )
+
+    def heartbeat_age_s(self, name: str) -> float | None:
+        node = self.nodes.get(name)
+        return None if node is None else max(0.0, time.time() - node.last_seen_wall)
+
+    def hang_timeout_s(self, job_name: str) -> float | None:
+        job = self.jobs.get(job_name)
+        return job.progress.timeout_s if job and job.progress.watching else None
+
+    # --- heartbeat handling ---------------------------------------------------------------
+
+    def _register(self, hb: HostHeartbeat, now: float, wall: float, changes: Changes) -> NodeRecord:
+        node = NodeRecord(
+            name=hb.node,
+            state=hb.state,
+            job=hb.job,
+            last_seen=now,
+            last_seen_wall=wall,
+            workers={w.rank: w for w in hb.workers},
+            address=hb.address,
+            topology=dict(hb.topology),
+            up_since=now,
+        )
+        self.nodes[hb.node] = node
+        if hb.job is not None:
+            self._join(node, hb.job, changes)
+        if hb.state is NodeState.SPARE:
+            changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
+        for worker in hb.workers:
+            self._worker_changed(node, None, worker, changes)
+        changes.nodes.append(node.view())
+        return node
+
+    def _update(
+        self, node: NodeRecord, hb: HostHeartbeat, now: float, wall: float, changes: Changes
+    ) -> None:
+        node.last_seen = now
+        node.last_seen_wall = wall
+        changed = False
+        if not node.alive:
+            node.alive = True
+            node.up_since = now
+            node.loss_fault = None
+            changed = True
+            if node.flapping:
+                self.metrics.events_suppressed.labels(EventType.NODE_RECOVERED.value).inc()
+            else:
+                changes.events.append(
+                    self._event(EventType.NODE_RECOVERED, node, state=hb.state.value)
+                )
+        elif node.flapping and now - node.up_since >= self.settings.flap_window_s:
+            node.flapping = False
+            node.losses.clear()
+            changed = True
+            changes.events.append(
+                self._event(EventType.NODE_RECOVERED, node, state=hb.state.value, was_flapping=True)
+            )
+        if hb.state is not node.state:
+            if hb.state is NodeState.SPARE:
+                changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
+            node.state = hb.state
+            changed = True
+        if hb.job != node.job:
+            if node.job is not None:
+                self._leave(node)
+            if hb.job is not None:
+                self._join(node, hb.job, changes)
+            changed = True
+        if hb.address != node.address or hb.topology != node.topology:
+            node.address = hb.address
+            node.topology = dict(hb.topology)
+        previous = node.workers
+        if hb.workers or previous:
+            current = {w.rank: w for w in hb.workers}
+            for rank, worker in current.items():
+                before = previous.get(rank)
+                if before is None or before.state is not worker.state:
+                    self._worker_changed(node, before, worker, changes)
+            node.workers = current
+        if changed:
+            changes.nodes.append(node.view())
+
+    def _worker_changed(
+        self,
+        node: NodeRecord,
+        before: WorkerReport | None,
+        worker: WorkerReport,
+        changes: Changes,
+    ) -> None:
+        if worker.state is WorkerState.EXITED:
+            changes.events.append(
+                self._event(
+                    EventType.WORKER_EXITED,
+                    node,
+                    rank=worker.rank,
+                    exit_code=worker.exit_code,
+                    pid=worker.pid,
+                    local_rank=worker.local_rank,
+                    step=worker.step,
+                )
+            )
+        elif worker.state is WorkerState.LOST:
+            changes.events.append(
+                self._event(
+                    EventType.WORKER_HEARTBEAT_LOST,
+                    node,
+                    rank=worker.rank,
+                    pid=worker.pid,
+                    local_rank=worker.local_rank,
+                    step=worker.step,
+                )
+            )
+
+    def _gpu_report(
+        self,
+        node: NodeRecord,
+        report: GpuReport,
+        now: float,
+        fault_id: int | None,
+        changes: Changes,
+    ) -> None:
+        observed = (report.time or utcnow()).isoformat()
+        if report.kind == "xid":
+            key = ("xid", report.gpu, report.code)
+            if node.gpu_seen is None:
+                node.gpu_seen = {}
+            last = node.gpu_seen.get(key)
+            if last is not None and now - last < self.settings.gpu_report_cooldown_s:
+                self.metrics.events_suppressed.labels(EventType.GPU_XID.value).inc()
+                return
+            node.gpu_seen[key] = now
+            changes.events.append(
+                self._event(
+                    EventType.GPU_XID,
+                    node,
+                    fault_id=fault_id,
+                    code=report.code,
+                    gpu=report.gpu,
+                    message=report.message,
+                    observed_at=observed,
+                )
+            )
+            return
+        assert report.count is not None  # guaranteed by GpuReport's validator
+        if node.ecc_counts is None:
+            node.ecc_counts = {}
+        before = node.ecc_counts.get(report.gpu, 0)
+        node.ecc_counts[report.gpu] = report.count
+        if report.count > before:
+            changes.events.append(
+                self._event(
+                    EventType.GPU_ECC,
+                    node,
+                    fault_id=fault_id,
+                    gpu=report.gpu,
+                    count=report.count,
+                    new_errors=report.count - before,
+                    message=report.message,
+                    observed_at=observed,
+                )
+            )
+
+    def _progress(self, node: NodeRecord, workers: list[WorkerReport], now: float) -> None:
+        assert node.job is not None
+        step = -1
+        for w in workers:
+            if w.step is not None and w.state is WorkerState.RUNNING and w.step > step:
+                step = w.step
+        if step < 0:
+            return
+        job = self.jobs[node.job]
+        if job.progress.observe(node.name, step, now):
+            job.hang_reported = False
+            if job.progress.watching:
+                self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
+
+    # --- membership ---------------------------------------------------------------------
+
+    def _job(self, name: str) -> JobRecord:
+        job = self.jobs.get(name)
+        if job is None:
+            s = self.settings
+            job = JobRecord(
+                name=name,
+                num_dp_replicas=s.num_dp_replicas,
+                min_num_dp_replicas=s.min_num_dp_replicas,
+                max_num_dp_replicas=s.max_num_dp_replicas,
+                num_nodes_per_dp=s.num_nodes_per_dp,
+                progress=JobProgress(self._hang),
+            )
+            self.jobs[name] = job
+        return job
+
+    def _join(self, node: NodeRecord, job_name: str, changes: Changes) -> None:
+        new = job_name not in self.jobs
+        job = self._job(job_name)
+        job.nodes.add(node.name)
+        node.job = job_name
+        if new:
+            changes.jobs.append(job.view())
+
+    def _leave(self, node: NodeRecord) -> None:
+        if node.job is None:
+            return
+        job = self.jobs.get(node.job)
+        if job is not None:
+            job.nodes.discard(node.name)
+            job.progress.forget(node.name)
+        node.job = None
+
+    def _require(self, name: str) -> NodeRecord:
+        node = self.nodes.get(name)
+        if node is None:
+            raise KeyError(name)
+        return node
+
+    # --- deadlines --------------------------------------------------------------------
+
+    def _expired(self, key: DeadlineKey, deadline: float) -> None:
+        kind, name = key
+        changes = Changes()
+        if kind == NODE:
+            self._node_lost(name, deadline, changes)
+        else:
+            self._job_hung(name, changes)
+        if changes:
+            for event in changes.events:
+                self.metrics.events.labels(event.type.value).inc()
+            self._emit(changes)
+
+    def _node_lost(self, name: str, deadline: float, changes: Changes) -> None:
+        node = self.nodes.get(name)
+        if node is None or not node.alive:
+            return
+        now = self._deadlines.time()
+        lateness = now - deadline
+        self.metrics.detection_lateness.observe(lateness)
+        node.alive = False
+        if node.job is not None:
+            # The job stalls while the node is gone; that is not a separate hang.
+            self._deadlines.disarm((HANG, node.job))
+        window = self.settings.flap_window_s
+        node.losses = [t for t in node.losses if now - t <= window]
+        node.losses.append(now)
+        details: dict[str, Any] = {
+            "last_heartbeat": datetime.fromtimestamp(node.last_seen_wall, UTC).isoformat(),
+            "heartbeat_timeout_s": self.settings.heartbeat_timeout_s,
+            "lateness_ms": round(lateness * 1000, 3),
+        }
+        if node.flapping:
+            self.metrics.events_suppressed.labels(EventType.HOST_HEARTBEAT_LOST.value).inc()
+        elif len(node.losses) >= self.settings.flap_max_losses:
+            node.flapping = True
+            changes.events.append(
+                self._event(
+                    EventType.NODE_FLAPPING,
+                    node,
+                    fault_id=node.loss_fault,
+                    losses=len(node.losses),
+                    window_s=window,
+                    **details,
+                )
+            )
+        else:
+            changes.events.append(
+                self._event(
+                    EventType.HOST_HEARTBEAT_LOST, node, fault_id=node.loss_fault, **details
+                )
+            )
+        changes.nodes.append(node.view())
+
+    def _job_hung(self, name: str, changes: Changes) -> None:
+        job = self.jobs.get(name)
+        if job is None or job.hang_reported:
+            return
+        alive = [self.nodes[n] for n in job.nodes if n in self.nodes and self.nodes[n].alive]
+        if not alive:
+            return  # every node is gone: the heartbeat-lost events already tell
+        job.hang_reported = True
+        now = self._deadlines.time()
+        suspect = job.progress.laggard()
+        node = self.nodes.get(suspect[0]) if suspect else None
+        rank = None
+        if node is not None:
+            ranks = [w.rank for w in node.workers.values() if w.state is WorkerState.RUNNING]
+            rank = min(ranks) if ranks else None
+        changes.events.append(
+            Event(
+                type=EventType.HANG,
+                time=utcnow(),
+                node=node.name if node else None,
+                job=name,
+                rank=rank,
+                details={
+                    "last_step": job.progress.max_step,
+                    "stalled_for_s": round(now - job.progress.last_progress, 3),
+                    "hang_timeout_s": round(job.progress.timeout_s, 3),
+                    "timeout_learned": job.progress.learned,
+                    "suspect_step": suspect[1] if suspect else None,
+                },
+            )
+        )
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _event(
+        self,
+        type_: EventType,
+        node: NodeRecord,
+        *,
+        rank: int | None = None,
+        fault_id: int | None = None,
+        **details: Any,
+    ) -> Event:
+        return Event(
+            type=type_,
+            time=utcnow(),
+            node=node.name,
+            job=node.job,
+            rank=rank,
+            details={k: v for k, v in details.items() if v is not None},
+            fault_id=fault_id,
+        )

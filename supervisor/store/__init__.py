@@ -1,0 +1,29 @@
+"""Persistence: the schema, its migrations, and the repository every other part uses."""
+
+from supervisor.store.database import make_engine, migrate
+from supervisor.store.repository import (
+    ActionFilter,
+    EventFilter,
+    InvalidCursor,
+    Page,
+    PolicyCounts,
+    Store,
+)
+
+__all__ = [
+    "ActionFilter",
+    "EventFilter",
+    "InvalidCursor",
+    "Page",
+    "PolicyCounts",
+    "Store",
+    "make_engine",
+    "migrate",
+]
+
+
+def open_store(url: str) -> Store:
+    """Connect, migrate to the newest schema, and return the repository."""
+    engine = make_engine(url)
+    migrate(engine)
+    return Store(engine)

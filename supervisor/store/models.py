@@ -1,0 +1,148 @@
+"""The database schema: SQLAlchemy 2 typed ORM models. Changes go through Alembic."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Constraint names are fixed so migrations behave the same on SQLite and PostgreSQL.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite keeps no zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# BIGINT ids on PostgreSQL; SQLite only auto-increments an INTEGER PRIMARY KEY.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(253), primary_key=True)
+    state: Mapped[str] = mapped_column(String(32))
+    job: Mapped[str | None] = mapped_column(String(253), index=True)
+    alive: Mapped[bool]
+    cordoned: Mapped[bool] = mapped_column(default=False)
+    flapping: Mapped[bool] = mapped_column(default=False)
+    last_heartbeat: Mapped[datetime | None]
+    updated_at: Mapped[datetime]
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    name: Mapped[str] = mapped_column(String(253), primary_key=True)
+    num_dp_replicas: Mapped[int]
+    min_num_dp_replicas: Mapped[int]
+    max_num_dp_replicas: Mapped[int]
+    num_nodes_per_dp: Mapped[int]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class FaultRow(Base):
+    __tablename__ = "faults"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    node: Mapped[str | None] = mapped_column(String(253))
+    job: Mapped[str | None] = mapped_column(String(253))
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    active: Mapped[bool] = mapped_column(default=True)
+    created_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_unhandled", "handled_at"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    type: Mapped[str] = mapped_column(String(64), index=True)
+    time: Mapped[datetime] = mapped_column(index=True)
+    node: Mapped[str | None] = mapped_column(String(253), index=True)
+    job: Mapped[str | None] = mapped_column(String(253), index=True)
+    rank: Mapped[int | None]
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    fault_id: Mapped[int | None] = mapped_column(ForeignKey("faults.id"), index=True)
+    # Set in the same transaction that records the actions the policy chose.
+    handled_at: Mapped[datetime | None]
+
+
+class ActionRow(Base):
+    __tablename__ = "actions"
+    __table_args__ = (Index("ix_actions_job_type_created", "job", "type", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    idempotency_key: Mapped[str] = mapped_column(String(200), unique=True)
+    type: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    source: Mapped[str] = mapped_column(String(32))
+    job: Mapped[str | None] = mapped_column(String(253))
+    node: Mapped[str | None] = mapped_column(String(253), index=True)
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    event_id: Mapped[int | None] = mapped_column(ForeignKey("events.id"), index=True)
+    fault_id: Mapped[int | None] = mapped_column(ForeignKey("faults.id"), index=True)
+    attempts: Mapped[int] = mapped_column(default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class CounterRow(Base):
+    """Counters the policy relies on (node failures, restarts), kept across restarts."""
+
+    __tablename__ = "policy_counters"
+
+    scope: Mapped[str] = mapped_column(String(16), primary_key=True)
+    key: Mapped[str] = mapped_column(String(253), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(default=0)
+    updated_at: Mapped[datetime]

@@ -1,0 +1,509 @@
+"""All reads and writes of the database. Methods are synchronous and short; async callers
+run them in a worker thread. Each public method is one transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from supervisor.domain import (
+    NODE_FAILURE_EVENTS,
+    RESTART_ACTIONS,
+    ActionRecord,
+    ActionRequest,
+    ActionStatus,
+    ActionType,
+    Event,
+    EventType,
+    Fault,
+    JobView,
+    NodeState,
+    NodeView,
+    utcnow,
+)
+from supervisor.store.models import ActionRow, CounterRow, EventRow, FaultRow, JobRow, NodeRow
+
+NODE_SCOPE = "node"
+JOB_SCOPE = "job"
+FAILURES = "failures"
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    items: list[T]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventFilter:
+    types: Sequence[EventType] = ()
+    node: str | None = None
+    job: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActionFilter:
+    types: Sequence[ActionType] = ()
+    status: ActionStatus | None = None
+    node: str | None = None
+    job: str | None = None
+    event_id: int | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyCounts:
+    node_failures: dict[str, int]
+    action_counts: dict[tuple[str, ActionType], int]
+    restarts_in_window: dict[str, int]
+
+
+class InvalidCursor(ValueError):
+    pass
+
+
+def _decode_cursor(cursor: str | None) -> int | None:
+    if cursor is None:
+        return None
+    try:
+        value = int(cursor)
+    except ValueError:
+        raise InvalidCursor("cursor: not a cursor returned by this API") from None
+    if value < 1:
+        raise InvalidCursor("cursor: not a cursor returned by this API")
+    return value
+
+
+class Store:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- sensor output ----------------------------------------------------------------
+
+    def record(
+        self,
+        events: Sequence[Event],
+        nodes: Sequence[NodeView] = (),
+        jobs: Sequence[JobView] = (),
+    ) -> list[Event]:
+        """Persist new events and changed nodes and jobs; return the events with ids.
+
+        A node failure also bumps the node's failure counter in the same transaction, so
+        the count the policy sees is exactly the number of failures recorded.
+        """
+        now = utcnow()
+        with self._sessions.begin() as session:
+            for job in jobs:
+                self._upsert_job(session, job, now)
+            for node in nodes:
+                self._upsert_node(session, node, now)
+            rows = [
+                EventRow(
+                    type=e.type.value,
+                    time=e.time,
+                    node=e.node,
+                    job=e.job,
+                    rank=e.rank,
+                    details=dict(e.details),
+                    fault_id=e.fault_id,
+                )
+                for e in events
+            ]
+            session.add_all(rows)
+            session.flush()
+            for event in events:
+                if event.node and event.type in NODE_FAILURE_EVENTS:
+                    self._bump(session, NODE_SCOPE, event.node, FAILURES, now)
+            return [_event(row) for row in rows]
+
+    def _upsert_node(self, session: Session, node: NodeView, now: datetime) -> None:
+        session.merge(
+            NodeRow(
+                name=node.name,
+                state=node.state.value,
+                job=node.job,
+                alive=node.alive,
+                cordoned=node.cordoned,
+                flapping=node.flapping,
+                last_heartbeat=node.last_heartbeat,
+                updated_at=now,
+            )
+        )
+
+    def _upsert_job(self, session: Session, job: JobView, now: datetime) -> None:
+        row = session.get(JobRow, job.name)
+        if row is None:
+            row = JobRow(name=job.name, created_at=now)
+            session.add(row)
+        row.num_dp_replicas = job.num_dp_replicas
+        row.min_num_dp_replicas = job.min_num_dp_replicas
+        row.max_num_dp_replicas = job.max_num_dp_replicas
+        row.num_nodes_per_dp = job.num_nodes_per_dp
+        row.updated_at = now
+
+    def _bump(self, session: Session, scope: str, key: str, name: str, now: datetime) -> None:
+        row = session.get(CounterRow, (scope, key, name), with_for_update=True)
+        if row is None:
+            session.add(CounterRow(scope=scope, key=key, name=name, value=1, updated_at=now))
+            session.flush()
+        else:
+            row.value += 1
+            row.updated_at = now
+
+    def load_nodes(self) -> list[NodeView]:
+        with self._sessions() as session:
+            return [_node(r) for r in session.scalars(select(NodeRow).order_by(NodeRow.name))]
+
+    def load_jobs(self) -> list[JobView]:
+        with self._sessions() as session:
+            return [_job(r) for r in session.scalars(select(JobRow).order_by(JobRow.name))]
+
+    # --- events -----------------------------------------------------------------------
+
+    def get_event(self, event_id: int) -> Event | None:
+        with self._sessions() as session:
+            row = session.get(EventRow, event_id)
+            return _event(row) if row else None
+
+    def list_events(
+        self, filters: EventFilter, cursor: str | None = None, limit: int = 100
+    ) -> Page[Event]:
+        after = _decode_cursor(cursor)
+        query = select(EventRow).order_by(EventRow.id.desc()).limit(limit + 1)
+        if filters.types:
+            query = query.where(EventRow.type.in_([t.value for t in filters.types]))
+        if filters.node:
+            query = query.where(EventRow.node == filters.node)
+        if filters.job:
+            query = query.where(EventRow.job == filters.job)
+        if filters.since:
+            query = query.where(EventRow.time >= filters.since)
+        if filters.until:
+            query = query.where(EventRow.time < filters.until)
+        if after is not None:
+            query = query.where(EventRow.id < after)
+        with self._sessions() as session:
+            rows = list(session.scalars(query))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page([_event(r) for r in rows], str(rows[-1].id) if more and rows else None)
+
+    def unhandled_events(self) -> list[Event]:
+        query = select(EventRow).where(EventRow.handled_at.is_(None)).order_by(EventRow.id)
+        with self._sessions() as session:
+            return [_event(r) for r in session.scalars(query)]
+
+    def handle_event(self, event_id: int, requests: Sequence[ActionRequest]) -> list[ActionRecord]:
+        """Record the actions chosen for an event and mark it handled, atomically.
+
+        Handling the same event again returns the actions recorded the first time.
+        """
+        now = utcnow()
+        with self._sessions.begin() as session:
+            event = session.get(EventRow, event_id, with_for_update=True)
+            if event is None:
+                raise KeyError(event_id)
+            if event.handled_at is not None:
+                existing = select(ActionRow).where(ActionRow.event_id == event_id)
+                return [_action(r) for r in session.scalars(existing.order_by(ActionRow.id))]
+            rows = [
+                self._new_action(
+                    session,
+                    request,
+                    key=f"event-{event_id}-{index}-{request.type.value}",
+                    source="policy",
+                    event_id=event_id,
+                    fault_id=event.fault_id,
+                    now=now,
+                )
+                for index, request in enumerate(requests)
+            ]
+            event.handled_at = now
+            session.flush()
+            return [_action(r) for r in rows]
+
+    # --- actions ----------------------------------------------------------------------
+
+    def create_action(
+        self,
+        request: ActionRequest,
+        *,
+        key: str,
+        source: str,
+        fault_id: int | None = None,
+    ) -> tuple[ActionRecord, bool]:
+        """Record an action asked for directly (by an operator). Returns (action, created);
+        a repeated idempotency key returns the first action and False."""
+        try:
+            with self._sessions.begin() as session:
+                row = self._new_action(
+                    session, request, key=key, source=source, fault_id=fault_id, now=utcnow()
+                )
+                session.flush()
+                return _action(row), True
+        except IntegrityError:
+            with self._sessions() as session:
+                query = select(ActionRow).where(ActionRow.idempotency_key == key)
+                existing = session.scalars(query).one()
+                return _action(existing), False
+
+    def _new_action(
+        self,
+        session: Session,
+        request: ActionRequest,
+        *,
+        key: str,
+        source: str,
+        now: datetime,
+        event_id: int | None = None,
+        fault_id: int | None = None,
+    ) -> ActionRow:
+        row = ActionRow(
+            idempotency_key=key,
+            type=request.type.value,
+            status=ActionStatus.PENDING.value,
+            source=source,
+            job=request.job,
+            node=request.node,
+            params=dict(request.params),
+            reason=request.reason,
+            event_id=event_id,
+            fault_id=fault_id,
+            attempts=0,
+            created_at=now,
+        )
+        session.add(row)
+        if request.job:
+            self._bump(session, JOB_SCOPE, request.job, request.type.value, now)
+        return row
+
+    def get_action(self, action_id: int) -> ActionRecord | None:
+        with self._sessions() as session:
+            row = session.get(ActionRow, action_id)
+            return _action(row) if row else None
+
+    def start_attempt(self, action_id: int) -> ActionRecord:
+        now = utcnow()
+        with self._sessions.begin() as session:
+            row = session.get(ActionRow, action_id, with_for_update=True)
+            if row is None:
+                raise KeyError(action_id)
+            row.status = ActionStatus.RUNNING.value
+            row.attempts += 1
+            row.error = None
+            if row.started_at is None:
+                row.started_at = now
+            return _action(row)
+
+    def note_attempt_error(self, action_id: int, error: str) -> None:
+        with self._sessions.begin() as session:
+            session.execute(update(ActionRow).where(ActionRow.id == action_id).values(error=error))
+
+    def finish_action(
+        self,
+        action_id: int,
+        status: ActionStatus,
+        *,
+        error: str | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> ActionRecord:
+        with self._sessions.begin() as session:
+            row = session.get(ActionRow, action_id, with_for_update=True)
+            if row is None:
+                raise KeyError(action_id)
+            row.status = status.value
+            row.error = error
+            row.result = result
+            row.finished_at = utcnow()
+            return _action(row)
+
+    def unfinished_actions(self) -> list[ActionRecord]:
+        unfinished = [ActionStatus.PENDING.value, ActionStatus.RUNNING.value]
+        query = select(ActionRow).where(ActionRow.status.in_(unfinished)).order_by(ActionRow.id)
+        with self._sessions() as session:
+            return [_action(r) for r in session.scalars(query)]
+
+    def list_actions(
+        self, filters: ActionFilter, cursor: str | None = None, limit: int = 100
+    ) -> Page[ActionRecord]:
+        after = _decode_cursor(cursor)
+        query = select(ActionRow).order_by(ActionRow.id.desc()).limit(limit + 1)
+        if filters.types:
+            query = query.where(ActionRow.type.in_([t.value for t in filters.types]))
+        if filters.status:
+            query = query.where(ActionRow.status == filters.status.value)
+        if filters.node:
+            query = query.where(ActionRow.node == filters.node)
+        if filters.job:
+            query = query.where(ActionRow.job == filters.job)
+        if filters.event_id is not None:
+            query = query.where(ActionRow.event_id == filters.event_id)
+        if filters.since:
+            query = query.where(ActionRow.created_at >= filters.since)
+        if filters.until:
+            query = query.where(ActionRow.created_at < filters.until)
+        if after is not None:
+            query = query.where(ActionRow.id < after)
+        with self._sessions() as session:
+            rows = list(session.scalars(query))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page([_action(r) for r in rows], str(rows[-1].id) if more and rows else None)
+
+    # --- policy counters --------------------------------------------------------------
+
+    def policy_counts(self, window_start: datetime) -> PolicyCounts:
+        restart_types = [t.value for t in RESTART_ACTIONS]
+        with self._sessions() as session:
+            counters = list(session.scalars(select(CounterRow)))
+            recent = session.execute(
+                select(ActionRow.job, func.count())
+                .where(ActionRow.type.in_(restart_types))
+                .where(ActionRow.created_at >= window_start)
+                .where(ActionRow.job.is_not(None))
+                .group_by(ActionRow.job)
+            ).all()
+        node_failures = {
+            c.key: c.value for c in counters if c.scope == NODE_SCOPE and c.name == FAILURES
+        }
+        action_counts = {
+            (c.key, ActionType(c.name)): c.value
+            for c in counters
+            if c.scope == JOB_SCOPE and c.name in ActionType.__members__.values()
+        }
+        return PolicyCounts(
+            node_failures=node_failures,
+            action_counts=action_counts,
+            restarts_in_window={job: count for job, count in recent if job},
+        )
+
+    # --- faults -----------------------------------------------------------------------
+
+    def create_fault(
+        self, kind: str, *, node: str | None, job: str | None, params: dict[str, Any]
+    ) -> Fault:
+        with self._sessions.begin() as session:
+            row = FaultRow(
+                kind=kind, node=node, job=job, params=params, active=True, created_at=utcnow()
+            )
+            session.add(row)
+            session.flush()
+            return _fault(row)
+
+    def end_fault(self, fault_id: int) -> Fault | None:
+        with self._sessions.begin() as session:
+            row = session.get(FaultRow, fault_id, with_for_update=True)
+            if row is None:
+                return None
+            if row.active:
+                row.active = False
+                row.ended_at = utcnow()
+            return _fault(row)
+
+    def get_fault(self, fault_id: int) -> Fault | None:
+        with self._sessions() as session:
+            row = session.get(FaultRow, fault_id)
+            return _fault(row) if row else None
+
+    def list_faults(self, active: bool | None = None) -> list[Fault]:
+        query = select(FaultRow).order_by(FaultRow.id.desc())
+        if active is not None:
+            query = query.where(FaultRow.active.is_(active))
+        with self._sessions() as session:
+            return [_fault(r) for r in session.scalars(query)]
+
+    def linked_to_fault(self, fault_id: int) -> tuple[list[Event], list[ActionRecord]]:
+        with self._sessions() as session:
+            events = session.scalars(
+                select(EventRow).where(EventRow.fault_id == fault_id).order_by(EventRow.id)
+            )
+            actions = session.scalars(
+                select(ActionRow).where(ActionRow.fault_id == fault_id).order_by(ActionRow.id)
+            )
+            return [_event(e) for e in events], [_action(a) for a in actions]
+
+
+def _event(row: EventRow) -> Event:
+    return Event(
+        id=row.id,
+        type=EventType(row.type),
+        time=row.time,
+        node=row.node,
+        job=row.job,
+        rank=row.rank,
+        details=row.details or {},
+        fault_id=row.fault_id,
+    )
+
+
+def _action(row: ActionRow) -> ActionRecord:
+    return ActionRecord(
+        id=row.id,
+        type=ActionType(row.type),
+        status=ActionStatus(row.status),
+        idempotency_key=row.idempotency_key,
+        source=row.source,
+        created_at=row.created_at,
+        job=row.job,
+        node=row.node,
+        params=row.params or {},
+        reason=row.reason,
+        event_id=row.event_id,
+        fault_id=row.fault_id,
+        attempts=row.attempts,
+        error=row.error,
+        result=row.result,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+    )
+
+
+def _node(row: NodeRow) -> NodeView:
+    return NodeView(
+        name=row.name,
+        state=NodeState(row.state),
+        job=row.job,
+        alive=row.alive,
+        last_heartbeat=row.last_heartbeat,
+        cordoned=row.cordoned,
+        flapping=row.flapping,
+    )
+
+
+def _job(row: JobRow) -> JobView:
+    return JobView(
+        name=row.name,
+        num_dp_replicas=row.num_dp_replicas,
+        min_num_dp_replicas=row.min_num_dp_replicas,
+        max_num_dp_replicas=row.max_num_dp_replicas,
+        num_nodes_per_dp=row.num_nodes_per_dp,
+    )
+
+
+def _fault(row: FaultRow) -> Fault:
+    return Fault(
+        id=row.id,
+        kind=row.kind,
+        created_at=row.created_at,
+        node=row.node,
+        job=row.job,
+        params=row.params or {},
+        active=row.active,
+        ended_at=row.ended_at,
+    )
