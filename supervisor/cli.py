@@ -11,7 +11,7 @@ import uvicorn
 
 from supervisor.api.app import create_app, with_tokens
 from supervisor.config import ConfigError, Settings, load_settings
-from supervisor.controller import PolicyLoadError
+from supervisor.controller import PolicyLoadError, load_policy
 from supervisor.runtime import Supervisor
 
 log = logging.getLogger("supervisor")
@@ -50,11 +50,12 @@ def _settings(args: argparse.Namespace, **defaults: Any) -> Settings:
 
 def _serve(settings: Settings, banner: bool = False) -> None:
     _configure_logging(settings.log_level)
-    settings = with_tokens(settings)
     try:
-        supervisor = Supervisor(settings)
+        policy = load_policy(settings.policy)
     except PolicyLoadError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
+    settings = with_tokens(settings)
+    supervisor = Supervisor(settings, policy=policy)
     app = create_app(settings, supervisor)
     config = uvicorn.Config(
         app,
@@ -75,6 +76,10 @@ def _print_banner(settings: Settings) -> None:
     url = f"http://{settings.host}:{settings.port}"
     op = settings.operator_token.get_secret_value()
     agent = settings.agent_token.get_secret_value()
+    beat = (
+        '{"node":"n1","state":"running","job":"j1",'
+        '"workers":[{"rank":0,"local_rank":0,"pid":123,"state":"running","step":10}]}'
+    )
     print(
         f"""
 Resiliency supervisor demo listening on {url}  (database: {settings.database_url})
@@ -84,7 +89,7 @@ Resiliency supervisor demo listening on {url}  (database: {settings.database_url
 Send a heartbeat as node n1 of job j1:
   curl -s -X POST {url}/api/v1/heartbeats -H 'Authorization: Bearer {agent}' \\
     -H 'Content-Type: application/json' \\
-    -d '{{"node":"n1","state":"running","job":"j1","workers":[{{"rank":0,"local_rank":0,"pid":123,"state":"running","step":10}}]}}'
+    -d '{beat}'
 Inject a GPU XID 79 on it and see the events and the actions the policy took:
   curl -s -X POST {url}/api/v1/faults -H 'Authorization: Bearer {op}' \\
     -H 'Content-Type: application/json' -d '{{"kind":"xid","node":"n1","code":79}}'

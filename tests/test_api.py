@@ -1,0 +1,510 @@
+"""The REST API as a client sees it: auth, validation, reads, faults, manual actions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.actuator import ActionError, Backend, DryRunBackend
+from supervisor.api import create_app
+from supervisor.config import Settings
+from supervisor.domain import ActionRecord, ActionType
+from supervisor.policy import Policy
+from supervisor.runtime import Supervisor
+from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
+
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+
+
+def heartbeat(node: str, *, job: str | None = "j1", step: int = 10, **extra: Any) -> dict[str, Any]:
+    if job is None:
+        return {"node": node, "state": "spare", **extra}
+    workers = [
+        {
+            "rank": 2 * int(node.lstrip("n") or 0) + i,
+            "local_rank": i,
+            "pid": 100 + i,
+            "state": "running",
+            "step": step,
+        }
+        for i in range(2)
+    ]
+    return {"node": node, "state": "running", "job": job, "workers": workers, **extra}
+
+
+class Api:
+    def __init__(self, client: httpx.AsyncClient, supervisor: Supervisor) -> None:
+        self.client = client
+        self.supervisor = supervisor
+
+    async def beat(
+        self, body: dict[str, Any], headers: Mapping[str, str] = AGENT
+    ) -> httpx.Response:
+        return await self.client.post("/api/v1/heartbeats", json=body, headers=headers)
+
+    async def get(self, path: str, **params: Any) -> Any:
+        response = await self.client.get(path, params=params, headers=OPERATOR)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def settle(self) -> None:
+        await asyncio.wait_for(self.supervisor.settle(), timeout=10)
+
+
+@asynccontextmanager
+async def running(
+    settings: Settings, backend: Backend | None = None, policy: Policy | None = None
+) -> AsyncIterator[Api]:
+    supervisor = Supervisor(settings, backend=backend or DryRunBackend(), policy=policy)
+    app = create_app(settings, supervisor)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield Api(client, supervisor)
+
+
+@pytest.fixture
+async def api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
+    async with running(make_settings(heartbeat_timeout_s=30, heartbeat_polling_period_s=5)) as a:
+        yield a
+
+
+# --- authentication ---------------------------------------------------------------------
+
+
+async def test_heartbeat_needs_the_agent_token(api: Api) -> None:
+    missing = await api.beat(heartbeat("n1"), headers={})
+    wrong = await api.beat(heartbeat("n1"), headers=OPERATOR)
+    assert missing.status_code == 401 and wrong.status_code == 401
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert api.supervisor.sensor.nodes == {}
+    ok = await api.beat(heartbeat("n1"))
+    assert ok.status_code == 202 and ok.json() == {"events": []}
+    assert "n1" in api.supervisor.sensor.nodes
+
+
+async def test_reads_need_the_operator_token_unless_opened(make_settings: SettingsFactory) -> None:
+    async with running(make_settings()) as api:
+        assert (await api.client.get("/api/v1/events")).status_code == 401
+        assert (await api.client.get("/api/v1/nodes", headers=AGENT)).status_code == 401
+        assert (await api.client.get("/api/v1/nodes", headers=OPERATOR)).status_code == 200
+    async with running(make_settings(read_requires_token=False)) as api:
+        assert (await api.client.get("/api/v1/events")).status_code == 200
+        # Writes stay protected.
+        assert (await api.client.post("/api/v1/faults", json={})).status_code == 401
+
+
+async def test_agent_token_cannot_inject_faults_or_act(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    fault = await api.client.post(
+        "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=AGENT
+    )
+    action = await api.client.post(
+        "/api/v1/actions", json={"type": "cordon", "node": "n1"}, headers=AGENT
+    )
+    assert fault.status_code == 401 and action.status_code == 401
+    assert (await api.get("/api/v1/events"))["items"] == []
+    assert (await api.get("/api/v1/actions"))["items"] == []
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"state": "running", "job": "j1"}, "node"),
+        ({"node": "", "state": "running", "job": "j1"}, "node"),
+        ({"node": "n1", "state": "sleeping", "job": "j1"}, "state"),
+        (
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [{"rank": -1, "local_rank": 0, "state": "running"}],
+            },
+            "workers.0.rank",
+        ),
+        (
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [{"rank": 0, "local_rank": 0, "state": "running", "step": "ten"}],
+            },
+            "workers.0.step",
+        ),
+        ({"node": "n1", "state": "running"}, "job is required"),
+        ({"node": "n1", "state": "running", "job": "j1", "colour": "red"}, "colour"),
+    ],
+)
+async def test_bad_heartbeats_get_422_naming_the_field(
+    api: Api, body: dict[str, Any], field: str
+) -> None:
+    response = await api.beat(body)
+    assert response.status_code == 422
+    assert field in response.json()["message"]
+    assert api.supervisor.sensor.nodes == {}
+
+
+async def test_malformed_json_is_422(api: Api) -> None:
+    response = await api.client.post(
+        "/api/v1/heartbeats",
+        content=b"{not json",
+        headers={**AGENT, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 422
+    assert api.supervisor.sensor.nodes == {}
+
+
+async def test_bad_query_parameters(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    bad = [
+        ("/api/v1/events", {"limit": 0}, 422, "limit"),
+        ("/api/v1/events", {"type": "nope"}, 422, "type"),
+        ("/api/v1/events", {"cursor": "abc"}, 422, "cursor"),
+        (
+            "/api/v1/events",
+            {"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"},
+            422,
+            "since",
+        ),
+        ("/api/v1/events", {"node": "ghost"}, 404, "ghost"),
+        ("/api/v1/actions", {"job": "ghost"}, 404, "ghost"),
+        ("/api/v1/nodes/ghost", {}, 404, "ghost"),
+        ("/api/v1/jobs/ghost", {}, 404, "ghost"),
+        ("/api/v1/events/999", {}, 404, "999"),
+        ("/api/v1/actions/999", {}, 404, "999"),
+    ]
+    for path, params, status, needle in bad:
+        response = await api.client.get(path, params=params, headers=OPERATOR)
+        assert response.status_code == status, (path, params, response.text)
+        assert needle in response.text
+
+
+# --- reads --------------------------------------------------------------------------------
+
+
+async def test_nodes_and_jobs_show_the_live_picture(api: Api) -> None:
+    await api.beat(heartbeat("n1", step=7))
+    await api.beat(heartbeat("n2", step=7))
+    await api.beat(heartbeat("n9", job=None))
+    nodes = await api.get("/api/v1/nodes")
+    assert [n["name"] for n in nodes] == ["n1", "n2", "n9"]
+    assert nodes[0]["workers"][0]["step"] == 7 and nodes[0]["alive"] is True
+    assert [n["name"] for n in await api.get("/api/v1/nodes", state="spare")] == ["n9"]
+    assert [n["name"] for n in await api.get("/api/v1/nodes", job="j1")] == ["n1", "n2"]
+    node = await api.get("/api/v1/nodes/n2")
+    assert node["job"] == "j1" and node["heartbeat_age_s"] >= 0
+    jobs = await api.get("/api/v1/jobs")
+    assert jobs == [await api.get("/api/v1/jobs/j1")]
+    assert jobs[0]["nodes"] == ["n1", "n2"] and jobs[0]["last_step"] == 7
+    assert jobs[0]["num_dp_replicas"] == api.supervisor.settings.num_dp_replicas
+
+
+async def test_event_pagination_and_filters(api: Api) -> None:
+    for i in range(12):
+        await api.beat(heartbeat(f"s{i}", job=None))  # each new spare raises an event
+    await api.beat(heartbeat("n1"))
+    seen: list[int] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 5}
+        if cursor:
+            params["cursor"] = cursor
+        page = await api.get("/api/v1/events", **params)
+        seen += [e["id"] for e in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == sorted(seen, reverse=True) and len(seen) == len(set(seen)) == 12
+    only = await api.get("/api/v1/events", node="s3")
+    assert [e["node"] for e in only["items"]] == ["s3"]
+    assert (await api.get("/api/v1/events", type="hang"))["items"] == []
+    first = only["items"][0]["time"]
+    later = await api.get("/api/v1/events", since=first)
+    assert {e["node"] for e in later["items"]} >= {"s3"}
+    assert "s0" not in {e["node"] for e in later["items"]}
+
+
+async def test_openapi_documents_every_route(api: Api) -> None:
+    schema = (await api.client.get("/openapi.json")).json()
+    for path in [
+        "/api/v1/heartbeats",
+        "/api/v1/events",
+        "/api/v1/events/{event_id}",
+        "/api/v1/actions",
+        "/api/v1/actions/{action_id}",
+        "/api/v1/nodes",
+        "/api/v1/nodes/{name}",
+        "/api/v1/jobs",
+        "/api/v1/jobs/{name}",
+        "/api/v1/faults",
+        "/api/v1/faults/{fault_id}",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ]:
+        assert path in schema["paths"], path
+    body = schema["paths"]["/api/v1/heartbeats"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"].endswith("/HostHeartbeat")
+    heartbeat_schema = schema["components"]["schemas"]["HostHeartbeat"]
+    assert {"node", "state"} <= set(heartbeat_schema["required"])
+    assert "WorkerReport" in schema["components"]["schemas"]
+
+
+async def test_health_and_metrics(api: Api) -> None:
+    assert (await api.client.get("/healthz")).json() == {"status": "ok"}
+    assert (await api.client.get("/readyz")).json() == {"status": "ready"}
+    await api.beat(heartbeat("n1"))
+    await api.beat(heartbeat("s1", job=None))
+    text = (await api.client.get("/metrics")).text
+    assert "supervisor_heartbeats_received_total 2.0" in text
+    assert 'supervisor_events_total{type="spare_available"} 1.0' in text
+    assert "supervisor_detection_lateness_seconds_bucket" in text
+
+
+# --- faults, events, policy, actions ----------------------------------------------------------
+
+
+async def test_fault_injection_is_off_by_default(make_settings: SettingsFactory) -> None:
+    async with running(make_settings(enable_fault_injection=False)) as api:
+        await api.beat(heartbeat("n1"))
+        post = await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=OPERATOR
+        )
+        listing = await api.client.get("/api/v1/faults", headers=OPERATOR)
+        assert post.status_code == 403 and listing.status_code == 403
+        assert "enable_fault_injection" in post.json()["detail"]
+        await api.settle()
+        assert (await api.get("/api/v1/events"))["items"] == []
+
+
+async def test_xid_fault_runs_the_policy_and_links_everything(
+    make_settings: SettingsFactory,
+) -> None:
+    backend = DryRunBackend()
+    async with running(
+        make_settings(heartbeat_timeout_s=30, heartbeat_polling_period_s=5), backend
+    ) as api:
+        await api.beat(heartbeat("n1"))
+        await api.beat(heartbeat("n2"))
+        await api.beat(heartbeat("s1", job=None))
+        response = await api.client.post(
+            "/api/v1/faults",
+            json={"kind": "xid", "node": "n1", "code": 79, "gpu": 3},
+            headers=OPERATOR,
+        )
+        assert response.status_code == 201, response.text
+        fault = response.json()
+        assert fault["active"] and fault["job"] == "j1" and len(fault["events"]) == 1
+        await api.settle()
+        event = await api.get(f"/api/v1/events/{fault['events'][0]}")
+        assert event["type"] == "gpu_xid" and event["details"]["code"] == 79
+        assert event["fault_id"] == fault["id"] and event["details"]["gpu"] == 3
+        actions = (await api.get("/api/v1/actions", event_id=event["id"]))["items"][::-1]
+        assert [a["type"] for a in actions] == ["emergency_checkpoint", "hot_swap"]
+        assert all(a["status"] == "succeeded" and a["fault_id"] == fault["id"] for a in actions)
+        assert actions[1]["params"] == {"spare": "s1"}
+        assert actions[0]["params"] == {"exclude_nodes": ["n1"]}
+        linked = await api.get(f"/api/v1/faults/{fault['id']}")
+        assert linked["events"] == [event["id"]]
+        assert linked["actions"] == [a["id"] for a in actions]
+        assert [c.type for c in backend.calls] == [
+            ActionType.EMERGENCY_CHECKPOINT,
+            ActionType.HOT_SWAP,
+        ]
+        # The hot-swapped node is now cordoned in the live picture.
+        assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is True
+
+
+async def test_bad_faults_change_nothing(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    cases = [
+        ({"kind": "xid", "node": "n1"}, 422, "code"),
+        ({"kind": "meteor", "node": "n1"}, 422, "kind"),
+        ({"kind": "ecc", "node": "n1", "count": 0}, 422, "count"),
+        ({"kind": "xid", "node": "n1", "code": 79, "duration_s": 5}, 422, "duration_s"),
+        ({"kind": "heartbeat_loss", "node": "n1", "duration_s": -1}, 422, "duration_s"),
+        ({"kind": "xid", "node": "ghost", "code": 79}, 404, "ghost"),
+    ]
+    for body, status, needle in cases:
+        response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
+        assert response.status_code == status, (body, response.text)
+        assert needle in response.text
+    assert await api.get("/api/v1/faults") == []
+    assert (await api.get("/api/v1/events"))["items"] == []
+
+
+async def test_heartbeat_loss_fault_until_deleted(make_settings: SettingsFactory) -> None:
+    async with running(
+        make_settings(heartbeat_timeout_s=0.3, heartbeat_polling_period_s=0.05)
+    ) as api:
+        await api.beat(heartbeat("n1"))
+        fault = (
+            await api.client.post(
+                "/api/v1/faults", json={"kind": "heartbeat_loss", "node": "n1"}, headers=OPERATOR
+            )
+        ).json()
+        for _ in range(12):  # the agent keeps sending; the fault drops them
+            await api.beat(heartbeat("n1"))
+            await asyncio.sleep(0.05)
+        await api.settle()
+        lost = (await api.get("/api/v1/events", type="host_heartbeat_lost"))["items"]
+        assert len(lost) == 1 and lost[0]["fault_id"] == fault["id"]
+        ended = await api.client.delete(f"/api/v1/faults/{fault['id']}", headers=OPERATOR)
+        assert ended.status_code == 200 and ended.json()["active"] is False
+        await api.beat(heartbeat("n1"))
+        await api.settle()
+        recovered = (await api.get("/api/v1/events", type="node_recovered"))["items"]
+        assert [e["node"] for e in recovered] == ["n1"]
+        assert await api.get("/api/v1/faults", active=True) == []
+
+
+async def test_manual_action_is_idempotent_by_key(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    headers = {**OPERATOR, "Idempotency-Key": "cordon-n1-ticket-42"}
+    body = {"type": "cordon", "node": "n1", "reason": "bad fan"}
+    first = await api.client.post("/api/v1/actions", json=body, headers=headers)
+    second = await api.client.post("/api/v1/actions", json=body, headers=headers)
+    assert first.status_code == 202 and second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    await api.settle()
+    action = await api.get(f"/api/v1/actions/{first.json()['id']}")
+    assert action["status"] == "succeeded" and action["source"] == "operator"
+    assert action["attempts"] == 1 and action["reason"] == "bad fan"
+    assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is True
+    assert len((await api.get("/api/v1/actions"))["items"]) == 1
+
+
+async def test_bad_manual_actions(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    cases = [
+        ({"type": "cordon"}, 422, "node is required"),
+        ({"type": "restart_workload"}, 422, "job is required"),
+        ({"type": "scale_down", "job": "j1", "params": {"to_replicas": 0}}, 422, "to_replicas"),
+        ({"type": "explode", "job": "j1"}, 422, "type"),
+        ({"type": "restart_workload", "job": "ghost"}, 404, "ghost"),
+        ({"type": "cordon", "node": "ghost"}, 404, "ghost"),
+    ]
+    for body, status, needle in cases:
+        response = await api.client.post("/api/v1/actions", json=body, headers=OPERATOR)
+        assert response.status_code == status, (body, response.text)
+        assert needle in response.text
+    assert (await api.get("/api/v1/actions"))["items"] == []
+
+
+# --- actuator behaviour seen through the API ---------------------------------------------------
+
+
+class FlakyBackend(DryRunBackend):
+    """Fails the first attempts of each action the way a busy API server would."""
+
+    def __init__(self, failures: int, *, retryable: bool = True) -> None:
+        super().__init__()
+        self.failures = failures
+        self.retryable = retryable
+        self.attempts: dict[str, int] = {}
+
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        n = self.attempts[action.idempotency_key] = self.attempts.get(action.idempotency_key, 0) + 1
+        if n <= self.failures:
+            raise ActionError(f"busy (attempt {n})", retryable=self.retryable)
+        return await super().execute(action)
+
+
+class SlowBackend(DryRunBackend):
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        await asyncio.sleep(5)
+        return await super().execute(action)
+
+
+async def _cordon(api: Api) -> dict[str, Any]:
+    await api.beat(heartbeat("n1"))
+    response = await api.client.post(
+        "/api/v1/actions", json={"type": "cordon", "node": "n1"}, headers=OPERATOR
+    )
+    await api.settle()
+    result: dict[str, Any] = await api.get(f"/api/v1/actions/{response.json()['id']}")
+    return result
+
+
+async def test_retryable_errors_are_retried(make_settings: SettingsFactory) -> None:
+    async with running(make_settings(action_max_attempts=3), FlakyBackend(2)) as api:
+        action = await _cordon(api)
+    assert action["status"] == "succeeded" and action["attempts"] == 3 and action["error"] is None
+
+
+async def test_retries_are_bounded(make_settings: SettingsFactory) -> None:
+    async with running(make_settings(action_max_attempts=2), FlakyBackend(5)) as api:
+        action = await _cordon(api)
+    assert action["status"] == "failed" and action["attempts"] == 2
+    assert action["error"] == "busy (attempt 2)"
+
+
+async def test_permanent_errors_are_not_retried(make_settings: SettingsFactory) -> None:
+    async with running(make_settings(), FlakyBackend(5, retryable=False)) as api:
+        action = await _cordon(api)
+    assert action["status"] == "failed" and action["attempts"] == 1
+
+
+async def test_actions_time_out(make_settings: SettingsFactory) -> None:
+    async with running(
+        make_settings(action_timeout_s=0.1, action_max_attempts=1), SlowBackend()
+    ) as api:
+        action = await _cordon(api)
+    assert action["status"] == "failed" and "timed out after 0.1s" in action["error"]
+    assert action["finished_at"] is not None
+
+
+class Broken(Policy):
+    def event_policy(self, event: Any, context: Any) -> list[Any]:
+        raise RuntimeError("bug in user policy")
+
+
+async def test_a_raising_policy_decides_nothing_and_the_event_is_kept(
+    make_settings: SettingsFactory,
+) -> None:
+    async with running(make_settings(), policy=Broken()) as api:
+        await api.beat(heartbeat("n1"))
+        await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=OPERATOR
+        )
+        await api.settle()
+        assert len((await api.get("/api/v1/events"))["items"]) == 1
+        assert (await api.get("/api/v1/actions"))["items"] == []
+        assert api.supervisor.store.unhandled_events() == []
+
+
+async def test_policy_from_a_file(make_settings: SettingsFactory, tmp_path: Any) -> None:
+    path = tmp_path / "cordon_everything.py"
+    path.write_text(
+        "from supervisor.domain import EventType\n"
+        "from supervisor.policy import Policy, actions, handles\n"
+        "class CordonOnXid(Policy):\n"
+        "    @handles(EventType.GPU_XID)\n"
+        "    def xid(self, event, ctx):\n"
+        "        return [actions.cordon(event.node, reason='any xid')]\n"
+    )
+    backend = DryRunBackend()
+    async with running(make_settings(policy=f"{path}:CordonOnXid"), backend) as api:
+        await api.beat(heartbeat("n1"))
+        await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 31}, headers=OPERATOR
+        )
+        await api.settle()
+        actions = (await api.get("/api/v1/actions"))["items"]
+    assert [(a["type"], a["node"], a["reason"]) for a in actions] == [("cordon", "n1", "any xid")]
+    assert [c.type for c in backend.calls] == [ActionType.CORDON]
+
+
+async def test_dry_run_setting_uses_the_recording_backend(make_settings: SettingsFactory) -> None:
+    settings = make_settings(dry_run=True)
+    supervisor = Supervisor(settings)
+    assert isinstance(supervisor.backend, DryRunBackend)
