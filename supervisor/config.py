@@ -20,7 +20,7 @@ from pydantic_settings import (
 
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
 
-BackendName = Literal["dry_run"]
+BackendName = Literal["dry_run", "local"]
 
 
 class Settings(BaseSettings):
@@ -100,6 +100,12 @@ class Settings(BaseSettings):
         1.0, ge=0, description="First retry delay; doubles on each further attempt."
     )
     backend: BackendName = Field("dry_run", description="Where actions are carried out.")
+    local_run_dir: str = Field(
+        "./var/local", description="Run directory of the local cluster (backend `local`)."
+    )
+    local_stop_grace_s: float = Field(
+        5.0, ge=0, description="Time local workers get between SIGTERM and SIGKILL."
+    )
     dry_run: bool = Field(
         False, description="Record what the policy decides without touching anything."
     )

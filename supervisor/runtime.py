@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from supervisor.actuator import Actuator, Backend, DryRunBackend
+from supervisor.actuator import ActionError, Actuator, Backend, DryRunBackend
 from supervisor.config import Settings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
@@ -36,10 +38,22 @@ class UnknownTarget(LookupError):
     """A fault or action names a node or job the supervisor does not know."""
 
 
+class FaultNotSupported(ValueError):
+    """The fault cannot be acted out with this backend."""
+
+
+#: Faults the sensor can act out by itself, with any backend.
+SENSOR_FAULTS = frozenset({"heartbeat_loss", "xid", "ecc"})
+#: What a `random` schedule draws from (the anchor's rank_killed, rank_hung, plus nodes).
+RANDOM_KINDS = ("worker_crash", "worker_hang", "node_down")
+
+
 def make_backend(settings: Settings) -> Backend:
     if settings.dry_run or settings.backend == "dry_run":
         return DryRunBackend()
-    raise ValueError(f"unknown backend {settings.backend!r}")
+    from supervisor.local.backend import LocalBackend  # only local mode needs it
+
+    return LocalBackend(Path(settings.local_run_dir), settings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +62,7 @@ class FaultSpec:
     node: str | None
     job: str | None
     params: dict[str, Any]
+    schedule: tuple[str, float] | None = None
 
 
 class Supervisor:
@@ -69,6 +84,7 @@ class Supervisor:
         self._pending: asyncio.Queue[Changes] = asyncio.Queue()
         self._recorder: asyncio.Task[None] | None = None
         self._fault_timers: dict[int, asyncio.TimerHandle] = {}
+        self._schedules: dict[int, asyncio.Task[None]] = {}
         self.ready = False
 
     @property
@@ -123,6 +139,8 @@ class Supervisor:
         self.sensor.close()
         for timer in self._fault_timers.values():
             timer.cancel()
+        for schedule in self._schedules.values():
+            schedule.cancel()
         if self._recorder is not None:
             self._recorder.cancel()
             await asyncio.gather(self._recorder, return_exceptions=True)
@@ -216,16 +234,37 @@ class Supervisor:
         return action, created
 
     async def inject_fault(self, spec: FaultSpec) -> tuple[Fault, list[Event]]:
-        """Inject a sensor-level fault; the events it causes carry the fault's id."""
-        if spec.node is not None and spec.node not in self.sensor.nodes:
+        """Inject a fault; the events it causes, and the actions taken, carry its id.
+
+        `heartbeat_loss` acts in the sensor. GPU errors go through the node's real
+        watchdogs when the backend runs processes (local mode), else straight to the
+        sensor. Worker and node faults need a backend that runs processes.
+        """
+        if spec.schedule is not None:
+            return await self._start_schedule(spec), []
+        if spec.node is None or spec.node not in self.sensor.nodes:
             raise UnknownTarget(f"node {spec.node!r} is not known")
+        through_backend = spec.kind in self.backend.process_faults
+        if not through_backend and spec.kind not in SENSOR_FAULTS:
+            raise FaultNotSupported(
+                f"kind: {spec.kind} faults need a backend that runs processes "
+                f"(backend {self.backend.name!r} does not)"
+            )
         fault = await asyncio.to_thread(
             lambda: self.store.create_fault(
                 spec.kind, node=spec.node, job=spec.job, params=spec.params
             )
         )
-        events: list[Event] = []
-        assert spec.node is not None  # every sensor-level fault targets a node
+        if through_backend:
+            # Expect the consequences within a detection period or two, plus slack.
+            window = 2 * self.settings.heartbeat_timeout_s + 30
+            self.sensor.expect_fault(spec.node, fault.id, window)
+            try:
+                await self.backend.inject_fault(spec.kind, spec.node, spec.params)
+            except ActionError as exc:
+                await self.end_fault(fault.id)
+                raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None
+            return fault, []
         if spec.kind == "heartbeat_loss":
             duration = spec.params.get("duration_s")
             self.sensor.inject_heartbeat_loss(spec.node, fault.id, duration)
@@ -234,20 +273,67 @@ class Supervisor:
                 self._fault_timers[fault.id] = loop.call_later(
                     duration, lambda: asyncio.ensure_future(self.end_fault(fault.id))
                 )
-        else:
-            report = GpuReport(
-                kind="xid" if spec.kind == "xid" else "ecc",
-                gpu=spec.params.get("gpu"),
-                code=spec.params.get("code"),
-                count=spec.params.get("count"),
-                message=f"injected by fault {fault.id}",
-            )
-            changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
-            if changes:
-                events = await self._record(changes)
+            return fault, []
+        report = GpuReport(
+            kind="xid" if spec.kind == "xid" else "ecc",
+            gpu=spec.params.get("gpu"),
+            code=spec.params.get("code"),
+            count=spec.params.get("count"),
+            message=f"injected by fault {fault.id}",
+        )
+        changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
+        events = await self._record(changes) if changes else []
         return fault, events
 
+    async def _start_schedule(self, spec: FaultSpec) -> Fault:
+        """Inject faults at random (exponential gaps of the given mean) until ended."""
+        assert spec.schedule is not None
+        kind, mean_s = spec.schedule
+        kinds = RANDOM_KINDS if kind == "random" else (kind,)
+        unsupported = [k for k in kinds if k not in self.backend.process_faults | SENSOR_FAULTS]
+        if unsupported:
+            raise FaultNotSupported(f"schedule: {unsupported[0]} faults need the local backend")
+        if spec.job is not None and spec.job not in self.sensor.jobs:
+            raise UnknownTarget(f"job {spec.job!r} is not known")
+        fault = await asyncio.to_thread(
+            lambda: self.store.create_fault("schedule", node=None, job=spec.job, params=spec.params)
+        )
+        self._schedules[fault.id] = asyncio.create_task(
+            self._run_schedule(fault.id, kinds, mean_s, spec.job), name=f"faults:{fault.id}"
+        )
+        return fault
+
+    async def _run_schedule(
+        self, parent: int, kinds: tuple[str, ...], mean_s: float, job: str | None
+    ) -> None:
+        rng = random.Random()
+        while True:
+            await asyncio.sleep(rng.expovariate(1.0 / mean_s))
+            nodes, _ = self.sensor.snapshot()
+            targets = sorted(
+                n.name
+                for n in nodes.values()
+                if n.alive and n.job is not None and (job is None or n.job == job)
+            )
+            if not targets:
+                continue
+            kind = rng.choice(kinds)
+            node = rng.choice(targets)
+            params: dict[str, Any] = {"schedule": parent}
+            if kind == "xid":
+                params["code"] = rng.choice((43, 48, 63, 74, 79))
+            elif kind == "ecc":
+                params["count"] = 1
+            try:
+                await self.inject_fault(FaultSpec(kind, node, nodes[node].job, params))
+                log.info("schedule %s injected %s on %s", parent, kind, node)
+            except (FaultNotSupported, UnknownTarget) as exc:
+                log.warning("schedule %s could not inject %s on %s: %s", parent, kind, node, exc)
+
     async def end_fault(self, fault_id: int) -> Fault | None:
+        schedule = self._schedules.pop(fault_id, None)
+        if schedule is not None:
+            schedule.cancel()
         timer = self._fault_timers.pop(fault_id, None)
         if timer is not None:
             timer.cancel()

@@ -27,9 +27,20 @@ class Backend(ABC):
     """
 
     name: ClassVar[str]
+    #: Fault kinds this backend can act out on real processes (see `inject_fault`).
+    process_faults: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]: ...
+
+    async def inject_fault(
+        self, kind: str, node: str, params: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        """Act out a process-level fault on a node (kill, hang, slow a worker, ...).
+
+        Backends that run no processes of their own cannot, and say so.
+        """
+        raise ActionError(f"the {self.name} backend cannot inject {kind} faults")
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release here
         """Release connections and child processes."""

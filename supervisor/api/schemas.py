@@ -203,36 +203,72 @@ class JobOut(BaseModel):
         )
 
 
-FaultKind = Literal["heartbeat_loss", "xid", "ecc"]
+FaultKind = Literal[
+    "heartbeat_loss", "xid", "ecc", "node_down", "worker_crash", "worker_hang", "straggler"
+]
+SCHEDULE_PATTERN = (
+    r"^(random|node_down|worker_crash|worker_hang|straggler|xid|ecc),"
+    r"([0-9]+(\.[0-9]+)?)$"
+)
 
 
 class FaultIn(BaseModel):
-    """A fault to inject. `heartbeat_loss` drops the node's heartbeats (for `duration_s`,
-    or until the fault is deleted); `xid` and `ecc` report a synthetic GPU error."""
+    """A fault to inject, or a schedule of random faults.
+
+    - `heartbeat_loss`: the node's heartbeats are dropped (for `duration_s`, or until the
+      fault is deleted). Works with every backend.
+    - `xid`, `ecc`: a GPU error with `code` / `count`; through the node's real watchdog
+      when the backend runs processes, else reported straight to the sensor.
+    - `node_down` (agent and workers die), `worker_crash` (SIGKILL), `worker_hang`
+      (SIGSTOP), `straggler` (a worker slows by `slowdown_s` per step): real processes,
+      local backend only.
+    - `schedule`: `"<kind>,<mean_interval_s>"`, e.g. `"random,120"`: faults at random
+      with that mean interval on nodes of `job` (or any job) until the fault is deleted.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: FaultKind
-    node: Name
+    kind: FaultKind | None = None
+    schedule: str | None = Field(None, pattern=SCHEDULE_PATTERN, examples=["random,120"])
+    node: Name | None = None
+    job: Name | None = Field(None, description="Job whose nodes a schedule targets.")
+    rank: Annotated[int, Field(ge=0)] | None = Field(None, description="Worker to hit.")
     code: Annotated[int, Field(ge=0, le=1000)] | None = Field(None, description="XID code.")
     gpu: Annotated[int, Field(ge=0, le=255)] | None = None
     count: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Uncorrected ECC count to report."
     )
     duration_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    slowdown_s: Annotated[float, Field(gt=0, le=60)] | None = None
 
     @model_validator(mode="after")
     def _check_kind(self) -> Self:
+        if (self.kind is None) == (self.schedule is None):
+            raise ValueError("give exactly one of kind and schedule")
+        if self.schedule is not None:
+            if float(self.schedule.split(",")[1]) <= 0:
+                raise ValueError("schedule: the mean interval must be positive")
+            return self
+        if self.node is None:
+            raise ValueError(f"node is required for a {self.kind} fault")
         if self.kind == "xid" and self.code is None:
             raise ValueError("code is required for an xid fault")
         if self.kind == "ecc" and self.count is None:
             raise ValueError("count is required for an ecc fault")
+        if self.kind == "straggler" and self.slowdown_s is None:
+            raise ValueError("slowdown_s is required for a straggler fault")
         if self.kind != "heartbeat_loss" and self.duration_s is not None:
             raise ValueError("duration_s applies to heartbeat_loss only")
         return self
 
     def params(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"kind", "node"}, exclude_none=True)
+        return self.model_dump(exclude={"kind", "node", "job"}, exclude_none=True)
+
+    def schedule_of(self) -> tuple[str, float] | None:
+        if self.schedule is None:
+            return None
+        kind, mean = self.schedule.split(",")
+        return kind, float(mean)
 
 
 class FaultOut(BaseModel):

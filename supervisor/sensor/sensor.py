@@ -72,6 +72,10 @@ class NodeRecord:
     muted_by_fault: int | None = None
     muted_until: float | None = None
     loss_fault: int | None = None
+    # A process-level fault injected on this node: failures seen until `expected_until`
+    # (event-loop time) are attributed to it.
+    expected_fault: int | None = None
+    expected_until: float = 0.0
 
     def view(self) -> NodeView:
         return NodeView(
@@ -193,6 +197,13 @@ class Sensor:
         for event in changes.events:
             self.metrics.events.labels(event.type.value).inc()
         return changes
+
+    def expect_fault(self, node_name: str, fault_id: int, within_s: float) -> None:
+        """Attribute the node's next failures (within `within_s`) to this fault."""
+        node = self._require(node_name)
+        node.expected_fault = fault_id
+        node.expected_until = self._deadlines.time() + within_s
+        node.loss_fault = fault_id
 
     def end_fault(self, fault_id: int) -> None:
         for node in self.nodes.values():
@@ -574,6 +585,11 @@ class Sensor:
         fault_id: int | None = None,
         **details: Any,
     ) -> Event:
+        if fault_id is None and node.expected_fault is not None:
+            if self._deadlines.time() <= node.expected_until:
+                fault_id = node.expected_fault
+            else:
+                node.expected_fault = None
         return Event(
             type=type_,
             time=utcnow(),

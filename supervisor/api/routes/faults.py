@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, status
 
 from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
 from supervisor.api.schemas import FaultIn, FaultOut
-from supervisor.runtime import FaultSpec, UnknownTarget
+from supervisor.runtime import FaultNotSupported, FaultSpec, UnknownTarget
 
 router = APIRouter(
     prefix="/api/v1/faults", tags=["faults"], dependencies=[Operator, FaultInjection]
@@ -19,14 +19,25 @@ router = APIRouter(
     "", response_model=FaultOut, status_code=status.HTTP_201_CREATED, summary="Inject a fault"
 )
 async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
-    node = supervisor.sensor.nodes.get(body.node)
-    if node is None:
-        raise HTTPException(404, f"node {body.node!r} not found")
-    spec = FaultSpec(kind=body.kind, node=body.node, job=node.job, params=body.params())
+    job = body.job
+    if body.node is not None:
+        node = supervisor.sensor.nodes.get(body.node)
+        if node is None:
+            raise HTTPException(404, f"node {body.node!r} not found")
+        job = node.job
+    spec = FaultSpec(
+        kind=body.kind or "schedule",
+        node=body.node,
+        job=job,
+        params=body.params(),
+        schedule=body.schedule_of(),
+    )
     try:
         fault, events = await supervisor.inject_fault(spec)
     except UnknownTarget as exc:
         raise HTTPException(404, str(exc)) from None
+    except FaultNotSupported as exc:
+        raise HTTPException(422, str(exc)) from None
     return FaultOut.of(fault, [e.id for e in events if e.id is not None])
 
 

@@ -1,0 +1,150 @@
+"""The host monitor's local HTTP API: bodies exchanged with workers and with the actuator.
+
+Workers on the node call the `/v1/workers/...` routes with the node's worker token
+(env `HOST_MONITOR_WORKER_TOKEN`). The supervisor's actuator calls the other routes with
+the actuator token. Both are bearer tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from supervisor.domain import NodeState, WorkerState
+
+# --- worker -> host monitor -------------------------------------------------------------
+
+
+class WorkerRegistration(BaseModel):
+    """POST /v1/workers/register"""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    pid: int = Field(ge=1)
+    world_size: int | None = Field(None, ge=1)
+
+
+class WorkerProgress(BaseModel):
+    """POST /v1/workers/{rank}/progress: the newest finished step (also the worker heartbeat)."""
+
+    model_config = ConfigDict(extra="forbid")
+    step: int | None = Field(None, ge=0)
+
+
+class ProgressReply(BaseModel):
+    """What the host monitor answers to a progress report."""
+
+    slowdown_s: float = Field(0.0, ge=0, description="Extra seconds per step (straggler fault).")
+
+
+CheckpointTier = Literal["local", "durable", "emergency"]
+
+
+class CheckpointReport(BaseModel):
+    """POST /v1/workers/{rank}/checkpoints: a checkpoint saved or loaded, for goodput."""
+
+    model_config = ConfigDict(extra="forbid")
+    event: Literal["saved", "loaded"]
+    step: int = Field(ge=0)
+    duration_s: float = Field(ge=0)
+    tier: CheckpointTier
+
+
+class EmergencyAck(BaseModel):
+    """POST /v1/workers/{rank}/emergency-ack: the worker saved (or could not save)."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=200)
+    ok: bool
+    step: int | None = Field(None, ge=0)
+    duration_s: float | None = Field(None, ge=0)
+    error: str | None = Field(None, max_length=2000)
+
+
+# --- actuator -> host monitor -----------------------------------------------------------
+
+
+class EmergencyCheckpointRequest(BaseModel):
+    """POST /v1/emergency-checkpoint: signal the workers (SIGUSR1), wait for their acks.
+
+    Idempotent by `request_id`: asking again waits for (or returns) the same round.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=200)
+    timeout_s: float = Field(gt=0, le=3600)
+
+
+class EmergencyCheckpointResult(BaseModel):
+    request_id: str
+    acked: dict[int, EmergencyAck] = Field(description="By rank.")
+    missing: list[int] = Field(description="Ranks that did not answer in time.")
+    elapsed_s: float
+
+
+class WorkerSpec(BaseModel):
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+
+
+class StartWorkersRequest(BaseModel):
+    """POST /v1/workers/start: run the job's workers on this node (local backend).
+
+    Each worker runs `command` with `env` plus RANK, LOCAL_RANK, NODE_NAME,
+    HOST_MONITOR_URL and HOST_MONITOR_WORKER_TOKEN set. Idempotent by `request_id`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=200)
+    job: str = Field(min_length=1)
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    workers: list[WorkerSpec] = Field(min_length=1)
+
+
+class StopWorkersRequest(BaseModel):
+    """POST /v1/workers/stop: SIGTERM, then SIGKILL after `grace_s`. `release` makes the
+    node a spare again."""
+
+    model_config = ConfigDict(extra="forbid")
+    grace_s: float = Field(5.0, ge=0, le=600)
+    release: bool = False
+
+
+class StopWorkersResult(BaseModel):
+    exit_codes: dict[int, int | None] = Field(description="By rank; None if unknown.")
+
+
+ProcessFaultKind = Literal["worker_crash", "worker_hang", "straggler", "xid", "ecc", "node_down"]
+
+
+class ProcessFault(BaseModel):
+    """POST /v1/faults: a fault acted out on real processes of this node."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: ProcessFaultKind
+    rank: int | None = Field(None, ge=0, description="Worker to hit; default: the lowest.")
+    code: int | None = Field(None, ge=0, le=1000, description="XID code (xid).")
+    gpu: int = Field(0, ge=0, le=255)
+    count: int | None = Field(None, ge=1, description="Uncorrected ECC errors to add (ecc).")
+    slowdown_s: float | None = Field(None, gt=0, le=60, description="Per step (straggler).")
+
+
+class WorkerStatus(BaseModel):
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: WorkerState
+    step: int | None
+    exit_code: int | None
+
+
+class NodeStatus(BaseModel):
+    """GET /v1/status"""
+
+    node: str
+    state: NodeState
+    job: str | None
+    workers: list[WorkerStatus]

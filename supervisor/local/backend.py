@@ -1,0 +1,180 @@
+"""The local backend: carries out actions on a local cluster of host monitor processes.
+
+Every action is idempotent: it is skipped when its key is already recorded in the
+cluster state, and each step checks the state it leaves behind (a node already swapped
+out is not swapped again; a job already started under this key is not started again),
+so an action resumed after a supervisor crash finishes what the first run began.
+
+"Restart in place" and "restart workload" both restart every worker of the job on the
+nodes it runs on: the job is synchronous, so one rank cannot rejoin the others' step
+alone (torchrun does the same). Hot-swap, scale down and scale up change the placement
+first, then restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from supervisor.actuator.backend import ActionError, Backend
+from supervisor.config import Settings
+from supervisor.domain import ActionRecord, ActionType
+from supervisor.local.cluster import ClusterError, ClusterState, JobSpec, LocalCluster
+
+PROCESS_FAULTS = frozenset({"worker_crash", "worker_hang", "straggler", "xid", "ecc", "node_down"})
+
+
+class LocalBackend(Backend):
+    name = "local"
+    process_faults = PROCESS_FAULTS
+
+    def __init__(self, run_dir: Path, settings: Settings) -> None:
+        try:
+            state = ClusterState.load(run_dir)
+        except FileNotFoundError:
+            raise ValueError(f"no local cluster in {run_dir} (cluster.json missing)") from None
+        self.cluster = LocalCluster(state, stop_grace_s=settings.local_stop_grace_s)
+        self.settings = settings
+
+    async def close(self) -> None:
+        await self.cluster.close()
+
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        cluster = self.cluster
+        async with cluster.lock:
+            if action.idempotency_key in cluster.state.done_keys:
+                return {"repeated": True}
+            try:
+                result = await self._dispatch(action)
+            except ClusterError as exc:
+                raise ActionError(str(exc), retryable=True) from None
+            except httpx.HTTPError as exc:
+                raise ActionError(f"{type(exc).__name__}: {exc}", retryable=True) from None
+            cluster.state.remember(action.idempotency_key)
+            cluster.state.save()
+            return result
+
+    async def _dispatch(self, action: ActionRecord) -> dict[str, Any]:
+        key = action.idempotency_key
+        params = action.params
+        match action.type:
+            case ActionType.EMERGENCY_CHECKPOINT:
+                # Leave the workers some of the actuator's time to answer before it gives up.
+                budget = max(0.5, self.settings.emergency_checkpoint_timeout_s * 0.9)
+                exclude = [str(n) for n in params.get("exclude_nodes", ())]
+                return await self.cluster.emergency_checkpoint(key, action.job, exclude, budget)
+            case ActionType.RESTART_IN_PLACE | ActionType.RESTART_WORKLOAD:
+                self.cluster.job(action.job)
+                return await self.cluster.restart_job(key)
+            case ActionType.HOT_SWAP:
+                return await self._hot_swap(key, action.job, action.node, params.get("spare"))
+            case ActionType.SCALE_DOWN:
+                return await self._scale(
+                    key, action.job, int(params["to_replicas"]), params.get("exclude_node")
+                )
+            case ActionType.SCALE_UP:
+                return await self._scale(key, action.job, int(params["to_replicas"]), None)
+            case ActionType.CORDON | ActionType.UNCORDON:
+                return self._cordon(action.node, action.type is ActionType.CORDON)
+        raise ActionError(f"local backend cannot {action.type.value}")
+
+    # --- actions ---------------------------------------------------------------------------
+
+    async def _hot_swap(
+        self, key: str, job_name: str | None, node: str | None, wanted: object
+    ) -> dict[str, Any]:
+        state = self.cluster.state
+        job = self.cluster.job(job_name)
+        if node is None:
+            raise ActionError("hot_swap needs a node")
+        spare = str(wanted) if wanted else ""
+        if node in job.placement:
+            spare = await self._pick_spare(spare or None)
+            job.placement = [spare if n == node else n for n in job.placement]
+            job.pending_release.append(node)
+            if node not in state.cordoned:
+                state.cordoned.append(node)
+            state.save()
+        result = await self.cluster.restart_job(key)
+        return {"replaced": node, "by": spare, **result}
+
+    async def _pick_spare(self, wanted: str | None) -> str:
+        spares = self.cluster.state.spares()
+        candidates = ([wanted] if wanted in spares else []) + [s for s in spares if s != wanted]
+        for spare in candidates:
+            if spare and await self.cluster.reachable(spare):
+                return spare
+        raise ClusterError("no reachable spare node")
+
+    async def _scale(
+        self, key: str, job_name: str | None, to_replicas: int, exclude: object
+    ) -> dict[str, Any]:
+        state = self.cluster.state
+        job = self.cluster.job(job_name)
+        n = job.num_nodes_per_dp
+        lo, hi = self.settings.min_num_dp_replicas, self.settings.max_num_dp_replicas
+        if not lo <= to_replicas <= hi:
+            raise ActionError(f"to_replicas={to_replicas} outside [{lo}, {hi}]")
+        if to_replicas != job.num_dp_replicas:
+            replicas = [job.placement[i * n : (i + 1) * n] for i in range(job.num_dp_replicas)]
+            if to_replicas < job.num_dp_replicas:
+                # Drop the replica holding the bad node first, then the last ones.
+                replicas.sort(key=lambda nodes: exclude in nodes)
+                kept, dropped = replicas[:to_replicas], replicas[to_replicas:]
+                job.pending_release.extend(node for r in dropped for node in r)
+                if isinstance(exclude, str) and exclude not in state.cordoned:
+                    state.cordoned.append(exclude)
+            else:
+                wanted = (to_replicas - job.num_dp_replicas) * n
+                spares = [s for s in state.spares() if await self.cluster.reachable(s)]
+                if len(spares) < wanted:
+                    raise ClusterError(f"scale up needs {wanted} spare nodes, {len(spares)} ready")
+                kept = replicas + [spares[i * n : (i + 1) * n] for i in range(wanted // n)]
+            job.placement = [node for r in kept for node in r]
+            job.num_dp_replicas = to_replicas
+            state.save()
+        result = await self.cluster.restart_job(key)
+        return {"num_dp_replicas": job.num_dp_replicas, **result}
+
+    def _cordon(self, node: str | None, cordon: bool) -> dict[str, Any]:
+        state = self.cluster.state
+        if node is None or node not in state.nodes:
+            raise ActionError(f"node {node!r} is not part of this cluster")
+        if cordon and node not in state.cordoned:
+            state.cordoned.append(node)
+        elif not cordon and node in state.cordoned:
+            state.cordoned.remove(node)
+        return {"cordoned": sorted(state.cordoned)}
+
+    # --- process-level faults -------------------------------------------------------------
+
+    async def inject_fault(
+        self, kind: str, node: str, params: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        if kind not in PROCESS_FAULTS:
+            return await super().inject_fault(kind, node, params)
+        body = {"kind": kind, **{k: v for k, v in params.items() if v is not None}}
+        try:
+            return await self.cluster.call(node, "/v1/faults", body, timeout=5.0)
+        except httpx.HTTPError as exc:
+            if kind == "node_down":  # the node died while answering: that is the point
+                return {"kind": kind, "node": node}
+            raise ActionError(f"cannot reach {node}: {exc}") from None
+        except ClusterError as exc:
+            raise ActionError(str(exc)) from None
+
+
+def job_spec(
+    name: str, command: list[str], placement: list[str], num_dp_replicas: int, env: dict[str, str]
+) -> JobSpec:
+    return JobSpec(
+        name=name,
+        command=command,
+        env=env,
+        num_dp_replicas=num_dp_replicas,
+        num_nodes_per_dp=len(placement) // num_dp_replicas,
+        placement=placement,
+    )

@@ -1,0 +1,258 @@
+"""A local cluster: host monitor processes as nodes, a training job placed on them.
+
+The cluster's state (nodes and their addresses, where each rank runs, which nodes are
+cordoned, which actions were already carried out) lives in `cluster.json` in the run
+directory, written atomically. The demo launcher creates it; the supervisor's local
+backend reads and updates it, so a supervisor that is killed and started again takes
+over the running job where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+STATE_FILE = "cluster.json"
+MAX_REMEMBERED_KEYS = 1000
+
+
+class ClusterError(Exception):
+    """The cluster cannot do what was asked (no spare, no node answers, ...)."""
+
+
+class NodeInfo(BaseModel):
+    address: str
+
+
+class JobSpec(BaseModel):
+    name: str
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    num_dp_replicas: int = Field(ge=1)
+    num_nodes_per_dp: int = Field(ge=1)
+    # placement[rank] is the node that runs that rank (one worker per node).
+    placement: list[str]
+    attempt: int = 0
+    # The action key that started the current attempt: a resumed action does not stop
+    # the workers it already started, and its start requests are deduplicated.
+    started_by: str | None = None
+    # Nodes to stop and hand back as spares at the next restart (set with the placement).
+    pending_release: list[str] = Field(default_factory=list)
+
+
+class ClusterState(BaseModel):
+    run_dir: str
+    actuator_token: str
+    nodes: dict[str, NodeInfo] = Field(default_factory=dict)
+    cordoned: list[str] = Field(default_factory=list)
+    job: JobSpec | None = None
+    done_keys: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> ClusterState:
+        return cls.model_validate_json((run_dir / STATE_FILE).read_text())
+
+    def save(self) -> None:
+        path = Path(self.run_dir) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as f:
+            f.write(self.model_dump_json(indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def spares(self) -> list[str]:
+        used = set(self.job.placement) if self.job else set()
+        return sorted(n for n in self.nodes if n not in used and n not in self.cordoned)
+
+    def remember(self, key: str) -> None:
+        self.done_keys.append(key)
+        del self.done_keys[:-MAX_REMEMBERED_KEYS]
+
+
+class LocalCluster:
+    """Operations on the cluster through the host monitors' HTTP API."""
+
+    def __init__(
+        self, state: ClusterState, *, stop_grace_s: float = 5.0, request_timeout_s: float = 10.0
+    ) -> None:
+        self.state = state
+        self.stop_grace_s = stop_grace_s
+        self._http = httpx.AsyncClient(
+            timeout=request_timeout_s,
+            headers={"Authorization": f"Bearer {state.actuator_token}"},
+        )
+        self._lock = asyncio.Lock()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.state.run_dir)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        return self._lock
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    def job(self, name: str | None) -> JobSpec:
+        job = self.state.job
+        if job is None or (name is not None and job.name != name):
+            raise ClusterError(f"job {name!r} is not running in this cluster")
+        return job
+
+    # --- node calls ---------------------------------------------------------------------
+
+    async def call(
+        self,
+        node: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        info = self.state.nodes.get(node)
+        if info is None:
+            raise ClusterError(f"node {node!r} is not part of this cluster")
+        url = f"{info.address}{path}"
+        kwargs: dict[str, Any] = {}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        response = await (
+            self._http.get(url, **kwargs)
+            if body is None
+            else self._http.post(url, json=body, **kwargs)
+        )
+        if response.status_code >= 400:
+            raise ClusterError(f"{node}{path}: HTTP {response.status_code}: {response.text[:300]}")
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def reachable(self, node: str) -> bool:
+        try:
+            await self.call(node, "/v1/status", timeout=2.0)
+        except (httpx.HTTPError, ClusterError):
+            return False
+        return True
+
+    async def _each(
+        self, path: str, bodies: dict[str, dict[str, Any]], *, timeout: float | None = None
+    ) -> dict[str, dict[str, Any] | Exception]:
+        """POST to several nodes at once; failures come back as exceptions, per node."""
+        results = await asyncio.gather(
+            *(self.call(n, path, body, timeout=timeout) for n, body in bodies.items()),
+            return_exceptions=True,
+        )
+        out: dict[str, dict[str, Any] | Exception] = {}
+        for node, result in zip(bodies, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            out[node] = result
+        return out
+
+    # --- job operations ---------------------------------------------------------------------
+
+    def worker_env(self, job: JobSpec, node: str) -> dict[str, str]:
+        run = self.run_dir
+        return {
+            **job.env,
+            "WORKLOAD_ATTEMPT": str(job.attempt),
+            "NUM_DP_REPLICAS": str(job.num_dp_replicas),
+            "NUM_NODES_PER_DP": str(job.num_nodes_per_dp),
+            "WORLD_SIZE": str(len(job.placement)),
+            "RUN_DIR": str(run / "job"),
+            "LOCAL_CKPT_DIR": str(run / "nodes" / node / "checkpoints"),
+            "DURABLE_CKPT_DIR": str(run / "durable"),
+            "OUTPUT_DIR": str(run / "output"),
+        }
+
+    async def restart_job(self, key: str) -> dict[str, Any]:
+        """Stop every worker of the job, then start them all as a new attempt.
+
+        Safe to call again with the same key after a crash: the stop is skipped once the
+        start began, and the host monitors deduplicate start requests by id.
+        """
+        job = self.job(None)
+        stopped: dict[str, Any] = {}
+        if job.started_by != key:
+            release = list(job.pending_release)
+            nodes = sorted(set(job.placement) | set(release))
+            stopped = await self.stop_job(nodes, grace_s=self.stop_grace_s, release=release)
+            job.pending_release = []
+            job.attempt += 1
+            job.started_by = key
+            self.state.save()
+        bodies = {}
+        for rank, node in enumerate(job.placement):
+            bodies[node] = {
+                "request_id": f"{key}-{node}",
+                "job": job.name,
+                "command": job.command,
+                "env": self.worker_env(job, node),
+                "workers": [{"rank": rank, "local_rank": 0}],
+            }
+        results = await asyncio.gather(
+            *(self.call(node, "/v1/workers/start", body) for node, body in bodies.items()),
+            return_exceptions=True,
+        )
+        failed = {
+            node: str(r)
+            for node, r in zip(bodies, results, strict=True)
+            if isinstance(r, Exception)
+        }
+        if failed:
+            raise ClusterError(f"could not start workers on {failed}")
+        return {"attempt": job.attempt, "placement": list(job.placement), "stopped": stopped}
+
+    async def stop_job(
+        self, nodes: Sequence[str], *, grace_s: float, release: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Stop the workers on `nodes`; unreachable nodes are reported, not waited for."""
+        bodies = {n: {"grace_s": grace_s, "release": n in release} for n in nodes}
+        results = await self._each("/v1/workers/stop", bodies, timeout=grace_s + 10)
+        return {
+            node: f"unreachable: {type(r).__name__}"
+            if isinstance(r, Exception)
+            else r.get("exit_codes")
+            for node, r in results.items()
+        }
+
+    async def emergency_checkpoint(
+        self, key: str, job_name: str | None, exclude: Sequence[str], timeout_s: float
+    ) -> dict[str, Any]:
+        job = self.job(job_name)
+        nodes = [n for n in dict.fromkeys(job.placement) if n not in set(exclude)]
+        body = {"request_id": key, "timeout_s": timeout_s}
+        results = await self._each(
+            "/v1/emergency-checkpoint", {n: body for n in nodes}, timeout=timeout_s + 5
+        )
+        acked: dict[int, int | None] = {}
+        missing: list[str] = []
+        for node, result in results.items():
+            if isinstance(result, Exception):
+                missing.append(node)
+                continue
+            for rank, ack in result.get("acked", {}).items():
+                if ack.get("ok"):
+                    acked[int(rank)] = ack.get("step")
+            if result.get("missing"):
+                missing.append(node)
+        # Complete when every shard was saved by at least one replica at one step.
+        n = job.num_nodes_per_dp
+        steps_by_shard: dict[int, set[int | None]] = {}
+        for rank, step in acked.items():
+            steps_by_shard.setdefault(rank % n, set()).add(step)
+        common = set.intersection(*steps_by_shard.values()) if len(steps_by_shard) == n else set()
+        saved = max((s for s in common if s is not None), default=None)
+        if saved is None:
+            raise ClusterError(
+                f"no complete emergency checkpoint: acks from ranks {sorted(acked)}, "
+                f"missing nodes {sorted(missing)}"
+            )
+        return {"step": saved, "acked_ranks": sorted(acked), "missing_nodes": sorted(missing)}
