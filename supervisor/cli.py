@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from typing import Any
+import time
+from pathlib import Path
 
 import uvicorn
 
 from supervisor.api.app import create_app, with_tokens
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.controller import PolicyLoadError, load_policy
+from supervisor.local.demo import DemoOptions, LocalDemo
 from supervisor.runtime import Supervisor
 
 log = logging.getLogger("supervisor")
@@ -21,11 +24,23 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="supervisor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="Run the supervisor service.")
-    demo = sub.add_parser("demo", help="Run the service locally with demo settings.")
-    for p in (serve, demo):
-        p.add_argument("--config", help="YAML settings file (env SUPERVISOR_CONFIG_FILE).")
-        p.add_argument("--host", help="Address to bind (setting `host`).")
-        p.add_argument("--port", type=int, help="Port to bind (setting `port`).")
+    serve.add_argument("--config", help="YAML settings file (env SUPERVISOR_CONFIG_FILE).")
+    serve.add_argument("--host", help="Address to bind (setting `host`).")
+    serve.add_argument("--port", type=int, help="Port to bind (setting `port`).")
+    demo = sub.add_parser(
+        "demo", help="Run a local cluster: host monitors, a training job and the supervisor."
+    )
+    d = DemoOptions()
+    demo.add_argument("--port", type=int, default=d.port, help="Supervisor port.")
+    demo.add_argument("--run-dir", type=Path, default=d.run_dir, help="Emptied at start.")
+    demo.add_argument("--replicas", type=int, default=d.replicas, help="Data-parallel replicas.")
+    demo.add_argument("--nodes-per-dp", type=int, default=d.nodes_per_dp)
+    demo.add_argument("--spares", type=int, default=d.spares, help="Spare nodes.")
+    demo.add_argument("--steps", type=int, default=d.total_steps, help="Training steps.")
+    demo.add_argument("--step-time-s", type=float, default=d.step_time_s)
+    demo.add_argument("--seed", type=int, default=d.seed)
+    demo.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
+    demo.add_argument("--node-repair-s", type=float, default=d.node_repair_s)
     return parser
 
 
@@ -37,18 +52,12 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def _settings(args: argparse.Namespace, **defaults: Any) -> Settings:
+def _settings(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = load_settings(args.config)
-    # Demo defaults apply only where the user set nothing.
-    explicit = settings.model_fields_set
-    demo = {k: v for k, v in defaults.items() if k not in explicit}
-    if demo or overrides:
-        settings = load_settings(args.config, **{**demo, **overrides})
-    return settings
+    return load_settings(args.config, **overrides)
 
 
-def _serve(settings: Settings, banner: bool = False) -> None:
+def _serve(settings: Settings) -> None:
     _configure_logging(settings.log_level)
     try:
         policy = load_policy(settings.policy)
@@ -65,37 +74,89 @@ def _serve(settings: Settings, banner: bool = False) -> None:
         access_log=False,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
-    if banner:
-        _print_banner(settings)
-    server.run()
+    uvicorn.Server(config).run()
 
 
-def _print_banner(settings: Settings) -> None:
-    assert settings.agent_token is not None and settings.operator_token is not None
-    url = f"http://{settings.host}:{settings.port}"
-    op = settings.operator_token.get_secret_value()
-    agent = settings.agent_token.get_secret_value()
-    beat = (
-        '{"node":"n1","state":"running","job":"j1",'
-        '"workers":[{"rank":0,"local_rank":0,"pid":123,"state":"running","step":10}]}'
+def _demo(args: argparse.Namespace) -> None:
+    options = DemoOptions(
+        run_dir=args.run_dir,
+        port=args.port,
+        replicas=args.replicas,
+        nodes_per_dp=args.nodes_per_dp,
+        spares=args.spares,
+        total_steps=args.steps,
+        step_time_s=args.step_time_s,
+        seed=args.seed,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        heartbeat_polling_period_s=min(1.0, args.heartbeat_timeout_s / 4),
+        node_repair_s=args.node_repair_s,
     )
+    demo = LocalDemo(options)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        print(f"starting {len(options.nodes)} nodes, a training job and the supervisor ...")
+        demo.start()
+        _print_banner(demo)
+        last = ""
+        while not stopping:
+            time.sleep(1.0)
+            for node in demo.repair_nodes():
+                print(f"  {node} repaired: its host monitor is back, as a spare", flush=True)
+            if demo.supervisor is not None and demo.supervisor.poll() is not None:
+                print("the supervisor exited; logs in", demo.run_dir / "logs")
+                break
+            line = _status_line(demo)
+            if line != last:
+                print(line, flush=True)
+                last = line
+    finally:
+        print("stopping every process ...", flush=True)
+        demo.stop()
+
+
+def _status_line(demo: LocalDemo) -> str:
+    try:
+        job = demo.api(f"/api/v1/jobs/{demo.options.job}")
+        nodes = demo.api("/api/v1/nodes")
+        events = demo.api("/api/v1/events", limit=1)["items"]
+    except Exception as exc:  # the supervisor may be restarting: say so, keep going
+        return f"  (supervisor not answering: {type(exc).__name__})"
+    alive = sum(1 for n in nodes if n["alive"])
+    spares = sum(1 for n in nodes if n["alive"] and n["state"] == "spare" and not n["cordoned"])
+    latest = f"{events[0]['type']} on {events[0]['node']}" if events else "none"
+    return (
+        f"  step {job['last_step']}  replicas {job['num_dp_replicas']}  "
+        f"nodes alive {alive}/{len(nodes)}  spares {spares}  latest event: {latest}"
+    )
+
+
+def _print_banner(demo: LocalDemo) -> None:
+    url, op = demo.url, demo.operator_token
+    auth = f"-H 'Authorization: Bearer {op}'"
+    job_node = demo.options.nodes[0]
     print(
         f"""
-Resiliency supervisor demo listening on {url}  (database: {settings.database_url})
+Local cluster running: {len(demo.options.nodes)} nodes (host monitors), job '{demo.options.job}'
+({demo.options.replicas} replicas x {demo.options.nodes_per_dp} nodes) training, and the
+supervisor at {url}   (run directory: {demo.run_dir})
   operator token: {op}
-  agent token:    {agent}
 
-Send a heartbeat as node n1 of job j1:
-  curl -s -X POST {url}/api/v1/heartbeats -H 'Authorization: Bearer {agent}' \\
-    -H 'Content-Type: application/json' \\
-    -d '{beat}'
-Inject a GPU XID 79 on it and see the events and the actions the policy took:
-  curl -s -X POST {url}/api/v1/faults -H 'Authorization: Bearer {op}' \\
-    -H 'Content-Type: application/json' -d '{{"kind":"xid","node":"n1","code":79}}'
-  curl -s {url}/api/v1/events -H 'Authorization: Bearer {op}'
-  curl -s {url}/api/v1/actions -H 'Authorization: Bearer {op}'
-API documentation: {url}/docs     Stop with Ctrl+C.
+Kill a node of the job and watch: detection, emergency checkpoint, hot-swap, resume.
+  curl -s -X POST {url}/api/v1/faults {auth} -H 'Content-Type: application/json' \\
+    -d '{{"kind":"node_down","node":"{job_node}"}}'
+Other faults: worker_crash, worker_hang, straggler (slowdown_s), xid (code), ecc (count),
+heartbeat_loss, or a schedule: -d '{{"schedule":"random,60"}}'
+See what happened:
+  curl -s {url}/api/v1/events {auth}
+  curl -s {url}/api/v1/actions {auth}
+API documentation: {url}/docs     Stop with Ctrl+C (every process is stopped).
 """,
         flush=True,
     )
@@ -107,19 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "serve":
             _serve(_settings(args))
         else:
-            settings = _settings(
-                args,
-                database_url="sqlite:///./var/demo.db",
-                enable_fault_injection=True,
-                heartbeat_polling_period_s=1.0,
-                heartbeat_timeout_s=5.0,
-                num_dp_replicas=2,
-                min_num_dp_replicas=1,
-                max_num_dp_replicas=2,
-                num_nodes_per_dp=2,
-                enable_workload_scaling=True,
-            )
-            _serve(settings, banner=True)
+            _demo(args)
     except ConfigError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
 

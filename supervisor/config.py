@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Self
 
+import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -185,6 +186,7 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
 
     Raises ConfigError with a single readable line naming the offending setting.
     """
+    config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
@@ -194,8 +196,9 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
-    except (OSError, ValueError) as exc:  # unreadable or malformed YAML
-        raise ConfigError(f"cannot read configuration: {exc}") from None
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable or malformed YAML
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"cannot read configuration: {detail}") from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -31,6 +31,8 @@ def load_policy(spec: str) -> Policy:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise PolicyLoadError(f"policy {spec!r}: cannot import {target}: {exc}") from None
+        except Exception as exc:  # a syntax error or a crash at import time
+            raise PolicyLoadError(f"policy {spec!r}: {type(exc).__name__}: {exc}") from None
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise PolicyLoadError(

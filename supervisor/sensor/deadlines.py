@@ -90,7 +90,7 @@ class DeadlineQueue(Generic[K]):
         self._timer_at = None
         heap = self._heap
         now = self.loop.time()
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and not self._closed:
             when, _, key = heapq.heappop(heap)
             if self._scheduled.get(key) != when:
                 continue  # superseded by an earlier push for the same key

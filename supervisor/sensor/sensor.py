@@ -313,14 +313,17 @@ class Sensor:
         if not node.alive:
             node.alive = True
             node.up_since = now
-            node.loss_fault = None
+            fault, node.loss_fault = node.loss_fault, None
             changed = True
             if node.flapping:
                 self.metrics.events_suppressed.labels(EventType.NODE_RECOVERED.value).inc()
             else:
                 changes.events.append(
-                    self._event(EventType.NODE_RECOVERED, node, state=hb.state.value)
+                    self._event(
+                        EventType.NODE_RECOVERED, node, fault_id=fault, state=hb.state.value
+                    )
                 )
+            self._rearm_hang(node.job, now)
         elif node.flapping and now - node.up_since >= self.settings.flap_window_s:
             node.flapping = False
             node.losses.clear()
@@ -446,6 +449,12 @@ class Sensor:
             job.hang_reported = False
             if job.progress.watching:
                 self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
+
+    def _rearm_hang(self, job_name: str | None, now: float) -> None:
+        """Watch the job for hangs again (after a lost node of it came back)."""
+        job = self.jobs.get(job_name) if job_name else None
+        if job is not None and job.progress.watching and not job.hang_reported:
+            self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
 
     # --- membership ---------------------------------------------------------------------
 

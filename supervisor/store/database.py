@@ -45,7 +45,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 def alembic_config(engine: Engine) -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
-    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # ConfigParser treats % as interpolation: escape it (encoded passwords, options=...).
+    url = engine.url.render_as_string(hide_password=False).replace("%", "%%")
+    config.set_main_option("sqlalchemy.url", url)
     config.attributes["engine"] = engine
     return config
 

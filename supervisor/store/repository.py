@@ -32,6 +32,7 @@ from supervisor.store.models import ActionRow, CounterRow, EventRow, FaultRow, J
 NODE_SCOPE = "node"
 JOB_SCOPE = "job"
 FAILURES = "failures"
+MAX_ID = 2**63 - 1  # BIGINT
 
 
 T = TypeVar("T")
@@ -81,7 +82,7 @@ def _decode_cursor(cursor: str | None) -> int | None:
         value = int(cursor)
     except ValueError:
         raise InvalidCursor("cursor: not a cursor returned by this API") from None
-    if value < 1:
+    if not 1 <= value <= MAX_ID:
         raise InvalidCursor("cursor: not a cursor returned by this API")
     return value
 

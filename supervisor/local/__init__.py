@@ -1,0 +1,1 @@
+"""Local mode: the whole loop on one machine."""

@@ -1,0 +1,282 @@
+"""Runs the whole loop on one machine: host monitors as nodes, a real training job on
+them, and the supervisor, each a separate process.
+
+The supervisor is a child like the nodes, not their parent, so it can be killed and
+started again while the job keeps running, as in production. A node that dies
+(`node_down`) is "repaired" after `node_repair_s`: its host monitor starts again under
+the same name and port, as a spare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from supervisor.local.cluster import ClusterState, JobSpec, LocalCluster, NodeInfo
+
+RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
+
+
+@dataclass
+class DemoOptions:
+    run_dir: Path = Path("var/demo")
+    port: int = 8080
+    replicas: int = 2
+    nodes_per_dp: int = 2
+    spares: int = 2
+    job: str = "demo"
+    seed: int = 0
+    total_steps: int = 100_000
+    step_time_s: float = 0.1
+    in_memory_checkpointing_freq: int = 10
+    s3_checkpointing_freq: int = 20
+    heartbeat_polling_period_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    node_repair_s: float = 20.0
+    policy: str = "policies.default:DefaultPolicy"
+    supervisor_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f"node-{i}" for i in range(self.replicas * self.nodes_per_dp + self.spares)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LocalDemo:
+    def __init__(self, options: DemoOptions) -> None:
+        self.options = options
+        self.run_dir = options.run_dir.resolve()
+        self.agent_token = secrets.token_urlsafe(24)
+        self.operator_token = secrets.token_urlsafe(24)
+        self.actuator_token = secrets.token_urlsafe(24)
+        self.url = f"http://127.0.0.1:{options.port}"
+        self.node_ports: dict[str, int] = {}
+        self.monitors: dict[str, subprocess.Popen[bytes]] = {}
+        self.supervisor: subprocess.Popen[bytes] | None = None
+        self._down_since: dict[str, float] = {}
+        self._logs: list[IO[bytes]] = []
+
+    # --- processes ----------------------------------------------------------------------
+
+    def _log(self, name: str) -> IO[bytes]:
+        log = (self.run_dir / "logs" / f"{name}.log").open("ab")
+        self._logs.append(log)
+        return log
+
+    def _spawn(
+        self, args: list[str], env: dict[str, str], log_name: str
+    ) -> subprocess.Popen[bytes]:
+        log = self._log(log_name)
+        return subprocess.Popen(
+            args,
+            env={**os.environ, RUN_MARKER: str(self.run_dir), **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl+C in the terminal reaches us only; we stop them
+        )
+
+    def start_monitor(self, node: str) -> None:
+        o = self.options
+        port = self.node_ports.setdefault(node, _free_port())
+        node_dir = self.run_dir / "nodes" / node
+        node_dir.mkdir(parents=True, exist_ok=True)
+        (node_dir / "kmsg.log").touch()
+        env = {
+            "HOST_MONITOR_NODE": node,
+            "HOST_MONITOR_SUPERVISOR_URL": self.url,
+            "HOST_MONITOR_AGENT_TOKEN": self.agent_token,
+            "HOST_MONITOR_ACTUATOR_TOKEN": self.actuator_token,
+            "HOST_MONITOR_HOST_DAEMON_PORT": str(port),
+            "HOST_MONITOR_HEARTBEAT_POLLING_PERIOD_S": str(o.heartbeat_polling_period_s),
+            "HOST_MONITOR_WORKER_HEARTBEAT_TIMEOUT_S": str(max(2.0, o.heartbeat_timeout_s)),
+            "HOST_MONITOR_INITIAL_STATE": "spare",
+            "HOST_MONITOR_KERNEL_LOG": str(node_dir / "kmsg.log"),
+            "HOST_MONITOR_WATCHDOG_PERIOD_S": "0.5",
+            "HOST_MONITOR_RUN_DIR": str(node_dir),
+        }
+        self.monitors[node] = self._spawn(
+            [sys.executable, "-m", "host_monitor.cli"], env, f"host-monitor-{node}"
+        )
+
+    def start_supervisor(self) -> None:
+        o = self.options
+        env = {
+            "SUPERVISOR_BACKEND": "local",
+            "SUPERVISOR_LOCAL_RUN_DIR": str(self.run_dir),
+            "SUPERVISOR_DATABASE_URL": f"sqlite:///{self.run_dir}/supervisor.db",
+            "SUPERVISOR_AGENT_TOKEN": self.agent_token,
+            "SUPERVISOR_OPERATOR_TOKEN": self.operator_token,
+            "SUPERVISOR_ENABLE_FAULT_INJECTION": "true",
+            "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": str(o.heartbeat_polling_period_s),
+            "SUPERVISOR_HEARTBEAT_TIMEOUT_S": str(o.heartbeat_timeout_s),
+            "SUPERVISOR_NUM_DP_REPLICAS": str(o.replicas),
+            "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
+            "SUPERVISOR_MAX_NUM_DP_REPLICAS": str(o.replicas),
+            "SUPERVISOR_NUM_NODES_PER_DP": str(o.nodes_per_dp),
+            "SUPERVISOR_ENABLE_WORKLOAD_SCALING": "true",
+            "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "10",
+            "SUPERVISOR_ACTION_TIMEOUT_S": "60",
+            "SUPERVISOR_LOCAL_STOP_GRACE_S": "2",
+            "SUPERVISOR_HANG_MIN_TIMEOUT_S": "10",
+            "SUPERVISOR_POLICY": o.policy,
+            **o.supervisor_env,
+        }
+        args = [sys.executable, "-m", "supervisor.cli", "serve", "--port", str(o.port)]
+        # A stray SUPERVISOR_* setting in the caller's shell must not change the demo.
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+        log = self._log("supervisor")
+        self.supervisor = subprocess.Popen(
+            args,
+            env={**clean, RUN_MARKER: str(self.run_dir), **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(
+        self, url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=1, headers=headers).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"{url} did not answer within {timeout_s:g}s (logs in {self.run_dir}/logs)"
+        )
+
+    def _node_url(self, node: str) -> str:
+        return f"http://127.0.0.1:{self.node_ports[node]}"
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        o = self.options
+        if self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True)
+        for node in o.nodes:
+            self.start_monitor(node)
+        auth = {"Authorization": f"Bearer {self.actuator_token}"}
+        for node in o.nodes:
+            self.wait_ready(f"{self._node_url(node)}/v1/status", headers=auth)
+        placement = o.nodes[: o.replicas * o.nodes_per_dp]
+        state = ClusterState(
+            run_dir=str(self.run_dir),
+            actuator_token=self.actuator_token,
+            nodes={n: NodeInfo(address=self._node_url(n)) for n in o.nodes},
+            job=JobSpec(
+                name=o.job,
+                command=[sys.executable, "-m", "supervisor.local.workload"],
+                env={
+                    "SEED": str(o.seed),
+                    "TOTAL_STEPS": str(o.total_steps),
+                    "STEP_TIME_S": str(o.step_time_s),
+                    "IN_MEMORY_CHECKPOINTING_FREQ": str(o.in_memory_checkpointing_freq),
+                    "S3_CHECKPOINTING_FREQ": str(o.s3_checkpointing_freq),
+                },
+                num_dp_replicas=o.replicas,
+                num_nodes_per_dp=o.nodes_per_dp,
+                placement=placement,
+            ),
+        )
+        state.save()
+        asyncio.run(self._start_job(state))
+        self.start_supervisor()
+        self.wait_ready(f"{self.url}/readyz")
+
+    async def _start_job(self, state: ClusterState) -> None:
+        cluster = LocalCluster(state)
+        try:
+            await cluster.restart_job("boot")
+        finally:
+            await cluster.close()
+
+    def repair_nodes(self) -> list[str]:
+        """Start again the host monitors of nodes that died more than node_repair_s ago."""
+        repaired = []
+        now = time.monotonic()
+        for node, proc in list(self.monitors.items()):
+            if proc.poll() is None:
+                self._down_since.pop(node, None)
+                continue
+            since = self._down_since.setdefault(node, now)
+            if now - since >= self.options.node_repair_s:
+                self.start_monitor(node)
+                self._down_since.pop(node, None)
+                repaired.append(node)
+        return repaired
+
+    def kill_supervisor(self) -> None:
+        if self.supervisor is not None and self.supervisor.poll() is None:
+            self.supervisor.send_signal(signal.SIGKILL)
+            self.supervisor.wait(10)
+
+    def stop(self) -> None:
+        """Stop everything we started, and anything they started (no orphans)."""
+        procs = [p for p in [self.supervisor, *self.monitors.values()] if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for pid in leftover_processes(self.run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for log in self._logs:
+            log.close()
+
+    # --- reads for the banner and tests --------------------------------------------------
+
+    def api(self, path: str, **params: Any) -> Any:
+        response = httpx.get(
+            f"{self.url}{path}",
+            params=params,
+            headers={"Authorization": f"Bearer {self.operator_token}"},
+            timeout=5,
+        )
+        response.raise_for_status()
+        return response.json()
+
+
+def leftover_processes(run_dir: Path) -> list[int]:
+    """Processes still carrying this run's marker in their environment."""
+    marker = f"{RUN_MARKER}={run_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found

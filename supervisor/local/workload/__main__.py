@@ -1,0 +1,12 @@
+"""`python -m supervisor.local.workload`: run one training worker (see `config.py`)."""
+
+import os
+
+# One BLAS thread per worker: several workers share a machine, and single-threaded
+# reductions keep every run bit-identical. Must be set before numpy is imported.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+from supervisor.local.workload.train import main  # noqa: E402
+
+raise SystemExit(main())

@@ -1,0 +1,822 @@
+"""The sensor on a real event loop: heartbeats in, events out (returned or emitted)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from supervisor.config import Settings
+from supervisor.domain import Event, EventType, JobView, NodeState, NodeView, WorkerState
+from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor, WorkerReport
+
+E = EventType
+# Generous upper bound for "it happens eventually" on a shared, noisy machine.
+PATIENCE_S = 5.0
+
+
+# --- builders -----------------------------------------------------------------------------
+
+
+def worker(
+    rank: int,
+    step: int | None = 10,
+    state: str = "running",
+    *,
+    local_rank: int | None = None,
+    exit_code: int | None = None,
+) -> WorkerReport:
+    return WorkerReport(
+        rank=rank,
+        local_rank=rank if local_rank is None else local_rank,
+        pid=1000 + rank,
+        state=WorkerState(state),
+        step=step,
+        exit_code=exit_code,
+    )
+
+
+def hb(
+    node: str = "n1",
+    job: str | None = "j1",
+    *,
+    state: str = "running",
+    workers: Iterable[WorkerReport] | None = None,
+    gpu: Iterable[GpuReport] = (),
+) -> HostHeartbeat:
+    if workers is None:
+        workers = [] if job is None else [worker(0)]
+    return HostHeartbeat(
+        node=node,
+        state=NodeState(state),
+        job=job,
+        workers=list(workers),
+        gpu_reports=list(gpu),
+    )
+
+
+def stepping(node: str, step: int, ranks: Iterable[int] = (0,)) -> HostHeartbeat:
+    return hb(node, workers=[worker(r, step, local_rank=i) for i, r in enumerate(ranks)])
+
+
+def xid(code: int, gpu: int | None = 0) -> GpuReport:
+    return GpuReport(kind="xid", code=code, gpu=gpu, message=f"Xid {code}")
+
+
+def ecc(count: int, gpu: int | None = 0) -> GpuReport:
+    return GpuReport(kind="ecc", count=count, gpu=gpu)
+
+
+def types(events: Iterable[Event]) -> list[EventType]:
+    return [e.type for e in events]
+
+
+# --- harness ------------------------------------------------------------------------------
+
+
+class Emitted:
+    """The sensor's `emit` callback: collects timer-driven changes."""
+
+    def __init__(self) -> None:
+        self.changes: list[Changes] = []
+
+    def __call__(self, changes: Changes) -> None:
+        self.changes.append(changes)
+
+    @property
+    def events(self) -> list[Event]:
+        return [e for c in self.changes for e in c.events]
+
+    def of(self, type_: EventType) -> list[Event]:
+        return [e for e in self.events if e.type is type_]
+
+
+async def until(predicate: Callable[[], bool], patience: float = PATIENCE_S) -> None:
+    """Wait (polling) until `predicate()` holds; fail after `patience` seconds."""
+    give_up = now() + patience
+    while not predicate():
+        if now() > give_up:
+            raise AssertionError(f"condition not met within {patience} s")
+        await asyncio.sleep(0.005)
+
+
+class Pump:
+    """Sends heartbeats every `period` seconds in the background, like host monitors.
+
+    `beat(tick)` returns the heartbeats to send on that tick; what `ingest` returned is kept.
+    """
+
+    def __init__(
+        self,
+        sensor: Sensor,
+        beat: Callable[[int], Iterable[HostHeartbeat]],
+        period: float = 0.02,
+    ) -> None:
+        self.sensor = sensor
+        self.beat = beat
+        self.period = period
+        self.changes: list[Changes] = []
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def events(self) -> list[Event]:
+        return [e for c in self.changes for e in c.events]
+
+    async def _run(self) -> None:
+        tick = 0
+        while True:
+            for heartbeat in self.beat(tick):
+                self.changes.append(self.sensor.ingest(heartbeat))
+            tick += 1
+            await asyncio.sleep(self.period)
+
+    def start(self) -> Pump:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+SensorFactory = Callable[..., tuple[Sensor, Emitted]]
+
+
+@pytest.fixture
+async def make_sensor(make_settings: Callable[..., Settings]) -> AsyncIterator[SensorFactory]:
+    made: list[Sensor] = []
+
+    def build(**overrides: Any) -> tuple[Sensor, Emitted]:
+        values: dict[str, Any] = {
+            "heartbeat_polling_period_s": 0.01,
+            "heartbeat_timeout_s": 0.15,
+        }
+        values.update(overrides)
+        emitted = Emitted()
+        sensor = Sensor(make_settings(**values), emitted)
+        made.append(sensor)
+        return sensor, emitted
+
+    yield build
+    for sensor in made:
+        sensor.close()
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+# --- registration -------------------------------------------------------------------------
+
+
+async def test_first_heartbeat_of_running_node_raises_nothing_but_persists_node(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, emitted = make_sensor()
+    changes = sensor.ingest(hb("n1", "j1", workers=[worker(0, 5), worker(1, 5)]))
+
+    assert changes.events == []
+    [node] = changes.nodes
+    assert (node.name, node.state, node.job, node.alive) == ("n1", NodeState.RUNNING, "j1", True)
+    assert [w.rank for w in node.workers] == [0, 1]
+    assert node.last_heartbeat is not None and node.last_heartbeat.tzinfo is not None
+    [job] = changes.jobs
+    assert job.name == "j1" and job.nodes == ("n1",)
+
+    # The same heartbeat again changes nothing worth persisting.
+    again = sensor.ingest(hb("n1", "j1", workers=[worker(0, 5), worker(1, 5)]))
+    assert not again
+    # A second node of the known job persists the node but not the job again.
+    second = sensor.ingest(hb("n2", "j1", workers=[worker(2, 5)]))
+    assert second.events == [] and [n.name for n in second.nodes] == ["n2"]
+    assert second.jobs == []
+    job_view = sensor.job_view("j1")
+    assert job_view is not None and job_view.nodes == ("n1", "n2")
+    assert emitted.changes == []
+
+
+async def test_spare_raises_spare_available(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor()
+    changes = sensor.ingest(hb("s1", None, state="spare"))
+    [event] = changes.events
+    assert event.type is E.SPARE_AVAILABLE
+    assert event.node == "s1" and event.job is None
+    assert [n.name for n in changes.nodes] == ["s1"]
+    view = sensor.node_view("s1")
+    assert view is not None and view.is_usable_spare
+
+    # Staying a spare raises nothing more.
+    assert sensor.ingest(hb("s1", None, state="spare")).events == []
+
+
+async def test_running_node_turning_spare_raises_spare_available(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, _ = make_sensor()
+    sensor.ingest(hb("n1", "j1"))
+    changes = sensor.ingest(hb("n1", None, state="spare"))
+    assert types(changes.events) == [E.SPARE_AVAILABLE]
+    view = sensor.node_view("n1")
+    assert view is not None and view.state is NodeState.SPARE and view.job is None
+    job = sensor.job_view("j1")
+    assert job is not None and job.nodes == ()
+
+
+# --- node liveness ------------------------------------------------------------------------
+
+
+async def test_silent_node_is_lost_once_after_timeout(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
+    before_wall = datetime.now(UTC)
+    sensor.ingest(hb("n1", "j1"))
+    sent_at = now()
+
+    await until(lambda: bool(emitted.events))
+    lost_at = now()
+    await asyncio.sleep(0.3)  # room for a (wrong) second event
+
+    [event] = emitted.events
+    assert event.type is E.HOST_HEARTBEAT_LOST
+    assert (event.node, event.job, event.fault_id) == ("n1", "j1", None)
+    assert lost_at - sent_at >= 0.1
+    assert event.details["lateness_ms"] >= 0
+    assert event.details["heartbeat_timeout_s"] == 0.1
+    last = datetime.fromisoformat(event.details["last_heartbeat"])
+    assert before_wall - timedelta(seconds=1) <= last <= datetime.now(UTC)
+    # The node's new state is handed over for persistence with the event.
+    [node] = emitted.changes[0].nodes
+    assert node.name == "n1" and not node.alive
+    view = sensor.node_view("n1")
+    assert view is not None and not view.alive
+
+
+async def test_heartbeats_keep_node_alive(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.15)
+    pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
+    await asyncio.sleep(0.6)  # four heartbeat timeouts
+    assert emitted.events == []
+    assert pump.events == []
+    await pump.stop()
+
+    await until(lambda: bool(emitted.events))
+    assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST]
+
+
+async def test_lost_node_that_comes_back_raises_node_recovered(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.08)
+    sensor.ingest(hb("n1", "j1"))
+    await until(lambda: bool(emitted.events))
+
+    changes = sensor.ingest(hb("n1", "j1"))
+    [event] = changes.events
+    assert event.type is E.NODE_RECOVERED
+    assert (event.node, event.job) == ("n1", "j1")
+    assert event.details["state"] == "running"
+    assert "was_flapping" not in event.details
+    [node] = changes.nodes
+    assert node.alive
+    # Once back, it is watched again.
+    await until(lambda: len(emitted.events) == 2)
+    assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST, E.HOST_HEARTBEAT_LOST]
+
+
+async def test_flapping_node_is_reported_once_then_quiet_then_recovered(
+    make_sensor: SensorFactory,
+) -> None:
+    window = 0.8
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.1, flap_max_losses=3, flap_window_s=window)
+    returned: list[Event] = []
+    sensor.ingest(hb("n1", "j1"))
+
+    def is_down() -> bool:
+        view = sensor.node_view("n1")
+        return view is not None and not view.alive
+
+    # Losses 1 and 2 are plain losses, each followed by a recovery.
+    for i in (1, 2):
+        await until(is_down)
+        assert len(emitted.events) == i
+        returned.extend(sensor.ingest(hb("n1", "j1")).events)
+    assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST] * 2
+    assert types(returned) == [E.NODE_RECOVERED] * 2
+
+    # Loss 3 within the window: flapping, reported once.
+    await until(is_down)
+    assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST] * 2 + [E.NODE_FLAPPING]
+    flap = emitted.events[-1]
+    assert flap.node == "n1" and flap.details["losses"] == 3
+    assert flap.details["window_s"] == window
+    view = sensor.node_view("n1")
+    assert view is not None and view.flapping and not view.is_usable_spare
+
+    # Further recoveries and losses raise nothing: no event storm.
+    for _ in range(2):
+        changes = sensor.ingest(hb("n1", "j1"))
+        assert changes.events == []
+        assert [n.alive for n in changes.nodes] == [True]  # still persisted
+        await until(is_down)
+    assert len(emitted.events) == 3
+
+    # Up again and staying up for the whole window: recovered, flagged as was_flapping.
+    up_at = now()
+    pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
+    try:
+        await until(lambda: bool(pump.events))
+    finally:
+        await pump.stop()
+    recovered = pump.events
+    assert types(recovered) == [E.NODE_RECOVERED]
+    assert recovered[0].details["was_flapping"] is True
+    assert now() - up_at >= window
+    assert len(emitted.events) == 3
+    view = sensor.node_view("n1")
+    assert view is not None and not view.flapping
+
+
+# --- workers ------------------------------------------------------------------------------
+
+
+async def test_worker_transitions(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+
+    def beat(state4: str = "running", state5: str = "running") -> HostHeartbeat:
+        exit_code = 137 if state4 == "exited" else None
+        return hb(
+            "n1",
+            "j1",
+            workers=[
+                worker(4, 11, state4, local_rank=0, exit_code=exit_code),
+                worker(5, 11, state5, local_rank=1),
+            ],
+        )
+
+    assert sensor.ingest(beat()).events == []
+
+    exited = sensor.ingest(beat("exited"))
+    [event] = exited.events
+    assert event.type is E.WORKER_EXITED
+    assert (event.node, event.job, event.rank) == ("n1", "j1", 4)
+    assert event.details["exit_code"] == 137
+    assert event.details["local_rank"] == 0
+
+    # The same exited report again raises nothing new.
+    assert sensor.ingest(beat("exited")).events == []
+
+    lost = sensor.ingest(beat("exited", "lost"))
+    [event] = lost.events
+    assert event.type is E.WORKER_HEARTBEAT_LOST
+    assert (event.node, event.job, event.rank) == ("n1", "j1", 5)
+    assert event.details["local_rank"] == 1
+    assert "exit_code" not in event.details
+    assert sensor.ingest(beat("exited", "lost")).events == []
+
+
+async def test_worker_exited_in_first_heartbeat_is_reported(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    changes = sensor.ingest(hb("n1", "j1", workers=[worker(0, 3, "exited", exit_code=0)]))
+    [event] = changes.events
+    assert event.type is E.WORKER_EXITED
+    assert event.details["exit_code"] == 0
+
+
+async def test_worker_restarting_then_exiting_again_is_reported_again(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    sensor.ingest(hb("n1", "j1", workers=[worker(0, 1)]))
+    crash = hb("n1", "j1", workers=[worker(0, 1, "exited", exit_code=1)])
+    assert types(sensor.ingest(crash).events) == [E.WORKER_EXITED]
+    assert sensor.ingest(hb("n1", "j1", workers=[worker(0, 1, "starting")])).events == []
+    assert sensor.ingest(hb("n1", "j1", workers=[worker(0, 2)])).events == []
+    assert types(sensor.ingest(crash).events) == [E.WORKER_EXITED]
+
+
+# --- GPU reports --------------------------------------------------------------------------
+
+
+async def test_gpu_xid_reported_and_repeats_suppressed(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0, gpu_report_cooldown_s=60.0)
+    first = sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=3)]))
+    [event] = first.events
+    assert event.type is E.GPU_XID
+    assert (event.node, event.job) == ("n1", "j1")
+    assert event.details["code"] == 79
+    assert event.details["gpu"] == 3
+    assert event.details["message"] == "Xid 79"
+    assert "observed_at" in event.details
+
+    assert sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=3)])).events == []
+    assert sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=3)])).events == []
+
+    other_code = sensor.ingest(hb("n1", "j1", gpu=[xid(48, gpu=3)]))
+    assert [(e.type, e.details["code"]) for e in other_code.events] == [(E.GPU_XID, 48)]
+    other_gpu = sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=1)]))
+    assert [(e.type, e.details["gpu"]) for e in other_gpu.events] == [(E.GPU_XID, 1)]
+    # The cooldown is per node.
+    assert types(sensor.ingest(hb("n2", "j1", gpu=[xid(79, gpu=3)])).events) == [E.GPU_XID]
+
+
+async def test_gpu_xid_cooldown_expires(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0, gpu_report_cooldown_s=0.05)
+    assert types(sensor.ingest(hb(gpu=[xid(13)])).events) == [E.GPU_XID]
+    await asyncio.sleep(0.1)
+    assert types(sensor.ingest(hb(gpu=[xid(13)])).events) == [E.GPU_XID]
+
+
+async def test_gpu_ecc_count_increase(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    first = sensor.ingest(hb(gpu=[ecc(2, gpu=0)]))
+    [event] = first.events
+    assert event.type is E.GPU_ECC
+    assert event.details["new_errors"] == 2 and event.details["count"] == 2
+
+    assert sensor.ingest(hb(gpu=[ecc(2, gpu=0)])).events == []
+    assert sensor.ingest(hb(gpu=[ecc(0, gpu=0)])).events == []  # counter reset
+    more = sensor.ingest(hb(gpu=[ecc(3, gpu=0)]))
+    assert [(e.type, e.details["new_errors"]) for e in more.events] == [(E.GPU_ECC, 3)]
+    other = sensor.ingest(hb(gpu=[ecc(3, gpu=0), ecc(1, gpu=1)]))
+    assert [(e.details["gpu"], e.details["new_errors"]) for e in other.events] == [(1, 1)]
+
+
+async def test_injected_gpu_report_carries_fault_id(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    sensor.ingest(hb("n1", "j1"))
+    changes = sensor.inject_gpu_report("n1", xid(79), fault_id=42)
+    [event] = changes.events
+    assert event.type is E.GPU_XID and event.fault_id == 42
+    with pytest.raises(KeyError):
+        sensor.inject_gpu_report("nope", xid(79), fault_id=43)
+
+
+# --- hangs --------------------------------------------------------------------------------
+
+
+async def test_hang_fixed_timeout_names_the_laggard(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_timeout_s=0.3, hang_timeout_s=0.2, hang_warmup_intervals=0
+    )
+    steps = {"n1": 10, "n2": 10}
+    advancing = True
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        if advancing:
+            steps["n1"] = steps["n2"] = 10 + tick
+        return [stepping("n1", steps["n1"], (0, 1)), stepping("n2", steps["n2"], (3, 2))]
+
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.6)  # three hang timeouts of steady progress
+        assert emitted.events == []
+        assert pump.events == []
+
+        # n2 falls behind, then the whole job stalls.
+        advancing = False
+        steps["n1"] += 1
+        stalled_at = now()
+        await until(lambda: bool(emitted.events))
+        hang_seen = now()
+        await asyncio.sleep(0.4)  # room for a (wrong) repeat
+    finally:
+        await pump.stop()
+
+    [event] = emitted.events
+    assert event.type is E.HANG
+    assert event.job == "j1"
+    assert event.node == "n2"
+    assert event.rank == 2  # the lowest running rank on the laggard node
+    assert event.details["suspect_step"] == steps["n2"]
+    assert event.details["last_step"] == steps["n1"]
+    assert event.details["hang_timeout_s"] == 0.2
+    assert event.details["timeout_learned"] is False
+    assert event.details["stalled_for_s"] >= 0.2 - 1e-3
+    assert hang_seen - stalled_at >= 0.2 - 0.05  # the last advance came at most one tick later
+
+
+async def test_hang_reported_again_after_progress_resumes_and_stalls(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_timeout_s=5.0, hang_timeout_s=0.1, hang_warmup_intervals=0
+    )
+    sensor.ingest(stepping("n1", 1))
+    await until(lambda: len(emitted.events) == 1)
+    sensor.ingest(stepping("n1", 1))  # no progress: no new deadline
+    sensor.ingest(stepping("n1", 2))
+    await until(lambda: len(emitted.events) == 2)
+    assert types(emitted.events) == [E.HANG, E.HANG]
+    assert [e.details["last_step"] for e in emitted.events] == [1, 2]
+    # Nodes agree on the step: no suspect.
+    assert emitted.events[0].node is None and emitted.events[0].rank is None
+
+
+async def test_hang_learned_timeout(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(
+        heartbeat_timeout_s=5.0,
+        hang_timeout_s=None,
+        hang_min_timeout_s=0.05,
+        hang_safety_factor=3.0,
+        hang_warmup_intervals=2,
+    )
+    sent: list[float] = []
+
+    def send(step: int) -> None:
+        sent.append(now())
+        sensor.ingest(stepping("n1", step))
+
+    send(1)
+    assert sensor.hang_timeout_s("j1") is None
+    await asyncio.sleep(0.3)
+    send(2)  # warm-up interval 1 (long: compilation), not learned from
+    assert sensor.hang_timeout_s("j1") is None
+    await asyncio.sleep(0.01)
+    send(3)  # warm-up interval 2; watching from now on
+    assert sensor.hang_timeout_s("j1") == pytest.approx(0.05)  # nothing learned yet: the floor
+    await asyncio.sleep(0.02)
+    send(4)
+    first = sent[3] - sent[2]
+    expected = max(0.05, 3.0 * first)
+    assert sensor.hang_timeout_s("j1") == pytest.approx(expected, abs=2e-3)
+    await asyncio.sleep(0.15)
+    send(5)
+    longest = max(first, sent[4] - sent[3])
+    assert sensor.hang_timeout_s("j1") == pytest.approx(3.0 * longest, abs=2e-3)
+    assert 3.0 * longest > 0.05
+
+
+async def test_hang_learned_timeout_never_below_the_floor(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor(
+        heartbeat_timeout_s=5.0,
+        hang_timeout_s=None,
+        hang_min_timeout_s=30.0,
+        hang_safety_factor=3.0,
+        hang_warmup_intervals=0,
+    )
+    for step in range(1, 5):
+        sensor.ingest(stepping("n1", step))
+        await asyncio.sleep(0.01)
+    assert sensor.hang_timeout_s("j1") == 30.0
+
+
+async def test_hang_with_learned_timeout_fires(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_timeout_s=5.0,
+        hang_timeout_s=None,
+        hang_min_timeout_s=0.1,
+        hang_safety_factor=2.0,
+        hang_warmup_intervals=0,
+    )
+    sensor.ingest(stepping("n1", 1))
+    sensor.ingest(stepping("n1", 2))
+    stalled_at = now()
+    await until(lambda: bool(emitted.events))
+    assert now() - stalled_at >= 0.1
+    [event] = emitted.events
+    assert event.type is E.HANG and event.job == "j1"
+    assert event.details["timeout_learned"] is True
+    assert event.details["hang_timeout_s"] == pytest.approx(0.1, abs=2e-3)
+
+
+async def test_restart_from_checkpoint_is_not_a_hang(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_timeout_s=5.0, hang_timeout_s=0.2, hang_warmup_intervals=0
+    )
+    sensor.ingest(stepping("n1", 100))
+    await asyncio.sleep(0.05)
+    # Restarted from the step-50 checkpoint; progresses again, but stays below 100 for
+    # three hang timeouts.
+    for step in range(50, 65):
+        sensor.ingest(stepping("n1", step))
+        await asyncio.sleep(0.04)
+    assert emitted.events == []
+
+    # Progress is measured afresh: a stall after the restart is still a hang.
+    await until(lambda: bool(emitted.events))
+    [event] = emitted.events
+    assert event.type is E.HANG and event.details["last_step"] == 64
+
+
+async def test_lost_node_disarms_the_jobs_hang_check(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_timeout_s=0.1, hang_timeout_s=0.5, hang_warmup_intervals=0
+    )
+    sensor.ingest(stepping("n2", 10, (1,)))
+    armed_at = now()  # the first step arms the job's hang deadline at armed_at + 0.5
+    # n1 keeps beating at the same step; n2 goes silent.
+    pump = Pump(sensor, lambda _: [stepping("n1", 10, (0,))]).start()
+    try:
+        await until(lambda: bool(emitted.events))
+        await asyncio.sleep(max(0.0, armed_at + 0.9 - now()))  # well past the hang deadline
+    finally:
+        await pump.stop()
+    assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST]
+    assert emitted.events[0].node == "n2"
+
+
+# --- fault injection ----------------------------------------------------------------------
+
+
+async def test_injected_heartbeat_loss_and_end_fault(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
+    pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
+    try:
+        await asyncio.sleep(0.05)
+        sensor.inject_heartbeat_loss("n1", fault_id=7, duration_s=None)
+        await until(lambda: bool(emitted.events))
+        [event] = emitted.events
+        assert event.type is E.HOST_HEARTBEAT_LOST
+        assert event.node == "n1" and event.fault_id == 7
+        # Heartbeats keep being dropped while the fault is active.
+        await asyncio.sleep(0.15)
+        assert pump.events == []
+        view = sensor.node_view("n1")
+        assert view is not None and not view.alive
+
+        sensor.end_fault(99)  # some other fault: no effect
+        await asyncio.sleep(0.1)
+        assert pump.events == []
+
+        sensor.end_fault(7)
+        await until(lambda: bool(pump.events))
+    finally:
+        await pump.stop()
+    [recovered] = pump.events
+    # The recovery is attributed to the fault that caused the loss.
+    assert recovered.type is E.NODE_RECOVERED and recovered.fault_id == 7
+    assert len(emitted.events) == 1
+
+
+async def test_injected_heartbeat_loss_with_duration_ends_by_itself(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
+    sensor.ingest(hb("n1", "j1"))
+    sensor.inject_heartbeat_loss("n1", fault_id=3, duration_s=0.3)
+    injected_at = now()
+    pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
+    try:
+        await until(lambda: bool(pump.events))
+    finally:
+        await pump.stop()
+    assert now() - injected_at >= 0.3
+    assert [(e.type, e.fault_id) for e in emitted.events] == [(E.HOST_HEARTBEAT_LOST, 3)]
+    assert types(pump.events) == [E.NODE_RECOVERED]
+
+
+async def test_inject_heartbeat_loss_on_unknown_node(make_sensor: SensorFactory) -> None:
+    sensor, _ = make_sensor()
+    with pytest.raises(KeyError):
+        sensor.inject_heartbeat_loss("ghost", fault_id=1, duration_s=None)
+
+
+# --- restore ------------------------------------------------------------------------------
+
+
+def _node_view(name: str, job: str | None, *, alive: bool, **kw: Any) -> NodeView:
+    return NodeView(
+        name=name,
+        state=NodeState.RUNNING if job else NodeState.SPARE,
+        job=job,
+        alive=alive,
+        last_heartbeat=datetime.now(UTC) - timedelta(hours=1),
+        **kw,
+    )
+
+
+async def test_restore_gives_alive_nodes_a_grace_period(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.2)
+    job = JobView("j1", num_dp_replicas=3, min_num_dp_replicas=1, max_num_dp_replicas=5,
+                  num_nodes_per_dp=2)  # fmt: skip
+    sensor.restore([_node_view("n1", "j1", alive=True), _node_view("n2", "j1", alive=True)], [job])
+    restored_at = now()
+    view = sensor.job_view("j1")
+    assert view is not None
+    assert (view.num_dp_replicas, view.min_num_dp_replicas, view.max_num_dp_replicas) == (3, 1, 5)
+    assert view.nodes == ("n1", "n2")
+
+    # Their last heartbeats are an hour old, but they are not declared lost at once.
+    await asyncio.sleep(0.05)
+    assert emitted.events == []
+
+    # n1 beats within the grace period: nothing to report. n2 stays silent: lost.
+    pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
+    try:
+        await until(lambda: bool(emitted.events))
+        lost_at = now()
+        await asyncio.sleep(0.1)
+    finally:
+        await pump.stop()
+    assert [(e.type, e.node) for e in emitted.events] == [(E.HOST_HEARTBEAT_LOST, "n2")]
+    assert lost_at - restored_at >= 0.2
+    assert pump.events == []
+
+
+async def test_restore_dead_and_flapping_nodes(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
+    sensor.restore(
+        [
+            _node_view("dead", "j1", alive=False),
+            _node_view("flappy", None, alive=True, flapping=True),
+        ],
+        [],
+    )
+    # A node that was already lost is not lost again; a flapping one is watched, but its
+    # loss stays quiet (only its new state is persisted).
+    await until(lambda: bool(emitted.changes))
+    await asyncio.sleep(0.2)
+    assert emitted.events == []
+    assert [(n.name, n.alive) for c in emitted.changes for n in c.nodes] == [("flappy", False)]
+
+    back = sensor.ingest(hb("dead", "j1"))
+    assert types(back.events) == [E.NODE_RECOVERED]
+    view = sensor.node_view("flappy")
+    assert view is not None and view.flapping
+
+
+# --- heartbeat validation -----------------------------------------------------------------
+
+
+def test_minimal_heartbeat_from_the_contract_parses() -> None:
+    raw = (
+        '{"node": "n1", "state": "running", "job": "j1", "workers": '
+        '[{"rank": 0, "local_rank": 0, "pid": 123, "state": "running", "step": 10}]}'
+    )
+    beat = HostHeartbeat.model_validate_json(raw)
+    assert beat.node == "n1" and beat.state is NodeState.RUNNING and beat.job == "j1"
+    [w] = beat.workers
+    assert (w.rank, w.local_rank, w.pid, w.state, w.step) == (
+        0,
+        0,
+        123,
+        WorkerState.RUNNING,
+        10,
+    )
+    assert beat.gpu_reports == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        pytest.param({"node": "n1", "state": "running"}, "job is required", id="running-no-job"),
+        pytest.param({"node": "n1", "state": "spare", "job": "j1"}, "spare", id="spare-with-job"),
+        pytest.param(
+            {
+                "node": "n1",
+                "state": "spare",
+                "workers": [{"rank": 0, "local_rank": 0, "state": "running"}],
+            },
+            "spare",
+            id="spare-with-workers",
+        ),
+        pytest.param(
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [
+                    {"rank": 0, "local_rank": 0, "state": "running"},
+                    {"rank": 0, "local_rank": 1, "state": "running"},
+                ],
+            },
+            "unique",
+            id="duplicate-ranks",
+        ),
+        pytest.param(
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [{"rank": 0, "local_rank": 0, "state": "running", "step": -1}],
+            },
+            "step",
+            id="negative-step",
+        ),
+        pytest.param(
+            {"node": "n1", "state": "running", "job": "j1", "gpu_reports": [{"kind": "xid"}]},
+            "code is required",
+            id="xid-without-code",
+        ),
+        pytest.param(
+            {"node": "n1", "state": "running", "job": "j1", "gpu_reports": [{"kind": "ecc"}]},
+            "count is required",
+            id="ecc-without-count",
+        ),
+        pytest.param({"node": "", "state": "spare"}, "node", id="empty-node-name"),
+        pytest.param({"node": "n 1", "state": "spare"}, "node", id="bad-node-name"),
+        pytest.param({"node": "n1", "state": "sleeping"}, "state", id="unknown-state"),
+        pytest.param(
+            {"node": "n1", "state": "spare", "surprise": 1}, "surprise", id="unknown-field"
+        ),
+    ],
+)
+def test_invalid_heartbeats_are_rejected(payload: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        HostHeartbeat.model_validate(payload)
+    assert fragment in str(info.value)
