@@ -11,6 +11,8 @@ from pydantic import SecretStr
 
 from supervisor.runtime import Supervisor
 
+# Dependencies are `async def`: FastAPI runs plain `def` ones in a thread pool, which
+# costs more than the checks themselves.
 bearer = HTTPBearer(
     auto_error=False,
     description="Agent token for heartbeats; operator token for everything else.",
@@ -18,7 +20,7 @@ bearer = HTTPBearer(
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
 
-def get_supervisor(request: Request) -> Supervisor:
+async def get_supervisor(request: Request) -> Supervisor:
     supervisor: Supervisor = request.app.state.supervisor
     return supervisor
 
@@ -43,20 +45,20 @@ def _check(credentials: HTTPAuthorizationCredentials | None, expected: SecretStr
         )
 
 
-def require_agent(supervisor: SupervisorDep, credentials: Credentials) -> None:
+async def require_agent(supervisor: SupervisorDep, credentials: Credentials) -> None:
     _check(credentials, supervisor.settings.agent_token)
 
 
-def require_operator(supervisor: SupervisorDep, credentials: Credentials) -> None:
+async def require_operator(supervisor: SupervisorDep, credentials: Credentials) -> None:
     _check(credentials, supervisor.settings.operator_token)
 
 
-def require_reader(supervisor: SupervisorDep, credentials: Credentials) -> None:
+async def require_reader(supervisor: SupervisorDep, credentials: Credentials) -> None:
     if supervisor.settings.read_requires_token:
         _check(credentials, supervisor.settings.operator_token)
 
 
-def require_fault_injection(supervisor: SupervisorDep) -> None:
+async def require_fault_injection(supervisor: SupervisorDep) -> None:
     if not supervisor.settings.enable_fault_injection:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,

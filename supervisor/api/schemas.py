@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from supervisor.domain import (
     ActionRecord,
@@ -19,9 +19,12 @@ from supervisor.domain import (
     NodeView,
     WorkerState,
 )
-from supervisor.sensor.heartbeat import Name
 
 T = TypeVar("T")
+
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$")
+]
 
 
 class Page(BaseModel, Generic[T]):

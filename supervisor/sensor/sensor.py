@@ -59,7 +59,7 @@ class NodeRecord:
     job: str | None
     last_seen: float  # event-loop time
     last_seen_wall: float  # Unix time, for display
-    workers: dict[int, WorkerReport] = field(default_factory=dict)
+    workers: list[WorkerReport] = field(default_factory=list)  # as last reported
     address: str | None = None
     topology: dict[str, str] = field(default_factory=dict)
     alive: bool = True
@@ -93,7 +93,7 @@ class NodeRecord:
                     step=w.step,
                     exit_code=w.exit_code,
                 )
-                for w in self.workers.values()
+                for w in self.workers
             ),
             cordoned=self.cordoned,
             flapping=self.flapping,
@@ -289,7 +289,7 @@ class Sensor:
             job=hb.job,
             last_seen=now,
             last_seen_wall=wall,
-            workers={w.rank: w for w in hb.workers},
+            workers=hb.workers,
             address=hb.address,
             topology=dict(hb.topology),
             up_since=now,
@@ -345,14 +345,14 @@ class Sensor:
         if hb.address != node.address or hb.topology != node.topology:
             node.address = hb.address
             node.topology = dict(hb.topology)
-        previous = node.workers
-        if hb.workers or previous:
-            current = {w.rank: w for w in hb.workers}
-            for rank, worker in current.items():
-                before = previous.get(rank)
+        previous, current = node.workers, hb.workers
+        if not _same_states(previous, current):
+            by_rank = {w.rank: w for w in previous}
+            for worker in current:
+                before = by_rank.get(worker.rank)
                 if before is None or before.state is not worker.state:
                     self._worker_changed(node, before, worker, changes)
-            node.workers = current
+        node.workers = current
         if changed:
             changes.nodes.append(node.view())
 
@@ -564,7 +564,7 @@ class Sensor:
         node = self.nodes.get(suspect[0]) if suspect else None
         rank = None
         if node is not None:
-            ranks = [w.rank for w in node.workers.values() if w.state is WorkerState.RUNNING]
+            ranks = [w.rank for w in node.workers if w.state is WorkerState.RUNNING]
             rank = min(ranks) if ranks else None
         changes.events.append(
             Event(
@@ -608,3 +608,13 @@ class Sensor:
             details={k: v for k, v in details.items() if v is not None},
             fault_id=fault_id,
         )
+
+
+def _same_states(before: list[WorkerReport], after: list[WorkerReport]) -> bool:
+    """Whether the same ranks report the same states (the common case: only steps moved)."""
+    if len(before) != len(after):
+        return False
+    for a, b in zip(before, after, strict=True):
+        if a.rank != b.rank or a.state is not b.state:
+            return False
+    return True

@@ -12,7 +12,7 @@
 | `RUN_DIR` | `./workload-run` | Shared directory; the collective lives in `RUN_DIR/collective`. |
 | `WORKLOAD_ATTEMPT` | `0` | Separates restarts: each attempt has its own collective directory. |
 | `LOCAL_CKPT_DIR` | `RUN_DIR/local/rank-<RANK>` | Local checkpoint tier (per node). |
-| `DURABLE_CKPT_DIR` | `RUN_DIR/durable` | Durable tier (shared); emergency checkpoints go to `emergency/` in it. |
+| `DURABLE_CKPT_DIR` | `RUN_DIR/durable` | Durable tier (shared); emergency ones in `emergency/`. |
 | `IN_MEMORY_CHECKPOINTING_FREQ` | `10` | Save to the local tier every this many steps (0: never). |
 | `S3_CHECKPOINTING_FREQ` | `20` | Save to the durable tier every this many steps (0: never). |
 | `KEEP_CHECKPOINTS` | `3` | Newest steps kept per tier. |

@@ -1,0 +1,146 @@
+"""`python -m bench`: run every benchmark and print one table.
+
+The exit code is 0 even when a target is missed: this is a report, read the verdicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from bench import detection, ingest, memory
+from bench.loops import LOOP_NAME
+from bench.table import Row, render, verdict
+
+INGEST_TARGET_PCT = 60.0
+LATENESS_TARGET_MS = 100.0
+MEMORY_SOFT_TARGET_B = 20_000
+
+
+def ingest_rows(config: ingest.IngestConfig) -> list[Row]:
+    sup, bare = ingest.run(config)
+    pct = 100 * sup.rps / bare.rps if bare.rps else 0.0
+    clean = sup.events_rows == 0 and sup.db_changed is False
+    errors = sup.errors + bare.errors
+    conns = f"{config.connections} conns, {config.nodes} nodes, best of {config.rounds}"
+    return [
+        Row(
+            f"Heartbeat ingest, HTTP ({conns})",
+            f"{sup.rps:,.0f} req/s = {pct:.1f}% of ceiling",
+            f"bare ASGI app: {bare.rps:,.0f} req/s",
+            f">= {INGEST_TARGET_PCT:.0f}% of ceiling",
+            verdict(pct >= INGEST_TARGET_PCT and errors == 0),
+        ),
+        Row(
+            "  latency p50 / p99",
+            f"{sup.p50_ms:.2f} / {sup.p99_ms:.2f} ms",
+            f"{bare.p50_ms:.2f} / {bare.p99_ms:.2f} ms",
+        ),
+        Row(
+            "  CPU during window: server / client",
+            f"{sup.server_cpu_pct:.0f}% / {sup.client_cpu_pct:.0f}%",
+            f"{bare.server_cpu_pct:.0f}% / {bare.client_cpu_pct:.0f}%",
+        ),
+        Row(
+            "  SQL writes during window",
+            f"{sup.events_rows} event rows, db {'CHANGED' if sup.db_changed else 'unchanged'}"
+            f" over {sup.requests:,} heartbeats",
+            f"{sup.nodes_rows} node rows written at registration",
+            "0 writes",
+            verdict(clean),
+        ),
+    ] + (
+        [Row("  request errors", f"{sup.errors} / {bare.errors}", verdict="FAIL")] if errors else []
+    )
+
+
+def detection_rows(node_counts: list[int]) -> list[Row]:
+    rows = []
+    for nodes in node_counts:
+        sensor, polling = detection.run(detection.DetectionConfig(nodes=nodes))
+        complete = all(r.detected == r.stopped and r.false_alarms == 0 for r in (sensor, polling))
+        missed = "" if complete else f" (missed {sensor.stopped - sensor.detected})"
+        rows.append(
+            Row(
+                f"Detection lateness, {nodes:,} nodes p50/p99/max",
+                f"{sensor.p50_ms:.0f} / {sensor.p99_ms:.0f} / {sensor.max_ms:.0f} ms{missed}",
+                f"polling: {polling.p50_ms:.0f} / {polling.p99_ms:.0f} / {polling.max_ms:.0f} ms",
+                f"p99 < {LATENESS_TARGET_MS:.0f} ms",
+                verdict(sensor.p99_ms < LATENESS_TARGET_MS and complete),
+            )
+        )
+        rows.append(
+            Row(
+                "  full GC pauses after the stop (count, max)",
+                f"{sensor.gc_full}, {sensor.gc_full_max_ms:.0f} ms",
+                f"polling: {polling.gc_full}, {polling.gc_full_max_ms:.0f} ms",
+            )
+        )
+    return rows
+
+
+def memory_rows(nodes: int) -> list[Row]:
+    mem = memory.run(nodes)
+    return [
+        Row(
+            f"Memory per tracked node ({nodes:,} nodes x 8 workers)",
+            f"{mem.bytes_per_node / 1024:.1f} KiB",
+            f"heartbeat as JSON: {mem.json_bytes} B ({mem.bytes_per_node / mem.json_bytes:.1f}x)",
+            f"< {MEMORY_SOFT_TARGET_B // 1000} KB (soft)",
+            verdict(mem.bytes_per_node < MEMORY_SOFT_TARGET_B),
+        )
+    ]
+
+
+def machine_line() -> str:
+    load = os.getloadavg()[0]
+    return (
+        f"machine: {os.cpu_count()} cores, {platform.python_implementation()} "
+        f"{platform.python_version()}, {LOOP_NAME}, uvicorn {version('uvicorn')}, "
+        f"fastapi {version('fastapi')}, pydantic {version('pydantic')}, "
+        f"load avg {load:.2f} at start"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument(
+        "--only", choices=("ingest", "detection", "memory"), action="append", default=None
+    )
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=4.0, help="ingest window, seconds")
+    parser.add_argument("--rounds", type=int, default=2, help="ingest rounds per app")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="save cProfile stats of each server here"
+    )
+    args = parser.parse_args(argv)
+    only = set(args.only or ("ingest", "detection", "memory"))
+    header = machine_line()
+    started = time.monotonic()
+    rows: list[Row] = []
+    if "ingest" in only:
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        config = ingest.IngestConfig(
+            connections=args.connections,
+            duration_s=args.duration,
+            rounds=args.rounds,
+            profile_dir=args.profile.resolve() if args.profile else None,
+        )
+        rows += ingest_rows(config)
+    if "detection" in only:
+        rows += detection_rows([1_000, 10_000])
+    if "memory" in only:
+        rows += memory_rows(10_000)
+    print(render(rows))
+    print(f"{header}; took {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

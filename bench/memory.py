@@ -1,0 +1,58 @@
+"""Memory per tracked node: what a Sensor keeps for each node, measured with tracemalloc.
+
+Heartbeats are parsed from JSON one at a time and dropped after ingest, as in the
+service, so only what the sensor retains is counted (node record, last worker reports,
+deadline entries, job progress).
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from dataclasses import dataclass
+
+from bench.loops import run as run_loop
+from bench.payload import heartbeat_json
+from supervisor.config import Settings
+from supervisor.sensor import Sensor
+from supervisor.sensor.heartbeat import decode_heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryResult:
+    nodes: int
+    bytes_per_node: float
+    json_bytes: int  # one heartbeat as compact JSON, the baseline
+
+
+async def _measure(nodes: int, heartbeats_each: int) -> MemoryResult:
+    settings = Settings(
+        heartbeat_timeout_s=600,
+        heartbeat_polling_period_s=300,
+        agent_token="bench-agent-token",
+        operator_token="bench-operator-token",
+    )
+    sensor = Sensor(settings, lambda _: None)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for step in range(1, heartbeats_each + 1):
+            for i in range(nodes):
+                sensor.ingest(decode_heartbeat(heartbeat_json(i, step)))
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        sensor.close()
+    assert len(sensor.nodes) == nodes
+    return MemoryResult(
+        nodes=nodes,
+        bytes_per_node=(after - before) / nodes,
+        json_bytes=len(heartbeat_json(nodes - 1, heartbeats_each)),
+    )
+
+
+def run(nodes: int = 10_000, heartbeats_each: int = 2) -> MemoryResult:
+    gc.collect()
+    return run_loop(_measure(nodes, heartbeats_each))

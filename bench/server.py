@@ -1,0 +1,99 @@
+"""Server process of the ingest benchmark: the real app or a bare ASGI app under uvicorn.
+
+Run as `python -m bench.server --app supervisor|bare ...`. Binds 127.0.0.1 on a free
+port, prints the port on stdout, serves until SIGTERM. With `--profile PATH` the whole
+serve loop runs under cProfile and the stats are dumped to PATH on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import uvicorn
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ceiling: read the whole body, answer 204. No framework, no parsing."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    assert scope["type"] == "http"
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def supervisor_app(database_url: str, agent_token: str, operator_token: str) -> Any:
+    from supervisor.api.app import create_app
+    from supervisor.config import Settings
+
+    settings = Settings(
+        database_url=database_url,
+        agent_token=agent_token,
+        operator_token=operator_token,
+        heartbeat_timeout_s=600,
+        heartbeat_polling_period_s=300,
+    )
+    return create_app(settings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.server")
+    parser.add_argument("--app", choices=("supervisor", "bare"), required=True)
+    parser.add_argument("--database-url", default="")
+    parser.add_argument("--agent-token", default="bench-agent-token")
+    parser.add_argument("--operator-token", default="bench-operator-token")
+    parser.add_argument("--profile", default=None, help="dump cProfile stats here on exit")
+    args = parser.parse_args(argv)
+
+    app: Any = bare_app
+    if args.app == "supervisor":
+        app = supervisor_app(args.database_url, args.agent_token, args.operator_token)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    print(sock.getsockname()[1], flush=True)
+    # uvicorn re-raises the signal that stopped it; make that a no-op so we exit cleanly.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

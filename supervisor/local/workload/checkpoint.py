@@ -1,0 +1,139 @@
+"""Tiered checkpoints of one shard, like HyperPod's managed tiered checkpointing.
+
+Tiers: `local` (per node, `LOCAL_CKPT_DIR`, frequent), `durable` (shared,
+`DURABLE_CKPT_DIR`, less frequent) and `emergency` (shared, `DURABLE_CKPT_DIR/emergency`,
+written on SIGUSR1 so that a replacement node can read it). The file layout, the atomic
+write and the verification are `host_monitor.worker_client`'s (`checkpoint_file`,
+`write_checkpoint_file`, `read_checkpoint`): `<tier>/step-<s:08d>/shard-<k>-of-<N>.npz`,
+with a sha256 per array checked on load, so a partial or corrupt file is never taken as a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from host_monitor.worker_client import (
+    CheckpointTier,
+    checkpoint_steps,
+    list_checkpoints,
+    read_checkpoint,
+    step_dir,
+    write_checkpoint_file,
+)
+from supervisor.local.workload.model import ShardState, Vector
+
+# Where to load from first when several tiers hold a step: the fastest.
+LOAD_ORDER: tuple[CheckpointTier, ...] = ("local", "durable", "emergency")
+
+
+@dataclass(frozen=True)
+class Available:
+    step: int
+    tier: CheckpointTier
+    path: Path
+
+
+def _npy_bytes(array: Vector) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _npy_array(data: bytes) -> Vector:
+    array: Vector = np.load(io.BytesIO(data), allow_pickle=False)
+    return array
+
+
+class CheckpointStore:
+    """Saves, lists and loads the checkpoints of one shard across the three tiers."""
+
+    def __init__(
+        self,
+        tiers: dict[CheckpointTier, Path],
+        *,
+        shard: int,
+        num_shards: int,
+        keep: int = 3,
+    ) -> None:
+        self.tiers = tiers
+        self.shard = shard
+        self.num_shards = num_shards
+        self.keep = keep
+
+    def save(self, state: ShardState, tier: CheckpointTier) -> tuple[Path, float]:
+        """Write the state atomically to `tier`, prune old steps; (path, seconds)."""
+        started = time.monotonic()
+        tier_dir = self.tiers[tier]
+        path = write_checkpoint_file(
+            tier_dir,
+            state.step,
+            self.shard,
+            self.num_shards,
+            {"w.npy": _npy_bytes(state.w), "v.npy": _npy_bytes(state.v)},
+        )
+        self.prune(tier_dir, state.step)
+        return path, time.monotonic() - started
+
+    def prune(self, tier_dir: Path, current_step: int) -> None:
+        """Keep the newest `keep` steps up to `current_step`; never touch newer ones.
+
+        Steps above the current one are left alone: they belong to a run that went
+        further before it was rolled back, and are overwritten when this run gets there.
+        """
+        older = [s for s in checkpoint_steps(tier_dir) if s <= current_step]
+        for step in older[: -self.keep]:
+            shutil.rmtree(step_dir(tier_dir, step), ignore_errors=True)
+
+    def available(self) -> dict[int, Available]:
+        """Every step this shard can be loaded from (verified), by step."""
+        order = [self.tiers[t] for t in LOAD_ORDER if t in self.tiers]
+        found = list_checkpoints(order, self.shard, self.num_shards)
+        by_dir = {d.resolve(): t for t, d in self.tiers.items()}
+        out: dict[int, Available] = {}
+        for step, path in found.items():
+            tier = by_dir.get(path.parent.parent.resolve())
+            if tier is not None:
+                out[step] = Available(step, tier, path)
+        return out
+
+    def load(self, available: Available, dim: int) -> tuple[ShardState, float]:
+        """Load and verify one checkpoint; (state, seconds). Raises if it went bad."""
+        started = time.monotonic()
+        data = read_checkpoint(
+            available.path, step=available.step, shard=self.shard, num_shards=self.num_shards
+        )
+        if data is None:
+            raise RuntimeError(f"checkpoint {available.path} is no longer valid")
+        try:
+            w = _npy_array(data.members["w.npy"])
+            v = _npy_array(data.members["v.npy"])
+        except (KeyError, ValueError) as exc:
+            raise RuntimeError(f"checkpoint {available.path} is unreadable: {exc}") from exc
+        if w.shape != (dim,) or v.shape != (dim,) or w.dtype != np.float64:
+            raise RuntimeError(f"checkpoint {available.path} holds shape {w.shape}, not ({dim},)")
+        return ShardState(step=data.step, w=w, v=v), time.monotonic() - started
+
+
+def write_output(output_dir: Path, shard: int, w: Vector) -> Path:
+    """Final weights as `shard-<k>.npy`, written atomically."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    final = output_dir / f"shard-{shard}.npy"
+    tmp = output_dir / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, w, allow_pickle=False)
+        tmp.replace(final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return final

@@ -1,0 +1,227 @@
+"""The training loop of one worker.
+
+Exit codes: 0 done, 2 bad settings, 3 a collective timed out (a peer is gone), 128 +
+signal number on SIGTERM / SIGINT (143 / 130), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+
+from host_monitor.worker_client import CheckpointTier, WorkerClient
+from supervisor.local.workload.checkpoint import CheckpointStore, write_output
+from supervisor.local.workload.collective import CollectiveTimeout, FileCollective
+from supervisor.local.workload.config import ConfigError, WorkloadConfig
+from supervisor.local.workload.model import (
+    ShardState,
+    apply_update,
+    ground_truth,
+    init_state,
+    local_gradient,
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_COLLECTIVE_TIMEOUT = 3
+SLEEP_SLICE_S = 0.05
+
+log = logging.getLogger("supervisor.local.workload")
+
+
+class Terminated(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT only set a flag; the loop checks it at its safe points, so no
+    write is ever cut in half by the signal."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+
+class Trainer:
+    def __init__(self, cfg: WorkloadConfig, client: WorkerClient, stop: _StopFlag) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.stop = stop
+        self.state: ShardState | None = None
+        self.store = CheckpointStore(
+            {
+                "local": cfg.local_ckpt_dir,
+                "durable": cfg.durable_ckpt_dir,
+                "emergency": cfg.emergency_ckpt_dir,
+            },
+            shard=cfg.shard,
+            num_shards=cfg.num_shards,
+            keep=cfg.keep_checkpoints,
+        )
+        self.collective = FileCollective(
+            cfg.collective_dir,
+            cfg.rank,
+            cfg.world_size,
+            timeout_s=cfg.collective_timeout_s,
+            poll=self.safe_point,
+        )
+        self.prefix = f"workload rank={cfg.rank} replica={cfg.replica} shard={cfg.shard}:"
+
+    def say(self, message: str) -> None:
+        with contextlib.suppress(OSError):  # stdout gone (closed pipe): keep training
+            print(f"{self.prefix} {message}", flush=True)
+
+    # --- safe points -----------------------------------------------------------------
+
+    def safe_point(self) -> None:
+        """Serve a pending emergency checkpoint, then honour SIGTERM / SIGINT.
+
+        Called between steps, while sleeping and while waiting in a collective: at each
+        of these points `self.state` is the state after the last completed step.
+        """
+        self.client.at_safe_point()
+        if self.stop.signum is not None:
+            raise Terminated(self.stop.signum)
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            self.safe_point()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, SLEEP_SLICE_S))
+
+    def emergency_checkpoint(self) -> int:
+        state = self.state
+        if state is None:
+            raise RuntimeError("no training state yet (still agreeing on the resume step)")
+        self.save(state, "emergency")
+        return state.step
+
+    def save(self, state: ShardState, tier: CheckpointTier) -> None:
+        _, duration = self.store.save(state, tier)
+        self.client.report_checkpoint_saved(state.step, duration, tier)
+        what = "emergency checkpoint saved" if tier == "emergency" else "checkpoint saved"
+        self.say(f"{what} step={state.step} tier={tier} duration_s={duration:.4f}")
+
+    # --- the run ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.client.register(world_size=cfg.world_size)
+        self.client.on_emergency_checkpoint(self.emergency_checkpoint)
+        if cfg.local_freq and cfg.durable_freq and cfg.durable_freq % cfg.local_freq:
+            self.say(
+                f"warning: S3_CHECKPOINTING_FREQ={cfg.durable_freq} is not a multiple of "
+                f"IN_MEMORY_CHECKPOINTING_FREQ={cfg.local_freq}"
+            )
+        if cfg.rank == 0:
+            self.collective.remove_older_attempts()
+        self.state = self.resume()
+        self.client.report_step(self.state.step)
+        truth = ground_truth(cfg.seed, cfg.shard, cfg.model_dim)
+        group = [i * cfg.num_shards + cfg.shard for i in range(cfg.num_replicas)]
+        state = self.state
+        while state.step < cfg.total_steps:
+            self.safe_point()
+            grad, loss = local_gradient(
+                state,
+                truth,
+                seed=cfg.seed,
+                replica=cfg.replica,
+                shard=cfg.shard,
+                batch_size=cfg.batch_size,
+            )
+            self.sleep(cfg.step_time_s + self.client.slowdown_s)
+            mean = self.collective.all_reduce_mean(state.step, grad, group)
+            apply_update(state, mean, learning_rate=cfg.learning_rate, momentum=cfg.momentum)
+            self.client.report_step(state.step)
+            if state.step % cfg.log_every == 0 or state.step == cfg.total_steps:
+                self.say(f"step={state.step}/{cfg.total_steps} loss={loss:.6g}")
+            if cfg.local_freq and state.step % cfg.local_freq == 0:
+                self.save(state, "local")
+            if cfg.durable_freq and state.step % cfg.durable_freq == 0:
+                self.save(state, "durable")
+        if cfg.replica == 0:
+            path = write_output(cfg.output_dir, cfg.shard, state.w)
+            self.say(f"done step={state.step} output={path}")
+        else:
+            self.say(f"done step={state.step}")
+        return EXIT_OK
+
+    def resume(self) -> ShardState:
+        """Agree with every rank on the newest step all of them can load, and load it."""
+        cfg = self.cfg
+        available = self.store.available()
+        my_steps = sorted(available)
+        mine: dict[str, object] = {
+            "steps": my_steps,
+            "num_shards": cfg.num_shards,
+            "world_size": cfg.world_size,
+            "seed": cfg.seed,
+        }
+        everyone = self.collective.all_gather("resume", mine)
+        for rank, theirs in enumerate(everyone):
+            for key in ("num_shards", "world_size", "seed"):
+                if theirs[key] != mine[key]:
+                    raise ConfigError(f"rank {rank} runs with {key}={theirs[key]}, not {mine[key]}")
+        common = set(my_steps)
+        for theirs in everyone:
+            common &= set(theirs["steps"])
+        if not common:
+            self.say("starting from step=0 (no checkpoint every rank can load)")
+            return init_state(cfg.seed, cfg.shard, cfg.model_dim)
+        chosen = available[max(common)]
+        state, duration = self.store.load(chosen, cfg.model_dim)
+        self.client.report_checkpoint_loaded(state.step, duration, chosen.tier)
+        self.say(f"resumed step={state.step} tier={chosen.tier} duration_s={duration:.4f}")
+        return state
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s: %(message)s"
+    )
+    try:
+        cfg = WorkloadConfig.from_env()
+    except ConfigError as exc:
+        print(f"workload: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    stop = _StopFlag()
+    stop.install()
+    client = WorkerClient.from_env()
+    trainer = Trainer(cfg, client, stop)
+    code = EXIT_ERROR
+    try:
+        code = trainer.run()
+    except Terminated as exc:
+        step = trainer.state.step if trainer.state is not None else None
+        trainer.say(f"terminated by {exc} at step={step}")
+        code = 128 + exc.signum
+    except CollectiveTimeout as exc:
+        trainer.say(f"collective timed out: {exc}")
+        code = EXIT_COLLECTIVE_TIMEOUT
+    except ConfigError as exc:
+        trainer.say(f"error: {exc}")
+        code = EXIT_CONFIG
+    except Exception:
+        log.exception("workload failed")
+        code = EXIT_ERROR
+    finally:
+        client.close()
+    return code
