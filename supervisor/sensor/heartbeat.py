@@ -3,7 +3,9 @@
 This is the hottest path of the service (every node, every few seconds), so it is
 decoded and validated by msgspec straight from the request bytes: about a third of
 pydantic's cost for the same checks. The JSON Schema in /openapi.json is generated from
-these same types.
+these same types. The structs hold no references back to anything, so they are kept out
+of the cyclic garbage collector (`gc=False`): with 10,000 nodes' latest heartbeats in
+memory, full collections would otherwise pause the event loop for a few hundred ms.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ Name = Annotated[
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class WorkerReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class WorkerReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
     rank: NonNegative
     local_rank: NonNegative
     state: WorkerState
@@ -30,7 +32,7 @@ class WorkerReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     exit_code: int | None = None
 
 
-class GpuReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class GpuReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
     """A GPU error seen by the host's watchdogs (kernel log XID, nvidia-smi ECC)."""
 
     kind: Literal["xid", "ecc"]
@@ -47,7 +49,7 @@ class GpuReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError("count is required for an ecc report")
 
 
-class HostHeartbeat(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class HostHeartbeat(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
     node: Name
     state: NodeState
     job: Name | None = None
