@@ -59,6 +59,9 @@ class DefaultPolicy(Policy):
     """Restart in place, restart the workload, hot-swap, scale down; checkpoint before each."""
 
     name = "default"
+    #: Save the healthy workers before anything stops them. Turn off only to measure
+    #: what it saves (bench) or for workloads that cannot checkpoint on a signal.
+    emergency_checkpoints: bool = True
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -83,6 +86,8 @@ class DefaultPolicy(Policy):
             return [action]
         if self.budget_exhausted(ctx, action.job):
             return []
+        if not self.emergency_checkpoints:
+            return [action]
         checkpoint = actions.emergency_checkpoint(
             action.job,
             exclude_nodes=(failed_node,) if failed_node else (),

@@ -125,6 +125,7 @@ class Supervisor:
         for event in unhandled:
             self.controller.submit_event(event)
         self._recorder = asyncio.create_task(self._record_timer_changes(), name="recorder")
+        await self._resume_schedules()
         self.ready = True
         log.info(
             "supervisor ready: %d nodes, %d jobs, policy %s, backend %s",
@@ -302,6 +303,19 @@ class Supervisor:
             self._run_schedule(fault.id, kinds, mean_s, spec.job), name=f"faults:{fault.id}"
         )
         return fault
+
+    async def _resume_schedules(self) -> None:
+        """Fault schedules outlive a restart of the supervisor, like the faults they cause."""
+        for fault in await asyncio.to_thread(self.store.list_faults, True):
+            schedule = str(fault.params.get("schedule", ""))
+            kind, _, mean = schedule.partition(",")
+            if fault.kind != "schedule" or not mean:
+                continue
+            kinds = RANDOM_KINDS if kind == "random" else (kind,)
+            self._schedules[fault.id] = asyncio.create_task(
+                self._run_schedule(fault.id, kinds, float(mean), fault.job),
+                name=f"faults:{fault.id}",
+            )
 
     async def _run_schedule(
         self, parent: int, kinds: tuple[str, ...], mean_s: float, job: str | None

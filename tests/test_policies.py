@@ -14,6 +14,7 @@ import pytest
 from policies.default import DefaultPolicy
 from policies.examples.hot_swap_on_xid import HotSwapOnXid
 from policies.examples.never_scale_below import NeverScaleBelow
+from policies.examples.periodic_checkpoints_only import PeriodicCheckpointsOnly
 from supervisor.domain import (
     DISRUPTIVE_ACTIONS,
     ActionRequest,
@@ -562,3 +563,27 @@ def test_policies_import_only_domain_policy_and_stdlib(path: Path) -> None:
         for name in names:
             top = name.split(".")[0]
             assert name in ALLOWED or top in sys.stdlib_module_names, f"{path}: imports {name}"
+
+
+def test_periodic_checkpoints_only_skips_the_emergency_checkpoint() -> None:
+    event = Event(
+        EventType.WORKER_EXITED, NOW, node="n1", job="j1", rank=0, details={"exit_code": 1}, id=1
+    )
+    decided = PeriodicCheckpointsOnly().event_policy(event, _ctx_for_flag())
+    assert [a.type for a in decided] == [ActionType.RESTART_IN_PLACE]
+    default = DefaultPolicy().event_policy(event, _ctx_for_flag())
+    assert [a.type for a in default] == [
+        ActionType.EMERGENCY_CHECKPOINT,
+        ActionType.RESTART_IN_PLACE,
+    ]
+
+
+def _ctx_for_flag() -> PolicyContext:
+    limits = PolicyLimits(
+        max_in_job_restarts=3,
+        max_workload_restarts=0,
+        enable_workload_scaling=False,
+        restart_window_s=3600,
+        max_restarts_in_window=10,
+    )
+    return PolicyContext(now=NOW, limits=limits)
