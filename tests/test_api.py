@@ -508,3 +508,57 @@ async def test_dry_run_setting_uses_the_recording_backend(make_settings: Setting
     settings = make_settings(dry_run=True)
     supervisor = Supervisor(settings)
     assert isinstance(supervisor.backend, DryRunBackend)
+
+
+async def test_fault_schedule_injects_until_deleted(make_settings: SettingsFactory) -> None:
+    async with running(
+        make_settings(heartbeat_timeout_s=30, heartbeat_polling_period_s=5, gpu_report_cooldown_s=0)
+    ) as api:
+        await api.beat(heartbeat("n1"))
+        response = await api.client.post(
+            "/api/v1/faults", json={"schedule": "xid,0.05", "job": "j1"}, headers=OPERATOR
+        )
+        assert response.status_code == 201, response.text
+        schedule = response.json()
+        assert schedule["kind"] == "schedule" and schedule["params"] == {"schedule": "xid,0.05"}
+        for _ in range(200):
+            faults = await api.get("/api/v1/faults")
+            if len(faults) >= 4:
+                break
+            await asyncio.sleep(0.02)
+        ended = await api.client.delete(f"/api/v1/faults/{schedule['id']}", headers=OPERATOR)
+        assert ended.json()["active"] is False
+        await asyncio.sleep(0.2)
+        count = len(await api.get("/api/v1/faults"))
+        await asyncio.sleep(0.3)
+        assert len(await api.get("/api/v1/faults")) == count  # stopped
+        children = [f for f in await api.get("/api/v1/faults") if f["kind"] == "xid"]
+        assert len(children) >= 3
+        assert all(
+            f["params"]["schedule"] == schedule["id"] and f["node"] == "n1" for f in children
+        )
+        await api.settle()
+        xids = (await api.get("/api/v1/events", type="gpu_xid"))["items"]
+        assert {e["fault_id"] for e in xids} <= {f["id"] for f in children} and xids
+
+
+async def test_process_faults_need_a_process_backend(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    for body in (
+        {"kind": "node_down", "node": "n1"},
+        {"kind": "worker_crash", "node": "n1", "rank": 2},
+        {"kind": "straggler", "node": "n1", "slowdown_s": 0.5},
+        {"schedule": "random,60"},
+    ):
+        response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
+        assert response.status_code == 422, (body, response.text)
+        assert "backend" in response.text
+    for body, needle in (
+        ({"schedule": "random,0"}, "positive"),
+        ({"schedule": "often"}, "schedule"),
+        ({"kind": "xid", "schedule": "xid,5", "node": "n1", "code": 1}, "exactly one"),
+        ({"kind": "straggler", "node": "n1"}, "slowdown_s"),
+    ):
+        response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
+        assert response.status_code == 422 and needle in response.text, response.text
+    assert await api.get("/api/v1/faults") == []
