@@ -1,6 +1,11 @@
 """`python -m supervisor.local.workload`: run one training worker (see `config.py`)."""
 
 import os
+import signal
+
+# Until the worker client installs its handler, an emergency-checkpoint signal must not
+# kill the worker (SIGUSR1's default action): there is nothing to save yet anyway.
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 # One BLAS thread per worker: several workers share a machine, and single-threaded
 # reductions keep every run bit-identical. Must be set before numpy is imported.

@@ -123,8 +123,13 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.client.register(world_size=cfg.world_size)
         self.client.on_emergency_checkpoint(self.emergency_checkpoint)
+        self.say(
+            f"start attempt={cfg.attempt} world_size={cfg.world_size} "
+            f"({cfg.num_replicas} replicas x {cfg.num_shards} shards) seed={cfg.seed} "
+            f"total_steps={cfg.total_steps} monitor={'on' if self.client.online else 'off'}"
+        )
+        self.client.register(world_size=cfg.world_size)
         if cfg.local_freq and cfg.durable_freq and cfg.durable_freq % cfg.local_freq:
             self.say(
                 f"warning: S3_CHECKPOINTING_FREQ={cfg.durable_freq} is not a multiple of "

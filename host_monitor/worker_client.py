@@ -1,0 +1,556 @@
+"""What a training loop imports to talk to its node's host monitor.
+
+Standard library and httpx only: a training script must be able to import this without
+pydantic or the supervisor. The bodies sent are plain dicts shaped like the models of
+`host_monitor.protocol` (the worker routes, `/v1/workers/...`).
+
+Typical use::
+
+    client = WorkerClient.from_env()
+    client.register(world_size=world_size)
+    client.on_emergency_checkpoint(save_now)  # save_now() -> the step it saved
+    for step in ...:
+        client.at_safe_point()                # serves a pending emergency checkpoint
+        train_one_step()
+        client.report_step(step)              # cheap: reported by a background thread
+        time.sleep(client.slowdown_s)         # straggler fault, set by the host monitor
+    client.close()
+
+Without a monitor URL (no `HOST_MONITOR_URL`) the client works offline: nothing is
+reported, and emergency checkpoints still run on SIGUSR1 (they are just not acked), so
+the workload also runs standalone.
+
+The module also defines the on-disk checkpoint layout shared by the workload and by
+anything that looks for checkpoints (see `checkpoint_file`), in the standard library
+only, so that finding and verifying a checkpoint needs no numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import queue
+import re
+import secrets
+import signal
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+import httpx
+
+__all__ = [
+    "CHECKPOINT_META",
+    "CheckpointData",
+    "CheckpointTier",
+    "WorkerClient",
+    "checkpoint_file",
+    "checkpoint_steps",
+    "list_checkpoints",
+    "newest_checkpoint",
+    "read_checkpoint",
+    "step_dir",
+    "write_checkpoint_file",
+]
+
+log = logging.getLogger(__name__)
+
+CheckpointTier = Literal["local", "durable", "emergency"]
+_TIERS: frozenset[str] = frozenset({"local", "durable", "emergency"})
+
+# Env variables read by `WorkerClient.from_env` and `at_safe_point`.
+ENV_RANK = "RANK"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_MONITOR_URL = "HOST_MONITOR_URL"
+ENV_TOKEN = "HOST_MONITOR_WORKER_TOKEN"
+ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
+DEFAULT_REQUEST_ID = "signal"
+
+_REQUEST_TIMEOUT_S = 2.0
+_MAX_QUEUED_REPORTS = 1000
+_MAX_ERROR_CHARS = 2000
+_MAX_REQUEST_ID_CHARS = 200
+
+
+class WorkerClient:
+    """One training worker's link to its host monitor.
+
+    `report_step` and the checkpoint reports only hand data to a daemon thread, which
+    POSTs the newest step every `report_interval_s` (that POST is also the worker's
+    heartbeat, so it is sent even when the step did not change) and reads back the
+    straggler slowdown. Nothing here raises because the host monitor is down or slow:
+    failures are logged (once per kind of failure until one succeeds again) and dropped.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        local_rank: int,
+        *,
+        monitor_url: str | None = None,
+        token: str | None = None,
+        report_interval_s: float = 0.5,
+    ) -> None:
+        if rank < 0 or local_rank < 0:
+            raise ValueError("rank and local_rank must be >= 0")
+        if report_interval_s <= 0:
+            raise ValueError("report_interval_s must be > 0")
+        self.rank = rank
+        self.local_rank = local_rank
+        self.monitor_url = monitor_url.rstrip("/") if monitor_url else None
+        self.report_interval_s = report_interval_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http: httpx.Client | None = None
+        if self.monitor_url is not None:
+            self._http = httpx.Client(
+                base_url=self.monitor_url,
+                headers=self._headers,
+                timeout=_REQUEST_TIMEOUT_S,
+                trust_env=False,  # the monitor is local: never go through a proxy
+            )
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._slowdown_s = 0.0
+        self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(_MAX_QUEUED_REPORTS)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing: set[str] = set()
+        self._closed = False
+        # Emergency checkpoint: the signal handler only sets this flag.
+        self._requested = False
+        self._callback: Callable[[], int] | None = None
+        self._previous_handler: Any = None
+        self._handler_installed = False
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, report_interval_s: float = 0.5
+    ) -> WorkerClient:
+        """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL and HOST_MONITOR_WORKER_TOKEN."""
+        env = os.environ if env is None else env
+        return cls(
+            int(env.get(ENV_RANK, "0")),
+            int(env.get(ENV_LOCAL_RANK, "0")),
+            monitor_url=env.get(ENV_MONITOR_URL) or None,
+            token=env.get(ENV_TOKEN) or None,
+            report_interval_s=report_interval_s,
+        )
+
+    # --- state read by the training loop ---------------------------------------------
+
+    @property
+    def online(self) -> bool:
+        return self._http is not None
+
+    @property
+    def slowdown_s(self) -> float:
+        """Extra seconds per step the host monitor asks for (straggler fault); 0 offline."""
+        return self._slowdown_s
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """True from a SIGUSR1 until `at_safe_point` serves it."""
+        return self._requested
+
+    # --- registration and progress ---------------------------------------------------
+
+    def register(
+        self, world_size: int | None = None, *, attempts: int = 5, retry_delay_s: float = 0.2
+    ) -> bool:
+        """Tell the host monitor this process is rank `rank`; True if it answered.
+
+        Retries briefly (the monitor may still be starting); never raises because it is
+        down. Starts the reporting thread either way (online).
+        """
+        if self._http is None:
+            return False
+        body: dict[str, Any] = {"rank": self.rank, "local_rank": self.local_rank}
+        body["pid"] = os.getpid()
+        if world_size is not None:
+            body["world_size"] = world_size
+        ok = False
+        for attempt in range(max(1, attempts)):
+            if self._post("/v1/workers/register", body, kind="register") is not None:
+                ok = True
+                break
+            if attempt + 1 < attempts:
+                time.sleep(retry_delay_s * (2**attempt))
+        self._ensure_thread()
+        return ok
+
+    def report_step(self, step: int) -> None:
+        """Record `step` as the newest finished step. Cheap: call it every step."""
+        self._step = step  # one attribute store: atomic under the GIL
+        if self._thread is None and self._http is not None:
+            self._ensure_thread()
+
+    def report_checkpoint_saved(self, step: int, duration_s: float, tier: CheckpointTier) -> None:
+        """Queue a `saved` checkpoint report (sent by the background thread)."""
+        self._report_checkpoint("saved", step, duration_s, tier)
+
+    def report_checkpoint_loaded(self, step: int, duration_s: float, tier: CheckpointTier) -> None:
+        """Queue a `loaded` checkpoint report (sent by the background thread)."""
+        self._report_checkpoint("loaded", step, duration_s, tier)
+
+    def _report_checkpoint(
+        self, event: str, step: int, duration_s: float, tier: CheckpointTier
+    ) -> None:
+        if tier not in _TIERS:
+            raise ValueError(f"unknown checkpoint tier {tier!r}")
+        if self._http is None:
+            return
+        body = {"event": event, "step": step, "duration_s": max(0.0, duration_s), "tier": tier}
+        try:
+            self._queue.put_nowait((f"/v1/workers/{self.rank}/checkpoints", body))
+        except queue.Full:
+            log.warning("worker client: report queue full, dropping a checkpoint report")
+        self._ensure_thread()
+        self._wake.set()
+
+    # --- emergency checkpoint --------------------------------------------------------
+
+    def on_emergency_checkpoint(self, callback: Callable[[], int]) -> None:
+        """On SIGUSR1, flag an emergency checkpoint; `at_safe_point` then calls `callback`.
+
+        `callback()` saves and returns the step it saved. Must be called from the main
+        thread (Python installs signal handlers only there).
+        """
+        self._callback = callback
+        if not self._handler_installed:
+            self._previous_handler = signal.signal(signal.SIGUSR1, self._on_signal)
+            self._handler_installed = True
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Signal-safe: a single attribute store, no locks, no I/O.
+        self._requested = True
+
+    def at_safe_point(self) -> bool:
+        """Serve a pending emergency checkpoint; True if one was served.
+
+        Calls the callback, then acks it with POST /v1/workers/{rank}/emergency-ack
+        {request_id, ok, step, duration_s, error}. A signal carries no data, so the
+        request id is read from the file named by env `HOST_MONITOR_REQUEST_FILE` when it
+        is set (and readable), else it is "signal". The host monitor matches any ack that
+        arrives after it signalled the worker within a round, so the id is informational.
+        A failing callback is acked with ok=false and its error; it does not raise.
+        """
+        if not self._requested:
+            return False
+        self._requested = False  # a signal arriving during the save asks for another one
+        callback = self._callback
+        started = time.monotonic()
+        step: int | None = None
+        error: str | None = None
+        if callback is None:
+            error = "no emergency checkpoint callback installed"
+        else:
+            try:
+                step = int(callback())
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+                log.error("emergency checkpoint failed: %s", error)
+        duration = time.monotonic() - started
+        if self._http is not None:
+            body: dict[str, Any] = {
+                "request_id": _request_id(),
+                "ok": error is None,
+                "step": step if step is not None and step >= 0 else None,
+                "duration_s": duration,
+                "error": error,
+            }
+            # Sent now, not queued: the host monitor is waiting for exactly this.
+            for _ in range(2):
+                if self._post(f"/v1/workers/{self.rank}/emergency-ack", body, "ack") is not None:
+                    break
+        return True
+
+    # --- background thread -----------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._http is None or self._closed:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"worker-client-{self.rank}", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        next_progress = time.monotonic()
+        while True:
+            self._wake.clear()  # before draining: a report queued from now on wakes us
+            stopping = self._stop.is_set()
+            self._drain()
+            now = time.monotonic()
+            if now >= next_progress or stopping:
+                self._send_progress()
+                next_progress = max(next_progress + self.report_interval_s, now)
+            if stopping:
+                self._drain()
+                return
+            self._wake.wait(max(0.0, next_progress - time.monotonic()))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                path, body = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._post(path, body, kind="checkpoint")
+
+    def _send_progress(self) -> None:
+        reply = self._post(
+            f"/v1/workers/{self.rank}/progress", {"step": self._step}, kind="progress"
+        )
+        if isinstance(reply, dict):
+            value = reply.get("slowdown_s", 0.0)
+            if isinstance(value, int | float) and value >= 0:
+                self._slowdown_s = float(value)
+
+    def _post(self, path: str, body: dict[str, Any], kind: str) -> Any | None:
+        """POST; the decoded reply (or {}), or None on any failure (logged once)."""
+        if self._http is None:
+            return None
+        try:
+            response = self._http.post(path, json=body)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            if kind not in self._failing:
+                self._failing.add(kind)
+                log.warning("worker client: %s to host monitor failed: %s", kind, exc)
+            return None
+        if kind in self._failing:
+            self._failing.discard(kind)
+            log.info("worker client: %s to host monitor works again", kind)
+        try:
+            return response.json() if response.content else {}
+        except ValueError:
+            return {}
+
+    # --- shutdown --------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread after flushing pending reports (and a last progress report);
+        restore the SIGUSR1 handler this client replaced. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            self._stop.set()
+            self._wake.set()
+            thread.join(timeout_s)
+        if self._http is not None:
+            self._http.close()
+        if self._handler_installed and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signal.SIGUSR1, self._previous_handler)
+            self._handler_installed = False
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _request_id() -> str:
+    path = os.environ.get(ENV_REQUEST_FILE)
+    if path:
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            value = ""
+        if value:
+            return value[:_MAX_REQUEST_ID_CHARS]
+    return DEFAULT_REQUEST_ID
+
+
+# --- on-disk checkpoint layout ---------------------------------------------------------
+#
+#   <tier_dir>/step-<step:08d>/shard-<k>-of-<N>.npz
+#
+# Each file is a zip archive (readable by `numpy.load` as an .npz): one `<name>.npy`
+# member per array, stored uncompressed, plus `meta.json` = {"format": 1, "step",
+# "shard", "num_shards", "sha256": {member: hex digest}}. A file is complete only if it
+# has its final name (it is written under a hidden temporary name in the same directory,
+# flushed, fsynced, renamed with os.replace, and the directory fsynced), its zip CRCs
+# check, its metadata names the same step and shard as its path, and every member's
+# sha256 matches. Temporary files never match the final name pattern.
+
+CHECKPOINT_META = "meta.json"
+_FORMAT = 1
+_STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir(tier_dir: Path, step: int) -> Path:
+    return Path(tier_dir) / f"step-{step:08d}"
+
+
+def checkpoint_file(tier_dir: Path, step: int, shard: int, num_shards: int) -> Path:
+    return step_dir(tier_dir, step) / f"shard-{shard}-of-{num_shards}.npz"
+
+
+def checkpoint_steps(tier_dir: Path) -> list[int]:
+    """Steps that have a directory in `tier_dir` (complete or not), ascending."""
+    try:
+        names = os.listdir(tier_dir)
+    except OSError:
+        return []
+    steps = []
+    for name in names:
+        match = _STEP_DIR_RE.match(name)
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+@dataclass(frozen=True)
+class CheckpointData:
+    """A verified checkpoint file: its metadata and the raw bytes of each member."""
+
+    path: Path
+    step: int
+    shard: int
+    num_shards: int
+    members: dict[str, bytes]  # "<name>.npy" -> bytes, meta.json excluded
+
+
+def write_checkpoint_file(
+    tier_dir: Path,
+    step: int,
+    shard: int,
+    num_shards: int,
+    members: Mapping[str, bytes],
+) -> Path:
+    """Write one shard's checkpoint atomically; returns its path.
+
+    `members` maps member names (e.g. "w.npy") to their bytes. Safe when several
+    processes write the same file at once: each writes its own temporary file and the
+    last rename wins, and every version is complete.
+    """
+    if CHECKPOINT_META in members:
+        raise ValueError(f"{CHECKPOINT_META} is reserved")
+    final = checkpoint_file(tier_dir, step, shard, num_shards)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": _FORMAT,
+        "step": step,
+        "shard": shard,
+        "num_shards": num_shards,
+        "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in members.items()},
+    }
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as raw:
+            with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED) as archive:
+                for name, data in members.items():
+                    archive.writestr(name, data)
+                archive.writestr(CHECKPOINT_META, json.dumps(meta, sort_keys=True))
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(final.parent)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(
+    path: Path,
+    *,
+    step: int | None = None,
+    shard: int | None = None,
+    num_shards: int | None = None,
+) -> CheckpointData | None:
+    """Read and verify one checkpoint file; None if it is missing, partial or corrupt
+    (or names another step or shard than asked)."""
+    try:
+        blob = Path(path).read_bytes()
+    except OSError:
+        return None
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            contents = {name: archive.read(name) for name in archive.namelist()}
+        meta = json.loads(contents.pop(CHECKPOINT_META))
+        digests = meta["sha256"]
+        meta_step, meta_shard, meta_shards = meta["step"], meta["shard"], meta["num_shards"]
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError, EOFError):
+        return None
+    if meta.get("format") != _FORMAT or not isinstance(digests, dict):
+        return None
+    if not all(isinstance(v, int) for v in (meta_step, meta_shard, meta_shards)):
+        return None
+    expected = (step, shard, num_shards)
+    actual = (meta_step, meta_shard, meta_shards)
+    if any(want is not None and want != got for want, got in zip(expected, actual, strict=True)):
+        return None
+    if set(digests) != set(contents):
+        return None
+    for name, data in contents.items():
+        if hashlib.sha256(data).hexdigest() != digests[name]:
+            return None
+    return CheckpointData(Path(path), meta_step, meta_shard, meta_shards, contents)
+
+
+def list_checkpoints(tier_dirs: Sequence[Path], shard: int, num_shards: int) -> dict[int, Path]:
+    """Every step this shard can be loaded from: step -> a verified file.
+
+    When several tiers hold a step, the first tier in `tier_dirs` wins (put the fastest
+    first). Every candidate is read and verified, so this costs one read per file.
+    """
+    found: dict[int, Path] = {}
+    for tier_dir in tier_dirs:
+        for step in checkpoint_steps(tier_dir):
+            if step in found:
+                continue
+            path = checkpoint_file(tier_dir, step, shard, num_shards)
+            if read_checkpoint(path, step=step, shard=shard, num_shards=num_shards):
+                found[step] = path
+    return dict(sorted(found.items()))
+
+
+def newest_checkpoint(
+    tier_dirs: Sequence[Path], shard: int, num_shards: int
+) -> tuple[int, Path] | None:
+    """The newest complete, verified checkpoint of this shard in any tier, or None.
+
+    Ties between tiers go to the first in `tier_dirs`. Reads only until one verifies.
+    """
+    candidates: dict[int, list[Path]] = {}
+    for tier_dir in tier_dirs:
+        for step in checkpoint_steps(tier_dir):
+            candidates.setdefault(step, []).append(
+                checkpoint_file(tier_dir, step, shard, num_shards)
+            )
+    for step in sorted(candidates, reverse=True):
+        for path in candidates[step]:
+            if read_checkpoint(path, step=step, shard=shard, num_shards=num_shards):
+                return step, path
+    return None

@@ -1,0 +1,322 @@
+"""The worker client against a tiny recording HTTP server (a stdlib server in a thread)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from host_monitor.worker_client import (
+    WorkerClient,
+    checkpoint_file,
+    list_checkpoints,
+    newest_checkpoint,
+    read_checkpoint,
+    write_checkpoint_file,
+)
+
+
+class RecordingServer:
+    """Records every request as (path, body, Authorization header); answers progress
+    reports with the current `slowdown_s`."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, Any, str | None]] = []
+        self.slowdown_s = 0.0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                with server.lock:
+                    server.requests.append((self.path, body, self.headers.get("Authorization")))
+                reply: dict[str, Any] = {}
+                if self.path.endswith("/progress"):
+                    reply = {"slowdown_s": server.slowdown_s}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self.thread.start()
+
+    def bodies(self, suffix: str) -> list[Any]:
+        with self.lock:
+            return [body for path, body, _ in self.requests if path.endswith(suffix)]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[RecordingServer]:
+    s = RecordingServer()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_register_sends_identity_and_token(server: RecordingServer) -> None:
+    client = WorkerClient(3, 1, monitor_url=server.url, token="tok", report_interval_s=0.05)
+    try:
+        assert client.online
+        assert client.register(world_size=8)
+    finally:
+        client.close()
+    path, body, auth = server.requests[0]
+    assert path == "/v1/workers/register"
+    assert body == {"rank": 3, "local_rank": 1, "pid": os.getpid(), "world_size": 8}
+    assert auth == "Bearer tok"
+    assert all(p.startswith("/v1/workers/") for p, _, _ in server.requests)
+
+
+def test_monitor_down_never_breaks_training() -> None:
+    client = WorkerClient(0, 0, monitor_url=f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    assert client.register(attempts=2, retry_delay_s=0.01) is False
+    client.report_step(1)
+    client.report_checkpoint_saved(1, 0.1, "local")
+    client.close()
+    assert time.monotonic() - started < 3.0
+
+
+def test_progress_is_batched_and_sends_the_newest_step(server: RecordingServer) -> None:
+    client = WorkerClient(2, 0, monitor_url=server.url, report_interval_s=0.1)
+    client.register()
+    calls = 0
+    end = time.monotonic() + 0.35
+    while time.monotonic() < end:
+        client.report_step(calls)
+        calls += 1
+    last = calls - 1
+    client.close()  # flushes one last progress report
+    progress = server.bodies("/v1/workers/2/progress")
+    assert calls > 1000
+    assert 2 <= len(progress) <= 8
+    assert progress[-1] == {"step": last}
+    steps = [b["step"] for b in progress if b["step"] is not None]
+    assert steps == sorted(steps)
+
+
+def test_progress_doubles_as_heartbeat(server: RecordingServer) -> None:
+    client = WorkerClient(0, 0, monitor_url=server.url, report_interval_s=0.03)
+    client.register()
+    try:
+        assert wait_for(lambda: len(server.bodies("/progress")) >= 3)
+        assert server.bodies("/progress")[0] == {"step": None}  # before any step
+        client.report_step(5)
+        assert wait_for(lambda: server.bodies("/progress").count({"step": 5}) >= 3)
+    finally:
+        client.close()
+
+
+def test_slowdown_is_read_back(server: RecordingServer) -> None:
+    client = WorkerClient(0, 0, monitor_url=server.url, report_interval_s=0.02)
+    client.register()
+    try:
+        assert client.slowdown_s == 0.0
+        server.slowdown_s = 0.25
+        assert wait_for(lambda: client.slowdown_s == 0.25)
+        server.slowdown_s = 0.0
+        assert wait_for(lambda: client.slowdown_s == 0.0)
+    finally:
+        client.close()
+
+
+def test_sigusr1_is_served_at_a_safe_point_and_acked(
+    server: RecordingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request_file = tmp_path / "request"
+    request_file.write_text("round-7\n")
+    monkeypatch.setenv("HOST_MONITOR_REQUEST_FILE", str(request_file))
+    before = signal.getsignal(signal.SIGUSR1)
+    saved: list[int] = []
+
+    def save() -> int:
+        saved.append(42)
+        return 42
+
+    client = WorkerClient(1, 0, monitor_url=server.url, report_interval_s=0.05)
+    try:
+        client.on_emergency_checkpoint(save)
+        assert not client.checkpoint_requested
+        assert client.at_safe_point() is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert wait_for(lambda: client.checkpoint_requested)
+        assert saved == []  # the handler only sets a flag
+        assert client.at_safe_point() is True
+        assert saved == [42]
+        assert client.at_safe_point() is False
+        acks = server.bodies("/v1/workers/1/emergency-ack")
+        assert len(acks) == 1
+        ack = acks[0]
+        assert ack["request_id"] == "round-7"
+        assert ack["ok"] is True and ack["step"] == 42 and ack["error"] is None
+        assert ack["duration_s"] >= 0
+    finally:
+        client.close()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_failing_callback_is_acked_as_failed(
+    server: RecordingServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HOST_MONITOR_REQUEST_FILE", raising=False)
+
+    def save() -> int:
+        raise OSError("disk full")
+
+    client = WorkerClient(0, 0, monitor_url=server.url)
+    try:
+        client.on_emergency_checkpoint(save)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert wait_for(lambda: client.checkpoint_requested)
+        assert client.at_safe_point() is True
+    finally:
+        client.close()
+    (ack,) = server.bodies("/emergency-ack")
+    assert ack["request_id"] == "signal"
+    assert ack["ok"] is False and ack["step"] is None
+    assert "disk full" in ack["error"]
+
+
+def test_checkpoint_reports_are_flushed_on_close(server: RecordingServer) -> None:
+    client = WorkerClient(4, 0, monitor_url=server.url, report_interval_s=10)
+    client.report_checkpoint_saved(20, 0.5, "durable")
+    client.report_checkpoint_loaded(10, 0.25, "emergency")
+    with pytest.raises(ValueError):
+        client.report_checkpoint_saved(1, 0.1, "tape")  # type: ignore[arg-type]
+    client.close()
+    assert server.bodies("/v1/workers/4/checkpoints") == [
+        {"event": "saved", "step": 20, "duration_s": 0.5, "tier": "durable"},
+        {"event": "loaded", "step": 10, "duration_s": 0.25, "tier": "emergency"},
+    ]
+
+
+def test_offline_mode_works_without_a_monitor() -> None:
+    client = WorkerClient.from_env({"RANK": "2", "LOCAL_RANK": "1"})
+    assert (client.rank, client.local_rank, client.online) == (2, 1, False)
+    assert client.register(world_size=4) is False
+    client.report_step(3)
+    client.report_checkpoint_saved(3, 0.1, "local")
+    calls: list[int] = []
+
+    def save() -> int:
+        calls.append(3)
+        return 3
+
+    client.on_emergency_checkpoint(save)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert wait_for(lambda: client.checkpoint_requested)
+    assert client.at_safe_point() is True
+    assert calls == [3]
+    assert client._thread is None  # nothing runs in the background offline
+    client.close()
+
+
+def test_from_env_reads_url_and_token(server: RecordingServer) -> None:
+    env = {
+        "RANK": "5",
+        "LOCAL_RANK": "0",
+        "HOST_MONITOR_URL": server.url + "/",
+        "HOST_MONITOR_WORKER_TOKEN": "secret",
+    }
+    with WorkerClient.from_env(env) as client:
+        assert client.online and client.rank == 5
+        assert client.register()
+    assert server.requests[0][2] == "Bearer secret"
+
+
+# --- checkpoint layout -------------------------------------------------------------------
+
+
+def _write(tier: Path, step: int, shard: int = 0, num_shards: int = 2) -> Path:
+    return write_checkpoint_file(tier, step, shard, num_shards, {"w.npy": bytes([step]) * 64})
+
+
+def test_newest_checkpoint_skips_partial_and_corrupt_files(tmp_path: Path) -> None:
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    assert newest_checkpoint([local, durable], 0, 2) is None
+    _write(durable, 10)
+    _write(local, 15)
+    _write(durable, 20)
+    _write(durable, 20, shard=1)
+    assert newest_checkpoint([local, durable], 0, 2) == (20, checkpoint_file(durable, 20, 0, 2))
+    assert newest_checkpoint([local, durable], 1, 2) == (20, checkpoint_file(durable, 20, 1, 2))
+    # A shard of another layout (num_shards) is not this one.
+    assert newest_checkpoint([local, durable], 0, 4) is None
+
+    # Truncated newest: not complete.
+    newest = checkpoint_file(durable, 20, 0, 2)
+    newest.write_bytes(newest.read_bytes()[:-40])
+    assert read_checkpoint(newest) is None
+    assert newest_checkpoint([local, durable], 0, 2) == (15, checkpoint_file(local, 15, 0, 2))
+
+    # Same size, one byte flipped inside the data: the checksum catches it.
+    path = checkpoint_file(local, 15, 0, 2)
+    blob = bytearray(path.read_bytes())
+    blob[blob.index(bytes([15]) * 64) + 3] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    assert read_checkpoint(path) is None
+
+    # A leftover temporary file (a writer died) never counts.
+    step30 = checkpoint_file(durable, 30, 0, 2)
+    step30.parent.mkdir(parents=True)
+    (step30.parent / f".{step30.name}.tmp-123-abcd").write_bytes(b"partial")
+    assert newest_checkpoint([local, durable], 0, 2) == (10, checkpoint_file(durable, 10, 0, 2))
+    assert list(list_checkpoints([local, durable], 0, 2)) == [10]
+
+
+def test_first_tier_wins_a_tie(tmp_path: Path) -> None:
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    _write(durable, 10)
+    _write(local, 10)
+    assert newest_checkpoint([local, durable], 0, 2) == (10, checkpoint_file(local, 10, 0, 2))
+    assert list_checkpoints([durable, local], 0, 2) == {10: checkpoint_file(durable, 10, 0, 2)}
+    data = read_checkpoint(checkpoint_file(local, 10, 0, 2), step=10, shard=0, num_shards=2)
+    assert data is not None and data.members == {"w.npy": bytes([10]) * 64}
+    # The metadata must name the step of the directory it sits in.
+    moved = checkpoint_file(local, 11, 0, 2)
+    moved.parent.mkdir(parents=True)
+    checkpoint_file(local, 10, 0, 2).replace(moved)
+    assert read_checkpoint(moved, step=11) is None
