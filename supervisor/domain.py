@@ -12,6 +12,9 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+#: Node and job names: what Kubernetes allows in a name, plus underscores.
+NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$"
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from supervisor.domain import (
+    NAME_PATTERN,
     ActionRecord,
     ActionStatus,
     ActionType,
@@ -22,9 +23,7 @@ from supervisor.domain import (
 
 T = TypeVar("T")
 
-Name = Annotated[
-    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$")
-]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=NAME_PATTERN)]
 
 
 class Page(BaseModel, Generic[T]):

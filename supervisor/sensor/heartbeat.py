@@ -15,11 +15,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from supervisor.domain import NodeState, WorkerState
+from supervisor.domain import NAME_PATTERN, NodeState, WorkerState
 
-Name = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$")
-]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=NAME_PATTERN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 

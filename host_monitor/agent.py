@@ -1,0 +1,229 @@
+"""The agent: every part of the host monitor in one asyncio loop.
+
+Tasks, each independent of the others so that none can starve the rest:
+- the local HTTP API (uvicorn, on a socket we bind first, so a port of 0 is known before
+  anything uses our address);
+- the process monitor: polls the workers every 0.1 s and triggers a heartbeat on any
+  change;
+- the heartbeat sender;
+- the XID and ECC watchdogs.
+
+SIGTERM/SIGINT stop the workers we launched (SIGTERM, `shutdown_grace_s`, SIGKILL),
+then the API, then the rest; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import signal
+import socket
+from collections.abc import Generator
+
+import uvicorn
+
+from host_monitor.config import HostMonitorSettings
+from host_monitor.faults import FaultActor
+from host_monitor.heartbeat import HeartbeatSender
+from host_monitor.node import Node
+from host_monitor.server import create_app
+from host_monitor.watchdogs import GpuReporter
+from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
+from host_monitor.watchdogs.nvidia_smi import GpuTopology
+from host_monitor.watchdogs.xid import XidWatchdog, open_kernel_log
+from host_monitor.wire import GpuReport
+
+log = logging.getLogger("host_monitor")
+
+PROCESS_POLL_S = 0.1
+SERVER_STOP_TIMEOUT_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the agent owns SIGTERM/SIGINT, because
+    stopping means stopping the workers first, not only the API."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)  # launched workers must not hold our port open
+    return sock
+
+
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def urls(sock: socket.socket) -> tuple[str, str]:
+    """(URL for this machine, URL for the supervisor) of the bound socket.
+
+    Bound to a wildcard address, workers reach us on loopback and the supervisor by
+    host name; otherwise both use the address we bound.
+    """
+    host, port = sock.getsockname()[:2]
+    if host in WILDCARDS:
+        return _url(WILDCARDS[host], port), _url(socket.getfqdn(), port)
+    return _url(host, port), _url(host, port)
+
+
+class Agent:
+    def __init__(self, settings: HostMonitorSettings) -> None:
+        self.settings = settings
+        self.actuator_token = self._token("actuator_token", log_it=True)
+        self.worker_token = self._token("worker_token", log_it=False)
+        self._stopping = asyncio.Event()
+
+    def _token(self, name: str, *, log_it: bool) -> str:
+        value = getattr(self.settings, name)
+        if value is not None:
+            token: str = value.get_secret_value()
+            return token
+        token = secrets.token_urlsafe(32)
+        if log_it:  # the actuator must be told it; the workers we launch get theirs in env
+            log.warning("%s not set; generated one for this run: %s", name, token)
+        else:
+            log.info("%s not set; generated one for this run (given to launched workers)", name)
+        return token
+
+    def request_stop(self) -> None:
+        if not self._stopping.is_set():
+            log.info("signal received: shutting down")
+        self._stopping.set()
+
+    async def run(self) -> int:
+        s = self.settings
+        sock = bind(s.host, s.host_daemon_port)
+        url, advertised = urls(sock)
+        node = Node(s, self.worker_token, url)
+        sender = self._sender(node, advertised)
+        xid, ecc, faults = await self._watchdogs(node, sender)
+        app = create_app(
+            node, faults, worker_token=self.worker_token, actuator_token=self.actuator_token
+        )
+        server = _Server(
+            uvicorn.Config(
+                app,
+                log_config=None,  # ours (cli.py)
+                log_level=s.log_level,
+                access_log=False,
+                lifespan="off",
+                server_header=False,
+                timeout_graceful_shutdown=2,
+            )
+        )
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+        serving = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+        while not server.started:
+            # uvicorn has no "started" event to await; look every 10 ms.
+            await asyncio.wait({serving}, timeout=0.01)
+            if serving.done():
+                serving.result()  # raises what stopped it
+                return 1
+        print(f"host-monitor {s.node} listening on {url}", flush=True)
+
+        tasks = [
+            asyncio.create_task(self._watch_workers(node), name="process-monitor"),
+            asyncio.create_task(xid.run(), name="xid-watchdog"),
+            asyncio.create_task(ecc.run(), name="ecc-watchdog"),
+        ]
+        if sender is not None:
+            tasks.append(asyncio.create_task(sender.run(), name="heartbeat"))
+        stopping = asyncio.create_task(self._stopping.wait())
+        try:
+            done, _ = await asyncio.wait(
+                [stopping, serving, *tasks], return_when=asyncio.FIRST_COMPLETED
+            )
+            clean = stopping in done
+            for task in done:
+                if task is not stopping and not task.cancelled():
+                    # Each of these runs forever: ending at all is a failure.
+                    log.error("%s stopped unexpectedly: %r", task.get_name(), task.exception())
+            await node.shutdown(s.shutdown_grace_s)
+        finally:
+            server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(serving), SERVER_STOP_TIMEOUT_S)
+            except (TimeoutError, Exception):
+                server.force_exit = True
+                serving.cancel()
+            for task in (*tasks, stopping):
+                task.cancel()
+            await asyncio.gather(*tasks, stopping, serving, return_exceptions=True)
+            xid.close()
+            sock.close()
+        log.info("host monitor of %s stopped", s.node)
+        return 0 if clean else 1
+
+    def _sender(self, node: Node, address: str) -> HeartbeatSender | None:
+        s = self.settings
+        if s.supervisor_url is None:
+            log.warning("supervisor_url not set: no heartbeats will be sent")
+            return None
+        assert s.agent_token is not None  # checked by the settings
+        sender = HeartbeatSender(
+            s.supervisor_url,
+            s.agent_token.get_secret_value(),
+            s.node,
+            s.heartbeat_polling_period_s,
+            node.snapshot,
+            address=address,
+        )
+        node.on_change = sender.trigger
+        return sender
+
+    async def _watchdogs(
+        self, node: Node, sender: HeartbeatSender | None
+    ) -> tuple[XidWatchdog, EccWatchdog, FaultActor]:
+        """The GPU watchdogs, and the fault actor that feeds them. Says once at start
+        which sources are missing."""
+        s = self.settings
+
+        def deliver(report: GpuReport) -> None:
+            if sender is not None:
+                sender.add_gpu_report(report)
+
+        reporter = GpuReporter(s.gpu_report_cooldown_s, deliver)
+        nvidia_smi = shutil.which(s.nvidia_smi)
+        if nvidia_smi is None:
+            log.warning(
+                "ecc watchdog disabled: %s not found on PATH (injected ECC faults are still "
+                "reported)",
+                s.nvidia_smi,
+            )
+        else:
+            log.info("ecc watchdog: reading %s every %.1fs", nvidia_smi, s.watchdog_period_s)
+        source, line = open_kernel_log(s.kernel_log, s.kernel_log_disabled)
+        (log.info if source is not None else log.warning)("%s", line)
+        topology = await GpuTopology.discover(nvidia_smi)
+        xid = XidWatchdog(source, topology, reporter, s.watchdog_period_s)
+        synthetic = SyntheticEcc()
+        ecc = EccWatchdog(nvidia_smi, synthetic, reporter, s.watchdog_period_s)
+        silence = sender.silence if sender is not None else lambda: None
+        return xid, ecc, FaultActor(node, xid, ecc, synthetic, silence)
+
+    async def _watch_workers(self, node: Node) -> None:
+        # Cheap (one waitpid or kill(pid, 0) per worker), so exits are seen within 0.1 s.
+        while True:
+            node.registry.poll()
+            await asyncio.sleep(PROCESS_POLL_S)

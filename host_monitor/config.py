@@ -1,0 +1,152 @@
+"""Settings of the host monitor: `HOST_MONITOR_*` environment variables, overridden by flags.
+
+Names match the supervisor's where they mean the same thing (`heartbeat_polling_period_s`,
+`gpu_report_cooldown_s`), so one value can be copied from one config to the other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from host_monitor.wire import Name  # the supervisor's rule for node and job names
+
+DEV_KMSG = "/dev/kmsg"
+# `kernel_log` values that turn the XID watchdog off explicitly.
+KERNEL_LOG_OFF = ("none", "off")
+
+
+class HostMonitorSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="HOST_MONITOR_",
+        # Unknown keyword settings are errors; unknown HOST_MONITOR_* environment variables
+        # are not read at all (HOST_MONITOR_URL, say, is our workers' env, not a setting).
+        extra="forbid",
+        validate_default=True,
+    )
+
+    node: Name = Field(description="Name of this node, as the supervisor knows it.")
+    supervisor_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="Base URL of the supervisor. Unset: no heartbeats (local API only).",
+    )
+    agent_token: SecretStr | None = Field(
+        None, description="Bearer token for the supervisor's POST /api/v1/heartbeats."
+    )
+    actuator_token: SecretStr | None = Field(
+        None,
+        description="Bearer token the supervisor's actuator presents to us. "
+        "Generated and logged when unset.",
+    )
+    worker_token: SecretStr | None = Field(
+        None,
+        description="Bearer token our workers present. Generated when unset; launched "
+        "workers get it as HOST_MONITOR_WORKER_TOKEN.",
+    )
+    host: str = Field("127.0.0.1", min_length=1, description="Address the local API binds.")
+    host_daemon_port: int = Field(
+        9400, ge=0, le=65535, description="Port the local API binds; 0 picks a free one."
+    )
+    heartbeat_polling_period_s: float = Field(
+        5.0, gt=0, description="How often a heartbeat is sent to the supervisor."
+    )
+    worker_heartbeat_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A registered worker whose process lives but reports no progress "
+        "for this long is `lost`.",
+    )
+    initial_state: Literal["spare", "running"] = Field(
+        "spare", description="Node state at start (`running` needs `job`)."
+    )
+    job: Name | None = Field(None, description="Job the node serves at start.")
+    kernel_log: str | None = Field(
+        None,
+        description="Kernel log the XID watchdog reads: unset = /dev/kmsg if readable; "
+        "a regular file is tailed; `none` turns the watchdog off.",
+    )
+    nvidia_smi: str = Field(
+        "nvidia-smi",
+        min_length=1,
+        description="nvidia-smi command for the ECC watchdog; not found = nvidia-smi unused.",
+    )
+    watchdog_period_s: float = Field(
+        10.0, gt=0, description="How often the GPU watchdogs look at their sources."
+    )
+    gpu_report_cooldown_s: float = Field(
+        60.0, ge=0, description="Repeats of one (kind, gpu, code) within this are not sent."
+    )
+    run_dir: Path = Field(
+        Path("var/host-monitor"), description="Where the logs of launched workers go."
+    )
+    shutdown_grace_s: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="On SIGTERM/SIGINT, time launched workers get between SIGTERM and SIGKILL.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> Self:
+        if self.initial_state == "running" and self.job is None:
+            raise ValueError("job is required when initial_state is running")
+        if self.initial_state == "spare" and self.job is not None:
+            raise ValueError("a spare node has no job (set initial_state=running)")
+        if self.supervisor_url is not None and self.agent_token is None:
+            raise ValueError("agent_token is required when supervisor_url is set")
+        tokens = [
+            t.get_secret_value()
+            for t in (self.agent_token, self.actuator_token, self.worker_token)
+            if t is not None
+        ]
+        if len(tokens) != len(set(tokens)):
+            # A worker must never be able to act as the actuator or as the node itself.
+            raise ValueError("agent_token, actuator_token and worker_token must differ")
+        return self
+
+    @property
+    def kernel_log_disabled(self) -> bool:
+        return self.kernel_log is not None and self.kernel_log.lower() in KERNEL_LOG_OFF
+
+
+class ConfigError(Exception):
+    """Settings that cannot be used; the message is one line meant for the operator."""
+
+
+def load_settings(**overrides: Any) -> HostMonitorSettings:
+    """Flags (`overrides`, None = not given) > `HOST_MONITOR_*` environment > defaults."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return HostMonitorSettings(**given)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            parts.append(
+                f"missing setting '{name}' (flag --{name.replace('_', '-')} or env "
+                f"HOST_MONITOR_{name.upper()})"
+            )
+        elif err["loc"]:
+            parts.append(f"invalid setting '{name}': {msg} (got {err.get('input')!r})")
+        else:
+            parts.append(f"invalid settings: {msg}")
+    return "; ".join(parts)
+
+
+def env_without_secrets(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The environment minus our own settings: workers must not see the agent's tokens."""
+    return {k: v for k, v in environ.items() if not k.startswith("HOST_MONITOR_")}

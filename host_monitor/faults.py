@@ -1,0 +1,154 @@
+"""Faults acted out on this node's real processes and real GPU error paths.
+
+Each fault goes through the path a real failure takes, so what it tests is the real
+detection:
+
+- worker_crash: SIGKILL the worker's process group; the process monitor sees the exit.
+- worker_hang: SIGSTOP it; it stops reporting progress and turns `lost`.
+- straggler: its progress replies carry `slowdown_s` (the worker sleeps that much).
+- xid: a kernel line in the driver's format is appended to the kernel log file, which
+  the XID watchdog tails (when the source is /dev/kmsg or nothing, the report goes to
+  the watchdog's reporter directly: we do not write into the real kernel log).
+- ecc: `count` is added to the synthetic ECC counter the ECC watchdog adds to
+  nvidia-smi's counts.
+- node_down: SIGKILL every worker, stop heartbeating, and (after the HTTP answer) the
+  agent exits with 137 as if the node had died.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from host_monitor.node import InvalidRequest, Node
+from host_monitor.protocol import ProcessFault, ProcessFaultKind
+from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
+from host_monitor.watchdogs.xid import XidWatchdog, format_xid_line, parse_xid_line
+from host_monitor.workers import WorkerConflict
+
+log = logging.getLogger(__name__)
+
+NODE_DOWN_EXIT_CODE = 137  # what a shell reports for a SIGKILLed process
+
+
+class FaultOutcome(BaseModel):
+    """The 202 answer to POST /v1/faults: what was done."""
+
+    kind: ProcessFaultKind
+    rank: int | None = None
+    pid: int | None = None
+    gpu: int | None = None
+    detail: str
+    exiting: bool = False  # node_down: the agent exits right after this answer
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or "python"
+    except OSError:
+        return "python"
+
+
+class FaultActor:
+    def __init__(
+        self,
+        node: Node,
+        xid: XidWatchdog,
+        ecc: EccWatchdog,
+        synthetic_ecc: SyntheticEcc,
+        silence: Callable[[], None],
+    ) -> None:
+        self.node = node
+        self.xid = xid
+        self.ecc = ecc
+        self.synthetic_ecc = synthetic_ecc
+        self._silence = silence
+
+    def apply(self, fault: ProcessFault) -> FaultOutcome:
+        log.warning("injected fault: %s", fault.model_dump(exclude_none=True))
+        if fault.kind == "worker_crash":
+            return self._signal(fault, signal.SIGKILL)
+        if fault.kind == "worker_hang":
+            return self._signal(fault, signal.SIGSTOP)
+        if fault.kind == "straggler":
+            return self._straggler(fault)
+        if fault.kind == "xid":
+            return self._xid(fault)
+        if fault.kind == "ecc":
+            return self._ecc(fault)
+        return self._node_down(fault)
+
+    def _signal(self, fault: ProcessFault, sig: signal.Signals) -> FaultOutcome:
+        worker = self.node.registry.target(fault.rank)
+        if not worker.alive:
+            raise WorkerConflict(f"rank {worker.rank} is not running ({worker.state.value})")
+        worker.signal(sig)
+        return FaultOutcome(
+            kind=fault.kind,
+            rank=worker.rank,
+            pid=worker.pid,
+            detail=f"{sig.name} sent to rank {worker.rank}'s process group",
+        )
+
+    def _straggler(self, fault: ProcessFault) -> FaultOutcome:
+        if fault.slowdown_s is None:
+            raise InvalidRequest("slowdown_s", "required for a straggler fault")
+        worker = self.node.registry.target(fault.rank)
+        worker.slowdown_s = fault.slowdown_s
+        return FaultOutcome(
+            kind=fault.kind,
+            rank=worker.rank,
+            pid=worker.pid,
+            detail=f"progress replies to rank {worker.rank} now carry "
+            f"slowdown_s={fault.slowdown_s}",
+        )
+
+    def _xid(self, fault: ProcessFault) -> FaultOutcome:
+        if fault.code is None:
+            raise InvalidRequest("code", "required for an xid fault")
+        pci = self.xid.topology.pci_for(fault.gpu)
+        # The driver names the process that was using the GPU; take the worker's.
+        live = self.node.registry.live()
+        worker = self.node.registry.target(fault.rank) if fault.rank is not None or live else None
+        pid = worker.pid if worker is not None else None
+        path = self.xid.log_file
+        if path is not None:
+            line = format_xid_line(
+                pci, fault.code, pid=pid, name=_comm(pid) if pid is not None else None
+            )
+            with path.open("a") as f:
+                f.write(line + "\n")
+            self.xid.poke()
+            detail = f"appended to {path}: {line}"
+        else:
+            # Through the same parser as a line read from the kernel log.
+            parsed = parse_xid_line(format_xid_line(pci, fault.code, pid=pid))
+            assert parsed is not None
+            self.xid.report(parsed)
+            detail = "no kernel log file to write to: reported to the xid watchdog directly"
+        return FaultOutcome(kind=fault.kind, gpu=fault.gpu, pid=pid, detail=detail)
+
+    def _ecc(self, fault: ProcessFault) -> FaultOutcome:
+        if fault.count is None:
+            raise InvalidRequest("count", "required for an ecc fault")
+        total = self.synthetic_ecc.add(fault.gpu, fault.count)
+        self.ecc.poke()
+        return FaultOutcome(
+            kind=fault.kind,
+            gpu=fault.gpu,
+            detail=f"synthetic uncorrected ECC count of gpu {fault.gpu} is now {total}",
+        )
+
+    def _node_down(self, fault: ProcessFault) -> FaultOutcome:
+        # Silence first: a dead node does not report its workers dying.
+        self._silence()
+        ranks = self.node.registry.kill_all()
+        return FaultOutcome(
+            kind=fault.kind,
+            detail=f"SIGKILL sent to ranks {ranks}; the agent exits with {NODE_DOWN_EXIT_CODE} now",
+            exiting=True,
+        )

@@ -1,0 +1,181 @@
+"""Heartbeats to the supervisor: the node's state, its workers and new GPU reports.
+
+One task, one request in flight at a time (the supervisor sees our states in order),
+on a keep-alive connection. It never blocks the rest of the agent: the local API and
+the process monitor run in their own tasks and only `trigger()` a send.
+
+- Every `period_s` with +-10% jitter, so a fleet started together does not beat in step.
+- At once on `trigger()` (a worker changed state, a GPU report arrived).
+- On failure, again after an exponential backoff with jitter, capped at the period: a
+  supervisor that is down or restarting gets a growing gap, and is found again quickly.
+- GPU reports stay queued until a heartbeat carrying them was accepted (2xx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport
+from supervisor.domain import NodeState
+
+log = logging.getLogger(__name__)
+
+JITTER = 0.1
+MAX_QUEUED_REPORTS = 256  # the supervisor's bound per heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    state: NodeState
+    job: str | None
+    workers: list[WorkerReport]
+
+
+class HeartbeatSender:
+    def __init__(
+        self,
+        supervisor_url: str,
+        agent_token: str,
+        node: str,
+        period_s: float,
+        snapshot: Callable[[], NodeSnapshot],
+        address: str | None = None,
+    ) -> None:
+        self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
+        self._token = agent_token
+        self.node = node
+        self.period_s = period_s
+        self.address = address
+        self._snapshot = snapshot
+        self._pending: list[GpuReport] = []
+        self._wake = asyncio.Event()
+        self._silenced = False
+        self.delivered = 0  # heartbeats accepted, for status and tests
+        self._failures = 0
+        self._last_problem: str | None = None
+
+    # --- used by the rest of the agent ----------------------------------------------------
+
+    def trigger(self) -> None:
+        """Send a heartbeat now (on the sender's task), without waiting for the period."""
+        self._wake.set()
+
+    def add_gpu_report(self, report: GpuReport) -> None:
+        if len(self._pending) >= MAX_QUEUED_REPORTS:
+            dropped = self._pending.pop(0)
+            log.error("too many unsent GPU reports: dropping the oldest (%s)", dropped)
+        self._pending.append(report)
+        self.trigger()
+
+    def silence(self) -> None:
+        """Send nothing more: the node is going down (injected node_down)."""
+        self._silenced = True
+
+    # --- the task -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        # Short timeouts: a heartbeat stuck for longer than a period is worth less than
+        # the next one.
+        timeout = httpx.Timeout(min(max(self.period_s, 1.0), 5.0), connect=1.0)
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        headers = {"Authorization": f"Bearer {self._token}"}
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+            while not self._silenced:
+                self._wake.clear()
+                ok = await self._send(client)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._delay(ok))
+
+    def _delay(self, ok: bool) -> float:
+        if ok:
+            return self.period_s * random.uniform(1 - JITTER, 1 + JITTER)
+        # Backoff: period/20, doubling per failure, capped at the period; "equal jitter"
+        # (half fixed, half random) keeps the growth and spreads a fleet's retries.
+        base = max(self.period_s / 20, 0.01)
+        backoff = min(self.period_s, base * 2.0 ** min(self._failures - 1, 30))
+        return backoff * random.uniform(0.5, 1.0)
+
+    def body(self) -> HostHeartbeat:
+        snap = self._snapshot()
+        spare = snap.state is NodeState.SPARE
+        return HostHeartbeat(
+            node=self.node,
+            state=snap.state,
+            job=None if spare else snap.job,
+            workers=[] if spare else snap.workers,
+            gpu_reports=list(self._pending),
+            address=self.address,
+        )
+
+    async def _send(self, client: httpx.AsyncClient) -> bool:
+        if self._silenced:
+            return False
+        try:
+            body = self.body()
+        except ValueError as exc:  # a bug of ours; say it, do not spin on it
+            self._problem(f"cannot build a heartbeat: {exc}", level=logging.ERROR)
+            self._failures += 1
+            return False
+        sent = len(body.gpu_reports)
+        content = msgspec.json.encode(body)
+        try:
+            response = await client.post(
+                self.url, content=content, headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return False
+        if self._silenced:
+            return False
+        if response.is_success:
+            del self._pending[:sent]  # reports queued meanwhile stay for the next one
+            if self._failures:
+                log.info(
+                    "heartbeat delivered to %s after %d failed attempt(s)",
+                    self.url,
+                    self._failures,
+                )
+            self._failures = 0
+            self._last_problem = None
+            self.delivered += 1
+            return True
+        detail = _message(response)
+        if response.status_code == 422 and sent:
+            # The supervisor refuses these reports; keeping them would block every
+            # heartbeat after this one, and a node without heartbeats is declared lost.
+            del self._pending[:sent]
+            log.error("supervisor rejected %d GPU report(s), dropped: %s", sent, detail)
+        self._failed(f"HTTP {response.status_code}: {detail}")
+        return False
+
+    def _failed(self, problem: str) -> None:
+        self._failures += 1
+        self._problem(problem)
+
+    def _problem(self, problem: str, level: int = logging.WARNING) -> None:
+        # Once per distinct problem, not once per retry: a down supervisor is one line.
+        if problem != self._last_problem:
+            log.log(level, "heartbeat to %s failed (%s); retrying with backoff", self.url, problem)
+            self._last_problem = problem
+        else:
+            log.debug("heartbeat to %s failed again (%s)", self.url, problem)
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(data, dict):
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])[:500]
+    return str(data)[:200]

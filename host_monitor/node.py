@@ -1,0 +1,254 @@
+"""The node as this agent keeps it: its state and job, its workers, and what may change them.
+
+The HTTP routes (server.py) call these methods; nothing here knows about HTTP. Starting
+and stopping workers are serialized: one such change at a time, however many requests
+the actuator sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+
+from host_monitor.config import HostMonitorSettings, env_without_secrets
+from host_monitor.emergency import EmergencyRounds
+from host_monitor.heartbeat import NodeSnapshot
+from host_monitor.protocol import (
+    CheckpointReport,
+    NodeStatus,
+    ProgressReply,
+    StartWorkersRequest,
+    StopWorkersRequest,
+    StopWorkersResult,
+    WorkerProgress,
+    WorkerRegistration,
+    WorkerStatus,
+)
+from host_monitor.wire import Name, WorkerReport
+from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
+from supervisor.domain import NodeState, utcnow
+
+log = logging.getLogger(__name__)
+
+KEEP_START_REQUESTS = 64  # request ids remembered for idempotency
+KEEP_CHECKPOINTS = 100
+# Env of launched workers naming the file that holds the current emergency request id
+# (read by host_monitor/worker_client.py after SIGUSR1, which carries no data).
+ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
+_NAME = TypeAdapter(Name)
+
+
+class InvalidRequest(Exception):
+    """A request that names a bad field (HTTP 422): `field` and a one-line message."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    rank: int
+    report: CheckpointReport
+    time: str  # ISO, UTC
+
+
+class Node:
+    def __init__(self, settings: HostMonitorSettings, worker_token: str, base_url: str) -> None:
+        self.name = settings.node
+        self.state = NodeState(settings.initial_state)
+        self.job = settings.job
+        self.run_dir = settings.run_dir
+        self.base_url = base_url
+        self._worker_token = worker_token
+        self.registry = WorkerRegistry(
+            settings.worker_heartbeat_timeout_s, on_change=self._worker_changed
+        )
+        self.rounds = EmergencyRounds(self.registry)
+        self.checkpoints: deque[CheckpointRecord] = deque(maxlen=KEEP_CHECKPOINTS)
+        # Set by the agent to its heartbeat sender's trigger: a change goes out at once.
+        self.on_change: Callable[[], None] = lambda: None
+        self._starts: OrderedDict[str, StartWorkersRequest] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def status(self) -> NodeStatus:
+        return NodeStatus(
+            node=self.name, state=self.state, job=self.job, workers=self.registry.statuses()
+        )
+
+    def snapshot(self) -> NodeSnapshot:
+        return NodeSnapshot(
+            state=self.state,
+            job=self.job,
+            workers=[
+                WorkerReport(
+                    rank=s.rank,
+                    local_rank=s.local_rank,
+                    pid=s.pid,
+                    state=s.state,
+                    step=s.step,
+                    exit_code=s.exit_code,
+                )
+                for s in self.registry.statuses()
+            ],
+        )
+
+    # --- actuator -------------------------------------------------------------------------
+
+    async def start_workers(self, req: StartWorkersRequest) -> NodeStatus:
+        async with self._lock:
+            done = self._starts.get(req.request_id)
+            if done is not None:
+                if done != req:
+                    raise WorkerConflict(
+                        f"request_id {req.request_id!r} was used for a different start"
+                    )
+                log.info("start %s asked again: already done", req.request_id)
+                return self.status()
+            self._check_start(req)
+            self.registry.forget()  # the finished workers of a previous start
+            launched: list[Worker] = []
+            try:
+                for spec in sorted(req.workers, key=lambda s: s.rank):
+                    request_file = self._request_file(req, spec.rank)
+                    env = self._worker_env(req, spec.rank, spec.local_rank)
+                    env[ENV_REQUEST_FILE] = str(request_file)
+                    launched.append(
+                        self.registry.launch(
+                            spec.rank,
+                            spec.local_rank,
+                            req.command,
+                            env,
+                            self._log_path(req, spec.rank),
+                            request_file,
+                        )
+                    )
+            except (OSError, ValueError) as exc:  # ValueError: a NUL byte in an argument
+                # All ranks run one command: if one cannot start, none should run.
+                await self.registry.stop(0, only=launched)
+                self.registry.forget(w.rank for w in launched)
+                raise InvalidRequest("command", f"cannot run {req.command[0]!r}: {exc}") from None
+            self.state = NodeState.RUNNING
+            self.job = req.job
+            self._starts[req.request_id] = req
+            while len(self._starts) > KEEP_START_REQUESTS:
+                self._starts.popitem(last=False)
+            log.info(
+                "start %s: job %s, ranks %s",
+                req.request_id,
+                req.job,
+                [w.rank for w in launched],
+            )
+            self.on_change()
+            return self.status()
+
+    async def stop_workers(self, req: StopWorkersRequest) -> StopWorkersResult:
+        async with self._lock:
+            codes = await self.registry.stop(req.grace_s)
+            if req.release:
+                survivors = self.registry.live()
+                if survivors:
+                    log.error(
+                        "releasing the node although ranks %s did not die",
+                        [w.rank for w in survivors],
+                    )
+                self.registry.forget()
+                self.state = NodeState.SPARE
+                self.job = None
+                log.info("released: node is a spare")
+            self.on_change()
+            return StopWorkersResult(exit_codes=codes)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """The agent is stopping: stop the workers we launched (not the adopted ones)."""
+        async with self._lock:
+            if any(w.launched for w in self.registry.live()):
+                log.info("stopping launched workers (grace %.1fs)", grace_s)
+            await self.registry.stop(grace_s, launched_only=True)
+        await self.rounds.close()
+
+    # --- workers --------------------------------------------------------------------------
+
+    def register(self, reg: WorkerRegistration) -> WorkerStatus:
+        if self.state is NodeState.SPARE:
+            raise WorkerConflict("this node is a spare: it runs no workers")
+        return self.registry.register(reg).status()
+
+    def progress(self, rank: int, report: WorkerProgress) -> ProgressReply:
+        worker = self.registry.progress(rank, report.step)
+        return ProgressReply(slowdown_s=worker.slowdown_s)
+
+    def checkpoint(self, rank: int, report: CheckpointReport) -> None:
+        self.registry.get(rank)
+        self.checkpoints.append(CheckpointRecord(rank, report, utcnow().isoformat()))
+        log.info(
+            "rank %d %s %s checkpoint of step %d in %.3fs",
+            rank,
+            report.event,
+            report.tier,
+            report.step,
+            report.duration_s,
+        )
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _check_start(self, req: StartWorkersRequest) -> None:
+        try:
+            _NAME.validate_python(req.job)
+        except ValidationError:
+            raise InvalidRequest(
+                "job", "must be 1-253 letters, digits, '-', '_' or '.', starting alphanumeric"
+            ) from None
+        for key, value in req.env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise InvalidRequest(f"env.{key}", "not a valid environment variable")
+        ranks = [s.rank for s in req.workers]
+        if len(ranks) != len(set(ranks)):
+            raise InvalidRequest("workers", "ranks must be unique")
+        live = self.registry.live()
+        if live and req.job != self.job:
+            raise WorkerConflict(f"workers of job {self.job!r} are still running: stop them first")
+        busy = sorted(w.rank for w in live if w.rank in set(ranks))
+        if busy:
+            raise WorkerConflict(f"ranks {busy} are still running: stop them first")
+
+    def _worker_env(self, req: StartWorkersRequest, rank: int, local_rank: int) -> dict[str, str]:
+        return {
+            **env_without_secrets(os.environ),
+            **req.env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "NODE_NAME": self.name,
+            "HOST_MONITOR_URL": self.base_url,
+            "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
+        }
+
+    def _log_path(self, req: StartWorkersRequest, rank: int) -> Path:
+        # One file per node, job and rank, appended across restarts (easy to `tail -f`);
+        # each start writes a header line so restarts can be told apart.
+        path = self.run_dir / f"{self.name}.{req.job}.rank{rank}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        with path.open("a") as f:
+            f.write(f"=== host-monitor: start {req.request_id} at {stamp}: {req.command}\n")
+        return path
+
+    def _request_file(self, req: StartWorkersRequest, rank: int) -> Path:
+        """Where this worker finds the id of the emergency round it was signalled for."""
+        path = self.run_dir / f"{self.name}.{req.job}.rank{rank}.emergency-request"
+        path.unlink(missing_ok=True)  # an id left by a previous run must not be acked again
+        return path
+
+    def _worker_changed(self, worker: Worker) -> None:
+        self.on_change()

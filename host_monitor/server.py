@@ -1,0 +1,232 @@
+"""The host monitor's local HTTP API (bodies: host_monitor/protocol.py).
+
+Two bearer tokens, two audiences: workers on this node (`worker_token`) call
+`/v1/workers/...`; the supervisor's actuator (`actuator_token`) calls everything else.
+Errors: 401 for a missing or wrong token, 422 naming each bad field (the supervisor's
+format: `{"message": "field: problem", "detail": [...]}`), 404 for an unknown rank or
+emergency round, 409 when the request does not fit the workers' current state.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, HTTPException, Request, status
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+
+from host_monitor.emergency import UnknownRound
+from host_monitor.faults import NODE_DOWN_EXIT_CODE, FaultActor, FaultOutcome
+from host_monitor.node import InvalidRequest, Node
+from host_monitor.protocol import (
+    CheckpointReport,
+    EmergencyAck,
+    EmergencyCheckpointRequest,
+    EmergencyCheckpointResult,
+    NodeStatus,
+    ProcessFault,
+    ProgressReply,
+    StartWorkersRequest,
+    StopWorkersRequest,
+    StopWorkersResult,
+    WorkerProgress,
+    WorkerRegistration,
+    WorkerStatus,
+)
+from host_monitor.workers import WorkerConflict, WorkerNotFound
+
+Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
+
+_bearer = HTTPBearer(auto_error=False)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+class EmergencyPending(BaseModel):
+    """GET /v1/workers/{rank}/emergency: the round a SIGUSR1 was about (SIGUSR1 carries
+    no data). `request_id` is None when no round waits for this rank."""
+
+    request_id: str | None
+    remaining_s: float | None
+
+
+class AckReply(BaseModel):
+    request_id: str
+    accepted: bool  # False: the round had already ended; the ack did not count
+
+
+class CheckpointRecordOut(BaseModel):
+    rank: int
+    time: str
+    report: CheckpointReport
+
+
+def _require(expected: str) -> Any:
+    def check(credentials: Credentials) -> None:
+        if credentials is None:
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "missing bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "invalid bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return Depends(check)
+
+
+def create_app(
+    node: Node, faults: FaultActor, *, worker_token: str, actuator_token: str
+) -> FastAPI:
+    app = FastAPI(
+        title="Host monitor",
+        version="0.1.0",
+        summary=f"Local API of the host monitor of node {node.name}.",
+    )
+    workers = APIRouter(
+        prefix="/v1/workers", tags=["workers"], dependencies=[_require(worker_token)]
+    )
+    actuator = APIRouter(prefix="/v1", tags=["actuator"], dependencies=[_require(actuator_token)])
+
+    # --- worker-facing ----------------------------------------------------------------
+
+    @workers.post("/register", response_model=WorkerStatus, summary="A worker announces itself")
+    async def register(body: WorkerRegistration) -> WorkerStatus:
+        return node.register(body)
+
+    @workers.post("/{rank}/progress", response_model=ProgressReply, summary="Step done")
+    async def progress(rank: Rank, body: WorkerProgress) -> ProgressReply:
+        return node.progress(rank, body)
+
+    @workers.post(
+        "/{rank}/checkpoints",
+        status_code=status.HTTP_202_ACCEPTED,
+        summary="A checkpoint was saved or loaded",
+    )
+    async def checkpoint(rank: Rank, body: CheckpointReport) -> dict[str, bool]:
+        node.checkpoint(rank, body)
+        return {"accepted": True}
+
+    @workers.get(
+        "/{rank}/emergency",
+        response_model=EmergencyPending,
+        summary="Which emergency checkpoint round waits for this worker",
+    )
+    async def emergency_pending(rank: Rank) -> EmergencyPending:
+        node.registry.get(rank)
+        pending = node.rounds.pending(rank)
+        if pending is None:
+            return EmergencyPending(request_id=None, remaining_s=None)
+        return EmergencyPending(request_id=pending[0], remaining_s=round(pending[1], 3))
+
+    @workers.post("/{rank}/emergency-ack", response_model=AckReply, summary="Emergency save done")
+    async def emergency_ack(rank: Rank, body: EmergencyAck) -> AckReply:
+        node.registry.get(rank)
+        request_id, accepted = node.rounds.ack(rank, body)
+        return AckReply(request_id=request_id, accepted=accepted)
+
+    # --- actuator-facing --------------------------------------------------------------
+
+    @actuator.post(
+        "/emergency-checkpoint",
+        response_model=EmergencyCheckpointResult,
+        summary="SIGUSR1 the workers and wait for their acks (idempotent by request_id)",
+    )
+    async def emergency_checkpoint(body: EmergencyCheckpointRequest) -> EmergencyCheckpointResult:
+        return await node.rounds.run(body)
+
+    @actuator.post(
+        "/workers/start",
+        response_model=NodeStatus,
+        summary="Launch the job's workers on this node (idempotent by request_id)",
+    )
+    async def start_workers(body: StartWorkersRequest) -> NodeStatus:
+        return await node.start_workers(body)
+
+    @actuator.post(
+        "/workers/stop",
+        response_model=StopWorkersResult,
+        summary="SIGTERM the workers, SIGKILL after grace_s; release makes the node a spare",
+    )
+    async def stop_workers(body: StopWorkersRequest) -> StopWorkersResult:
+        return await node.stop_workers(body)
+
+    @actuator.get("/status", response_model=NodeStatus, summary="The node and its workers")
+    async def get_status() -> NodeStatus:
+        return node.status()
+
+    @actuator.get(
+        "/checkpoints",
+        response_model=list[CheckpointRecordOut],
+        summary="The last checkpoints the workers reported, oldest first",
+    )
+    async def get_checkpoints() -> list[CheckpointRecordOut]:
+        return [
+            CheckpointRecordOut(rank=c.rank, time=c.time, report=c.report) for c in node.checkpoints
+        ]
+
+    @actuator.post(
+        "/faults",
+        response_model=FaultOutcome,
+        status_code=status.HTTP_202_ACCEPTED,
+        summary="Act out a fault on this node's processes",
+    )
+    async def inject_fault(body: ProcessFault, background: BackgroundTasks) -> FaultOutcome:
+        outcome = faults.apply(body)
+        if outcome.exiting:
+            # After the answer is sent: the caller learns what happened, then the node is gone.
+            background.add_task(os._exit, NODE_DOWN_EXIT_CODE)
+        return outcome
+
+    @app.get("/healthz", tags=["health"], summary="Liveness (no token)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "node": node.name}
+
+    app.include_router(workers)
+    app.include_router(actuator)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(InvalidRequest, _invalid_request)
+    app.add_exception_handler(WorkerNotFound, _not_found)
+    app.add_exception_handler(UnknownRound, _unknown_round)
+    app.add_exception_handler(WorkerConflict, _conflict)
+    return app
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """422 whose `message` names each offending field in one line (as the supervisor's)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
+    detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
+    return JSONResponse({"message": "; ".join(parts), "detail": detail}, status_code=422)
+
+
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidRequest)
+    detail = [{"loc": ["body", exc.field], "msg": exc.message, "type": "value_error"}]
+    return JSONResponse({"message": str(exc), "detail": detail}, status_code=422)
+
+
+async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, WorkerNotFound)
+    return JSONResponse({"detail": f"no worker with rank {exc.args[0]} on this node"}, 404)
+
+
+async def _unknown_round(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, UnknownRound)
+    return JSONResponse({"detail": f"no emergency checkpoint round {exc.args[0]!r}"}, 404)
+
+
+async def _conflict(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, 409)

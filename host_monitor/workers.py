@@ -1,0 +1,363 @@
+"""The node's workers: the ones we launched and the ones that registered themselves.
+
+A launched worker is our child (`subprocess.Popen`, in its own session, so its process
+group holds whatever it forks): its exit code comes from `poll()`. A worker that only
+registered (e.g. a training process in a Kubernetes pod sharing the host's PID namespace)
+is not our child: it has exited when its pid is gone, and its exit code is unknown.
+
+`poll()` is meant to be called often (~0.1 s, as torchelastic polls its workers): it
+costs one `waitpid(WNOHANG)` or `kill(pid, 0)` per live worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from host_monitor.protocol import WorkerRegistration, WorkerStatus
+from supervisor.domain import WorkerState
+
+log = logging.getLogger(__name__)
+
+ALIVE = frozenset({WorkerState.STARTING, WorkerState.RUNNING, WorkerState.LOST})
+# After SIGKILL, how long we wait for the kernel to reap a process before giving up on it
+# (a process in uninterruptible sleep, e.g. stuck in a GPU driver call, can outlive it).
+KILL_WAIT_S = 5.0
+STOP_POLL_S = 0.02
+
+
+class WorkerNotFound(KeyError):
+    """No worker with this rank on this node."""
+
+
+class WorkerConflict(Exception):
+    """The request does not fit the workers' current state (HTTP 409)."""
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of `pid` from /proc/PID/stat, None where /proc cannot tell.
+
+    The start time (field 22) tells a reused pid apart; state `Z` is a zombie: exited,
+    only waiting for its parent to reap it.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+
+def _proc_start_time(pid: int) -> str | None:
+    stat = _proc_stat(pid)
+    return stat[1] if stat else None
+
+
+def _pid_alive(pid: int, start_time: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, started = stat
+    if state == "Z":
+        return False
+    # A different start time: the pid was reused by another process.
+    return start_time is None or started == start_time
+
+
+@dataclass(slots=True)
+class Worker:
+    rank: int
+    local_rank: int
+    state: WorkerState
+    pid: int | None = None  # the pid the worker registered with, else the one we launched
+    proc: subprocess.Popen[bytes] | None = None  # set when we launched it
+    start_time: str | None = None  # of a registered-only pid, see _proc_start_time
+    step: int | None = None
+    exit_code: int | None = None
+    registered: bool = False
+    last_progress: float = 0.0  # monotonic; registration counts as progress
+    stopping: bool = False  # we are stopping it: its exit is `stopped`, not `exited`
+    slowdown_s: float = 0.0  # straggler fault: sent back in progress replies
+    log_path: Path | None = None
+    request_file: Path | None = None  # HOST_MONITOR_REQUEST_FILE of a launched worker
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ALIVE
+
+    @property
+    def launched(self) -> bool:
+        return self.proc is not None
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            pid=self.pid,
+            state=self.state,
+            step=self.step,
+            exit_code=self.exit_code,
+        )
+
+    def signal(self, sig: signal.Signals, *, group: bool = True) -> bool:
+        """Send `sig`; to the whole process group when we launched it and `group`.
+
+        Returns False when there was no process to signal.
+        """
+        try:
+            if self.proc is not None and group:
+                # start_new_session made the worker a group leader: pgid == its pid.
+                os.killpg(self.proc.pid, sig)
+            elif self.pid is not None:
+                os.kill(self.pid, sig)
+            else:
+                return False
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # an adopted process of another user
+            log.warning("not allowed to send %s to rank %d (pid %s)", sig.name, self.rank, self.pid)
+            return False
+        return True
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        on_change: Callable[[Worker], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # Called on every state change: the agent heartbeats at once instead of waiting.
+        self._on_change = on_change
+        self._clock = clock
+        self.workers: dict[int, Worker] = {}
+
+    # --- queries ------------------------------------------------------------------------
+
+    def get(self, rank: int) -> Worker:
+        worker = self.workers.get(rank)
+        if worker is None:
+            raise WorkerNotFound(rank)
+        return worker
+
+    def live(self) -> list[Worker]:
+        return [w for _, w in sorted(self.workers.items()) if w.alive]
+
+    def statuses(self) -> list[WorkerStatus]:
+        return [w.status() for _, w in sorted(self.workers.items())]
+
+    def target(self, rank: int | None) -> Worker:
+        """The worker a fault hits: `rank`, else the lowest live one."""
+        if rank is not None:
+            return self.get(rank)
+        live = self.live()
+        if not live:
+            raise WorkerConflict("no live worker on this node")
+        return live[0]
+
+    # --- changes ------------------------------------------------------------------------
+
+    def launch(
+        self,
+        rank: int,
+        local_rank: int,
+        command: Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        request_file: Path | None = None,
+    ) -> Worker:
+        """Start one worker in its own session, output appended to `log_path`.
+
+        Raises OSError when the command cannot be run (nothing is registered then).
+        """
+        existing = self.workers.get(rank)
+        if existing is not None and existing.alive:
+            raise WorkerConflict(f"rank {rank} is already running (pid {existing.pid})")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                list(command),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: signals reach its children
+                close_fds=True,
+            )
+        worker = Worker(
+            rank=rank,
+            local_rank=local_rank,
+            state=WorkerState.STARTING,
+            pid=proc.pid,
+            proc=proc,
+            last_progress=self._clock(),
+            log_path=log_path,
+            request_file=request_file,
+        )
+        self.workers[rank] = worker
+        log.info("launched rank %d (pid %d), log %s", rank, proc.pid, log_path)
+        return worker
+
+    def register(self, reg: WorkerRegistration) -> Worker:
+        now = self._clock()
+        worker = self.workers.get(reg.rank)
+        if worker is not None and worker.launched and worker.alive:
+            # One of ours: it may have registered from a child (a wrapper script), so keep
+            # the Popen for its exit code and remember the pid that handles our signals.
+            worker.pid = reg.pid
+            worker.local_rank = reg.local_rank
+        else:
+            # A process we did not start (or a new one for a rank whose worker is gone).
+            worker = Worker(
+                rank=reg.rank,
+                local_rank=reg.local_rank,
+                state=WorkerState.RUNNING,
+                pid=reg.pid,
+                start_time=_proc_start_time(reg.pid),
+            )
+            self.workers[reg.rank] = worker
+        worker.registered = True
+        worker.last_progress = now
+        self._set(worker, WorkerState.RUNNING)
+        log.info("rank %d registered (pid %d)", reg.rank, reg.pid)
+        return worker
+
+    def progress(self, rank: int, step: int | None) -> Worker:
+        worker = self.get(rank)
+        if not worker.alive:
+            return worker  # a late report from a worker we already saw go
+        worker.last_progress = self._clock()
+        if step is not None:
+            worker.step = step
+        worker.registered = True
+        if worker.state is not WorkerState.RUNNING:
+            self._set(worker, WorkerState.RUNNING)
+        return worker
+
+    def poll(self) -> bool:
+        """Look at every live worker's process and progress; True if any state changed."""
+        changed = False
+        now = self._clock()
+        for worker in list(self.workers.values()):
+            if not worker.alive:
+                continue
+            if self._check_exit(worker):
+                changed = True
+            elif (
+                worker.registered
+                and worker.state is WorkerState.RUNNING
+                and now - worker.last_progress > self.heartbeat_timeout_s
+            ):
+                self._set(worker, WorkerState.LOST)
+                changed = True
+        return changed
+
+    async def stop(
+        self,
+        grace_s: float,
+        *,
+        launched_only: bool = False,
+        only: Iterable[Worker] | None = None,
+    ) -> dict[int, int | None]:
+        """SIGTERM the live workers, SIGKILL those still alive after `grace_s`.
+
+        Their state becomes `stopped` (not `exited`: the supervisor must not treat our own
+        stop as a failure). `launched_only` spares the workers we did not start; `only`
+        limits the stop to these. Returns the exit code of every worker, by rank.
+        """
+        candidates = self.live() if only is None else [w for w in only if w.alive]
+        targets = [w for w in candidates if w.launched or not launched_only]
+        for worker in targets:
+            worker.stopping = True
+            worker.signal(signal.SIGTERM)
+            # A SIGSTOPped (hung) worker only acts on SIGTERM once continued.
+            worker.signal(signal.SIGCONT)
+        deadline = self._clock() + grace_s
+        while any(w.alive for w in targets) and self._clock() < deadline:
+            self.poll()
+            await asyncio.sleep(STOP_POLL_S)
+        stubborn = [w for w in targets if w.alive]
+        for worker in stubborn:
+            log.warning("rank %d still alive %.1fs after SIGTERM: SIGKILL", worker.rank, grace_s)
+            worker.signal(signal.SIGKILL)
+        deadline = self._clock() + KILL_WAIT_S
+        while any(w.alive for w in stubborn) and self._clock() < deadline:
+            self.poll()
+            await asyncio.sleep(STOP_POLL_S)
+        for worker in targets:
+            if worker.launched:
+                # The leader is gone; leave none of its children behind.
+                worker.signal(signal.SIGKILL)
+        return {rank: w.exit_code for rank, w in sorted(self.workers.items())}
+
+    def kill_all(self) -> list[int]:
+        """SIGKILL every live worker at once (node_down). Returns their ranks."""
+        hit = []
+        for worker in self.live():
+            worker.stopping = True
+            if worker.signal(signal.SIGKILL):
+                hit.append(worker.rank)
+        return hit
+
+    def forget(self, ranks: Iterable[int] | None = None) -> None:
+        """Drop finished workers (all of them when `ranks` is None)."""
+        for rank in list(self.workers if ranks is None else ranks):
+            worker = self.workers.get(rank)
+            if worker is not None and not worker.alive:
+                del self.workers[rank]
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _check_exit(self, worker: Worker) -> bool:
+        if worker.proc is not None:
+            code = worker.proc.poll()
+            if code is None:
+                return False
+            worker.exit_code = code
+        elif worker.pid is not None:
+            if _pid_alive(worker.pid, worker.start_time):
+                return False
+            worker.exit_code = None  # not our child: nobody tells us
+        else:
+            return False
+        self._set(worker, WorkerState.STOPPED if worker.stopping else WorkerState.EXITED)
+        return True
+
+    def _set(self, worker: Worker, state: WorkerState) -> None:
+        if worker.state is state:
+            return
+        if state in (WorkerState.EXITED, WorkerState.STOPPED):
+            log.info(
+                "rank %d (pid %s) %s with exit code %s",
+                worker.rank,
+                worker.pid,
+                state.value,
+                worker.exit_code,
+            )
+        elif state is WorkerState.LOST:
+            log.warning(
+                "rank %d (pid %s) lost: no progress for %.1fs",
+                worker.rank,
+                worker.pid,
+                self.heartbeat_timeout_s,
+            )
+        elif worker.state is WorkerState.LOST:
+            log.info("rank %d reports progress again", worker.rank)
+        worker.state = state
+        if self._on_change is not None:
+            self._on_change(worker)

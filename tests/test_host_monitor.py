@@ -1,0 +1,778 @@
+"""The host monitor end to end: real agent processes, real workers, a real supervisor.
+
+Each test starts `python -m host_monitor.cli` (port 0, tiny periods) against one
+`supervisor serve` process shared by the module, and drives it over HTTP. Workers are
+tiny scripts (plain httpx) that register, report steps and ack emergency checkpoints.
+Every process is killed by process group at teardown; workers also exit on their own
+when their host monitor is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+AGENT_TOKEN = "hm-test-agent-token"
+OPERATOR_TOKEN = "hm-test-operator-token"
+ACTUATOR_TOKEN = "hm-test-actuator-token"
+WORKER_TOKEN = "hm-test-worker-token"
+ACTUATOR = {"Authorization": f"Bearer {ACTUATOR_TOKEN}"}
+WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+
+# A worker: registers, reports a step every 50 ms (sleeping the straggler slowdown on
+# top), acks emergency checkpoints with the id from HOST_MONITOR_REQUEST_FILE, and exits
+# when its host monitor has been unreachable for 3 s. Per-rank behaviour from env:
+# NO_ACK_RANKS never ack, IGNORE_TERM_RANKS ignore SIGTERM, USR1_DIR counts SIGUSR1s.
+WORKER_SCRIPT = r"""
+import os, signal, sys, time
+from pathlib import Path
+import httpx
+
+rank = int(os.environ["RANK"])
+local_rank = int(os.environ["LOCAL_RANK"])
+def ranks(name):
+    return {int(r) for r in os.environ.get(name, "").split(",") if r}
+Path(os.environ["PID_DIR"], str(os.getpid())).write_text(str(rank))
+client = httpx.Client(
+    base_url=os.environ["HOST_MONITOR_URL"],
+    headers={"Authorization": "Bearer " + os.environ["HOST_MONITOR_WORKER_TOKEN"]},
+    timeout=2,
+)
+signals = []
+signal.signal(signal.SIGUSR1, lambda *_: signals.append(1))
+if rank in ranks("IGNORE_TERM_RANKS"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+client.post(
+    "/v1/workers/register", json={"rank": rank, "local_rank": local_rank, "pid": os.getpid()}
+).raise_for_status()
+step, slowdown, last_ok, usr1 = 0, 0.0, time.monotonic(), 0
+while True:
+    if signals:
+        signals.clear()
+        usr1 += 1
+        if os.environ.get("USR1_DIR"):
+            Path(os.environ["USR1_DIR"], f"rank{rank}").write_text(str(usr1))
+        if rank not in ranks("NO_ACK_RANKS"):
+            request_id = Path(os.environ["HOST_MONITOR_REQUEST_FILE"]).read_text().strip()
+            body = {"request_id": request_id, "ok": True, "step": step, "duration_s": 0.01}
+            client.post(f"/v1/workers/{rank}/emergency-ack", json=body)
+    try:
+        r = client.post(f"/v1/workers/{rank}/progress", json={"step": step})
+        slowdown = r.json().get("slowdown_s", 0.0)
+        last_ok = time.monotonic()
+    except httpx.HTTPError:
+        if time.monotonic() - last_ok > 3:
+            sys.exit(3)
+    step += 1
+    time.sleep(0.05 + slowdown)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(predicate: Callable[[], Any], within: float = 5.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + within
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {within}s")
+        time.sleep(0.05)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+# --- the supervisor -----------------------------------------------------------------------
+
+
+class Supervisor:
+    def __init__(self, tmp: Path, port: int | None = None) -> None:
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"supervisor-{self.port}.log"
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")},
+            "SUPERVISOR_DATABASE_URL": f"sqlite:///{tmp}/supervisor-{self.port}.db",
+            "SUPERVISOR_AGENT_TOKEN": AGENT_TOKEN,
+            "SUPERVISOR_OPERATOR_TOKEN": OPERATOR_TOKEN,
+            "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": "0.1",
+            "SUPERVISOR_HEARTBEAT_TIMEOUT_S": "1",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url, headers=OPERATOR, timeout=5)
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "supervisor.cli", "serve", "--port", str(self.port)],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+        def ready() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            try:
+                return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, 30, "supervisor ready")
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc.pid)
+                self.proc.wait(5)
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        r = self.http.get(f"/api/v1/nodes/{name}")
+        return r.json() if r.status_code == 200 else None
+
+    def events(self, node: str, type_: str) -> list[dict[str, Any]]:
+        r = self.http.get("/api/v1/events", params={"node": node, "type": type_})
+        if r.status_code == 404:  # the node is not known yet
+            return []
+        assert r.status_code == 200, r.text
+        return r.json()["items"][::-1]  # type: ignore[no-any-return]
+
+    def wait_event(self, node: str, type_: str, within: float = 5.0) -> dict[str, Any]:
+        events = wait_for(lambda: self.events(node, type_), within, f"{type_} event of {node}")
+        return events[0]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
+    server = Supervisor(tmp_path_factory.mktemp("supervisor"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- the host monitor ---------------------------------------------------------------------
+
+
+class Agent:
+    def __init__(self, node: str, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.node = node
+        self.proc = proc
+        self.url = url
+        self.log = log
+        self.api = httpx.Client(base_url=url, headers=ACTUATOR, timeout=10)
+        self.worker_api = httpx.Client(base_url=url, headers=WORKER, timeout=5)
+
+    def status(self) -> dict[str, Any]:
+        r = self.api.get("/v1/status")
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def workers(self) -> dict[int, dict[str, Any]]:
+        return {w["rank"]: w for w in self.status()["workers"]}
+
+    def fault(self, **body: Any) -> dict[str, Any]:
+        r = self.api.post("/v1/faults", json=body)
+        assert r.status_code == 202, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.api.close()
+        self.worker_api.close()
+
+
+class Cluster:
+    """Starts agents and their workers; kills every process group it made at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.pid_dir = tmp / "pids"
+        self.pid_dir.mkdir()
+        self.usr1_dir = tmp / "usr1"
+        self.usr1_dir.mkdir()
+        self.script = tmp / "worker.py"
+        self.script.write_text(WORKER_SCRIPT)
+        self.agents: list[Agent] = []
+
+    def start_agent(
+        self,
+        supervisor_url: str | None,
+        *,
+        node: str | None = None,
+        env: dict[str, str] | None = None,
+        **flags: Any,
+    ) -> Agent:
+        node = node or f"hm-{uuid.uuid4().hex[:8]}"
+        settings: dict[str, Any] = {
+            "node": node,
+            "port": 0,
+            "heartbeat_polling_period_s": 0.2,
+            "worker_heartbeat_timeout_s": 1.0,
+            "watchdog_period_s": 0.1,
+            "kernel_log": self.tmp / f"{node}.kern.log",
+            "nvidia_smi": self.tmp / "no-nvidia-smi-here",
+            "run_dir": self.tmp / "run",
+            "shutdown_grace_s": 1.0,
+        }
+        if supervisor_url is not None:
+            settings["supervisor_url"] = supervisor_url
+        settings.update(flags)
+        argv = [sys.executable, "-m", "host_monitor.cli"]
+        for name, value in settings.items():
+            if value is not None:
+                argv += [f"--{name.replace('_', '-')}", str(value)]
+        # Tokens through the environment, as in production (flags show in `ps`).
+        full_env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")},
+            "HOST_MONITOR_AGENT_TOKEN": AGENT_TOKEN,
+            "HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
+            "HOST_MONITOR_WORKER_TOKEN": WORKER_TOKEN,
+            **(env or {}),
+        }
+        log = self.tmp / f"{node}.agent.log"
+        with log.open("ab") as err:
+            proc = subprocess.Popen(
+                argv,
+                env=full_env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+            )
+        assert proc.stdout is not None
+        line = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + 15
+            while not line.endswith(b"\n"):
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    proc.kill()
+                    raise AssertionError(f"agent did not start:\n{log.read_text()}")
+                chunk = os.read(proc.stdout.fileno(), 1)
+                if not chunk:
+                    raise AssertionError(f"agent exited ({proc.wait()}):\n{log.read_text()}")
+                line += chunk
+        text = line.decode().strip()
+        prefix = f"host-monitor {node} listening on "
+        assert text.startswith(prefix), text
+        agent = Agent(node, proc, text.removeprefix(prefix), log)
+        self.agents.append(agent)
+        return agent
+
+    def start_workers(
+        self,
+        agent: Agent,
+        ranks: list[int],
+        *,
+        job: str = "j1",
+        request_id: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "request_id": request_id or uuid.uuid4().hex,
+            "job": job,
+            "command": [sys.executable, str(self.script)],
+            "env": {"PID_DIR": str(self.pid_dir), "USR1_DIR": str(self.usr1_dir), **(env or {})},
+            "workers": [{"rank": r, "local_rank": i} for i, r in enumerate(ranks)],
+        }
+        r = agent.api.post("/v1/workers/start", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def wait_running(self, agent: Agent, ranks: list[int], min_step: int = 1) -> None:
+        def running() -> bool:
+            workers = agent.workers()
+            return all(
+                workers.get(r, {}).get("state") == "running"
+                and (workers[r]["step"] or 0) >= min_step
+                for r in ranks
+            )
+
+        wait_for(running, 10, f"ranks {ranks} running")
+
+    def worker_pids(self) -> list[int]:
+        return [int(p.name) for p in self.pid_dir.iterdir()]
+
+    def teardown(self) -> None:
+        for agent in self.agents:
+            agent.close()
+            if agent.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    agent.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.proc.wait(5)
+            _kill_group(agent.proc.pid)
+            agent.proc.wait(5)
+            if agent.proc.stdout is not None:
+                agent.proc.stdout.close()
+        for pid in self.worker_pids():
+            _kill_group(pid)  # workers lead their own process group
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.teardown()
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return False
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+def test_started_workers_register_and_their_steps_reach_the_supervisor(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    supervisor.wait_event(agent.node, "spare_available")
+    assert agent.status() == {"node": agent.node, "state": "spare", "job": None, "workers": []}
+
+    started = cluster.start_workers(agent, [0, 1], request_id="start-1")
+    assert started["state"] == "running" and started["job"] == "j1"
+    assert [w["state"] for w in started["workers"]] == ["starting", "starting"]
+    cluster.wait_running(agent, [0, 1], min_step=3)
+
+    def seen() -> dict[str, Any] | None:
+        node = supervisor.node(agent.node)
+        if node is None or node["state"] != "running":
+            return None
+        workers = node["workers"]
+        ok = len(workers) == 2 and all(w["state"] == "running" and w["step"] for w in workers)
+        return node if ok else None
+
+    node = wait_for(seen, 5, "workers running at the supervisor")
+    assert node["job"] == "j1" and node["alive"]
+    pids = {w["rank"]: w["pid"] for w in agent.status()["workers"]}
+    assert {w["rank"]: w["pid"] for w in node["workers"]} == pids
+    assert sorted(int(p) for p in cluster.worker_pids()) == sorted(pids.values())
+
+    # The workers got the node's URL, token, ranks and request file in their env.
+    environ = Path(f"/proc/{pids[1]}/environ").read_bytes().split(b"\0")
+    assert b"RANK=1" in environ and b"LOCAL_RANK=1" in environ
+    assert f"NODE_NAME={agent.node}".encode() in environ
+    assert f"HOST_MONITOR_URL={agent.url}".encode() in environ
+    assert not any(e.startswith((b"HOST_MONITOR_AGENT", b"HOST_MONITOR_ACTUATOR")) for e in environ)
+    log = cluster.tmp / "run" / f"{agent.node}.j1.rank0.log"
+    assert "=== host-monitor: start start-1" in log.read_text()
+
+    # Idempotent by request_id: the same start again launches nothing.
+    again = cluster.start_workers(agent, [0, 1], request_id="start-1")
+    assert {w["rank"]: w["pid"] for w in again["workers"]} == pids
+    body = {
+        "request_id": "start-1",
+        "job": "j1",
+        "command": ["true"],
+        "workers": [{"rank": 0, "local_rank": 0}],
+    }
+    r = agent.api.post("/v1/workers/start", json=body)
+    assert r.status_code == 409 and "different" in r.json()["detail"]
+    r = agent.api.post("/v1/workers/start", json={**body, "request_id": "start-2"})
+    assert r.status_code == 409 and "still running" in r.json()["detail"]
+    bad = {**body, "request_id": "start-3", "command": ["/nonexistent/trainer"], "job": "j1"}
+    r = agent.api.post("/v1/workers/start", json={**bad, "workers": [{"rank": 5, "local_rank": 2}]})
+    assert r.status_code == 422 and r.json()["message"].startswith("command: cannot run")
+    assert len(cluster.worker_pids()) == 2
+    r = agent.api.post("/v1/workers/start", json={**bad, "env": {"A=B": "x"}})
+    assert r.status_code == 422 and r.json()["message"].startswith("env.A=B:")
+
+
+def test_worker_crash_is_reported_as_worker_exited(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    cluster.start_workers(agent, [0, 1])
+    cluster.wait_running(agent, [0, 1])
+    victim = agent.workers()[1]["pid"]
+
+    crashed_at = time.monotonic()
+    outcome = agent.fault(kind="worker_crash", rank=1)
+    assert outcome["rank"] == 1 and outcome["pid"] == victim and "SIGKILL" in outcome["detail"]
+    event = supervisor.wait_event(agent.node, "worker_exited")
+    detected_in = time.monotonic() - crashed_at
+    assert event["rank"] == 1 and event["details"]["exit_code"] == -signal.SIGKILL
+    assert event["details"]["pid"] == victim
+    # Seen by the 0.1 s process poll and sent at once, not at the next period.
+    assert detected_in < 2.0, detected_in
+    workers = agent.workers()
+    assert workers[1]["state"] == "exited" and workers[1]["exit_code"] == -9
+    assert workers[0]["state"] == "running"
+
+    # Default target: the lowest live rank.
+    assert agent.fault(kind="worker_crash")["rank"] == 0
+    r = agent.api.post("/v1/faults", json={"kind": "worker_crash", "rank": 1})
+    assert r.status_code == 409  # already dead
+    r = agent.api.post("/v1/faults", json={"kind": "worker_crash", "rank": 7})
+    assert r.status_code == 404
+
+
+def test_hung_worker_turns_lost_and_stop_still_ends_it(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    cluster.start_workers(agent, [0, 1])
+    cluster.wait_running(agent, [0, 1])
+
+    agent.fault(kind="worker_hang", rank=0)
+    wait_for(lambda: agent.workers()[0]["state"] == "lost", 5, "rank 0 lost")
+    event = supervisor.wait_event(agent.node, "worker_heartbeat_lost")
+    assert event["rank"] == 0
+    assert agent.workers()[1]["state"] == "running"
+
+    # A stopped (SIGSTOP) process only acts on SIGTERM once continued: stop does both.
+    result = agent.api.post("/v1/workers/stop", json={"grace_s": 2})
+    assert result.status_code == 200, result.text
+    assert result.json()["exit_codes"] == {"0": -15, "1": -15}
+    assert all(_pid_gone(p) for p in cluster.worker_pids())
+
+
+def test_emergency_checkpoint_rounds(supervisor: Supervisor, cluster: Cluster) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    cluster.start_workers(agent, [0, 1, 2], env={"NO_ACK_RANKS": "2"})
+    cluster.wait_running(agent, [0, 1, 2])
+
+    r = agent.api.post("/v1/emergency-checkpoint", json={"request_id": "ec-1", "timeout_s": 1})
+    assert r.status_code == 200, r.text
+    first = r.json()
+    assert first["request_id"] == "ec-1"
+    assert sorted(first["acked"]) == ["0", "1"] and first["missing"] == [2]
+    assert all(a["ok"] and a["request_id"] == "ec-1" for a in first["acked"].values())
+    assert 1.0 <= first["elapsed_s"] < 2.0
+
+    # The same request_id again: the same round, answered at once, no new signal.
+    again = agent.api.post("/v1/emergency-checkpoint", json={"request_id": "ec-1", "timeout_s": 5})
+    assert again.json() == first
+    assert {p.name: p.read_text() for p in cluster.usr1_dir.iterdir()} == {
+        "rank0": "1",
+        "rank1": "1",
+        "rank2": "1",
+    }
+
+    # A dead worker is not waited for: the round ends as soon as the live ones acked.
+    agent.fault(kind="worker_crash", rank=2)
+    wait_for(lambda: agent.workers()[2]["state"] == "exited", 5, "rank 2 exited")
+    started = time.monotonic()
+    r = agent.api.post("/v1/emergency-checkpoint", json={"request_id": "ec-2", "timeout_s": 10})
+    second = r.json()
+    assert sorted(second["acked"]) == ["0", "1"] and second["missing"] == []
+    assert time.monotonic() - started < 3 and second["elapsed_s"] < 3
+
+    # Late or stray acks: unknown round with no open one -> 404; a finished round -> not counted.
+    r = agent.worker_api.post(
+        "/v1/workers/0/emergency-ack", json={"request_id": "nope", "ok": True}
+    )
+    assert r.status_code == 404
+    r = agent.worker_api.post(
+        "/v1/workers/2/emergency-ack", json={"request_id": "ec-1", "ok": True}
+    )
+    assert r.status_code == 200 and r.json() == {"request_id": "ec-1", "accepted": False}
+    r = agent.worker_api.get("/v1/workers/0/emergency")
+    assert r.json() == {"request_id": None, "remaining_s": None}
+
+
+def test_stop_with_grace_then_release_makes_a_spare(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    cluster.start_workers(agent, [0, 1], env={"IGNORE_TERM_RANKS": "1"})
+    cluster.wait_running(agent, [0, 1])
+    wait_for(lambda: (supervisor.node(agent.node) or {}).get("state") == "running", 5, "running")
+
+    started = time.monotonic()
+    r = agent.api.post("/v1/workers/stop", json={"grace_s": 0.5})
+    took = time.monotonic() - started
+    assert r.status_code == 200, r.text
+    # Rank 0 ends on SIGTERM; rank 1 ignores it and is SIGKILLed after the grace period.
+    assert r.json() == {"exit_codes": {"0": -15, "1": -9}}
+    assert 0.5 <= took < 3, took
+    status = agent.status()
+    assert status["state"] == "running" and status["job"] == "j1"
+    assert [(w["state"], w["exit_code"]) for w in status["workers"]] == [
+        ("stopped", -15),
+        ("stopped", -9),
+    ]
+    wait_for(
+        lambda: (
+            [w["state"] for w in (supervisor.node(agent.node) or {}).get("workers", [])]
+            == ["stopped", "stopped"]
+        ),
+        5,
+        "stopped workers at the supervisor",
+    )
+    assert supervisor.events(agent.node, "worker_exited") == []  # our stop is no failure
+    spares_before = len(supervisor.events(agent.node, "spare_available"))
+
+    r = agent.api.post("/v1/workers/stop", json={"grace_s": 0.5, "release": True})
+    assert r.status_code == 200 and r.json() == {"exit_codes": {"0": -15, "1": -9}}
+    assert agent.status() == {"node": agent.node, "state": "spare", "job": None, "workers": []}
+    wait_for(
+        lambda: len(supervisor.events(agent.node, "spare_available")) == spares_before + 1,
+        5,
+        "spare_available after release",
+    )
+    node = supervisor.node(agent.node)
+    assert node is not None and node["state"] == "spare" and node["workers"] == []
+
+
+def test_xid_fault_goes_through_the_kernel_log(supervisor: Supervisor, cluster: Cluster) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    cluster.start_workers(agent, [0])
+    cluster.wait_running(agent, [0])
+    pid = agent.workers()[0]["pid"]
+    kernel_log = cluster.tmp / f"{agent.node}.kern.log"
+
+    outcome = agent.fault(kind="xid", code=79, gpu=2)
+    lines = kernel_log.read_text().splitlines()
+    assert len(lines) == 1
+    # The driver's own format; GPU 2 at its synthetic (DGX H100) PCI address.
+    expected = rf"\[ *\d+\.\d{{6}}\] NVRM: Xid \(PCI:0000:3a:00\): 79, pid={pid}, name=\S+, "
+    assert re.fullmatch(expected + r"GPU has fallen off the bus\.", lines[0]), lines[0]
+    assert str(kernel_log) in outcome["detail"]
+    event = supervisor.wait_event(agent.node, "gpu_xid")
+    assert event["details"]["code"] == 79 and event["details"]["gpu"] == 2
+    assert "GPU has fallen off the bus." in event["details"]["message"]
+
+    # A line written by "the kernel" in the older format, for a GPU we cannot map.
+    with kernel_log.open("a") as f:
+        f.write("[ 99.000001] NVRM: Xid (0000:86:00): 13, 0000 00000000 0000c5c0 00000520\n")
+    wait_for(lambda: len(supervisor.events(agent.node, "gpu_xid")) == 2, 5, "second xid")
+    # The same XID on the same GPU within the cooldown is reported once.
+    agent.fault(kind="xid", code=79, gpu=2)
+    agent.fault(kind="xid", code=48, gpu=2)
+    wait_for(lambda: len(supervisor.events(agent.node, "gpu_xid")) == 3, 5, "third xid")
+    time.sleep(0.5)
+    events = supervisor.events(agent.node, "gpu_xid")
+    assert [(e["details"]["code"], e["details"].get("gpu")) for e in events] == [
+        (79, 2),
+        (13, None),
+        (48, 2),
+    ]
+    r = agent.api.post("/v1/faults", json={"kind": "xid"})
+    assert r.status_code == 422 and r.json()["message"] == "code: required for an xid fault"
+
+
+def test_ecc_faults_and_nvidia_smi_counts_reach_the_supervisor(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    csv = cluster.tmp / "ecc.csv"
+    csv.write_text("0, 0\n1, [N/A]\n2, [Not Supported]\n")
+    smi = cluster.tmp / "nvidia-smi"
+    smi.write_text(
+        f"#!{sys.executable}\nimport sys\n"
+        "if sys.argv[1] == '--query-gpu=index,pci.bus_id':\n"
+        "    print('0, 00000000:18:00.0\\n1, 00000000:2A:00.0\\n2, 00000000:3A:00.0')\n"
+        f"else:\n    sys.stdout.write(open({str(csv)!r}).read())\n"
+    )
+    smi.chmod(0o755)
+    agent = cluster.start_agent(supervisor.url, nvidia_smi=smi, gpu_report_cooldown_s=0)
+    supervisor.wait_event(agent.node, "spare_available")
+
+    outcome = agent.fault(kind="ecc", gpu=1, count=2)
+    assert outcome["detail"] == "synthetic uncorrected ECC count of gpu 1 is now 2"
+    event = supervisor.wait_event(agent.node, "gpu_ecc")
+    assert event["details"]["gpu"] == 1 and event["details"]["count"] == 2
+
+    csv.write_text("0, 3\n1, [N/A]\n2, [Not Supported]\n")  # the GPU itself reports errors
+    wait_for(lambda: len(supervisor.events(agent.node, "gpu_ecc")) == 2, 5, "second ecc")
+    last = supervisor.events(agent.node, "gpu_ecc")[-1]["details"]
+    assert (last["gpu"], last["count"], last["new_errors"]) == (0, 3, 3)
+    r = agent.api.post("/v1/faults", json={"kind": "ecc"})
+    assert r.status_code == 422 and r.json()["message"].startswith("count:")
+
+
+def test_node_down_kills_everything_and_the_supervisor_notices(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    agent = cluster.start_agent(supervisor.url)
+    cluster.start_workers(agent, [0, 1])
+    cluster.wait_running(agent, [0, 1])
+    wait_for(lambda: (supervisor.node(agent.node) or {}).get("state") == "running", 5, "running")
+
+    outcome = agent.fault(kind="node_down")
+    assert outcome["exiting"] is True
+    assert agent.proc.wait(5) == 137
+    wait_for(lambda: all(_pid_gone(p) for p in cluster.worker_pids()), 2, "workers killed")
+    event = supervisor.wait_event(agent.node, "host_heartbeat_lost", within=5)
+    assert event["node"] == agent.node
+    # A dead node does not report its workers dying.
+    assert supervisor.events(agent.node, "worker_exited") == []
+
+
+def test_agent_serves_without_supervisor_and_delivers_once_it_is_up(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    port = _free_port()
+    agent = cluster.start_agent(f"http://127.0.0.1:{port}")
+    # The local API works although no heartbeat gets through.
+    cluster.start_workers(agent, [0])
+    cluster.wait_running(agent, [0])
+    agent.fault(kind="xid", code=79, gpu=1)  # queued until a heartbeat carrying it lands
+    late = Supervisor(tmp_path, port=port)
+    try:
+        late.start()
+        node = wait_for(lambda: late.node(agent.node), 5, "first heartbeat after backoff")
+        assert node["state"] == "running" and node["alive"]
+        wait_for(lambda: (late.node(agent.node) or {}).get("workers"), 5, "workers")
+        xid = late.wait_event(agent.node, "gpu_xid")
+        assert (xid["details"]["code"], xid["details"]["gpu"]) == (79, 1)
+        log = agent.log.read_text()
+        assert log.count("retrying with backoff") == 1, log  # one line, not one per attempt
+        assert "heartbeat delivered to" in log
+    finally:
+        late.stop()
+
+
+def test_tokens_validation_and_startup_lines(supervisor: Supervisor, cluster: Cluster) -> None:
+    agent = cluster.start_agent(supervisor.url, initial_state="running", job="j9")
+    actuator, worker = agent.api, agent.worker_api
+    assert actuator.get("/v1/status", headers={"Authorization": ""}).status_code == 401
+    assert actuator.get("/v1/status", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert actuator.get("/v1/status", headers=WORKER).status_code == 401
+    body = {"rank": 0, "local_rank": 0, "pid": 1}
+    assert worker.post("/v1/workers/register", json=body, headers=ACTUATOR).status_code == 401
+    assert httpx.post(f"{agent.url}/v1/workers/register", json=body).status_code == 401
+    assert (
+        actuator.post("/v1/faults", json={"kind": "node_down"}, headers=WORKER).status_code == 401
+    )
+    assert agent.proc.poll() is None
+
+    r = worker.post("/v1/workers/register", json={**body, "rank": -1})
+    assert r.status_code == 422 and r.json()["message"].startswith("rank:")
+    r = worker.post("/v1/workers/3/progress", json={"step": 1})
+    assert r.status_code == 404
+    r = actuator.post("/v1/workers/stop", json={"grace_s": "soon"})
+    assert r.status_code == 422 and "grace_s" in r.json()["message"]
+    r = actuator.post("/v1/emergency-checkpoint", json={"request_id": "x"})
+    assert r.status_code == 422 and "timeout_s" in r.json()["message"]
+
+    # One clear line per absent GPU source, once.
+    log = agent.log.read_text()
+    assert log.count("ecc watchdog disabled: ") == 1, log
+    assert "no-nvidia-smi-here not found on PATH" in log
+    other = cluster.start_agent(supervisor.url, kernel_log=None)
+    log = other.log.read_text()
+    if os.access("/dev/kmsg", os.R_OK):
+        assert "xid watchdog: reading /dev/kmsg" in log
+    else:
+        assert log.count("xid watchdog disabled: /dev/kmsg not readable") == 1, log
+
+
+def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Cluster) -> None:
+    """A worker we did not launch (as in a Kubernetes pod) registers itself."""
+    agent = cluster.start_agent(supervisor.url, initial_state="running", job="j2")
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        body = {"rank": 4, "local_rank": 0, "pid": sleeper.pid, "world_size": 8}
+        r = agent.worker_api.post("/v1/workers/register", json=body)
+        assert r.status_code == 200 and r.json()["state"] == "running"
+        progress = agent.worker_api.post("/v1/workers/4/progress", json={"step": 7})
+        assert progress.json() == {"slowdown_s": 0.0}
+
+        outcome = agent.fault(kind="straggler", rank=4, slowdown_s=0.25)
+        assert outcome["rank"] == 4
+        progress = agent.worker_api.post("/v1/workers/4/progress", json={"step": 8})
+        assert progress.json() == {"slowdown_s": 0.25}
+        r = agent.api.post("/v1/faults", json={"kind": "straggler", "rank": 4})
+        assert r.status_code == 422 and r.json()["message"].startswith("slowdown_s:")
+        report = {"event": "saved", "step": 8, "duration_s": 0.5, "tier": "local"}
+        r = agent.worker_api.post("/v1/workers/4/checkpoints", json=report)
+        assert r.status_code == 202
+        assert agent.api.get("/v1/checkpoints").json()[0]["report"] == report
+
+        sleeper.kill()
+        sleeper.wait()
+        wait_for(lambda: agent.workers()[4]["state"] == "exited", 5, "adopted worker exited")
+        assert agent.workers()[4]["exit_code"] is None  # not our child: unknown
+        event = supervisor.wait_event(agent.node, "worker_exited")
+        assert event["rank"] == 4 and event["details"]["step"] == 8
+        assert "exit_code" not in event["details"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_sigterm_stops_launched_workers_and_exits_cleanly(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    agent = cluster.start_agent(supervisor.url, shutdown_grace_s=0.5)
+    cluster.start_workers(agent, [0, 1], env={"IGNORE_TERM_RANKS": "1"})
+    cluster.wait_running(agent, [0, 1])
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(10) == 0
+    assert all(_pid_gone(p) for p in cluster.worker_pids())
+    assert "host monitor of " in agent.log.read_text()
+
+
+def test_invalid_settings_stop_startup_with_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "host_monitor.cli", "--node", "n1"],
+        env={**env, "HOST_MONITOR_HEARTBEAT_POLLING_PERIOD_S": "abc"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "host-monitor: invalid setting 'heartbeat_polling_period_s': Input should be a valid "
+        "number, unable to parse string as a number (got 'abc')"
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "host_monitor.cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert "missing setting 'node'" in run.stderr
+
+
+def test_status_json_round_trips(cluster: Cluster) -> None:
+    """Without a supervisor the agent still serves its API (and says why it sends nothing)."""
+    agent = cluster.start_agent(None)
+    assert agent.status()["state"] == "spare"
+    assert httpx.get(f"{agent.url}/healthz").json() == {"status": "ok", "node": agent.node}
+    assert "supervisor_url not set" in agent.log.read_text()
+    assert json.loads(json.dumps(agent.status()))["workers"] == []
