@@ -205,14 +205,16 @@ class Supervisor:
         nodes = []
         jobs = []
         if action.type in (ActionType.CORDON, ActionType.HOT_SWAP) and action.node:
-            view = self.sensor.set_cordoned(action.node, True)
-            nodes.append(view)
+            nodes.append(self.sensor.set_cordoned(action.node, True))
         elif action.type is ActionType.UNCORDON and action.node:
             nodes.append(self.sensor.set_cordoned(action.node, False))
         elif action.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP) and action.job:
             replicas = action.params.get("to_replicas")
             if isinstance(replicas, int):
                 jobs.append(self.sensor.set_replicas(action.job, replicas))
+            excluded = action.params.get("exclude_node")
+            if action.type is ActionType.SCALE_DOWN and isinstance(excluded, str):
+                nodes.append(self.sensor.set_cordoned(excluded, True))
         changed = Changes(
             nodes=[n for n in nodes if n is not None], jobs=[j for j in jobs if j is not None]
         )

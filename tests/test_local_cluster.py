@@ -8,6 +8,7 @@ fault.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -42,16 +43,30 @@ def reference_weights(tmp: Path, replicas: int, nodes_per_dp: int, steps: int) -
     procs = []
     for rank in range(world):
         env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_"))
         }
         env.update(
-            RANK=str(rank), NUM_DP_REPLICAS=str(replicas), NUM_NODES_PER_DP=str(nodes_per_dp),
-            WORLD_SIZE=str(world), SEED=str(SEED), TOTAL_STEPS=str(steps), STEP_TIME_S="0",
-            RUN_DIR=str(run / "job"), LOCAL_CKPT_DIR=str(run / f"local-{rank}"),
-            DURABLE_CKPT_DIR=str(run / "durable"), OUTPUT_DIR=str(run / "output"),
+            RANK=str(rank),
+            NUM_DP_REPLICAS=str(replicas),
+            NUM_NODES_PER_DP=str(nodes_per_dp),
+            WORLD_SIZE=str(world),
+            SEED=str(SEED),
+            TOTAL_STEPS=str(steps),
+            STEP_TIME_S="0",
+            RUN_DIR=str(run / "job"),
+            LOCAL_CKPT_DIR=str(run / f"local-{rank}"),
+            DURABLE_CKPT_DIR=str(run / "durable"),
+            OUTPUT_DIR=str(run / "output"),
         )
-        procs.append(subprocess.Popen([sys.executable, "-m", "supervisor.local.workload"],
-                                      env=env, stdout=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "supervisor.local.workload"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+        )
     for proc in procs:
         assert proc.wait(120) == 0
     return [np.load(run / "output" / f"shard-{k}.npy") for k in range(nodes_per_dp)]
@@ -168,3 +183,109 @@ def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
     assert saved >= step_before
     for got, want in zip(weights, expected, strict=True):
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("fault", "event", "remedy"),
+    [
+        ({"kind": "worker_crash"}, "worker_exited", "restart_in_place"),
+        ({"kind": "worker_hang"}, "worker_heartbeat_lost", "restart_in_place"),
+        ({"kind": "xid", "code": 79}, "gpu_xid", "hot_swap"),
+    ],
+    ids=["crash", "hang", "xid"],
+)
+def test_worker_and_gpu_faults_are_healed_exactly(
+    start_demo: Callable[..., LocalDemo],
+    tmp_path: Path,
+    fault: dict[str, Any],
+    event: str,
+    remedy: str,
+) -> None:
+    demo = start_demo()
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps)
+    wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    victim = demo.options.nodes[0]
+    step_before = job_step(demo)
+    injected = inject(demo, node=victim, **fault)
+
+    actions = wait_for(lambda: finished_actions(demo, 2), what="the remediation")
+    events = demo.api("/api/v1/events", type=event)["items"]
+    assert [(e["node"], e["fault_id"]) for e in events] == [(victim, injected["id"])]
+    if fault["kind"] == "worker_crash":
+        assert events[0]["details"]["exit_code"] in (-9, 137)
+    if fault["kind"] == "xid":
+        assert events[0]["details"]["code"] == 79  # read back from the kernel log line
+    assert [(a["type"], a["status"]) for a in actions] == [
+        ("emergency_checkpoint", "succeeded"),
+        (remedy, "succeeded"),
+    ], actions
+    assert all(a["fault_id"] == injected["id"] for a in actions)
+    saved = actions[0]["result"]["step"]
+    assert saved >= step_before
+
+    weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
+    assert (saved, "emergency") in resumed_steps(demo)
+    for got, want in zip(weights, expected, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_no_spare_scales_down_then_back_up_when_the_node_returns(
+    start_demo: Callable[..., LocalDemo],
+) -> None:
+    demo = start_demo(spares=0, node_repair_s=2.0, total_steps=100_000)
+    wait_for(lambda: job_step(demo) >= 10, what="training to reach step 10")
+    victim = demo.options.nodes[0]
+    inject(demo, kind="node_down", node=victim)
+
+    down = wait_for(lambda: finished_actions(demo, 2), what="the scale-down")
+    assert [(a["type"], a["status"]) for a in down] == [
+        ("emergency_checkpoint", "succeeded"),
+        ("scale_down", "succeeded"),
+    ], down
+    assert down[1]["params"] == {"to_replicas": 1, "exclude_node": victim}
+    job = demo.api("/api/v1/jobs/demo")
+    assert job["num_dp_replicas"] == 1
+    resumed_at = job_step(demo)
+    wait_for(lambda: job_step(demo) > resumed_at + 3, what="training on one replica")
+
+    # The node is repaired: back as a spare, and the job grows back to two replicas.
+    wait_for(lambda: demo.repair_nodes() == [victim], within=30, what="the repair")
+    up = wait_for(
+        lambda: [a for a in finished_actions(demo, 5) if a["type"] == "scale_up"],
+        within=60,
+        what="the scale-up",
+    )
+    assert [(a["status"], a["params"]) for a in up] == [("succeeded", {"to_replicas": 2})]
+    recovered = demo.api("/api/v1/events", type="node_recovered")["items"]
+    assert [e["node"] for e in recovered] == [victim]
+    assert demo.api("/api/v1/jobs/demo")["num_dp_replicas"] == 2
+    step = job_step(demo)
+    wait_for(lambda: job_step(demo) > step + 3, what="training on two replicas again")
+
+
+def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(
+    start_demo: Callable[..., LocalDemo], tmp_path: Path
+) -> None:
+    demo = start_demo()
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps)
+    wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    injected = inject(demo, kind="worker_crash", node=demo.options.nodes[1])
+    # Kill the supervisor as soon as the policy's decision is recorded.
+    wait_for(lambda: demo.api("/api/v1/actions")["items"], what="a recorded action")
+    demo.kill_supervisor()
+    demo.start_supervisor()
+    demo.wait_ready(f"{demo.url}/readyz")
+
+    actions = wait_for(lambda: finished_actions(demo, 2), what="the remediation")
+    assert [(a["type"], a["status"]) for a in actions] == [
+        ("emergency_checkpoint", "succeeded"),
+        ("restart_in_place", "succeeded"),
+    ], actions
+    exited = demo.api("/api/v1/events", type="worker_exited")["items"]
+    assert [(e["node"], e["fault_id"]) for e in exited] == [(demo.options.nodes[1], injected["id"])]
+    weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
+    for got, want in zip(weights, expected, strict=True):
+        assert np.array_equal(got, want)
+    # One decision, carried out once: the job was restarted a single time.
+    state = json.loads((demo.run_dir / "cluster.json").read_text())
+    assert state["job"]["attempt"] == 2  # the boot, then the one restart

@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from supervisor.config import Settings
-from supervisor.domain import Event, EventType, JobView, NodeState, NodeView, WorkerState
+from supervisor.domain import (
+    Event,
+    EventType,
+    JobView,
+    NodeState,
+    NodeView,
+    WorkerState,
+    WorkerView,
+)
 from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor, WorkerReport
 from supervisor.sensor.heartbeat import HeartbeatError, decode_heartbeat
 
@@ -821,3 +829,29 @@ def test_invalid_heartbeats_are_rejected(payload: dict[str, Any], fragment: str)
     with pytest.raises(HeartbeatError) as info:
         decode_heartbeat(json.dumps(payload).encode())
     assert fragment in f"{info.value.loc} {info.value.message}"
+
+
+async def test_restored_worker_states_are_not_reported_again(make_sensor: SensorFactory) -> None:
+    """After a supervisor restart, a worker that had already exited is not a new event;
+    one that exited while the supervisor was down is."""
+    sensor, _ = make_sensor()
+    exited = worker(0, 5, "exited", exit_code=-9)
+    running = worker(1, 5, "running")
+    view = NodeView(
+        "n1",
+        NodeState.RUNNING,
+        "j1",
+        True,
+        None,
+        workers=tuple(
+            WorkerView(w.rank, w.local_rank, w.pid, w.state, w.step, w.exit_code)
+            for w in (exited, running)
+        ),
+    )
+    sensor.restore([view], [])
+    same = sensor.ingest(hb("n1", workers=[exited, running]))
+    assert same.events == []
+    crashed_meanwhile = sensor.ingest(
+        hb("n1", workers=[exited, worker(1, 5, "exited", exit_code=1)])
+    )
+    assert [(e.type, e.rank) for e in crashed_meanwhile.events] == [(E.WORKER_EXITED, 1)]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import func, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -24,6 +25,8 @@ from supervisor.domain import (
     JobView,
     NodeState,
     NodeView,
+    WorkerState,
+    WorkerView,
     utcnow,
 )
 from supervisor.policy import actions
@@ -32,9 +35,11 @@ from supervisor.store import (
     EventFilter,
     InvalidCursor,
     Store,
+    make_engine,
     migrate,
     open_store,
 )
+from supervisor.store.database import alembic_config
 from supervisor.store.models import ActionRow, Base, EventRow, JobRow
 
 A = ActionType
@@ -126,7 +131,8 @@ def test_migrations_run_twice_are_a_no_op(store: Store, database_url: str) -> No
         assert sorted(inspect(again.engine).get_table_names()) == tables_before
         with again.engine.connect() as conn:
             versions = conn.execute(text("SELECT version_num FROM alembic_version")).all()
-        assert [v for (v,) in versions] == ["0001"]
+        head = ScriptDirectory.from_config(alembic_config(again.engine)).get_current_head()
+        assert [v for (v,) in versions] == [head]
         # Nothing recorded was lost.
         assert [n.name for n in again.load_nodes()] == ["n1"]
         assert len(again.list_events(EventFilter()).items) == 1
@@ -655,3 +661,31 @@ def test_naive_datetimes_are_refused(store: Store) -> None:
     with pytest.raises(Exception, match="naive datetime"):
         store.record([event(time=datetime(2025, 1, 1))])
     assert store.list_events(EventFilter()).items == []
+
+
+def test_upgrade_from_0001_backfills_worker_states(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        migrate(engine, "0001")
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO nodes (name, state, job, alive, cordoned, flapping, updated_at)"
+                    " VALUES ('old', 'running', 'j1', true, false, false, CURRENT_TIMESTAMP)"
+                )
+            )
+        migrate(engine)
+        [node] = Store(engine).load_nodes()
+        assert node.name == "old" and node.workers == ()
+    finally:
+        engine.dispose()
+
+
+def test_worker_states_round_trip(store: Store) -> None:
+    worker = WorkerView(
+        rank=3, local_rank=1, pid=42, state=WorkerState.EXITED, step=7, exit_code=-9
+    )
+    view = NodeView("n1", NodeState.RUNNING, "j1", True, T0, workers=(worker,))
+    store.record([], [view])
+    [loaded] = store.load_nodes()
+    assert loaded.workers == (worker,)

@@ -215,7 +215,9 @@ class LocalDemo:
             await cluster.close()
 
     def repair_nodes(self) -> list[str]:
-        """Start again the host monitors of nodes that died more than node_repair_s ago."""
+        """Bring back nodes that died more than node_repair_s ago, as a technician would:
+        return the node to the pool (uncordon, through the operator API), then boot it
+        (its host monitor starts again, as a spare)."""
         repaired = []
         now = time.monotonic()
         for node, proc in list(self.monitors.items()):
@@ -223,11 +225,31 @@ class LocalDemo:
                 self._down_since.pop(node, None)
                 continue
             since = self._down_since.setdefault(node, now)
-            if now - since >= self.options.node_repair_s:
-                self.start_monitor(node)
-                self._down_since.pop(node, None)
-                repaired.append(node)
+            if now - since < self.options.node_repair_s:
+                continue
+            try:
+                self.operator_action(
+                    {"type": "uncordon", "node": node, "reason": "repaired"},
+                    key=f"repair-{node}-{int(since)}",
+                )
+            except httpx.HTTPError:
+                continue  # the supervisor is not answering: try again on the next pass
+            self.start_monitor(node)
+            self._down_since.pop(node, None)
+            repaired.append(node)
         return repaired
+
+    def operator_action(self, body: dict[str, Any], key: str) -> dict[str, Any]:
+        """Ask for an action through the API and wait until it finished."""
+        headers = {"Authorization": f"Bearer {self.operator_token}", "Idempotency-Key": key}
+        response = httpx.post(f"{self.url}/api/v1/actions", json=body, headers=headers, timeout=5)
+        response.raise_for_status()
+        action: dict[str, Any] = response.json()
+        deadline = time.monotonic() + 30
+        while action["status"] not in ("succeeded", "failed") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            action = self.api(f"/api/v1/actions/{action['id']}")
+        return action
 
     def kill_supervisor(self) -> None:
         if self.supervisor is not None and self.supervisor.poll() is None:

@@ -243,6 +243,17 @@ class Sensor:
                 name=nv.name,
                 state=nv.state,
                 job=nv.job,
+                workers=[
+                    WorkerReport(
+                        rank=w.rank,
+                        local_rank=w.local_rank,
+                        state=w.state,
+                        pid=w.pid,
+                        step=w.step,
+                        exit_code=w.exit_code,
+                    )
+                    for w in nv.workers
+                ],
                 last_seen=now,
                 last_seen_wall=seen,
                 alive=nv.alive,
@@ -347,6 +358,7 @@ class Sensor:
             node.topology = dict(hb.topology)
         previous, current = node.workers, hb.workers
         if not _same_states(previous, current):
+            changed = True  # persisted with the node, so a restart knows the states
             by_rank = {w.rank: w for w in previous}
             for worker in current:
                 before = by_rank.get(worker.rank)

@@ -69,6 +69,9 @@ class NodeRow(Base):
     cordoned: Mapped[bool] = mapped_column(default=False)
     flapping: Mapped[bool] = mapped_column(default=False)
     last_heartbeat: Mapped[datetime | None]
+    # Worker states as last reported, so a restarted supervisor does not mistake them for
+    # new transitions. Written only when they change, never per heartbeat.
+    workers: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     updated_at: Mapped[datetime]
 
 

@@ -25,6 +25,8 @@ from supervisor.domain import (
     JobView,
     NodeState,
     NodeView,
+    WorkerState,
+    WorkerView,
     utcnow,
 )
 from supervisor.store.models import ActionRow, CounterRow, EventRow, FaultRow, JobRow, NodeRow
@@ -143,6 +145,17 @@ class Store:
                 cordoned=node.cordoned,
                 flapping=node.flapping,
                 last_heartbeat=node.last_heartbeat,
+                workers=[
+                    {
+                        "rank": w.rank,
+                        "local_rank": w.local_rank,
+                        "pid": w.pid,
+                        "state": w.state.value,
+                        "step": w.step,
+                        "exit_code": w.exit_code,
+                    }
+                    for w in node.workers
+                ],
                 updated_at=now,
             )
         )
@@ -482,6 +495,17 @@ def _node(row: NodeRow) -> NodeView:
         job=row.job,
         alive=row.alive,
         last_heartbeat=row.last_heartbeat,
+        workers=tuple(
+            WorkerView(
+                rank=w["rank"],
+                local_rank=w["local_rank"],
+                pid=w.get("pid"),
+                state=WorkerState(w["state"]),
+                step=w.get("step"),
+                exit_code=w.get("exit_code"),
+            )
+            for w in row.workers or ()
+        ),
         cordoned=row.cordoned,
         flapping=row.flapping,
     )
