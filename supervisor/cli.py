@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -98,13 +99,13 @@ def _demo(args: argparse.Namespace) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     try:
         print(f"starting {len(options.nodes)} nodes, a training job and the supervisor ...")
         demo.start()
         _print_banner(demo)
-        last = ""
+        last, printed = "", 0.0
         while not stopping:
             time.sleep(1.0)
             for node in demo.repair_nodes():
@@ -112,28 +113,40 @@ def _demo(args: argparse.Namespace) -> None:
             if demo.supervisor is not None and demo.supervisor.poll() is not None:
                 print("the supervisor exited; logs in", demo.run_dir / "logs")
                 break
-            line = _status_line(demo)
-            if line != last:
-                print(line, flush=True)
-                last = line
+            step, news = _status(demo)
+            # A line when something happened, else one every 10 s to show progress.
+            if news != last or time.monotonic() - printed >= 10:
+                print(f"  step {step}  {news}", flush=True)
+                last, printed = news, time.monotonic()
     finally:
-        print("stopping every process ...", flush=True)
+        # Stop first: printing can fail (a closed terminal or pipe) and must not leave
+        # the cluster running.
         demo.stop()
+        with contextlib.suppress(OSError):
+            print("stopped every process of the demo", flush=True)
 
 
-def _status_line(demo: LocalDemo) -> str:
+def _status(demo: LocalDemo) -> tuple[str, str]:
+    """(training step, what the cluster and the supervisor are doing)."""
     try:
         job = demo.api(f"/api/v1/jobs/{demo.options.job}")
         nodes = demo.api("/api/v1/nodes")
         events = demo.api("/api/v1/events", limit=1)["items"]
+        actions = demo.api("/api/v1/actions", limit=1)["items"]
     except Exception as exc:  # the supervisor may be restarting: say so, keep going
-        return f"  (supervisor not answering: {type(exc).__name__})"
+        return "?", f"(supervisor not answering: {type(exc).__name__})"
     alive = sum(1 for n in nodes if n["alive"])
     spares = sum(1 for n in nodes if n["alive"] and n["state"] == "spare" and not n["cordoned"])
-    latest = f"{events[0]['type']} on {events[0]['node']}" if events else "none"
-    return (
-        f"  step {job['last_step']}  replicas {job['num_dp_replicas']}  "
-        f"nodes alive {alive}/{len(nodes)}  spares {spares}  latest event: {latest}"
+    event = f"{events[0]['type']} on {events[0]['node']}" if events else "none"
+    action = (
+        f"{actions[0]['type']} {actions[0]['status']}"
+        + (f" ({actions[0]['node']})" if actions[0]["node"] else "")
+        if actions
+        else "none"
+    )
+    return str(job["last_step"]), (
+        f"replicas {job['num_dp_replicas']}  nodes alive {alive}/{len(nodes)}  "
+        f"spares {spares}  last event: {event}  last action: {action}"
     )
 
 

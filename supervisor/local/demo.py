@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
@@ -28,6 +29,7 @@ import httpx
 from supervisor.local.cluster import ClusterState, JobSpec, LocalCluster, NodeInfo
 
 RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -52,6 +54,12 @@ class DemoOptions:
     @property
     def nodes(self) -> list[str]:
         return [f"node-{i}" for i in range(self.replicas * self.nodes_per_dp + self.spares)]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -92,6 +100,7 @@ class LocalDemo:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl+C in the terminal reaches us only; we stop them
+            preexec_fn=_die_with_parent,
         )
 
     def start_monitor(self, node: str) -> None:
@@ -150,6 +159,7 @@ class LocalDemo:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     def wait_ready(

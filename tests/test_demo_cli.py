@@ -1,0 +1,96 @@
+"""`supervisor demo` as a user runs it: it starts, says how to use it, and leaves no
+process behind when stopped with Ctrl+C, or even when it is killed outright."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from supervisor.local.demo import leftover_processes
+from tests.test_local_cluster import _free_port
+
+
+def _start(run_dir: Path, port: int) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--port",
+            str(port),
+            "--spares",
+            "1",
+            "--replicas",
+            "2",
+            "--nodes-per-dp",
+            "1",
+            "--step-time-s",
+            "0.05",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _read_banner(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Stop with Ctrl+C" in line:
+            return "".join(lines)
+    raise AssertionError("no banner:\n" + "".join(lines))
+
+
+def _gone(run_dir: Path, within: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        left = leftover_processes(run_dir.resolve())
+        if not left:
+            return []
+        time.sleep(0.2)
+    return leftover_processes(run_dir.resolve())
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_demo_starts_and_leaves_nothing_behind(tmp_path: Path, how: signal.Signals) -> None:
+    run_dir = tmp_path / "demo"
+    port = _free_port()
+    proc = _start(run_dir, port)
+    try:
+        banner = _read_banner(proc)
+        token = banner.split("operator token:")[1].split()[0]
+        assert '"kind":"node_down"' in banner and f"127.0.0.1:{port}" in banner
+        headers = {"Authorization": f"Bearer {token}"}
+        url = f"http://127.0.0.1:{port}/api/v1/nodes"
+        deadline = time.monotonic() + 20
+        while len(httpx.get(url, headers=headers).json()) < 3:
+            assert time.monotonic() < deadline, "not every node heartbeats"
+            time.sleep(0.1)
+        assert len(leftover_processes(run_dir.resolve())) >= 3 + 1 + 2  # agents, sup., workers
+        proc.send_signal(how)
+        code = proc.wait(30)
+        assert code == (0 if how is signal.SIGINT else -9)
+        assert _gone(run_dir) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in leftover_processes(run_dir.resolve()):
+            os.kill(pid, signal.SIGKILL)
