@@ -39,6 +39,7 @@ from host_monitor.protocol import (
     WorkerStatus,
 )
 from host_monitor.workers import WorkerConflict, WorkerNotFound
+from supervisor.api.errors import validation_error
 
 Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
 
@@ -192,24 +193,12 @@ def create_app(
 
     app.include_router(workers)
     app.include_router(actuator)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(InvalidRequest, _invalid_request)
     app.add_exception_handler(WorkerNotFound, _not_found)
     app.add_exception_handler(UnknownRound, _unknown_round)
     app.add_exception_handler(WorkerConflict, _conflict)
     return app
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """422 whose `message` names each offending field in one line (as the supervisor's)."""
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    parts = []
-    for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
-    detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
-    return JSONResponse({"message": "; ".join(parts), "detail": detail}, status_code=422)
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
 from pydantic import SecretStr
 from starlette.types import Receive, Scope, Send
 
+from supervisor.api.errors import validation_error
 from supervisor.api.routes import actions, cluster, events, faults, health
 from supervisor.api.routes.heartbeats import (
     PATH as HEARTBEATS,
@@ -77,21 +77,9 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     for module in (events, actions, cluster, faults, health):
         app.include_router(module.router)
     app.heartbeats = HeartbeatEndpoint(runtime)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """422 whose `message` names each offending field in one line."""
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    parts = []
-    for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
-    detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
-    return JSONResponse({"message": "; ".join(parts), "detail": detail}, status_code=422)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
