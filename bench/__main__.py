@@ -13,7 +13,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from bench import detection, ingest, memory
+from bench import detection, ingest, memory, mttr
 from bench.loops import LOOP_NAME
 from bench.table import Row, render, verdict
 
@@ -97,6 +97,53 @@ def memory_rows(nodes: int) -> list[Row]:
     ]
 
 
+def mttr_rows(config: mttr.MttrConfig) -> list[Row]:
+    ours, base = mttr.run(config)
+    n = config.faults_per_kind
+    target = config.target_s
+    rows = []
+    for kind in config.kinds:
+        mine, theirs = ours.of(kind), base.of(kind)
+        good = [f for f in mine if f.ok]
+        complete = len(good) == n
+        mttrs = [f.mttr_s for f in good if f.mttr_s is not None]
+        lost = [f.steps_lost for f in good if f.steps_lost is not None]
+        rows += [
+            Row(
+                f"MTTR {kind} (n={n}) p50/max",
+                mttr.fmt_s(mttrs) + mttr.failed_note(mine, n),
+                "periodic only: "
+                + mttr.fmt_s([f.mttr_s for f in theirs if f.ok and f.mttr_s is not None])
+                + mttr.failed_note(theirs, n),
+                f"< {target:g} s (timeout + 5 s)",
+                verdict(complete and bool(mttrs) and max(mttrs) < target),
+            ),
+            Row(
+                f"Steps lost per fault {kind} mean/max",
+                mttr.lost_summary(mine) + mttr.failed_note(mine, n),
+                f"periodic only: {mttr.lost_summary(theirs)}" + mttr.failed_note(theirs, n),
+                "<= 1",
+                verdict(complete and bool(lost) and max(lost) <= 1),
+            ),
+            Row(
+                f"  detection {kind} p50/max",
+                mttr.fmt_s([f.detection_s for f in mine if f.detection_s is not None]),
+                "periodic only: "
+                + mttr.fmt_s([f.detection_s for f in theirs if f.detection_s is not None]),
+            ),
+        ]
+    for run in (ours, base):
+        who = "default" if run is ours else "periodic only"
+        rows += [
+            Row(f"  {who}: {f.kind} on {f.victim} failed", f.error or "", verdict="FAIL")
+            for f in run.faults
+            if not f.ok
+        ]
+        if run.error is not None:
+            rows.append(Row(f"  {who}: run stopped early", run.error, verdict="FAIL"))
+    return rows
+
+
 def machine_line() -> str:
     load = os.getloadavg()[0]
     return (
@@ -110,7 +157,10 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
-        "--only", choices=("ingest", "detection", "memory"), action="append", default=None
+        "--only",
+        choices=("ingest", "detection", "memory", "mttr"),
+        action="append",
+        default=None,
     )
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--duration", type=float, default=4.0, help="ingest window, seconds")
@@ -118,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=Path, default=None, help="save cProfile stats of each server here"
     )
+    parser.add_argument("--faults", type=int, default=5, help="mttr: faults per kind and policy")
+    parser.add_argument(
+        "--mttr-keep", type=Path, default=None, help="mttr: keep the clusters' run dirs here"
+    )
     args = parser.parse_args(argv)
-    only = set(args.only or ("ingest", "detection", "memory"))
+    only = set(args.only or ("ingest", "detection", "memory", "mttr"))
     header = machine_line()
     started = time.monotonic()
     rows: list[Row] = []
@@ -137,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += detection_rows([1_000, 10_000])
     if "memory" in only:
         rows += memory_rows(10_000)
+    if "mttr" in only:
+        keep = args.mttr_keep.resolve() if args.mttr_keep else None
+        rows += mttr_rows(mttr.MttrConfig(faults_per_kind=args.faults, keep_dir=keep))
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

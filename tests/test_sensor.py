@@ -855,3 +855,14 @@ async def test_restored_worker_states_are_not_reported_again(make_sensor: Sensor
         hb("n1", workers=[exited, worker(1, 5, "exited", exit_code=1)])
     )
     assert [(e.type, e.rank) for e in crashed_meanwhile.events] == [(E.WORKER_EXITED, 1)]
+
+
+def test_a_swapped_in_node_behind_the_others_restarts_progress() -> None:
+    from supervisor.sensor.progress import HangParams, JobProgress
+
+    progress = JobProgress(HangParams(None, 1.0, 5.0, 0))
+    progress.observe("a", 50, now=1.0)
+    progress.observe("b", 50, now=1.0)
+    progress.forget("a")  # a is swapped out; c joins, resumed from step 40
+    assert progress.observe("c", 40, now=2.0) is True
+    assert progress.max_step == 40 and progress.last_progress == 2.0

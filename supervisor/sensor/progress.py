@@ -46,8 +46,9 @@ class JobProgress:
         """Record the newest step a node reports. True when the job advanced."""
         previous = self.node_steps.get(node)
         self.node_steps[node] = step
-        if previous is not None and step < previous:
-            # The job was restarted from a checkpoint: progress is measured afresh.
+        if step < self.max_step and (previous is None or step < previous):
+            # The job was restarted from a checkpoint (a node going back, or a node that
+            # just joined, e.g. a hot-swapped spare, behind the others): measure afresh.
             self.max_step = step
             self.last_progress = now
             return True
