@@ -175,9 +175,10 @@ def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
     assert actions[1]["result"]["by"] == demo.options.nodes[2]
 
     weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
-    # Resumed from the emergency checkpoint: the step the healthy replica was at.
+    # Resumed at the emergency checkpoint's step: the step the healthy replica was at.
+    # (Where that step also has a periodic checkpoint, ranks may load that same copy.)
     resumes = resumed_steps(demo)
-    assert (saved, "emergency") in resumes, resumes
+    assert resumes and {step for step, _ in resumes} == {saved}, resumes
     # Nothing was lost beyond the step in flight: the survivors were blocked in that
     # step's all-reduce, so they saved the last step completed, not an older periodic one.
     assert saved >= step_before
@@ -224,7 +225,8 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     assert saved >= step_before
 
     weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
-    assert (saved, "emergency") in resumed_steps(demo)
+    resumes = resumed_steps(demo)
+    assert resumes and {step for step, _ in resumes} == {saved}, resumes
     for got, want in zip(weights, expected, strict=True):
         assert np.array_equal(got, want)
 
