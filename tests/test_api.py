@@ -13,7 +13,7 @@ import pytest
 from supervisor.actuator import ActionError, Backend, DryRunBackend
 from supervisor.api import create_app
 from supervisor.config import Settings
-from supervisor.domain import ActionRecord, ActionType
+from supervisor.domain import ActionRecord, ActionRequest, ActionStatus, ActionType
 from supervisor.policy import Policy
 from supervisor.runtime import Supervisor
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
@@ -562,3 +562,23 @@ async def test_process_faults_need_a_process_backend(api: Api) -> None:
         response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
         assert response.status_code == 422 and needle in response.text, response.text
     assert await api.get("/api/v1/faults") == []
+
+
+async def test_an_action_interrupted_by_a_crash_gets_one_more_attempt(
+    make_settings: SettingsFactory,
+) -> None:
+    backend = DryRunBackend()
+    async with running(make_settings(), backend) as api:
+        await api.beat(heartbeat("n1"))
+        store = api.supervisor.store
+        request = ActionRequest(ActionType.EMERGENCY_CHECKPOINT, job="j1")
+        action, _ = store.create_action(request, key="crashed", source="operator")
+        interrupted = store.start_attempt(action.id)  # running when the process died
+        done = await api.supervisor.controller.actuator.run(interrupted)
+        assert done.status.value == "succeeded" and done.attempts == 2
+        assert [c.key for c in backend.calls] == ["crashed"]
+        # A checkpoint that failed is still not retried: late is useless.
+        failed, _ = store.create_action(request, key="failed", source="operator")
+        store.start_attempt(failed.id)
+        finished = store.finish_action(failed.id, ActionStatus.FAILED, error="timed out")
+        assert (await api.supervisor.controller.actuator.run(finished)).attempts == 1

@@ -53,6 +53,11 @@ class Actuator:
             return action
         timeout = self.timeout_s(action.type)
         limit = self.max_attempts(action.type)
+        if action.status is ActionStatus.RUNNING:
+            # Resumed after a crash: the interrupted attempt did not fail, it was cut
+            # short. One more call with the same key lets the (idempotent) backend
+            # finish it or report what it did, e.g. the same checkpoint round's acks.
+            limit = max(limit, action.attempts + 1)
         started = time.monotonic()
         error = "not attempted"
         while action.attempts < limit:
