@@ -15,6 +15,7 @@ import uvicorn
 from supervisor.api.app import create_app, with_tokens
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.controller import PolicyLoadError, load_policy
+from supervisor.goodput import cli as goodput_cli
 from supervisor.local.demo import DemoOptions, LocalDemo
 from supervisor.runtime import Supervisor
 
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=d.seed)
     demo.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     demo.add_argument("--node-repair-s", type=float, default=d.node_repair_s)
+    goodput_cli.add_commands(sub)
     return parser
 
 
@@ -180,8 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "serve":
             _serve(_settings(args))
-        else:
+        elif args.command == "demo":
             _demo(args)
+        else:
+            try:
+                goodput_cli.run(args)
+            except (ValueError, OSError) as exc:
+                raise SystemExit(f"supervisor {args.command}: {exc}") from None
     except ConfigError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
 
