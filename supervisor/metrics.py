@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.heartbeats = Counter(
-            "supervisor_heartbeats_received",
-            "Host heartbeats accepted by the sensor.",
-            registry=self.registry,
-        )
+        # A plain int, read when scraped: a prometheus Counter takes a lock per increment,
+        # which is a measurable share of a heartbeat's cost.
+        self.heartbeats_received = 0
+        self.registry.register(_HeartbeatCollector(self))
         self.events = Counter(
             "supervisor_events",
             "Events raised, by type.",
@@ -53,3 +56,15 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HeartbeatCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "supervisor_heartbeats_received", "Host heartbeats accepted by the sensor."
+        )
+        family.add_metric([], self._metrics.heartbeats_received)
+        yield family
