@@ -121,7 +121,7 @@ def run_one(app: str, config: IngestConfig, workdir: Path, round_: int = 0) -> I
                 "--token",
                 AGENT_TOKEN,
                 "--expect",
-                "202" if app == "supervisor" else "204",
+                "204",
                 "--connections",
                 str(config.connections),
                 "--nodes",

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--path", default="/api/v1/heartbeats")
     parser.add_argument("--token", default="bench-agent-token")
-    parser.add_argument("--expect", type=int, default=202, help="expected status code")
+    parser.add_argument("--expect", type=int, default=204, help="expected status code")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--warmup", type=float, default=1.0)

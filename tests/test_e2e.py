@@ -115,7 +115,7 @@ async def test_silent_node_is_detected_and_hot_swapped(tmp_path: Path) -> None:
                     for node in sorted(live):
                         body = heartbeat(node, job=None if node == "s1" else "j1")
                         r = await client.post("/api/v1/heartbeats", json=body, headers=AGENT)
-                        assert r.status_code == 202, r.text
+                        assert r.status_code in (202, 204), r.text
                         last_beat[node] = time.time()
                     await asyncio.sleep(0.1)
 
