@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -54,6 +55,24 @@ class SupervisorApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+#: CPython's gc thresholds, raised from (700, 10, 10): see tune_garbage_collector.
+GC_THRESHOLDS = (50_000, 50, 1000)
+
+
+def tune_garbage_collector() -> None:
+    """Collect less often.
+
+    Each heartbeat allocates a few short-lived objects; at CPython's default thresholds
+    that triggers collections every few dozen heartbeats, and the frequent older-
+    generation passes walk every node's long-lived records (raising only the first
+    threshold measured no gain; `gc.freeze()` made it worse). Measured with `make
+    bench`: heartbeat ingest went from about 15k to 23k req/s, 40% to 56-60% of the
+    bare-ASGI ceiling. Memory held by garbage cycles
+    grows by at most a few MB between collections.
+    """
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def create_app(settings: Settings, supervisor: Supervisor | None = None) -> SupervisorApp:
     settings = with_tokens(settings)
     runtime = supervisor or Supervisor(settings)
@@ -61,6 +80,7 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await runtime.start()
+        tune_garbage_collector()
         try:
             yield
         finally:
