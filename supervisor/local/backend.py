@@ -22,7 +22,7 @@ import httpx
 from supervisor.actuator.backend import ActionError, Backend
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType
-from supervisor.local.cluster import ClusterError, ClusterState, JobSpec, LocalCluster
+from supervisor.local.cluster import ClusterError, ClusterState, LocalCluster
 
 PROCESS_FAULTS = frozenset({"worker_crash", "worker_hang", "straggler", "xid", "ecc", "node_down"})
 
@@ -165,16 +165,3 @@ class LocalBackend(Backend):
             raise ActionError(f"cannot reach {node}: {exc}") from None
         except ClusterError as exc:
             raise ActionError(str(exc)) from None
-
-
-def job_spec(
-    name: str, command: list[str], placement: list[str], num_dp_replicas: int, env: dict[str, str]
-) -> JobSpec:
-    return JobSpec(
-        name=name,
-        command=command,
-        env=env,
-        num_dp_replicas=num_dp_replicas,
-        num_nodes_per_dp=len(placement) // num_dp_replicas,
-        placement=placement,
-    )

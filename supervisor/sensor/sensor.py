@@ -47,11 +47,6 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.events or self.nodes or self.jobs)
 
-    def extend(self, other: Changes) -> None:
-        self.events.extend(other.events)
-        self.nodes.extend(other.nodes)
-        self.jobs.extend(other.jobs)
-
 
 @dataclass(slots=True)
 class NodeRecord:
