@@ -30,7 +30,6 @@ import contextlib
 import math
 import random
 import re
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from supervisor.local.demo import DemoOptions, LocalDemo
+from supervisor.local.demo import DemoOptions, LocalDemo, free_port
 
 DEFAULT_POLICY = "policies.default:DefaultPolicy"
 BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"
@@ -120,13 +119,6 @@ class PolicyRun:
 
 class Stuck(Exception):
     """The cluster did not get back to a healthy, training state in time."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _try_api(demo: LocalDemo, path: str, **params: Any) -> Any:
@@ -396,7 +388,7 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
     name = policy.rsplit(":", 1)[-1]
     options = DemoOptions(
         run_dir=root / name,
-        port=_free_port(),
+        port=free_port(),
         replicas=config.replicas,
         nodes_per_dp=config.nodes_per_dp,
         spares=config.spares,

@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.local.demo import leftover_processes
-from tests.test_local_cluster import _free_port
+from supervisor.local.demo import free_port, leftover_processes
 
 
 def _start(run_dir: Path, port: int) -> subprocess.Popen[str]:
@@ -72,7 +71,7 @@ def _gone(run_dir: Path, within: float = 20.0) -> list[int]:
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_demo_starts_and_leaves_nothing_behind(tmp_path: Path, how: signal.Signals) -> None:
     run_dir = tmp_path / "demo"
-    port = _free_port()
+    port = free_port()
     proc = _start(run_dir, port)
     try:
         banner = _read_banner(proc)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from supervisor.local.demo import free_port
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
 from tests.test_api import heartbeat
 
@@ -27,16 +27,9 @@ AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Server:
     def __init__(self, tmp: Path, **settings: Any) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
         self.env = {

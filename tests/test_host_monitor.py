@@ -15,7 +15,6 @@ import os
 import re
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from supervisor.local.demo import free_port
 
 AGENT_TOKEN = "hm-test-agent-token"
 OPERATOR_TOKEN = "hm-test-operator-token"
@@ -84,13 +85,6 @@ while True:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def wait_for(predicate: Callable[[], Any], within: float = 5.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + within
     while True:
@@ -112,7 +106,7 @@ def _kill_group(pid: int) -> None:
 
 class Supervisor:
     def __init__(self, tmp: Path, port: int | None = None) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"supervisor-{self.port}.log"
         self.env = {
@@ -642,7 +636,7 @@ def test_node_down_kills_everything_and_the_supervisor_notices(
 def test_agent_serves_without_supervisor_and_delivers_once_it_is_up(
     tmp_path: Path, cluster: Cluster
 ) -> None:
-    port = _free_port()
+    port = free_port()
     agent = cluster.start_agent(f"http://127.0.0.1:{port}")
     # The local API works although no heartbeat gets through.
     cluster.start_workers(agent, [0])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,10 @@ import httpx
 import numpy as np
 import pytest
 
-from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
+from supervisor.local.demo import DemoOptions, LocalDemo, free_port, leftover_processes
 
 SEED = 3
 RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def reference_weights(tmp: Path, replicas: int, nodes_per_dp: int, steps: int) -> list[Any]:
@@ -79,7 +71,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
     def start(**overrides: Any) -> LocalDemo:
         options = DemoOptions(
             run_dir=tmp_path / "run",
-            port=_free_port(),
+            port=free_port(),
             replicas=2,
             nodes_per_dp=1,
             spares=1,

@@ -62,7 +62,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -105,7 +106,7 @@ class LocalDemo:
 
     def start_monitor(self, node: str) -> None:
         o = self.options
-        port = self.node_ports.setdefault(node, _free_port())
+        port = self.node_ports.setdefault(node, free_port())
         node_dir = self.run_dir / "nodes" / node
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / "kmsg.log").touch()
