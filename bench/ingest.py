@@ -46,7 +46,7 @@ class IngestConfig:
     nodes: int = 1000
     warmup_s: float = 1.0
     duration_s: float = 4.0
-    rounds: int = 2  # supervisor and bare alternate; the best round of each is kept
+    rounds: int = 3  # supervisor and bare alternate; the best round of each is kept
     profile_dir: Path | None = None
 
 

@@ -4,7 +4,7 @@ Tasks, each independent of the others so that none can starve the rest:
 - the local HTTP API (uvicorn, on a socket we bind first, so a port of 0 is known before
   anything uses our address);
 - the process monitor: polls the workers every 0.1 s and triggers a heartbeat on any
-  change;
+  change; releases the node to spare once its (self-registered) workers are all gone;
 - the heartbeat sender;
 - the XID and ECC watchdogs.
 
@@ -25,10 +25,11 @@ from collections.abc import Generator
 
 import uvicorn
 
+from host_monitor.checkpoint_forwarder import CheckpointForwarder
 from host_monitor.config import HostMonitorSettings
 from host_monitor.faults import FaultActor
 from host_monitor.heartbeat import HeartbeatSender
-from host_monitor.node import Node
+from host_monitor.node import CheckpointRecord, Node
 from host_monitor.server import create_app
 from host_monitor.watchdogs import GpuReporter
 from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
@@ -113,6 +114,7 @@ class Agent:
         url, advertised = urls(sock)
         node = Node(s, self.worker_token, url)
         sender = self._sender(node, advertised)
+        forwarder = self._forwarder(node)  # hooked before any worker can report
         xid, ecc, faults = await self._watchdogs(node, sender)
         app = create_app(
             node, faults, worker_token=self.worker_token, actuator_token=self.actuator_token
@@ -149,6 +151,8 @@ class Agent:
         ]
         if sender is not None:
             tasks.append(asyncio.create_task(sender.run(), name="heartbeat"))
+        if forwarder is not None:
+            tasks.append(asyncio.create_task(forwarder.run(), name="checkpoint-forwarder"))
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             done, _ = await asyncio.wait(
@@ -188,9 +192,40 @@ class Agent:
             s.heartbeat_polling_period_s,
             node.snapshot,
             address=address,
+            on_delivered=node.delivered,
         )
         node.on_change = sender.trigger
+        node.wait_for_delivery = True
         return sender
+
+    def _forwarder(self, node: Node) -> CheckpointForwarder | None:
+        """Forwards the workers' checkpoint reports to the supervisor (for goodput)."""
+        s = self.settings
+        if s.supervisor_url is None:
+            return None
+        assert s.agent_token is not None  # checked by the settings
+        forwarder = CheckpointForwarder(
+            s.supervisor_url,
+            s.agent_token.get_secret_value(),
+            s.node,
+            s.run_dir / f"{s.node}.checkpoint-outbox.jsonl",
+            max_backoff_s=max(s.heartbeat_polling_period_s, 1.0),
+        )
+
+        def forward(record: CheckpointRecord, job: str | None) -> None:
+            r = record.report
+            forwarder.add(
+                rank=record.rank,
+                job=job,
+                event=r.event,
+                step=r.step,
+                duration_s=r.duration_s,
+                tier=r.tier,
+                time=record.time,
+            )
+
+        node.on_checkpoint = forward
+        return forwarder
 
     async def _watchdogs(
         self, node: Node, sender: HeartbeatSender | None
@@ -226,4 +261,5 @@ class Agent:
         # Cheap (one waitpid or kill(pid, 0) per worker), so exits are seen within 0.1 s.
         while True:
             node.registry.poll()
+            node.release_if_idle()
             await asyncio.sleep(PROCESS_POLL_S)

@@ -65,6 +65,12 @@ class HostMonitorSettings(BaseSettings):
         "spare", description="Node state at start (`running` needs `job`)."
     )
     job: Name | None = Field(None, description="Job the node serves at start.")
+    idle_release_s: float = Field(
+        30.0,
+        ge=0,
+        description="A node whose workers all registered themselves (none launched) and "
+        "are all gone for this long, their exit heartbeated, becomes a spare again.",
+    )
     kernel_log: str | None = Field(
         None,
         description="Kernel log the XID watchdog reads: unset = /dev/kmsg if readable; "

@@ -47,7 +47,7 @@ class Round:
     request_id: str
     started: float
     deadline: float
-    targets: dict[int, int]  # rank -> pid signalled
+    targets: dict[int, int]  # rank -> host pid signalled
     acked: dict[int, EmergencyAck] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -129,12 +129,12 @@ class EmergencyRounds:
             # Only registered workers: one still starting may not handle SIGUSR1 yet (its
             # default action kills the process) and has nothing to save anyway. Only the
             # registered pid, not the group: its children (data loaders) do not handle it.
-            if not worker.registered or worker.pid is None:
+            if not worker.registered or worker.host_pid is None:
                 continue
             if worker.request_file is not None:
                 _write_atomically(worker.request_file, req.request_id)
             if worker.signal(signal.SIGUSR1, group=False):
-                targets[worker.rank] = worker.pid
+                targets[worker.rank] = worker.host_pid
         round_ = Round(req.request_id, now, now + req.timeout_s, targets)
         self._rounds[req.request_id] = round_
         while len(self._rounds) > self._keep:
@@ -188,7 +188,7 @@ class EmergencyRounds:
                 worker = self._registry.get(rank)
             except WorkerNotFound:
                 continue
-            if worker.alive and worker.pid == round_.targets[rank]:
+            if worker.alive and worker.host_pid == round_.targets[rank]:
                 return False
         return True
 

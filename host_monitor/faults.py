@@ -111,10 +111,11 @@ class FaultActor:
         if fault.code is None:
             raise InvalidRequest("code", "required for an xid fault")
         pci = self.xid.topology.pci_for(fault.gpu)
-        # The driver names the process that was using the GPU; take the worker's.
+        # The driver names the process that was using the GPU; take the worker's, by its
+        # pid in our namespace (the kernel's), as the driver would.
         live = self.node.registry.live()
         worker = self.node.registry.target(fault.rank) if fault.rank is not None or live else None
-        pid = worker.pid if worker is not None else None
+        pid = worker.host_pid if worker is not None else None
         path = self.xid.log_file
         if path is not None:
             line = format_xid_line(

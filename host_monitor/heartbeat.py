@@ -24,6 +24,7 @@ import httpx
 import msgspec
 
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport
+from supervisor.api.errors import error_message
 from supervisor.domain import NodeState
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class NodeSnapshot:
     state: NodeState
     job: str | None
     workers: list[WorkerReport]
+    # Counts the node's changes: `on_delivered` tells the node which one the supervisor
+    # has seen (it releases itself only once the workers' exits were delivered).
+    version: int = 0
 
 
 class HeartbeatSender:
@@ -48,6 +52,7 @@ class HeartbeatSender:
         period_s: float,
         snapshot: Callable[[], NodeSnapshot],
         address: str | None = None,
+        on_delivered: Callable[[NodeSnapshot], None] | None = None,
     ) -> None:
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
         self._token = agent_token
@@ -55,6 +60,7 @@ class HeartbeatSender:
         self.period_s = period_s
         self.address = address
         self._snapshot = snapshot
+        self._on_delivered = on_delivered
         self._pending: list[GpuReport] = []
         self._wake = asyncio.Event()
         self._silenced = False
@@ -103,8 +109,9 @@ class HeartbeatSender:
         backoff = min(self.period_s, base * 2.0 ** min(self._failures - 1, 30))
         return backoff * random.uniform(0.5, 1.0)
 
-    def body(self) -> HostHeartbeat:
-        snap = self._snapshot()
+    def body(self, snap: NodeSnapshot | None = None) -> HostHeartbeat:
+        if snap is None:
+            snap = self._snapshot()
         spare = snap.state is NodeState.SPARE
         return HostHeartbeat(
             node=self.node,
@@ -119,7 +126,8 @@ class HeartbeatSender:
         if self._silenced:
             return False
         try:
-            body = self.body()
+            snap = self._snapshot()
+            body = self.body(snap)
         except ValueError as exc:  # a bug of ours; say it, do not spin on it
             self._problem(f"cannot build a heartbeat: {exc}", level=logging.ERROR)
             self._failures += 1
@@ -146,8 +154,10 @@ class HeartbeatSender:
             self._failures = 0
             self._last_problem = None
             self.delivered += 1
+            if self._on_delivered is not None:
+                self._on_delivered(snap)
             return True
-        detail = _message(response)
+        detail = error_message(response)
         if response.status_code == 422 and sent:
             # The supervisor refuses these reports; keeping them would block every
             # heartbeat after this one, and a node without heartbeats is declared lost.
@@ -167,15 +177,3 @@ class HeartbeatSender:
             self._last_problem = problem
         else:
             log.debug("heartbeat to %s failed again (%s)", self.url, problem)
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        data = response.json()
-    except ValueError:
-        return response.text[:200]
-    if isinstance(data, dict):
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])[:500]
-    return str(data)[:200]

@@ -3,6 +3,15 @@
 The HTTP routes (server.py) call these methods; nothing here knows about HTTP. Starting
 and stopping workers are serialized: one such change at a time, however many requests
 the actuator sends.
+
+How a node gets and leaves its job:
+- local backend: the actuator starts workers for a job (`start_workers`) and releases the
+  node (`stop_workers` with `release`);
+- Kubernetes: the host monitor (a DaemonSet pod) starts as a spare; the first worker pod
+  that registers names its job (`WorkerRegistration.job`) and the node runs that job.
+  When every worker has gone (pods deleted: `stopped`; crashed: `exited`) for
+  `idle_release_s`, and a heartbeat carried their last states, the node is a spare again
+  (`release_if_idle`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from host_monitor.protocol import (
     WorkerProgress,
     WorkerRegistration,
     WorkerStatus,
+    WorkerStopping,
 )
 from host_monitor.wire import Name, WorkerReport
 from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
@@ -43,7 +53,14 @@ KEEP_CHECKPOINTS = 100
 # Env of launched workers naming the file that holds the current emergency request id
 # (read by host_monitor/worker_client.py after SIGUSR1, which carries no data).
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
+# Env of launched workers naming their job (what a worker pod sets itself on Kubernetes;
+# read by host_monitor/worker_client.py and sent with its registration).
+ENV_JOB = "HOST_MONITOR_JOB"
 _NAME = TypeAdapter(Name)
+
+
+def _rank(worker: Worker) -> int:
+    return worker.rank
 
 
 class InvalidRequest(Exception):
@@ -67,6 +84,7 @@ class Node:
         self.name = settings.node
         self.state = NodeState(settings.initial_state)
         self.job = settings.job
+        self.idle_release_s = settings.idle_release_s
         self.run_dir = settings.run_dir
         self.base_url = base_url
         self._worker_token = worker_token
@@ -77,6 +95,15 @@ class Node:
         self.checkpoints: deque[CheckpointRecord] = deque(maxlen=KEEP_CHECKPOINTS)
         # Set by the agent to its heartbeat sender's trigger: a change goes out at once.
         self.on_change: Callable[[], None] = lambda: None
+        # Set by the agent to its checkpoint forwarder: called, and it must have kept the
+        # report durably, before the worker's report is acknowledged.
+        self.on_checkpoint: Callable[[CheckpointRecord, str | None], None] | None = None
+        # Set by the agent when it heartbeats: a node releases itself only once the
+        # supervisor has seen its workers' exits (`delivered`).
+        self.wait_for_delivery = False
+        self._version = 0  # bumped on every change of state, job or worker state
+        self._delivered_version = 0
+        self._idle_since: float | None = None  # monotonic: when its last worker went
         self._starts: OrderedDict[str, StartWorkersRequest] = OrderedDict()
         self._lock = asyncio.Lock()
 
@@ -102,7 +129,12 @@ class Node:
                 )
                 for s in self.registry.statuses()
             ],
+            version=self._version,
         )
+
+    def delivered(self, snapshot: NodeSnapshot) -> None:
+        """The supervisor accepted a heartbeat made of `snapshot`."""
+        self._delivered_version = max(self._delivered_version, snapshot.version)
 
     # --- actuator -------------------------------------------------------------------------
 
@@ -150,7 +182,7 @@ class Node:
                 req.job,
                 [w.rank for w in launched],
             )
-            self.on_change()
+            self._changed()
             return self.status()
 
     async def stop_workers(self, req: StopWorkersRequest) -> StopWorkersResult:
@@ -167,7 +199,7 @@ class Node:
                 self.state = NodeState.SPARE
                 self.job = None
                 log.info("released: node is a spare")
-            self.on_change()
+            self._changed()
             return StopWorkersResult(exit_codes=codes)
 
     async def shutdown(self, grace_s: float) -> None:
@@ -181,9 +213,44 @@ class Node:
     # --- workers --------------------------------------------------------------------------
 
     def register(self, reg: WorkerRegistration) -> WorkerStatus:
-        if self.state is NodeState.SPARE:
-            raise WorkerConflict("this node is a spare: it runs no workers")
-        return self.registry.register(reg).status()
+        """Adopt (or recognise) a worker. A registration naming a job moves a spare node,
+        or one whose workers are all gone, to that job. Raises WorkerConflict, changing
+        nothing, when the job or the process does not fit."""
+        joining = self._job_joined_by(reg)
+        # A new pod of the node's job once every earlier worker is gone (a restart that
+        # put other ranks here): the earlier ones would stay in our heartbeats as exited
+        # or stopped for as long as the node serves the job. They are dropped, as on a
+        # release, once the supervisor has accepted a heartbeat with their final states.
+        earlier = list(self.registry.workers.values())
+        replaced = (
+            joining is None
+            and bool(earlier)
+            and not any(w.alive or w.launched for w in earlier)
+            and (not self.wait_for_delivery or self._delivered_version >= self._version)
+        )
+        worker = self.registry.register(reg)  # may refuse: then nothing has changed
+        if replaced:
+            self.registry.forget(w.rank for w in earlier if w.rank != reg.rank)
+        self._idle_since = None
+        if joining is not None:
+            previous = self.job if self.state is NodeState.RUNNING else None
+            self.registry.forget()  # finished workers of a previous job (not this one)
+            self.state = NodeState.RUNNING
+            self.job = joining
+            if previous is None:
+                log.info("rank %d registered for job %s: the node runs it", reg.rank, joining)
+            else:
+                log.info(
+                    "rank %d registered for job %s: the node leaves job %s for it",
+                    reg.rank,
+                    joining,
+                    previous,
+                )
+        self._changed()
+        return worker.status()
+
+    def stopping(self, rank: int, report: WorkerStopping) -> WorkerStatus:
+        return self.registry.stopping(rank, report).status()
 
     def progress(self, rank: int, report: WorkerProgress) -> ProgressReply:
         worker = self.registry.progress(rank, report.step)
@@ -191,7 +258,10 @@ class Node:
 
     def checkpoint(self, rank: int, report: CheckpointReport) -> None:
         self.registry.get(rank)
-        self.checkpoints.append(CheckpointRecord(rank, report, utcnow().isoformat()))
+        record = CheckpointRecord(rank, report, utcnow().isoformat())
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(record, self.job)
+        self.checkpoints.append(record)
         log.info(
             "rank %d %s %s checkpoint of step %d in %.3fs",
             rank,
@@ -201,7 +271,69 @@ class Node:
             report.duration_s,
         )
 
+    def release_if_idle(self) -> bool:
+        """Become a spare if the job left: True when the node was released now.
+
+        Called by the agent after each poll of the workers. Only a node whose workers all
+        registered themselves (the Kubernetes path: none launched by us, the actuator
+        releases those), all gone for `idle_release_s`, with a heartbeat carrying their
+        final states accepted by the supervisor (so it saw the exits before the workers
+        disappear from our heartbeats). A registration meanwhile cancels it.
+        """
+        workers = list(self.registry.workers.values())
+        idle = (
+            self.state is NodeState.RUNNING
+            and bool(workers)
+            and not any(w.alive or w.launched for w in workers)
+            and not self._lock.locked()  # a start or stop is under way
+        )
+        if not idle:
+            self._idle_since = None
+            return False
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < self.idle_release_s:
+            return False
+        if self.wait_for_delivery and self._delivered_version < self._version:
+            return False
+        log.info(
+            "job %s left this node %.1fs ago (%s): released, node is a spare",
+            self.job,
+            now - self._idle_since,
+            ", ".join(f"rank {w.rank} {w.state.value}" for w in sorted(workers, key=_rank)),
+        )
+        self.registry.forget()
+        self.state = NodeState.SPARE
+        self.job = None
+        self._idle_since = None
+        self._changed()
+        return True
+
     # --- internals ------------------------------------------------------------------------
+
+    def _job_joined_by(self, reg: WorkerRegistration) -> str | None:
+        """The job `reg` moves the node to; None when the node keeps its own."""
+        if self.state is NodeState.SPARE:
+            if reg.job is None:
+                raise WorkerConflict(
+                    "job: this node is a spare and serves no job: a registration on it must "
+                    f"name its job (worker client: set {ENV_JOB} in the worker's environment)"
+                )
+            return reg.job
+        if reg.job is None or reg.job == self.job:
+            return None  # an older client, or a worker we launched: the node's own job
+        live = self.registry.live()
+        if live:
+            raise WorkerConflict(
+                f"job: this node runs job {self.job!r} (ranks {[w.rank for w in live]} still "
+                f"alive): a worker of job {reg.job!r} cannot register until they are gone"
+            )
+        return reg.job
+
+    def _changed(self) -> None:
+        self._version += 1
+        self.on_change()
 
     def _check_start(self, req: StartWorkersRequest) -> None:
         try:
@@ -232,6 +364,7 @@ class Node:
             "NODE_NAME": self.name,
             "HOST_MONITOR_URL": self.base_url,
             "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
+            ENV_JOB: req.job,
         }
 
     def _log_path(self, req: StartWorkersRequest, rank: int) -> Path:
@@ -251,4 +384,4 @@ class Node:
         return path
 
     def _worker_changed(self, worker: Worker) -> None:
-        self.on_change()
+        self._changed()

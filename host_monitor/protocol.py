@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from host_monitor.wire import Name
 from supervisor.domain import NodeState, WorkerState
 
 # --- worker -> host monitor -------------------------------------------------------------
@@ -22,8 +23,35 @@ class WorkerRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int = Field(ge=0)
     local_rank: int = Field(ge=0)
-    pid: int = Field(ge=1)
+    pid: int = Field(ge=1, description="os.getpid(): the pid in the worker's PID namespace.")
     world_size: int | None = Field(None, ge=1)
+    # How a worker in another PID namespace (its own pod) is found (host_monitor/pidns.py).
+    # Without them, `pid` must be a pid of the host monitor's own namespace.
+    pid_namespace: int | None = Field(
+        None, ge=1, description="Inode of the worker's /proc/self/ns/pid."
+    )
+    start_time: int | None = Field(
+        None, ge=0, description="Field 22 of the worker's /proc/self/stat (ticks since boot)."
+    )
+    # On Kubernetes the host monitor starts as a spare and learns its job from the first
+    # worker that registers (env HOST_MONITOR_JOB of the pod). Optional: older clients
+    # and the workers we launch ourselves register on a node that already has its job.
+    job: Name | None = Field(
+        None, description="The job this worker belongs to (on Kubernetes: the JobSet name)."
+    )
+
+
+class WorkerStopping(BaseModel):
+    """POST /v1/workers/{rank}/stopping: the worker was told to stop (SIGTERM).
+
+    Its exit is then `stopped` (on purpose, not a failure). `pid` (and `pid_namespace`)
+    as registered: a report from the previous process of a rank is refused (409).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    pid: int = Field(ge=1)
+    pid_namespace: int | None = Field(None, ge=1)
+    signal: int | None = Field(None, ge=1, le=64, description="The signal received.")
 
 
 class WorkerProgress(BaseModel):
@@ -135,7 +163,10 @@ class ProcessFault(BaseModel):
 class WorkerStatus(BaseModel):
     rank: int
     local_rank: int
-    pid: int | None
+    pid: int | None = Field(description="As the worker knows itself (what it registered).")
+    host_pid: int | None = Field(
+        None, description="The same process in the host monitor's PID namespace (signalled)."
+    )
     state: WorkerState
     step: int | None
     exit_code: int | None

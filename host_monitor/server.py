@@ -37,6 +37,7 @@ from host_monitor.protocol import (
     WorkerProgress,
     WorkerRegistration,
     WorkerStatus,
+    WorkerStopping,
 )
 from host_monitor.workers import WorkerConflict, WorkerNotFound
 from supervisor.api.errors import validation_error
@@ -102,6 +103,14 @@ def create_app(
     @workers.post("/register", response_model=WorkerStatus, summary="A worker announces itself")
     async def register(body: WorkerRegistration) -> WorkerStatus:
         return node.register(body)
+
+    @workers.post(
+        "/{rank}/stopping",
+        response_model=WorkerStatus,
+        summary="The worker was told to stop (SIGTERM): its exit is `stopped`, not a failure",
+    )
+    async def stopping(rank: Rank, body: WorkerStopping) -> WorkerStatus:
+        return node.stopping(rank, body)
 
     @workers.post("/{rank}/progress", response_model=ProgressReply, summary="Step done")
     async def progress(rank: Rank, body: WorkerProgress) -> ProgressReply:

@@ -16,6 +16,16 @@ Typical use::
         time.sleep(client.slowdown_s)         # straggler fault, set by the host monitor
     client.close()
 
+`register()` sends the job from `HOST_MONITOR_JOB` (a host monitor that is a spare, as
+on Kubernetes, learns its job from it) and installs a SIGTERM handler that tells the
+host monitor this worker is being stopped (pod deleted, node drained, restart by the
+supervisor), so its exit counts as `stopped`, not as a crash; the handler then hands the
+signal on to the handler that was there before (or to the default action: the process
+terminates exactly as it would have). Install your own SIGTERM handler, if any, before
+`register()`: installed after, it replaces the client's. A worker killed without SIGTERM
+(SIGKILL, the OOM killer, a crash) is still `exited`. A host monitor that answers a
+progress report with 404 (it restarted) gets the registration again.
+
 Without a monitor URL (no `HOST_MONITOR_URL`) the client works offline: nothing is
 reported, and emergency checkpoints still run on SIGUSR1 (they are just not acked), so
 the workload also runs standalone.
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import io
 import json
 import logging
@@ -37,8 +48,10 @@ import queue
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
+import urllib.parse
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +60,8 @@ from types import FrameType
 from typing import Any, Literal
 
 import httpx
+
+from host_monitor.pidns import self_identity
 
 __all__ = [
     "CHECKPOINT_META",
@@ -73,9 +88,17 @@ ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_MONITOR_URL = "HOST_MONITOR_URL"
 ENV_TOKEN = "HOST_MONITOR_WORKER_TOKEN"
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
+ENV_JOB = "HOST_MONITOR_JOB"
 DEFAULT_REQUEST_ID = "signal"
 
 _REQUEST_TIMEOUT_S = 2.0
+# The stopping report is sent from the SIGTERM handler, before the process goes on
+# stopping: each socket operation (connect, send, receive) gets at most this.
+_STOPPING_TIMEOUT_S = 0.5
+# A host monitor that answers a progress report with 404 does not know this worker (it
+# restarted, e.g. a DaemonSet rollout, or was not up at `register()`): register again,
+# at most this often.
+_REREGISTER_EVERY_S = 2.0
 _MAX_QUEUED_REPORTS = 1000
 _MAX_ERROR_CHARS = 2000
 _MAX_REQUEST_ID_CHARS = 200
@@ -99,6 +122,7 @@ class WorkerClient:
         monitor_url: str | None = None,
         token: str | None = None,
         report_interval_s: float = 0.5,
+        job: str | None = None,
     ) -> None:
         if rank < 0 or local_rank < 0:
             raise ValueError("rank and local_rank must be >= 0")
@@ -108,6 +132,7 @@ class WorkerClient:
         self.local_rank = local_rank
         self.monitor_url = monitor_url.rstrip("/") if monitor_url else None
         self.report_interval_s = report_interval_s
+        self.job = job or None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http: httpx.Client | None = None
         if self.monitor_url is not None:
@@ -131,12 +156,22 @@ class WorkerClient:
         self._callback: Callable[[], int] | None = None
         self._previous_handler: Any = None
         self._handler_installed = False
+        # SIGTERM: report `stopping`, then the previous handler (see `_on_term`).
+        self._registered: dict[str, Any] | None = None  # pid and pid_namespace, once ok
+        self._register_body: dict[str, Any] | None = None
+        self._unknown_to_monitor = False  # a progress report got 404: register again
+        self._next_register = 0.0  # monotonic
+        self._stop_address: tuple[str, int] | None = None  # the monitor, resolved early
+        self._previous_term: Any = None
+        self._term_installed = False
+        self._stopping_reported = False
 
     @classmethod
     def from_env(
         cls, env: Mapping[str, str] | None = None, *, report_interval_s: float = 0.5
     ) -> WorkerClient:
-        """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL and HOST_MONITOR_WORKER_TOKEN."""
+        """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN and
+        HOST_MONITOR_JOB."""
         env = os.environ if env is None else env
         return cls(
             int(env.get(ENV_RANK, "0")),
@@ -144,6 +179,7 @@ class WorkerClient:
             monitor_url=env.get(ENV_MONITOR_URL) or None,
             token=env.get(ENV_TOKEN) or None,
             report_interval_s=report_interval_s,
+            job=env.get(ENV_JOB) or None,
         )
 
     # --- state read by the training loop ---------------------------------------------
@@ -171,20 +207,40 @@ class WorkerClient:
 
         Retries briefly (the monitor may still be starting); never raises because it is
         down. Starts the reporting thread either way (online).
+
+        Besides its pid, it sends what finds this process from another PID namespace (the
+        host monitor's, when this worker runs in its own pod): its PID namespace's inode
+        and its start time (host_monitor/pidns.py); and its job, when known.
+
+        Once registered, and when called from the main thread, it installs the SIGTERM
+        handler described in the module's docstring (not when SIGTERM is ignored: then
+        this process does not stop on it).
         """
         if self._http is None:
             return False
         body: dict[str, Any] = {"rank": self.rank, "local_rank": self.local_rank}
-        body["pid"] = os.getpid()
+        if self.job is not None:
+            body["job"] = self.job
+        me = self_identity()
+        body["pid"] = me.pid
+        if me.pid_namespace is not None:
+            body["pid_namespace"] = me.pid_namespace
+        if me.start_time is not None:
+            body["start_time"] = me.start_time
         if world_size is not None:
             body["world_size"] = world_size
+        self._register_body = body
         ok = False
         for attempt in range(max(1, attempts)):
             if self._post("/v1/workers/register", body, kind="register") is not None:
                 ok = True
+                self._registered = {"pid": me.pid, "pid_namespace": me.pid_namespace}
                 break
             if attempt + 1 < attempts:
                 time.sleep(retry_delay_s * (2**attempt))
+        # Even when not registered yet: the thread may register later (see _REREGISTER_*),
+        # and the handler reports only once registered.
+        self._install_term_handler()
         self._ensure_thread()
         return ok
 
@@ -274,6 +330,68 @@ class WorkerClient:
                     break
         return True
 
+    # --- SIGTERM: stopped on purpose --------------------------------------------------
+
+    def _install_term_handler(self) -> None:
+        if self._term_installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.info("worker client: register() not on the main thread: no SIGTERM report")
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN:
+            return  # SIGTERM does not stop this process: nothing to report
+        self._stop_address = _resolve(self.monitor_url)
+        self._previous_term = previous
+        signal.signal(signal.SIGTERM, self._on_term)
+        self._term_installed = True
+
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
+        # Runs in the main thread between two bytecodes (Python's signal handling), so a
+        # blocking call is allowed; it is bounded (_STOPPING_TIMEOUT_S per socket step).
+        if not self._stopping_reported:
+            self._stopping_reported = True
+            self._report_stopping(signum)
+        previous = self._previous_term
+        if callable(previous):
+            previous(signum, frame)
+        elif previous is not signal.SIG_IGN:
+            # SIG_DFL (or a handler not set from Python): the default action, as if we
+            # had never been there. The process ends killed by SIGTERM (exit -15 / 143).
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    def _report_stopping(self, signum: int) -> None:
+        """POST /v1/workers/{rank}/stopping on a connection of its own: the interrupted
+        main thread may be inside a request of `self._http` and hold its pool's lock."""
+        if self.monitor_url is None or self._registered is None:
+            return
+        url = urllib.parse.urlsplit(self.monitor_url)
+        host, port = self._stop_address or (url.hostname or "", url.port or 0)
+        https = url.scheme == "https"
+        connection = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
+            host, port or (443 if https else 80), timeout=_STOPPING_TIMEOUT_S
+        )
+        body = json.dumps({**self._registered, "signal": signum})
+        headers = {
+            **self._headers,
+            "Host": url.netloc,
+            "Content-Type": "application/json",
+            "Connection": "close",
+        }
+        try:
+            connection.request("POST", f"{url.path}/v1/workers/{self.rank}/stopping", body, headers)
+            response = connection.getresponse()
+            text = response.read(_MAX_ERROR_CHARS).decode(errors="replace")
+            if response.status >= 300:
+                log.warning(
+                    "worker client: stopping report refused (HTTP %d): %s", response.status, text
+                )
+        except (OSError, http.client.HTTPException) as exc:
+            log.warning("worker client: stopping report to host monitor failed: %r", exc)
+        finally:
+            connection.close()
+
     # --- background thread -----------------------------------------------------------
 
     def _ensure_thread(self) -> None:
@@ -296,6 +414,8 @@ class WorkerClient:
             if now >= next_progress or stopping:
                 self._send_progress()
                 next_progress = max(next_progress + self.report_interval_s, now)
+                if self._unknown_to_monitor and not stopping:
+                    self._register_again(now)
             if stopping:
                 self._drain()
                 return
@@ -308,6 +428,16 @@ class WorkerClient:
             except queue.Empty:
                 return
             self._post(path, body, kind="checkpoint")
+
+    def _register_again(self, now: float) -> None:
+        body = self._register_body
+        if body is None or now < self._next_register:
+            return
+        self._next_register = now + _REREGISTER_EVERY_S
+        if self._post("/v1/workers/register", body, kind="register") is not None:
+            self._unknown_to_monitor = False
+            self._registered = {"pid": body["pid"], "pid_namespace": body.get("pid_namespace")}
+            log.info("worker client: registered with the host monitor again")
 
     def _send_progress(self) -> None:
         reply = self._post(
@@ -326,9 +456,22 @@ class WorkerClient:
             response = self._http.post(path, json=body)
             response.raise_for_status()
         except httpx.HTTPError as exc:
+            if (
+                kind == "progress"
+                and isinstance(exc, httpx.HTTPStatusError)
+                and exc.response.status_code == 404
+            ):
+                self._unknown_to_monitor = True
             if kind not in self._failing:
                 self._failing.add(kind)
-                log.warning("worker client: %s to host monitor failed: %s", kind, exc)
+                # A refusal says why in its body (e.g. a registration whose pid the host
+                # monitor cannot find): show it, not only the status line.
+                why = (
+                    f": {_error_text(exc.response)}"
+                    if isinstance(exc, httpx.HTTPStatusError)
+                    else ""
+                )
+                log.warning("worker client: %s to host monitor failed: %s%s", kind, exc, why)
             return None
         if kind in self._failing:
             self._failing.discard(kind)
@@ -357,12 +500,49 @@ class WorkerClient:
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signal.SIGUSR1, self._previous_handler)
             self._handler_installed = False
+        if self._term_installed and threading.current_thread() is threading.main_thread():
+            # Only if ours is still the handler: one installed after it stays.
+            if signal.getsignal(signal.SIGTERM) == self._on_term:
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(signal.SIGTERM, self._previous_term)
+            self._term_installed = False
 
     def __enter__(self) -> WorkerClient:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The `detail` or `message` of an error body, else its text (shortened)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        text = body.get("message") or body.get("detail")
+        if isinstance(text, str):
+            return text[:_MAX_ERROR_CHARS]
+    return response.text[:_MAX_ERROR_CHARS]
+
+
+def _resolve(url: str | None) -> tuple[str, int] | None:
+    """The monitor's (address, port), looked up now: a DNS lookup cannot be bounded by a
+    socket timeout, so the SIGTERM handler must not need one. None: look it up then."""
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname is None:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    if parts.scheme == "https":
+        return None  # TLS checks the host name: keep it
+    try:
+        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return (str(infos[0][4][0]), port) if infos else None
 
 
 def _request_id() -> str:

@@ -2,8 +2,13 @@
 
 A launched worker is our child (`subprocess.Popen`, in its own session, so its process
 group holds whatever it forks): its exit code comes from `poll()`. A worker that only
-registered (e.g. a training process in a Kubernetes pod sharing the host's PID namespace)
-is not our child: it has exited when its pid is gone, and its exit code is unknown.
+registered (e.g. a training process in a Kubernetes pod) is not our child: it has exited
+when its pid is gone, and its exit code is unknown.
+
+A worker that registers from another PID namespace (its own pod) gives its pid there; we
+find its pid in ours once, at registration (host_monitor/pidns.py), and poll and signal
+that one (`host_pid`). What we report, in the local API and in heartbeats, is `pid`: the
+pid the worker knows itself by, as its own logs and `ps` in its pod show it.
 
 `poll()` is meant to be called often (~0.1 s, as torchelastic polls its workers): it
 costs one `waitpid(WNOHANG)` or `kill(pid, 0)` per live worker.
@@ -21,7 +26,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from host_monitor.protocol import WorkerRegistration, WorkerStatus
+from host_monitor import pidns
+from host_monitor.protocol import WorkerRegistration, WorkerStatus, WorkerStopping
 from supervisor.domain import WorkerState
 
 log = logging.getLogger(__name__)
@@ -84,13 +90,19 @@ class Worker:
     local_rank: int
     state: WorkerState
     pid: int | None = None  # the pid the worker registered with, else the one we launched
+    # The same process in our PID namespace: the one polled and signalled. Differs from
+    # `pid` only for a worker that registered from another PID namespace.
+    host_pid: int | None = None
+    pid_namespace: int | None = None  # as registered; None for pids of our namespace
     proc: subprocess.Popen[bytes] | None = None  # set when we launched it
-    start_time: str | None = None  # of a registered-only pid, see _proc_start_time
+    start_time: str | None = None  # of a registered-only host_pid, see _proc_start_time
     step: int | None = None
     exit_code: int | None = None
     registered: bool = False
     last_progress: float = 0.0  # monotonic; registration counts as progress
-    stopping: bool = False  # we are stopping it: its exit is `stopped`, not `exited`
+    # Stopped on purpose (by us, or it reported a SIGTERM from kubelet): its exit is
+    # `stopped`, not `exited`.
+    stopping: bool = False
     slowdown_s: float = 0.0  # straggler fault: sent back in progress replies
     log_path: Path | None = None
     request_file: Path | None = None  # HOST_MONITOR_REQUEST_FILE of a launched worker
@@ -108,6 +120,7 @@ class Worker:
             rank=self.rank,
             local_rank=self.local_rank,
             pid=self.pid,
+            host_pid=self.host_pid,
             state=self.state,
             step=self.step,
             exit_code=self.exit_code,
@@ -122,14 +135,19 @@ class Worker:
             if self.proc is not None and group:
                 # start_new_session made the worker a group leader: pgid == its pid.
                 os.killpg(self.proc.pid, sig)
-            elif self.pid is not None:
-                os.kill(self.pid, sig)
+            elif self.host_pid is not None:
+                os.kill(self.host_pid, sig)
             else:
                 return False
         except ProcessLookupError:
             return False
         except PermissionError:  # an adopted process of another user
-            log.warning("not allowed to send %s to rank %d (pid %s)", sig.name, self.rank, self.pid)
+            log.warning(
+                "not allowed to send %s to rank %d (host pid %s)",
+                sig.name,
+                self.rank,
+                self.host_pid,
+            )
             return False
         return True
 
@@ -146,6 +164,7 @@ class WorkerRegistry:
         self._on_change = on_change
         self._clock = clock
         self.workers: dict[int, Worker] = {}
+        self.pid_namespace = pidns.pid_namespace("self")  # ours, to compare workers' with
 
     # --- queries ------------------------------------------------------------------------
 
@@ -204,6 +223,7 @@ class WorkerRegistry:
             local_rank=local_rank,
             state=WorkerState.STARTING,
             pid=proc.pid,
+            host_pid=proc.pid,
             proc=proc,
             last_progress=self._clock(),
             log_path=log_path,
@@ -214,12 +234,16 @@ class WorkerRegistry:
         return worker
 
     def register(self, reg: WorkerRegistration) -> Worker:
+        """Raises WorkerConflict, changing nothing, when the worker's process is not found."""
+        host_pid = self._host_pid(reg)
         now = self._clock()
         worker = self.workers.get(reg.rank)
         if worker is not None and worker.launched and worker.alive:
             # One of ours: it may have registered from a child (a wrapper script), so keep
             # the Popen for its exit code and remember the pid that handles our signals.
             worker.pid = reg.pid
+            worker.host_pid = host_pid
+            worker.pid_namespace = reg.pid_namespace
             worker.local_rank = reg.local_rank
         else:
             # A process we did not start (or a new one for a rank whose worker is gone).
@@ -228,14 +252,43 @@ class WorkerRegistry:
                 local_rank=reg.local_rank,
                 state=WorkerState.RUNNING,
                 pid=reg.pid,
-                start_time=_proc_start_time(reg.pid),
+                host_pid=host_pid,
+                pid_namespace=reg.pid_namespace,
+                start_time=_proc_start_time(host_pid),
             )
             self.workers[reg.rank] = worker
         worker.registered = True
         worker.last_progress = now
         self._set(worker, WorkerState.RUNNING)
-        log.info("rank %d registered (pid %d)", reg.rank, reg.pid)
+        if host_pid == reg.pid:
+            log.info("rank %d registered (pid %d)", reg.rank, reg.pid)
+        else:
+            log.info(
+                "rank %d registered (pid %d in PID namespace %s = host pid %d)",
+                reg.rank,
+                reg.pid,
+                reg.pid_namespace,
+                host_pid,
+            )
         return worker
+
+    def _host_pid(self, reg: WorkerRegistration) -> int:
+        """`reg.pid` in our PID namespace: itself, unless the worker is in another one.
+
+        One /proc scan per registration from another namespace; polls never scan.
+        """
+        if (
+            reg.pid_namespace is None
+            or self.pid_namespace is None
+            or reg.pid_namespace == self.pid_namespace
+        ):
+            return reg.pid
+        identity = pidns.PidIdentity(reg.pid, reg.pid_namespace, reg.start_time)
+        try:
+            return pidns.find_host_pid(identity, own_pid_namespace=self.pid_namespace)
+        except pidns.PidNotFound as exc:
+            log.warning("registration of rank %d refused: %s", reg.rank, exc)
+            raise WorkerConflict(f"pid: {exc}") from None
 
     def progress(self, rank: int, step: int | None) -> Worker:
         worker = self.get(rank)
@@ -249,6 +302,33 @@ class WorkerRegistry:
             self._set(worker, WorkerState.RUNNING)
         return worker
 
+    def stopping(self, rank: int, report: WorkerStopping) -> Worker:
+        """The worker says it is being stopped (SIGTERM): its exit will be `stopped`.
+
+        Raises WorkerConflict when `report` is from another process than the registered
+        one (e.g. the old pod of a rank whose new pod registered already).
+        """
+        worker = self.get(rank)
+        same_namespace = (
+            report.pid_namespace is None
+            or worker.pid_namespace is None
+            or report.pid_namespace == worker.pid_namespace
+        )
+        if report.pid != worker.pid or not same_namespace:
+            raise WorkerConflict(
+                f"pid: rank {rank} is pid {worker.pid} (namespace {worker.pid_namespace}), "
+                f"not pid {report.pid} (namespace {report.pid_namespace}): report ignored"
+            )
+        if worker.alive and not worker.stopping:
+            worker.stopping = True
+            log.info(
+                "rank %d (pid %s) is stopping (signal %s): its exit will not be a failure",
+                rank,
+                worker.pid,
+                report.signal,
+            )
+        return worker
+
     def poll(self) -> bool:
         """Look at every live worker's process and progress; True if any state changed."""
         changed = False
@@ -260,6 +340,7 @@ class WorkerRegistry:
                 changed = True
             elif (
                 worker.registered
+                and not worker.stopping  # shutting down: silence is expected
                 and worker.state is WorkerState.RUNNING
                 and now - worker.last_progress > self.heartbeat_timeout_s
             ):
@@ -329,8 +410,8 @@ class WorkerRegistry:
             if code is None:
                 return False
             worker.exit_code = code
-        elif worker.pid is not None:
-            if _pid_alive(worker.pid, worker.start_time):
+        elif worker.host_pid is not None:
+            if _pid_alive(worker.host_pid, worker.start_time):
                 return False
             worker.exit_code = None  # not our child: nobody tells us
         else:

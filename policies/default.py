@@ -11,7 +11,12 @@ Ladder, per event (see `DefaultPolicy`):
   node skips the restart rung. A failing node that serves no job is cordoned;
 * spare available / node recovered: scale jobs below their maximum back up, one replica each,
   as long as there are enough spares;
-* workload down: restart the workload.
+* workload down: restart the workload, or scale it down by one replica when its pods are
+  pending for lack of nodes (scaling enabled, above the minimum);
+* pod stuck terminating: force-delete that pod (grace period 0).
+
+A node failure on a node already cordoned and no longer among its job's nodes was handled
+when the node first failed (a dead node is both silent and NotReady): nothing more is done.
 
 Beyond the anchor: every action that stops workers is preceded by an emergency checkpoint of
 the healthy workers, and a job that used up its restart budget (`max_restarts_in_window`
@@ -190,6 +195,11 @@ class DefaultPolicy(Policy):
         view = ctx.node(node)
         job = event.job or (view.job if view else None)
         bad_hardware = event.type in HARDWARE_FAULTS and not (view and view.cordoned)
+        job_view = ctx.job(job)
+        if view is not None and view.cordoned and job_view and node not in job_view.nodes:
+            # Already taken out of the job (hot-swapped, or scaled out) for an earlier
+            # failure: a dead node is both silent and NotReady, and one swap is enough.
+            return []
         if job is None:
             # A spare or idle node: keep the scheduler off bad hardware, nothing else to do.
             if not bad_hardware:
@@ -233,10 +243,43 @@ class DefaultPolicy(Policy):
 
     @handles(EventType.WORKLOAD_DOWN)
     def on_workload_down(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        """Restart it; but when pods wait for nodes that do not exist, a restart cannot
+        help: scale down by one replica instead (when scaling is on, above the minimum)."""
         if event.job is None:
             return []
+        view = ctx.job(event.job)
+        unschedulable = int(event.details.get("unschedulable_pods") or 0)
+        if (
+            unschedulable
+            and ctx.limits.enable_workload_scaling
+            and view is not None
+            and view.num_dp_replicas > view.min_num_dp_replicas
+        ):
+            to = view.num_dp_replicas - 1
+            action = actions.scale_down(
+                event.job,
+                to_replicas=to,
+                reason=f"{describe(event)}: {unschedulable} pods pending for lack of nodes,"
+                f" scaling {event.job} from {view.num_dp_replicas} to {to} data-parallel replicas",
+            )
+            return self._remedy(ctx, action)
         action = actions.restart_workload(event.job, reason=f"{describe(event)}: restarting")
         return self._remedy(ctx, action)
 
-    # EventType.POD_STUCK_TERMINATING: no action yet. A later Kubernetes backend adds a
-    # force-delete action; until then the event is only recorded (no handler, no action).
+    @handles(EventType.POD_STUCK_TERMINATING)
+    def on_pod_stuck(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        """Its kubelet will not finish the graceful termination: delete it with grace 0."""
+        pod = event.details.get("pod")
+        if not isinstance(pod, str):
+            return []
+        return [
+            actions.force_delete_pod(
+                event.job,
+                event.node,
+                pod=pod,
+                namespace=event.details.get("namespace"),
+                uid=event.details.get("uid"),
+                reason=f"{describe(event)}: pod {pod} terminating for"
+                f" {event.details.get('terminating_for_s')}s",
+            )
+        ]

@@ -9,17 +9,32 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
-from supervisor.api.app import create_app, with_tokens
+from supervisor.api.app import SupervisorApp, create_app, with_tokens
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.controller import PolicyLoadError, load_policy
 from supervisor.goodput import cli as goodput_cli
 from supervisor.local.demo import DemoOptions, LocalDemo
+from supervisor.policy import Policy
 from supervisor.runtime import Supervisor
 
 log = logging.getLogger("supervisor")
+
+
+class _Server(uvicorn.Server):
+    """Ends the live streams (dashboards) when asked to stop: uvicorn waits for open
+    responses before it stops the app, and a stream never ends by itself."""
+
+    def __init__(self, config: uvicorn.Config, supervisor: Supervisor) -> None:
+        super().__init__(config)
+        self.supervisor = supervisor
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.supervisor.hub.close_threadsafe()
+        super().handle_exit(sig, frame)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,8 +82,7 @@ def _serve(settings: Settings) -> None:
     except PolicyLoadError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
     settings = with_tokens(settings)
-    supervisor = Supervisor(settings, policy=policy)
-    app = create_app(settings, supervisor)
+    app = _app(settings, policy)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -77,7 +91,24 @@ def _serve(settings: Settings) -> None:
         access_log=False,
         lifespan="on",
     )
-    uvicorn.Server(config).run()
+    _Server(config, app.state.supervisor).run()
+
+
+def _app(settings: Settings, policy: Policy) -> SupervisorApp:
+    """The app; a Kubernetes configuration that cannot be loaded is one line, no traceback."""
+    kube_backend = settings.backend == "kubernetes" and not settings.dry_run
+    if not (kube_backend or settings.leader_election):
+        return create_app(settings, Supervisor(settings, policy=policy))
+    from supervisor.kube.client import KubeConfigError  # the kubernetes client is heavy
+
+    try:
+        supervisor = Supervisor(settings, policy=policy)
+    except KubeConfigError as exc:
+        raise SystemExit(f"supervisor: kubernetes backend: {exc}") from None
+    try:
+        return create_app(settings, supervisor)
+    except KubeConfigError as exc:
+        raise SystemExit(f"supervisor: leader election: {exc}") from None
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -162,6 +193,7 @@ Local cluster running: {len(demo.options.nodes)} nodes (host monitors), job '{de
 ({demo.options.replicas} replicas x {demo.options.nodes_per_dp} nodes) training, and the
 supervisor at {url}   (run directory: {demo.run_dir})
   operator token: {op}
+  dashboard:      {url}/   (it asks for the operator token)
 
 Kill a node of the job and watch: detection, emergency checkpoint, hot-swap, resume.
   curl -s -X POST {url}/api/v1/faults {auth} -H 'Content-Type: application/json' \\

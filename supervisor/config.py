@@ -21,7 +21,7 @@ from pydantic_settings import (
 
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
 
-BackendName = Literal["dry_run", "local"]
+BackendName = Literal["dry_run", "local", "kubernetes"]
 
 
 class Settings(BaseSettings):
@@ -116,6 +116,92 @@ class Settings(BaseSettings):
         description="The policy: `module:Class` or a path to a .py file (`file.py:Class`).",
     )
 
+    # --- Kubernetes backend (backend `kubernetes`) ------------------------------------
+    kube_config: str | None = Field(
+        None,
+        description="Path to a kubeconfig. Unset: the in-cluster service account.",
+    )
+    kube_context: str | None = Field(
+        None, description="Context of the kubeconfig to use. Unset: its current context."
+    )
+    kube_namespace: str = Field(
+        "default",
+        min_length=1,
+        max_length=63,
+        description="Namespace of the supervised JobSets (and of the leader Lease).",
+    )
+    kube_jobset_selector: str = Field(
+        "",
+        description="Label selector of the JobSets to supervise. Empty: all in the namespace.",
+    )
+    kube_gpu_node_selector: str = Field(
+        "",
+        description="Label selector of the GPU nodes (workers and spares). Empty: all nodes.",
+    )
+    kube_taint_key: str = Field(
+        "resiliency.supervisor.io/unhealthy",
+        min_length=1,
+        description="Key of the NoExecute taint put on a node that is swapped out.",
+    )
+    kube_node_health_label: str = Field(
+        "resiliency.supervisor.io/node-health-status",
+        min_length=1,
+        description="Node label carrying its health (Schedulable, Unschedulable, ...).",
+    )
+    node_recovery_healthy_s: float = Field(
+        300.0,
+        ge=0,
+        description="A swapped-out node is uncordoned once healthy (Ready, heartbeating) "
+        "this long.",
+    )
+    pod_deletion_grace_period_s: int = Field(
+        30,
+        ge=0,
+        description="Grace period of pods deleted when eviction is impossible.",
+    )
+    host_monitor_port: int = Field(
+        9400,
+        ge=1,
+        le=65535,
+        description="Port of the host monitors' local API (emergency checkpoints), when "
+        "their heartbeat gives no address.",
+    )
+    host_monitor_actuator_token: SecretStr | None = Field(
+        None,
+        description="Bearer token the supervisor presents to host monitors (their "
+        "`actuator_token`).",
+    )
+
+    # --- high availability (Kubernetes Lease) -------------------------------------------
+    leader_election: bool = Field(
+        False,
+        description="Elect one leader among replicas with a coordination.k8s.io Lease; "
+        "only the leader acts.",
+    )
+    leader_election_lease_name: str = Field(
+        "resiliency-supervisor", min_length=1, description="Name of the leader Lease."
+    )
+    leader_election_identity: str | None = Field(
+        None, description="This replica's identity in the Lease. Unset: the host name."
+    )
+    leader_election_lease_duration_s: float = Field(
+        15.0, gt=0, description="A leader that has not renewed for this long can be replaced."
+    )
+    leader_election_renew_deadline_s: float = Field(
+        10.0, gt=0, description="A leader that cannot renew within this stops acting (exits)."
+    )
+    leader_election_retry_period_s: float = Field(
+        2.0, gt=0, description="How often the Lease is renewed or tried."
+    )
+
+    # --- goodput -----------------------------------------------------------------------
+    goodput_sample_period_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often each job's step is sampled for goodput (a row only when it "
+        "moved; never per heartbeat).",
+    )
+
     # --- fault injection ----------------------------------------------------------------
     enable_fault_injection: bool = Field(
         False, description="Accept POST /api/v1/faults. Off by default."
@@ -152,6 +238,15 @@ class Settings(BaseSettings):
                 "need min_num_dp_replicas <= num_dp_replicas <= max_num_dp_replicas "
                 f"(got {self.min_num_dp_replicas}, {self.num_dp_replicas}, "
                 f"{self.max_num_dp_replicas})"
+            )
+        if self.leader_election and not (
+            self.leader_election_retry_period_s
+            < self.leader_election_renew_deadline_s
+            < self.leader_election_lease_duration_s
+        ):
+            raise ValueError(
+                "need leader_election_retry_period_s < leader_election_renew_deadline_s < "
+                "leader_election_lease_duration_s"
             )
         if (
             self.agent_token is not None

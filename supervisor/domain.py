@@ -76,6 +76,8 @@ class ActionType(StrEnum):
     SCALE_UP = "scale_up"
     CORDON = "cordon"
     UNCORDON = "uncordon"
+    # Kubernetes: delete a pod stuck terminating with grace period 0.
+    FORCE_DELETE_POD = "force_delete_pod"
 
 
 #: Actions that stop training workers; the default policy checkpoints before each.
@@ -205,3 +207,31 @@ class Fault:
     params: Mapping[str, Any] = field(default_factory=dict)
     active: bool = True
     ended_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointReport:
+    """A worker saved or loaded a checkpoint (forwarded by its host monitor), for goodput.
+
+    ``time`` is when the worker reported it to its host monitor, just after the save or
+    load finished; ``report_id`` is unique per report, so a report sent again is one report.
+    """
+
+    report_id: str
+    node: str
+    job: str | None
+    rank: int
+    event: str  # "saved" or "loaded"
+    step: int
+    duration_s: float
+    tier: str  # "local", "durable" or "emergency"
+    time: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressSample:
+    """A job had reached ``step`` at ``time`` (sampled from the sensor's picture)."""
+
+    job: str
+    step: int
+    time: datetime

@@ -53,6 +53,12 @@ class Metrics:
             ["alive"],
             registry=self.registry,
         )
+        self.acting = Gauge(
+            "supervisor_leader",
+            "1 while this replica acts: it holds the leader Lease (or runs without leader "
+            "election) and its runtime is started; 0 on a standby.",
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -193,3 +193,23 @@ class actions:
     @staticmethod
     def uncordon(node: str, *, reason: str = "") -> ActionRequest:
         return ActionRequest(ActionType.UNCORDON, node=node, reason=reason)
+
+    @staticmethod
+    def force_delete_pod(
+        job: str | None,
+        node: str | None,
+        *,
+        pod: str,
+        namespace: str | None = None,
+        uid: str | None = None,
+        reason: str = "",
+    ) -> ActionRequest:
+        """Delete a pod stuck terminating at once (grace period 0), that very pod only."""
+        params = {"pod": pod, "namespace": namespace, "uid": uid}
+        return ActionRequest(
+            ActionType.FORCE_DELETE_POD,
+            job=job,
+            node=node,
+            params={k: v for k, v in params.items() if v is not None},
+            reason=reason,
+        )

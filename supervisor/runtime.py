@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.actuator import ActionError, Actuator, Backend, DryRunBackend
+from supervisor.actuator import ActionError, Actuator, Backend, BackendHooks, DryRunBackend
 from supervisor.config import Settings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
@@ -25,10 +25,16 @@ from supervisor.domain import (
     ActionType,
     Event,
     Fault,
+    JobView,
+    NodeState,
+    NodeView,
 )
+from supervisor.goodput.sampler import ProgressSampler, sensor_steps
 from supervisor.metrics import Metrics
+from supervisor.notify import Hub
 from supervisor.policy import Policy
 from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor
+from supervisor.sensor.sensor import UNCHANGED
 from supervisor.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,10 @@ RANDOM_KINDS = ("worker_crash", "worker_hang", "node_down")
 def make_backend(settings: Settings) -> Backend:
     if settings.dry_run or settings.backend == "dry_run":
         return DryRunBackend()
+    if settings.backend == "kubernetes":
+        from supervisor.kube.backend import KubeBackend  # the only user of the client
+
+        return KubeBackend(settings)
     from supervisor.local.backend import LocalBackend  # only local mode needs it
 
     return LocalBackend(Path(settings.local_run_dir), settings)
@@ -75,6 +85,8 @@ class Supervisor:
     ) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        #: Live readers (the dashboard's stream) hear of every event and action change.
+        self.hub = Hub()
         self.policy = policy or load_policy(settings.policy)
         self.backend = backend or make_backend(settings)
         self.sensor = Sensor(settings, self._on_timer_changes, self.metrics)
@@ -85,7 +97,15 @@ class Supervisor:
         self._recorder: asyncio.Task[None] | None = None
         self._fault_timers: dict[int, asyncio.TimerHandle] = {}
         self._schedules: dict[int, asyncio.Task[None]] = {}
+        self._sampler: ProgressSampler | None = None
+        self._sampling: asyncio.Task[None] | None = None
         self.ready = False
+        #: What /readyz and refused requests answer while not ready (a standby says who
+        #: leads; see supervisor.kube.leader).
+        self.readiness: dict[str, Any] = {
+            "status": "starting",
+            "detail": "the supervisor is starting",
+        }
 
     @property
     def store(self) -> Store:
@@ -104,10 +124,15 @@ class Supervisor:
     async def start(self) -> None:
         self._store = await asyncio.to_thread(open_store, self.settings.database_url)
         self._actuator = Actuator(
-            self.store, self.backend, self.settings, self.metrics, self._apply_effects
+            self.store,
+            self.backend,
+            self.settings,
+            self.metrics,
+            self._apply_effects,
+            on_change=self.hub.action,
         )
         self._controller = Controller(
-            self.settings, self.policy, self.store, self._actuator, self.sensor.snapshot
+            self.settings, self.policy, self.store, self._actuator, self._snapshot
         )
         nodes, jobs = await asyncio.gather(
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)
@@ -125,8 +150,25 @@ class Supervisor:
         for event in unhandled:
             self.controller.submit_event(event)
         self._recorder = asyncio.create_task(self._record_timer_changes(), name="recorder")
+        # Step progress for goodput: a sample per job every period, never per heartbeat.
+        self._sampler = ProgressSampler(
+            self.settings.goodput_sample_period_s,
+            lambda: sensor_steps(self.sensor),
+            self.store.record_progress_samples,
+        )
+        self._sampling = asyncio.create_task(self._sampler.run(), name="progress-sampler")
         await self._resume_schedules()
+        await self.backend.start(
+            BackendHooks(
+                raise_events=self._raise_backend_events,
+                request_action=self._request_backend_action,
+                node_address=self._node_address,
+                node_heartbeating=self._node_heartbeating,
+                event=self._event,
+            )
+        )
         self.ready = True
+        self.metrics.acting.set(1)
         log.info(
             "supervisor ready: %d nodes, %d jobs, policy %s, backend %s",
             len(nodes),
@@ -137,6 +179,9 @@ class Supervisor:
 
     async def stop(self) -> None:
         self.ready = False
+        self.hub.close()
+        self.metrics.acting.set(0)
+        self.readiness = {"status": "stopping", "detail": "the supervisor is stopping"}
         self.sensor.close()
         for timer in self._fault_timers.values():
             timer.cancel()
@@ -145,6 +190,13 @@ class Supervisor:
         if self._recorder is not None:
             self._recorder.cancel()
             await asyncio.gather(self._recorder, return_exceptions=True)
+        if self._sampling is not None and self._sampler is not None:
+            self._sampling.cancel()
+            await asyncio.gather(self._sampling, return_exceptions=True)
+            try:
+                await self._sampler.flush()  # the last steps seen, for the next start
+            except Exception:
+                log.exception("cannot store the last progress samples")
         if self._controller is not None:
             await self._controller.close()
         await self.backend.close()
@@ -160,17 +212,77 @@ class Supervisor:
 
     async def ingest(self, heartbeat: HostHeartbeat) -> list[Event]:
         changes = self.sensor.ingest(heartbeat)
-        if not changes:
+        if changes is UNCHANGED or not changes:
             return []
-        return await self._record(changes)
+        return await self.record(changes)
 
-    async def _record(self, changes: Changes) -> list[Event]:
+    async def record(self, changes: Changes) -> list[Event]:
+        """Persist what a sensor step produced, then hand its events to the controller."""
         events = await asyncio.to_thread(
             self.store.record, changes.events, changes.nodes, changes.jobs
         )
         for event in events:
+            self.hub.event(event)
             self.controller.submit_event(event)
         return events
+
+    # --- backends that watch the cluster (Kubernetes) ---------------------------------------
+
+    def _snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
+        """The sensor's picture, with what the backend reads from the cluster in place of
+        the settings' defaults: replicas and bounds (e.g. JobSet annotations), and which
+        nodes run the job's pods (a swapped-out node's heartbeats said so last), which
+        nodes are cordoned and which are spares."""
+        nodes, jobs = self.sensor.snapshot()
+        for name, seen in self.backend.job_views().items():
+            known = jobs.get(name)
+            jobs[name] = (
+                seen
+                if known is None
+                else replace(
+                    known,
+                    num_dp_replicas=seen.num_dp_replicas,
+                    min_num_dp_replicas=seen.min_num_dp_replicas,
+                    max_num_dp_replicas=seen.max_num_dp_replicas,
+                    num_nodes_per_dp=seen.num_nodes_per_dp,
+                    nodes=seen.nodes,
+                )
+            )
+        # The cluster says which nodes are cordoned and which run no workload. A spare
+        # must also be known to the sensor and alive: without a heartbeating host monitor
+        # it has no health signal and no emergency checkpoint, so none is invented.
+        for name, node in self.backend.cluster_nodes().items():
+            view = nodes.get(name)
+            if view is None:
+                continue
+            if node.spare and view.alive:
+                view = replace(view, state=NodeState.SPARE, job=None, workers=())
+            nodes[name] = replace(view, cordoned=node.cordoned)
+        return nodes, jobs
+
+    def _raise_backend_events(self, events: list[Event]) -> None:
+        # Same path as the sensor's timers: persisted in order (retried while the
+        # database is down), then given to the controller.
+        self._pending.put_nowait(Changes(events=list(events)))
+
+    async def _request_backend_action(self, request: ActionRequest, key: str) -> None:
+        action, created = await asyncio.to_thread(
+            lambda: self.store.create_action(request, key=key, source=self.backend.name)
+        )
+        if created:
+            self.hub.action(action)
+            self.controller.submit_actions([action])
+
+    def _node_address(self, name: str) -> str | None:
+        node = self.sensor.nodes.get(name)
+        return node.address if node is not None else None
+
+    async def _event(self, event_id: int) -> Event | None:
+        return await asyncio.to_thread(self.store.get_event, event_id)
+
+    def _node_heartbeating(self, name: str) -> bool | None:
+        node = self.sensor.nodes.get(name)
+        return node.alive if node is not None else None
 
     def _on_timer_changes(self, changes: Changes) -> None:
         self._pending.put_nowait(changes)
@@ -187,7 +299,7 @@ class Supervisor:
         delay = 0.1
         while True:
             try:
-                await self._record(changes)
+                await self.record(changes)
                 return
             except asyncio.CancelledError:
                 raise
@@ -233,6 +345,7 @@ class Supervisor:
             lambda: self.store.create_action(request, key=f"operator-{key}", source="operator")
         )
         if created:
+            self.hub.action(action)
             self.controller.submit_actions([action])
         return action, created
 
@@ -285,7 +398,7 @@ class Supervisor:
             message=f"injected by fault {fault.id}",
         )
         changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
-        events = await self._record(changes) if changes else []
+        events = await self.record(changes) if changes else []
         return fault, events
 
     async def _start_schedule(self, spec: FaultSpec) -> Fault:

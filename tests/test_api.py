@@ -389,6 +389,7 @@ async def test_bad_manual_actions(api: Api) -> None:
         ({"type": "cordon"}, 422, "node is required"),
         ({"type": "restart_workload"}, 422, "job is required"),
         ({"type": "scale_down", "job": "j1", "params": {"to_replicas": 0}}, 422, "to_replicas"),
+        ({"type": "force_delete_pod", "job": "j1", "node": "n1"}, 422, "params.pod"),
         ({"type": "explode", "job": "j1"}, 422, "type"),
         ({"type": "restart_workload", "job": "ghost"}, 404, "ghost"),
         ({"type": "cordon", "node": "ghost"}, 404, "ghost"),

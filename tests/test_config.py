@@ -143,7 +143,7 @@ def test_empty_yaml_file_means_defaults(tmp_path: Path) -> None:
         pytest.param({"hang_safety_factor": 0.5}, ["hang_safety_factor"], id="safety-factor"),
         pytest.param({"port": 70000}, ["port"], id="port"),
         pytest.param({"log_level": "loud"}, ["log_level"], id="log-level"),
-        pytest.param({"backend": "kubernetes"}, ["backend"], id="backend"),
+        pytest.param({"backend": "slurm"}, ["backend"], id="backend"),
         pytest.param({"policy": ""}, ["policy"], id="empty-policy"),
         pytest.param({"no_such_setting": 1}, ["unknown setting", "no_such_setting"], id="unknown"),
         pytest.param(

@@ -1087,6 +1087,38 @@ def test_deleting_a_child_job_recreates_it(kube: FakeKube, api: Any) -> None:
     assert new_pods and not new_pods & old_pods
 
 
+def test_foreground_deletion_of_a_jobset_removes_the_tree_owner_last(
+    kube: FakeKube, api: Any
+) -> None:
+    """Deleting a JobSet with propagationPolicy Foreground: it stays (deletionTimestamp,
+    foregroundDeletion finalizer) while the garbage collector deletes its Jobs, which in
+    turn wait for their pods (the GC deletes dependents that have dependents of their own
+    in the foreground too); the JobSet goes last, so the name can be created again only
+    once no old pod is left. The scaling action of the backend relies on this order."""
+    _nodes(kube, 4)
+    co = _api(client.CustomObjectsApi, api)
+    co.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, jobset_body("train"))
+    kube.wait_for(lambda: len(jobset_pods(kube, "train", 0)) == 4)
+    co.delete_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        NS,
+        PLURAL,
+        "train",
+        body=client.V1DeleteOptions(propagation_policy="Foreground"),
+    )
+    held = kube.get("JobSet", "train")
+    assert held is not None and held["metadata"]["deletionTimestamp"]
+    assert "foregroundDeletion" in held["metadata"]["finalizers"]
+    with pytest.raises(ApiException) as e:
+        co.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, jobset_body("train"))
+    assert e.value.status == 409 and status_of(e.value)["reason"] == "AlreadyExists"
+    kube.wait_for(lambda: kube.get("JobSet", "train") is None)
+    assert not kube.objects("Job", NS) and not kube.objects(
+        "Pod", NS, f"{JS_LABEL}jobset-name=train"
+    )
+
+
 def test_evicting_a_pod_restarts_the_jobset(kube: FakeKube, api: Any) -> None:
     """An evicted pod fails its Job (backoffLimit 0), and the JobSet failure policy restarts
     every Job: status.restarts and the restart-attempt label go to 1."""

@@ -440,9 +440,25 @@ def test_workload_down_without_job_does_nothing() -> None:
     assert decide(ev(E.WORKLOAD_DOWN), ctx()) == []
 
 
-def test_pod_stuck_terminating_takes_no_action_yet() -> None:
+def test_pod_stuck_terminating_without_a_pod_name_takes_no_action() -> None:
     c = ctx([node("n1")], [job()])
     assert decide(ev(E.POD_STUCK_TERMINATING, "n1", "j"), c) == []
+
+
+@pytest.mark.parametrize("second", [E.NODE_NOT_READY, E.HOST_HEARTBEAT_LOST, E.GPU_XID])
+def test_a_node_already_swapped_out_of_its_job_is_not_swapped_again(second: EventType) -> None:
+    # The first failure swapped n1 for s1: n1 is cordoned and the job runs on n2 and s1.
+    moved = JobView("j", 4, 2, 8, 1, nodes=("n2", "s1"))
+    nodes = [node("n1", cordoned=True, alive=False), node("n2"), spare("s2")]
+    c = ctx(nodes, [moved], failures={"n1": 2})
+    assert decide(ev(second, "n1", "j", code=79), c) == []
+
+
+def test_a_cordoned_node_still_running_its_job_is_remedied() -> None:
+    # An operator cordoned n1 (no new pods), but the job still runs there: act on failure.
+    still = JobView("j", 4, 2, 8, 1, nodes=("n1", "n2"))
+    c = ctx([node("n1", cordoned=True), node("n2"), spare("s1")], [still], failures={"n1": 2})
+    assert decide(ev(E.HOST_HEARTBEAT_LOST, "n1", "j"), c) == [cp("j", "n1"), hot_swap("n1", "s1")]
 
 
 # --- reasons and shape ------------------------------------------------------------------

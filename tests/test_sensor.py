@@ -866,3 +866,45 @@ def test_a_swapped_in_node_behind_the_others_restarts_progress() -> None:
     progress.forget("a")  # a is swapped out; c joins, resumed from step 40
     assert progress.observe("c", 40, now=2.0) is True
     assert progress.max_step == 40 and progress.last_progress == 2.0
+
+
+# --- the steady-state fast path -------------------------------------------------------------
+
+
+async def test_steady_heartbeats_change_nothing_yet_changes_still_surface(
+    make_sensor: SensorFactory,
+) -> None:
+    """Steady heartbeats take the sensor's fast path; every kind of change still leaves it."""
+    from supervisor.sensor.sensor import UNCHANGED
+
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    sensor.ingest(stepping("n1", 1, ranks=(0, 1)))
+    for step in range(2, 6):
+        assert sensor.ingest(stepping("n1", step, ranks=(0, 1))) is UNCHANGED
+    assert not UNCHANGED and UNCHANGED.events == []
+    assert sensor.job_view("j1").last_step == 5  # steps still move the job on the fast path
+    assert sensor.node_view("n1").workers[0].step == 5
+
+    # A worker's state change, a GPU report and a new job each take the full path.
+    crash = hb("n1", workers=[worker(0, 6, "exited", exit_code=9), worker(1, 6, local_rank=1)])
+    assert types(sensor.ingest(crash).events) == [E.WORKER_EXITED]
+    assert sensor.ingest(crash) is UNCHANGED
+    with_xid = hb(
+        "n1",
+        workers=[worker(0, 6, "exited", exit_code=9), worker(1, 6, local_rank=1)],
+        gpu=[xid(79)],
+    )
+    assert types(sensor.ingest(with_xid).events) == [E.GPU_XID]
+    moved = sensor.ingest(hb("n1", "j2", workers=[worker(0, 1), worker(1, 1, local_rank=1)]))
+    assert [j.name for j in moved.jobs] == ["j2"]
+    assert sensor.node_view("n1").job == "j2"
+
+
+def test_names_are_checked_on_every_field_even_when_seen_before() -> None:
+    good = {"node": "n-ok", "state": "running", "job": "j-ok", "workers": []}
+    decode_heartbeat(json.dumps(good).encode())
+    for field, bad in (("node", "n ok"), ("job", "-j"), ("node", "j-ok!")):
+        body = json.dumps({**good, field: bad}).encode()
+        with pytest.raises(HeartbeatError) as info:
+            decode_heartbeat(body)
+        assert info.value.loc == (field,)

@@ -105,7 +105,15 @@ def test_register_sends_identity_and_token(server: RecordingServer) -> None:
         client.close()
     path, body, auth = server.requests[0]
     assert path == "/v1/workers/register"
-    assert body == {"rank": 3, "local_rank": 1, "pid": os.getpid(), "world_size": 8}
+    # With what finds this process from another PID namespace (host_monitor/pidns.py).
+    assert body == {
+        "rank": 3,
+        "local_rank": 1,
+        "pid": os.getpid(),
+        "pid_namespace": os.stat("/proc/self/ns/pid").st_ino,
+        "start_time": int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]),
+        "world_size": 8,
+    }
     assert auth == "Bearer tok"
     assert all(p.startswith("/v1/workers/") for p, _, _ in server.requests)
 

@@ -1,7 +1,7 @@
 """Carries out the actions a policy chose, through a backend."""
 
 from supervisor.actuator.actuator import Actuator
-from supervisor.actuator.backend import ActionError, Backend
+from supervisor.actuator.backend import ActionError, Backend, BackendHooks
 from supervisor.actuator.dry_run import DryRunBackend
 
-__all__ = ["ActionError", "Actuator", "Backend", "DryRunBackend"]
+__all__ = ["ActionError", "Actuator", "Backend", "BackendHooks", "DryRunBackend"]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -19,6 +20,8 @@ from supervisor.store import Store
 log = logging.getLogger(__name__)
 
 OnFinished = Callable[[ActionRecord], Awaitable[None]]
+#: Told of each recorded change of an action (must not block: it runs on the loop).
+OnChange = Callable[[ActionRecord], None]
 
 
 class Actuator:
@@ -29,12 +32,20 @@ class Actuator:
         settings: Settings,
         metrics: Metrics,
         on_succeeded: OnFinished | None = None,
+        *,
+        on_change: OnChange | None = None,
     ) -> None:
         self.store = store
         self.backend = backend
         self.settings = settings
         self.metrics = metrics
         self._on_succeeded = on_succeeded
+        self._on_change = on_change
+
+    def changed(self, action: ActionRecord) -> None:
+        """Tell whoever listens that this is how the action now stands in the store."""
+        if self._on_change is not None:
+            self._on_change(action)
 
     def timeout_s(self, action_type: ActionType) -> float:
         if action_type is ActionType.EMERGENCY_CHECKPOINT:
@@ -62,6 +73,7 @@ class Actuator:
         error = "not attempted"
         while action.attempts < limit:
             action = await asyncio.to_thread(self.store.start_attempt, action.id)
+            self.changed(action)
             try:
                 async with asyncio.timeout(timeout):
                     result = await self.backend.execute(action)
@@ -88,6 +100,7 @@ class Actuator:
             if not retryable or action.attempts >= limit:
                 break
             await asyncio.to_thread(self.store.note_attempt_error, action.id, error)
+            self.changed(replace(action, error=error))
             delay = self.settings.action_retry_backoff_s * 2 ** (action.attempts - 1)
             await asyncio.sleep(delay)
         else:
@@ -107,6 +120,7 @@ class Actuator:
         finished = await asyncio.to_thread(
             partial(self.store.finish_action, action.id, status, error=error, result=stored_result)
         )
+        self.changed(finished)
         self.metrics.actions.labels(action.type.value, status.value).inc()
         self.metrics.action_seconds.labels(action.type.value).observe(time.monotonic() - started)
         log.info(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from supervisor.domain import ActionRecord
+from supervisor.domain import ActionRecord, ActionRequest, Event, JobView
 
 
 class ActionError(Exception):
@@ -15,6 +16,33 @@ class ActionError(Exception):
     def __init__(self, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+@dataclass(frozen=True, slots=True)
+class BackendHooks:
+    """What the supervisor offers a backend that watches the cluster itself (Kubernetes)."""
+
+    #: Raise events: they are recorded in the store, in order, then given to the policy.
+    raise_events: Callable[[list[Event]], None]
+    #: Record an action (idempotent by key) and queue it, as an operator's request is.
+    request_action: Callable[[ActionRequest, str], Awaitable[None]]
+    #: The host monitor's URL on a node, as its heartbeat gives it (None: unknown).
+    node_address: Callable[[str], str | None]
+    #: Whether a node's host monitor is heartbeating (None: no host monitor known).
+    node_heartbeating: Callable[[str], bool | None]
+    #: A recorded event, by id (None: unknown): an action taken for it acts on what
+    #: existed at its time, not on what was created since.
+    event: Callable[[int], Awaitable[Event | None]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterNode:
+    """A node as a backend that watches the cluster sees it (Kubernetes)."""
+
+    #: Kept off for new work: cordoned, or tainted by the supervisor.
+    cordoned: bool
+    #: Schedulable and running no workload: a spare, if its host monitor is alive.
+    spare: bool
 
 
 class Backend(ABC):
@@ -41,6 +69,17 @@ class Backend(ABC):
         Backends that run no processes of their own cannot, and say so.
         """
         raise ActionError(f"the {self.name} backend cannot inject {kind} faults")
+
+    async def start(self, hooks: BackendHooks) -> None:  # noqa: B027 - optional hook
+        """Start watching the cluster, if this backend does (called once, on start)."""
+
+    def job_views(self) -> Mapping[str, JobView]:
+        """Jobs as the backend sees them (replicas, bounds, nodes); {} when it does not."""
+        return {}
+
+    def cluster_nodes(self) -> Mapping[str, ClusterNode]:
+        """Nodes as the backend sees them (cordoned, spare); {} when it does not."""
+        return {}
 
     async def close(self) -> None:  # noqa: B027 - optional hook, nothing to release here
         """Release connections and child processes."""

@@ -12,11 +12,23 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
 from pydantic import SecretStr
 from starlette.types import Receive, Scope, Send
 
+from supervisor import dashboard
 from supervisor.api.errors import validation_error
-from supervisor.api.routes import actions, cluster, events, faults, health
+from supervisor.api.routes import (
+    actions,
+    checkpoints,
+    cluster,
+    events,
+    faults,
+    goodput,
+    health,
+    info,
+    stream,
+)
 from supervisor.api.routes.heartbeats import (
     PATH as HEARTBEATS,
 )
@@ -49,9 +61,17 @@ class SupervisorApp(FastAPI):
     heartbeats: HeartbeatEndpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == HEARTBEATS:
-            await self.heartbeats(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            if scope["path"] == HEARTBEATS:
+                await self.heartbeats(scope, receive, send)
+                return
+            supervisor = self.heartbeats.supervisor
+            if not supervisor.ready and scope["path"].startswith("/api/"):
+                # A standby (or a replica starting or stopping) takes no requests: say so
+                # rather than answer from a runtime that is not running.
+                refusal = JSONResponse(supervisor.readiness, 503, headers={"Retry-After": "1"})
+                await refusal(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -76,15 +96,23 @@ def tune_garbage_collector() -> None:
 def create_app(settings: Settings, supervisor: Supervisor | None = None) -> SupervisorApp:
     settings = with_tokens(settings)
     runtime = supervisor or Supervisor(settings)
+    leadership = None
+    if settings.leader_election:
+        from supervisor.kube.leader import Leadership  # the kubernetes client, only if used
+
+        leadership = Leadership(settings, runtime)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await runtime.start()
+        if leadership is None:
+            await runtime.start()
+        else:
+            await leadership.start()  # serve as a standby until the Lease is won
         tune_garbage_collector()
         try:
             yield
         finally:
-            await runtime.stop()
+            await (runtime.stop() if leadership is None else leadership.stop())
 
     app = SupervisorApp(
         title="Resiliency supervisor",
@@ -94,8 +122,9 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     )
     app.state.supervisor = runtime
     app.state.settings = settings
-    for module in (events, actions, cluster, faults, health):
+    for module in (events, actions, cluster, faults, health, info, stream, checkpoints, goodput):
         app.include_router(module.router)
+    dashboard.mount(app)
     app.heartbeats = HeartbeatEndpoint(runtime)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -1,7 +1,9 @@
-"""The error format of our HTTP APIs (the supervisor's and the host monitor's)."""
+"""The error format of our HTTP APIs (the supervisor's and the host monitor's), and how
+their clients read it back."""
 
 from __future__ import annotations
 
+import httpx
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -17,3 +19,16 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
     detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
     return JSONResponse({"message": "; ".join(parts), "detail": detail}, status_code=422)
+
+
+def error_message(response: httpx.Response) -> str:
+    """The one line an error answer of ours carries (`message`, else `detail`)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(data, dict):
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])[:500]
+    return str(data)[:200]

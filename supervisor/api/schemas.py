@@ -131,6 +131,10 @@ class ActionIn(BaseModel):
             to = self.params.get("to_replicas")
             if not isinstance(to, int) or isinstance(to, bool) or to < 1:
                 raise ValueError("params.to_replicas must be a positive integer")
+        if self.type is ActionType.FORCE_DELETE_POD:
+            pod = self.params.get("pod")
+            if not isinstance(pod, str) or not pod:
+                raise ValueError("params.pod must name the pod to delete")
         return self
 
 

@@ -152,6 +152,8 @@ class Controller:
             raise ValueError("only persisted events can be handled")
         requests = self.decide(event, await self.context())
         actions = await asyncio.to_thread(self.store.handle_event, event.id, requests)
+        for action in actions:
+            self.actuator.changed(action)
         log.info(
             "event %s %s node=%s job=%s -> %s",
             event.id,

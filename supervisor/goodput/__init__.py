@@ -1,10 +1,15 @@
-"""Goodput analysis and checkpoint advice (issue 6): pure computation, no I/O.
+"""Goodput analysis and checkpoint advice (issue 6): pure computation, no I/O, except
+the step sampler and the CLI.
 
 - :mod:`.anchor_log`: the anchor calculator's JSON-lines log and its goodput formula.
 - :mod:`.model`: the input timeline (plain records) and the output report.
 - :mod:`.breakdown`: goodput and badput breakdown of a timeline (or of an anchor log).
+- :mod:`.history`: a job's timeline from the supervisor's events, actions, checkpoint
+  reports and step samples.
 - :mod:`.advice`: Young/Daly checkpoint intervals per tier, MTBF, ramdisk sizing.
 - :mod:`.report`: text tables for the CLI, JSON-able dicts for the API.
+- :mod:`.sampler`: the supervisor's periodic step samples (sensor -> store).
+- :mod:`.cli`: `supervisor goodput` and `supervisor advise`, online or offline.
 """
 
 from supervisor.goodput.advice import (
@@ -48,6 +53,7 @@ from supervisor.goodput.model import (
     CheckpointLoaded,
     CheckpointSaved,
     FailureDetected,
+    GoodputPoint,
     GoodputReport,
     JobStarted,
     JobStopped,
@@ -79,6 +85,7 @@ __all__ = [
     "CheckpointLoaded",
     "CheckpointSaved",
     "FailureDetected",
+    "GoodputPoint",
     "GoodputReport",
     "JobStarted",
     "JobStopped",

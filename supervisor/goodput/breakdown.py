@@ -56,6 +56,7 @@ from supervisor.goodput.model import (
     CheckpointLoaded,
     CheckpointSaved,
     FailureDetected,
+    GoodputPoint,
     GoodputReport,
     JobStarted,
     JobStopped,
@@ -123,6 +124,13 @@ class _Sweep:
     idle_s: float = 0.0
     step_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     step_capacity_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    #: (time, the totals from the window's start up to it), one per mark.
+    snapshots: list[tuple[float, _Sweep]] = field(default_factory=list)
+
+    def copy(self) -> _Sweep:
+        return _Sweep(
+            list(self.label_s), self.idle_s, dict(self.step_s), dict(self.step_capacity_s)
+        )
 
 
 def _sweep(
@@ -130,8 +138,11 @@ def _sweep(
     w1: float,
     intervals: list[tuple[float, float, int, int]],
     capacity: list[tuple[float, float]],
+    marks: Sequence[float] = (),
 ) -> _Sweep:
-    """Label each instant of ``[w0, w1]`` with its highest-priority covering interval."""
+    """Label each instant of ``[w0, w1]`` with its highest-priority covering interval;
+    also snapshot the totals at each of ``marks`` (sorted, within the window)."""
+    pending_marks = [m for m in marks if w0 <= m <= w1]
     clipped = [(max(a, w0), min(b, w1), lvl, key) for a, b, lvl, key in intervals]
     clipped = [iv for iv in clipped if iv[1] > iv[0]]
     points = {w0, w1}
@@ -139,7 +150,9 @@ def _sweep(
         points.add(a)
         points.add(b)
     points.update(t for t, _ in capacity if w0 < t < w1)
+    points.update(pending_marks)
     ordered = sorted(points)
+    mi = 0
     by_start = sorted(clipped, key=lambda iv: iv[0])
     by_end = sorted(clipped, key=lambda iv: iv[1])
     active: list[dict[int, int]] = [{} for _ in range(_LEVELS)]
@@ -148,6 +161,9 @@ def _sweep(
     frac = 1.0
     for k in range(len(ordered) - 1):
         p, q = ordered[k], ordered[k + 1]
+        while mi < len(pending_marks) and pending_marks[mi] <= p:
+            out.snapshots.append((pending_marks[mi], out.copy()))
+            mi += 1
         while si < len(by_start) and by_start[si][0] <= p:
             _, _, lvl, key = by_start[si]
             active[lvl][key] = active[lvl].get(key, 0) + 1
@@ -174,6 +190,7 @@ def _sweep(
                 break
         else:
             out.idle_s += seg
+    out.snapshots.extend((m, out.copy()) for m in pending_marks[mi:])
     return out
 
 
@@ -219,12 +236,17 @@ def compute_goodput(
     *,
     reference_step_time_s: float | None = None,
     anchor: AnchorGoodput | None = None,
+    series_points: int = 0,
 ) -> GoodputReport:
     """Goodput and badput breakdown of ``timeline`` (see the module docstring for the model).
 
     ``reference_step_time_s`` is used only to place the start of the first step after a
     (re)start; without it the median measured step time is used. ``anchor`` is attached to
-    the report as is.
+    the report as is. ``series_points`` > 0 adds ``series``: the breakdown from the start
+    up to each of that many evenly spaced times, as this report labels the time (so work
+    redone later is lost progress already), in one pass; :func:`goodput_series` gives
+    the figures as they were known at each time instead, at the cost of a computation
+    per point.
     """
     if reference_step_time_s is not None and not (
         math.isfinite(reference_step_time_s) and reference_step_time_s > 0
@@ -399,7 +421,8 @@ def compute_goodput(
             intervals.append((sv.time - sv.duration_s, sv.time, _SAVE, 0))
 
     capacity = sorted((rc.time, rc.capacity) for rc in timeline.replica_changes)
-    swept = _sweep(w0, w1, intervals, capacity)
+    marks = [w0 + (w1 - w0) * (k + 1) / series_points for k in range(max(0, series_points))]
+    swept = _sweep(w0, w1, intervals, capacity, marks)
 
     # 3. Kept or redone: the last computation of a step keeps it.
     later = _StepSet()
@@ -413,22 +436,9 @@ def compute_goodput(
         keep[i] = (n_steps - lost) / n_steps
         later.add(c.lo, c.hi)
 
-    productive = reduced = 0.0
-    lost_s = swept.label_s[_LOST]
-    for i, spent in swept.step_s.items():
-        weighted = swept.step_capacity_s[i]
-        productive += keep[i] * weighted
-        reduced += keep[i] * (spent - weighted)
-        lost_s += (1 - keep[i]) * spent
-
-    badput = Badput(
-        lost_progress_s=lost_s,
-        detection_s=swept.label_s[_DETECT],
-        remediation_s=swept.label_s[_REMEDIATE],
-        restart_s=swept.label_s[_RESTART] + swept.label_s[_LOAD],
-        checkpoint_save_s=swept.label_s[_SAVE],
-        reduced_capacity_s=reduced,
-        idle_s=swept.idle_s,
+    productive, badput = _totals(swept, keep)
+    series = tuple(
+        GoodputPoint(t, t - w0, *_totals(snapshot, keep)) for t, snapshot in swept.snapshots
     )
     if not timeline.steps:
         notes.append("no step reports: productive time cannot be measured")
@@ -450,7 +460,30 @@ def compute_goodput(
         tiers=_tier_stats(timeline, emergency),
         anchor=anchor,
         notes=tuple(notes),
+        series=series,
     )
+
+
+def _totals(swept: _Sweep, keep: dict[int, float]) -> tuple[float, Badput]:
+    """Productive time and badput of a sweep, given which share of each computation was
+    kept."""
+    productive = reduced = 0.0
+    lost_s = swept.label_s[_LOST]
+    for i, spent in swept.step_s.items():
+        weighted = swept.step_capacity_s[i]
+        productive += keep[i] * weighted
+        reduced += keep[i] * (spent - weighted)
+        lost_s += (1 - keep[i]) * spent
+    badput = Badput(
+        lost_progress_s=lost_s,
+        detection_s=swept.label_s[_DETECT],
+        remediation_s=swept.label_s[_REMEDIATE],
+        restart_s=swept.label_s[_RESTART] + swept.label_s[_LOAD],
+        checkpoint_save_s=swept.label_s[_SAVE],
+        reduced_capacity_s=reduced,
+        idle_s=swept.idle_s,
+    )
+    return productive, badput
 
 
 def _tier_stats(timeline: Timeline, emergency: set[int]) -> tuple[TierStats, ...]:

@@ -380,6 +380,20 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class GoodputPoint:
+    """The breakdown from the window's start up to ``time`` (``wall_s`` after the start)."""
+
+    time: float
+    wall_s: float
+    productive_s: float
+    badput: Badput
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class GoodputReport:
     """Goodput of one job over its wall-time window, and where the rest of the time went.
 
@@ -411,6 +425,8 @@ class GoodputReport:
     #: The anchor calculator's figure on the same log, when the input was its log.
     anchor: AnchorGoodput | None = None
     notes: tuple[str, ...] = ()
+    #: Cumulative breakdown at evenly spaced times (``compute_goodput(series_points=N)``).
+    series: tuple[GoodputPoint, ...] = ()
 
     @property
     def goodput(self) -> float:

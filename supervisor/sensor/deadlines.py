@@ -43,7 +43,8 @@ class DeadlineQueue(Generic[K]):
         return self._loop
 
     def time(self) -> float:
-        return self.loop.time()
+        loop = self._loop or self.loop  # one frame less: called on every heartbeat
+        return loop.time()
 
     def __len__(self) -> int:
         return len(self._desired)

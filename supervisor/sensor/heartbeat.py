@@ -10,6 +10,8 @@ memory, full collections would otherwise pause the event loop for a few hundred 
 
 from __future__ import annotations
 
+import operator
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -17,7 +19,10 @@ import msgspec
 
 from supervisor.domain import NAME_PATTERN, NodeState, WorkerState
 
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=NAME_PATTERN)]
+# Node and job names follow NAME_PATTERN. The pattern is checked in `decode_heartbeat`
+# rather than by msgspec: a regex match on every heartbeat cost more than the rest of the
+# validation together, and the same few thousand names come back every period.
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -57,12 +62,20 @@ class HostHeartbeat(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=
     topology: Annotated[dict[str, str], msgspec.Meta(max_length=16)] = {}
 
     def __post_init__(self) -> None:
-        if self.state is NodeState.RUNNING and self.job is None:
+        # Runs on every heartbeat: module-level constants, C-level rank check.
+        state = self.state
+        if state is _RUNNING and self.job is None:
             raise ValueError("job is required when state is running")
-        if self.state is NodeState.SPARE and (self.job is not None or self.workers):
+        if state is _SPARE and (self.job is not None or self.workers):
             raise ValueError("a spare node reports no job and no workers")
-        if len(self.workers) > 1 and len({w.rank for w in self.workers}) != len(self.workers):
+        workers = self.workers
+        if len(workers) > 1 and len(set(map(_rank, workers))) != len(workers):
             raise ValueError("workers: ranks must be unique")
+
+
+_rank = operator.attrgetter("rank")
+_RUNNING = NodeState.RUNNING
+_SPARE = NodeState.SPARE
 
 
 class HeartbeatError(ValueError):
@@ -75,16 +88,33 @@ class HeartbeatError(ValueError):
 
 
 _decoder = msgspec.json.Decoder(HostHeartbeat)
+_name_match = re.compile(NAME_PATTERN).match
+#: Names already checked against NAME_PATTERN. Bounded: emptied if it ever grows past this.
+_VALID_NAMES_MAX = 200_000
+_valid_names: set[str] = set()
 
 
 def decode_heartbeat(body: bytes) -> HostHeartbeat:
     """Parse and validate a heartbeat from JSON bytes."""
     try:
-        return _decoder.decode(body)
+        hb = _decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise HeartbeatError(*_split(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HeartbeatError((), f"invalid JSON: {exc}") from None
+    if hb.node not in _valid_names:
+        _check_name("node", hb.node)
+    if hb.job is not None and hb.job not in _valid_names:
+        _check_name("job", hb.job)
+    return hb
+
+
+def _check_name(field: str, name: str) -> None:
+    if _name_match(name) is None:
+        raise HeartbeatError((field,), f"Expected str matching regex {NAME_PATTERN!r}")
+    if len(_valid_names) >= _VALID_NAMES_MAX:
+        _valid_names.clear()
+    _valid_names.add(name)
 
 
 def _split(text: str) -> tuple[tuple[str | int, ...], str]:
@@ -110,4 +140,9 @@ def heartbeat_json_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     schema, components = msgspec.json.schema_components(
         [HostHeartbeat], ref_template="#/components/schemas/{name}"
     )
+    properties = components["HostHeartbeat"]["properties"]
+    properties["node"]["pattern"] = NAME_PATTERN
+    for option in properties["job"]["anyOf"]:
+        if option.get("type") == "string":
+            option["pattern"] = NAME_PATTERN
     return schema[0], components

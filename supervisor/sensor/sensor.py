@@ -48,6 +48,10 @@ class Changes:
         return bool(self.events or self.nodes or self.jobs)
 
 
+#: What `Sensor.ingest` returns for a heartbeat that changed nothing. Shared: never add to it.
+UNCHANGED = Changes()
+
+
 @dataclass(slots=True)
 class NodeRecord:
     name: str
@@ -56,6 +60,11 @@ class NodeRecord:
     last_seen: float  # event-loop time
     last_seen_wall: float  # Unix time, for display
     workers: list[WorkerReport] = field(default_factory=list)  # as last reported
+    # Ranks and states of `workers`, compared with each heartbeat's (`ingest`'s fast path);
+    # None: not computed yet. A str and a tuple of ints: objects the cyclic GC skips.
+    ranks: tuple[int, ...] | None = None
+    states: str = ""
+    all_running: bool = False  # every worker in `workers` is running
     address: str | None = None
     topology: dict[str, str] = field(default_factory=dict)
     alive: bool = True
@@ -72,6 +81,10 @@ class NodeRecord:
     # (event-loop time) are attributed to it.
     expected_fault: int | None = None
     expected_until: float = 0.0
+    deadline_key: DeadlineKey = ("", "")  # (NODE, name), built once
+
+    def __post_init__(self) -> None:
+        self.deadline_key = (NODE, self.name)
 
     def view(self) -> NodeView:
         return NodeView(
@@ -152,11 +165,31 @@ class Sensor:
     # --- inputs ---------------------------------------------------------------------
 
     def ingest(self, hb: HostHeartbeat) -> Changes:
-        """Apply one heartbeat. The returned changes must be persisted before the ack."""
+        """Apply one heartbeat. The returned changes must be persisted before the ack.
+
+        The result may be the shared, empty `UNCHANGED`: read it, never add to it.
+        """
+        node = self.nodes.get(hb.node)
+        if (
+            node is not None
+            and node.alive
+            and not node.flapping
+            and node.muted_by_fault is None
+            and hb.state is node.state
+            and hb.job == node.job
+            and not hb.gpu_reports
+        ):
+            # The steady state of every node, every period: the same workers in the same
+            # states, only steps moving. Kept to a few C-level passes (it is most of the
+            # supervisor's CPU at scale); anything else takes the general path below.
+            workers = hb.workers
+            if ",".join(map(_state, workers)) == node.states and (
+                tuple(map(_rank, workers)) == node.ranks
+            ):
+                return self._refresh(node, hb, workers)
         now = self._deadlines.time()
         self.metrics.heartbeats_received += 1
         changes = Changes()
-        node = self.nodes.get(hb.node)
         if node is not None and node.muted_by_fault is not None:
             if node.muted_until is None or now < node.muted_until:
                 return changes  # an injected fault: drop it as a lost packet would be
@@ -166,7 +199,7 @@ class Sensor:
             node = self._register(hb, now, wall, changes)
         else:
             self._update(node, hb, now, wall, changes)
-        self._deadlines.arm((NODE, node.name), now + self.settings.heartbeat_timeout_s)
+        self._deadlines.arm(node.deadline_key, now + self.settings.heartbeat_timeout_s)
         if hb.gpu_reports:
             for report in hb.gpu_reports:
                 self._gpu_report(node, report, now, None, changes)
@@ -175,6 +208,26 @@ class Sensor:
         for event in changes.events:
             self.metrics.events.labels(event.type.value).inc()
         return changes
+
+    def _refresh(
+        self,
+        node: NodeRecord,
+        hb: HostHeartbeat,
+        workers: list[WorkerReport],
+    ) -> Changes:
+        """`ingest` for a heartbeat that changes nothing but liveness and steps."""
+        now = self._deadlines.time()
+        self.metrics.heartbeats_received += 1
+        node.last_seen = now
+        node.last_seen_wall = time.time()
+        if hb.address != node.address or hb.topology != node.topology:
+            node.address = hb.address
+            node.topology = dict(hb.topology)
+        node.workers = workers
+        self._deadlines.arm(node.deadline_key, now + self.settings.heartbeat_timeout_s)
+        if node.job is not None and workers:
+            self._progress(node, workers, now)
+        return UNCHANGED
 
     def inject_heartbeat_loss(
         self, node_name: str, fault_id: int, duration_s: float | None
@@ -297,6 +350,9 @@ class Sensor:
             last_seen=now,
             last_seen_wall=wall,
             workers=hb.workers,
+            ranks=tuple(map(_rank, hb.workers)),
+            states=",".join(map(_state, hb.workers)),
+            all_running=all(w.state is WorkerState.RUNNING for w in hb.workers),
             address=hb.address,
             topology=dict(hb.topology),
             up_since=now,
@@ -353,14 +409,20 @@ class Sensor:
             node.address = hb.address
             node.topology = dict(hb.topology)
         previous, current = node.workers, hb.workers
-        if not _same_states(previous, current):
+        ranks, states = tuple(map(_rank, current)), ",".join(map(_state, current))
+        if node.ranks is None:  # restored from the database
+            node.ranks, node.states = tuple(map(_rank, previous)), ",".join(map(_state, previous))
+            node.all_running = all(w.state is WorkerState.RUNNING for w in previous)
+        if ranks != node.ranks or states != node.states:
             changed = True  # persisted with the node, so a restart knows the states
             by_rank = {w.rank: w for w in previous}
             for worker in current:
                 before = by_rank.get(worker.rank)
                 if before is None or before.state is not worker.state:
                     self._worker_changed(node, before, worker, changes)
+            node.all_running = all(w.state is WorkerState.RUNNING for w in current)
         node.workers = current
+        node.ranks, node.states = ranks, states
         if changed:
             changes.nodes.append(node.view())
 
@@ -446,10 +508,16 @@ class Sensor:
 
     def _progress(self, node: NodeRecord, workers: list[WorkerReport], now: float) -> None:
         assert node.job is not None
-        running = WorkerState.RUNNING
-        step = max(
-            [w.step for w in workers if w.state is running and w.step is not None], default=-1
-        )
+        if node.all_running and workers is node.workers:
+            steps = list(map(_step, workers))  # the common case, in C
+            step = -1 if None in steps else max(steps)
+        else:
+            step = -1
+        if step < 0:
+            running = WorkerState.RUNNING
+            step = max(
+                [w.step for w in workers if w.state is running and w.step is not None], default=-1
+            )
         if step < 0:
             return
         job = self.jobs[node.job]
@@ -618,12 +686,8 @@ class Sensor:
         )
 
 
-def _same_states(before: list[WorkerReport], after: list[WorkerReport]) -> bool:
-    """Whether the same ranks report the same states (the common case: only steps moved)."""
-    # map + attrgetter run in C: this is on every heartbeat.
-    return len(before) == len(after) and list(map(_rank_state, before)) == list(
-        map(_rank_state, after)
-    )
-
-
-_rank_state = operator.attrgetter("rank", "state")
+# Worker fields read with map() in C on every heartbeat. WorkerState is a StrEnum, so the
+# states join into one plain str.
+_rank = operator.attrgetter("rank")
+_state = operator.attrgetter("state")
+_step = operator.attrgetter("step")

@@ -9,6 +9,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -149,3 +150,38 @@ class CounterRow(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[int] = mapped_column(default=0)
     updated_at: Mapped[datetime]
+
+
+class CheckpointReportRow(Base):
+    """A checkpoint saved or loaded by a worker, as its host monitor forwarded it (goodput).
+
+    ``report_id`` is the host monitor's id for the report: a retried batch inserts nothing
+    twice."""
+
+    __tablename__ = "checkpoint_reports"
+    __table_args__ = (Index("ix_checkpoint_reports_job_time", "job", "time"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    report_id: Mapped[str] = mapped_column(String(200), unique=True)
+    node: Mapped[str] = mapped_column(String(253))
+    job: Mapped[str | None] = mapped_column(String(253))
+    rank: Mapped[int]
+    event: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int] = mapped_column(BigInteger)
+    duration_s: Mapped[float] = mapped_column(Float)
+    tier: Mapped[str] = mapped_column(String(32))
+    time: Mapped[datetime]
+    received_at: Mapped[datetime]
+
+
+class ProgressSampleRow(Base):
+    """A job's step at a time, sampled every ``goodput_sample_period_s`` while it moves
+    (never per heartbeat): the step progress goodput is computed from."""
+
+    __tablename__ = "progress_samples"
+    __table_args__ = (Index("ix_progress_samples_job_time", "job", "time"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    job: Mapped[str] = mapped_column(String(253))
+    step: Mapped[int] = mapped_column(BigInteger)
+    time: Mapped[datetime]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Response, status
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,13 +21,15 @@ async def healthz() -> dict[str, str]:
 
 @router.get(
     "/readyz",
-    summary="Readiness: started and the database answers",
-    responses={503: {"description": "Not ready"}},
+    summary="Readiness: started (the leader, under leader election) and the database answers",
+    responses={
+        503: {"description": "Not ready: starting, stopping, or a standby (names the leader)"}
+    },
 )
-async def readyz(supervisor: SupervisorDep, response: Response) -> dict[str, str]:
+async def readyz(supervisor: SupervisorDep, response: Response) -> dict[str, Any]:
     if not supervisor.ready:
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        return {"status": "starting"}
+        return supervisor.readiness
     try:
         await asyncio.wait_for(asyncio.to_thread(_ping, supervisor), timeout=2)
     except Exception as exc:

@@ -17,11 +17,13 @@ from starlette.types import Message, Receive, Scope, Send
 
 from supervisor.runtime import Supervisor
 from supervisor.sensor.heartbeat import HeartbeatError, decode_heartbeat
+from supervisor.sensor.sensor import UNCHANGED
 
 PATH = "/api/v1/heartbeats"
 MAX_BODY = 1 << 20
 
 _JSON = [(b"content-type", b"application/json")]
+RETRY_AFTER = [(b"retry-after", b"1")]
 
 
 class HeartbeatEndpoint:
@@ -34,6 +36,9 @@ class HeartbeatEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
             await _reply(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+            return
+        if not self.supervisor.ready:  # a standby, or starting: the sender retries
+            await _reply(send, 503, self.supervisor.readiness, RETRY_AFTER)
             return
         if not self._authorized(scope):
             await _reply(
@@ -60,7 +65,11 @@ class HeartbeatEndpoint:
                 },
             )
             return
-        events = await self.supervisor.ingest(heartbeat)
+        # Supervisor.ingest, inlined: no coroutine in the common case (nothing changed).
+        changes = self.supervisor.sensor.ingest(heartbeat)
+        events = (
+            None if changes is UNCHANGED or not changes else await self.supervisor.record(changes)
+        )
         if events:
             ids = [e.id for e in events]
             await _send(send, 202, json.dumps({"events": ids}).encode())
@@ -152,6 +161,11 @@ def openapi_operation(schema_ref: str) -> dict[str, Any]:
                 },
                 "401": {**error, "description": "Missing or wrong agent token."},
                 "413": {**error, "description": "Body too large."},
+                "503": {
+                    **error,
+                    "description": "Not ready: a standby replica (`detail` names the leader), "
+                    "or starting. Nothing was recorded; send it again.",
+                },
                 "422": {**error, "description": "Invalid heartbeat; `message` names the field."},
             },
         }

@@ -1,0 +1,135 @@
+"""Checkpoint reports: the workers' saves and loads, forwarded in batches by host monitors.
+
+POST is the host monitors' (agent token). A batch is committed before it is
+acknowledged, and idempotent by each report's `id`: a host monitor that did not get the
+acknowledgement sends the batch again, and nothing is stored twice. This is not the
+heartbeat path: checkpoints are rare (every few minutes per worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+from supervisor.api.deps import Agent, Reader, SupervisorDep
+from supervisor.api.routes.common import check_known
+from supervisor.api.schemas import Name
+from supervisor.domain import CheckpointReport
+
+router = APIRouter(prefix="/api/v1/checkpoints", tags=["goodput"])
+
+CheckpointEvent = Literal["saved", "loaded"]
+CheckpointTier = Literal["local", "durable", "emergency"]
+MAX_BATCH = 1000
+
+
+class CheckpointReportIn(BaseModel):
+    """One checkpoint saved or loaded by one worker (rank)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Unique id of the report, chosen by the host monitor; a report sent "
+        "again with the same id is stored once.",
+    )
+    node: Name
+    job: Name | None = Field(None, description="Job the worker belongs to.")
+    rank: int = Field(ge=0, le=10_000_000)
+    event: CheckpointEvent
+    step: int = Field(ge=0, le=2**62, description="Step of the checkpoint.")
+    duration_s: float = Field(
+        ge=0, le=604_800, allow_inf_nan=False, description="Blocking time of the save or load."
+    )
+    tier: CheckpointTier
+    time: AwareDatetime = Field(description="When the save or load finished (with a zone).")
+
+    def to_domain(self) -> CheckpointReport:
+        return CheckpointReport(
+            report_id=self.id,
+            node=self.node,
+            job=self.job,
+            rank=self.rank,
+            event=self.event,
+            step=self.step,
+            duration_s=self.duration_s,
+            tier=self.tier,
+            time=self.time,
+        )
+
+
+class CheckpointBatchIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reports: list[CheckpointReportIn] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class CheckpointBatchAck(BaseModel):
+    """Sent once the batch is committed."""
+
+    stored: int = Field(description="Reports stored now.")
+    duplicates: int = Field(description="Reports already stored (a retried batch).")
+
+
+class CheckpointReportOut(BaseModel):
+    id: str
+    node: str
+    job: str | None
+    rank: int
+    event: CheckpointEvent
+    step: int
+    duration_s: float
+    tier: CheckpointTier
+    time: datetime
+
+    @classmethod
+    def of(cls, r: CheckpointReport) -> CheckpointReportOut:
+        return cls(
+            id=r.report_id,
+            node=r.node,
+            job=r.job,
+            rank=r.rank,
+            event=r.event,
+            step=r.step,
+            duration_s=r.duration_s,
+            tier=r.tier,
+            time=r.time,
+        )
+
+
+@router.post(
+    "",
+    response_model=CheckpointBatchAck,
+    dependencies=[Agent],
+    summary="Report checkpoints saved or loaded by workers (host monitors; idempotent by id)",
+)
+async def report_checkpoints(
+    supervisor: SupervisorDep, body: CheckpointBatchIn
+) -> CheckpointBatchAck:
+    reports = [r.to_domain() for r in body.reports]
+    stored, duplicates = await asyncio.to_thread(
+        supervisor.store.record_checkpoint_reports, reports
+    )
+    return CheckpointBatchAck(stored=stored, duplicates=duplicates)
+
+
+@router.get(
+    "",
+    response_model=list[CheckpointReportOut],
+    dependencies=[Reader],
+    summary="The newest checkpoint reports, newest first",
+)
+async def list_checkpoints(
+    supervisor: SupervisorDep,
+    job: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[CheckpointReportOut]:
+    check_known(supervisor, job=job)
+    reports = await asyncio.to_thread(supervisor.store.list_checkpoint_reports, job, limit)
+    return [CheckpointReportOut.of(r) for r in reports]

@@ -1,0 +1,435 @@
+"""Goodput and checkpoint advice per job, computed from the supervisor's own history.
+
+Both read the job's events, actions, the workers' checkpoint reports and the sampled
+step progress from the store, build the job's timeline
+(:mod:`supervisor.goodput.history`) and run the goodput model on it, in a worker thread.
+A long history takes a while (see `python -m bench.goodput`: under a second for a day
+of a job at one step per second), and dashboards poll: requests for the same figures
+share one computation, and its result is served for max(1 s, twice what it cost) before
+being computed again. The response models below are the stable contract (the dashboard's
+goodput panel reads them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from pydantic import BaseModel, Field
+
+from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.routes.common import check_known
+from supervisor.domain import ProgressSample, utcnow
+from supervisor.goodput.advice import (
+    CheckpointAdvice,
+    advise_from_report,
+    estimate_mtbf,
+    ramdisk_sizing,
+)
+from supervisor.goodput.breakdown import compute_goodput
+from supervisor.goodput.history import HistorySources, timeline_from_history
+from supervisor.goodput.model import Badput, GoodputReport
+from supervisor.goodput.sampler import sensor_steps
+from supervisor.runtime import Supervisor
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["goodput"], dependencies=[Reader])
+
+
+# --- response models --------------------------------------------------------------------
+
+
+class BadputOut(BaseModel):
+    """Wall time that was not productive, by cause, in seconds."""
+
+    lost_progress_s: float = Field(
+        description="Work thrown away: steps computed again after a rollback to a checkpoint, "
+        "and the work in flight when a fault struck."
+    )
+    detection_s: float = Field(description="From a fault to its detection.")
+    remediation_s: float = Field(
+        description="The supervisor's actions (emergency checkpoints included), and the "
+        "time from a detection to the restart when no step ran in between."
+    )
+    restart_s: float = Field(
+        description="From a (re)start of the workers to their first step: start-up and "
+        "checkpoint loading (the initial start-up included)."
+    )
+    checkpoint_save_s: float = Field(description="Periodic checkpoint saves that blocked training.")
+    reduced_capacity_s: float = Field(
+        description="The share of step time lost while the job ran fewer data-parallel "
+        "replicas than its maximum."
+    )
+    idle_s: float = Field(description="Time nothing above explains (queueing, shutdown).")
+
+    @classmethod
+    def of(cls, b: Badput) -> BadputOut:
+        return cls(**b.as_dict())
+
+
+class TierStatsOut(BaseModel):
+    """What was measured of one checkpoint tier (`local`, `durable`, `emergency`)."""
+
+    tier: str
+    saves: int
+    blocking_saves: int
+    emergency_saves: int = Field(description="Saves during a failure's handling.")
+    mean_save_s: float | None
+    mean_blocking_save_s: float | None = Field(
+        description="Mean blocking save outside failure handling: the save cost C."
+    )
+    interval_steps: int | None = Field(description="Median steps between two saves.")
+    loads: int
+    mean_load_s: float | None
+    recoveries: int = Field(description="Failures recovered by loading this tier.")
+
+
+class GoodputPointOut(BaseModel):
+    """The job's breakdown from the window's start up to `time` (cumulative)."""
+
+    time: datetime
+    wall_s: float
+    productive_s: float
+    goodput: float = Field(ge=0, le=1)
+    badput: BadputOut
+
+
+class SourcesOut(BaseModel):
+    """How many records of the job's history the figures were computed from."""
+
+    events: int
+    failure_events: int
+    actions: int
+    checkpoint_reports: int
+    progress_samples: int
+
+    @classmethod
+    def of(cls, s: HistorySources) -> SourcesOut:
+        return cls(**asdict(s))
+
+
+class GoodputOut(BaseModel):
+    """Goodput of a job over its whole history, with the badput breakdown.
+
+    `productive_s + badput_total_s == wall_s`: every second of the window is counted once.
+    """
+
+    job: str
+    start: datetime = Field(description="When the supervisor first saw the job.")
+    end: datetime = Field(description="Now, or when the job finished.")
+    wall_s: float
+    productive_s: float = Field(description="Time computing steps that were kept.")
+    goodput: float = Field(ge=0, le=1, description="productive_s / wall_s.")
+    badput: BadputOut
+    badput_total_s: float
+    attempts: int = Field(description="Starts of the workers (the first one included).")
+    failures: int = Field(description="Failure incidents (events until the next restart).")
+    last_step: int | None
+    steps_kept: int
+    steps_redone: int
+    step_time_s: float | None = Field(description="Median measured time per step.")
+    downtime_per_failure_s: float | None = Field(
+        description="(detection + remediation + restart) / failures."
+    )
+    tiers: list[TierStatsOut]
+    series: list[GoodputPointOut] = Field(
+        description="For a chart: the breakdown from `start` up to each of `points` evenly "
+        "spaced times, the last one `end`, labelled as the whole report labels the time "
+        "(work redone later counts as lost progress from the start)."
+    )
+    sources: SourcesOut
+    notes: list[str]
+
+
+class MtbfOut(BaseModel):
+    failures: int
+    observed_s: float
+    mtbf_s: float | None = Field(description="observed_s / failures; null below 2 failures.")
+    note: str
+
+
+class TierAdviceOut(BaseModel):
+    name: str
+    save_cost_s: float
+    mtbf_s: float | None = Field(description="MTBF of the failures this tier recovers.")
+    young_interval_s: float | None
+    daly_interval_s: float | None
+    recommended_interval_steps: int | None
+    recommended_interval_s: float | None
+    current_interval_steps: int | None
+    current_interval_s: float | None
+    waste_current: float | None = Field(description="C/T + T/(2M) at the current interval.")
+    waste_recommended: float | None
+
+
+class RamdiskOut(BaseModel):
+    """Ramdisk per host for the in-memory tier (12 bytes/parameter, sharded, x2, + buffer)."""
+
+    parameters: float
+    hosts: int
+    buffer: float
+    bytes_per_parameter: float
+    checkpoint_bytes: int
+    shard_bytes: int
+    double_buffered_bytes: int
+    size_bytes: int
+    size_mib: int
+
+
+class AdviceOut(BaseModel):
+    """Checkpoint intervals per tier (Young/Daly) from the job's measured costs and MTBF."""
+
+    job: str
+    measured_goodput: float = Field(ge=0, le=1, description="As GET .../goodput reports it.")
+    observed: MtbfOut = Field(description="Failures over the job's wall time.")
+    step_time_s: float | None
+    mtbf_s: float | None = Field(description="Used for the advice (measured or given).")
+    durable_mtbf_s: float | None
+    downtime_per_failure_s: float
+    tiers: list[TierAdviceOut]
+    expected_goodput_current: float | None
+    expected_goodput_recommended: float | None
+    warnings: list[str]
+    model: str
+    ramdisk: RamdiskOut | None = Field(description="Given `parameters` (and `hosts`).")
+
+
+# --- computation ---------------------------------------------------------------------------
+
+
+def _time(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+def job_goodput(
+    supervisor: Supervisor,
+    job: str,
+    *,
+    points: int = 0,
+    reference_step_time_s: float | None = None,
+    live: Sequence[ProgressSample] = (),
+) -> tuple[GoodputReport, HistorySources]:
+    """The job's goodput report (with ``points`` of series) and the record counts (runs
+    in a thread).
+
+    ``live``: the step the sensor holds now, newer than the last stored sample by up to
+    a sample period.
+    """
+    history = supervisor.store.job_history(job)
+    view = supervisor.sensor.job_view(job) or history.job
+    timeline, sources = timeline_from_history(
+        job,
+        created_at=history.created_at,
+        events=history.events,
+        actions=history.actions,
+        checkpoints=history.checkpoints,
+        samples=[*history.samples, *live],
+        now=utcnow(),
+        max_replicas=view.max_num_dp_replicas if view is not None else None,
+    )
+    # The store summarises the ranks' reports of one checkpoint: count what is stored.
+    sources = replace(sources, checkpoint_reports=history.checkpoint_reports)
+    report = compute_goodput(
+        timeline, reference_step_time_s=reference_step_time_s, series_points=points
+    )
+    return report, sources
+
+
+def live_step(supervisor: Supervisor, job: str) -> list[ProgressSample]:
+    """The job's newest step as the sensor holds it now (call on the event loop)."""
+    return [
+        ProgressSample(job=name, step=step, time=_time(at))
+        for name, step, at in sensor_steps(supervisor.sensor)
+        if name == job
+    ]
+
+
+def goodput_out(job: str, report: GoodputReport, sources: HistorySources) -> GoodputOut:
+    return GoodputOut(
+        job=job,
+        start=_time(report.start),
+        end=_time(report.end),
+        wall_s=report.wall_s,
+        productive_s=report.productive_s,
+        goodput=min(1.0, max(0.0, report.goodput)),
+        badput=BadputOut.of(report.badput),
+        badput_total_s=report.badput.total_s,
+        attempts=report.attempts,
+        failures=report.failures,
+        last_step=report.last_step,
+        steps_kept=report.steps_kept,
+        steps_redone=report.steps_redone,
+        step_time_s=report.step_time_s,
+        downtime_per_failure_s=report.downtime_per_failure_s,
+        tiers=[TierStatsOut(**asdict(t)) for t in report.tiers],
+        series=[
+            GoodputPointOut(
+                time=_time(p.time),
+                wall_s=p.wall_s,
+                productive_s=p.productive_s,
+                goodput=min(1.0, max(0.0, p.goodput)),
+                badput=BadputOut.of(p.badput),
+            )
+            for p in report.series
+        ],
+        sources=SourcesOut.of(sources),
+        notes=list(report.notes),
+    )
+
+
+def advice_out(
+    job: str, report: GoodputReport, advice: CheckpointAdvice, ramdisk: RamdiskOut | None
+) -> AdviceOut:
+    observed = estimate_mtbf(report.failures, report.wall_s)
+    return AdviceOut(
+        job=job,
+        measured_goodput=min(1.0, max(0.0, report.goodput)),
+        observed=MtbfOut(**asdict(observed)),
+        step_time_s=advice.step_time_s,
+        mtbf_s=advice.mtbf_s,
+        durable_mtbf_s=advice.durable_mtbf_s,
+        downtime_per_failure_s=advice.downtime_per_failure_s,
+        tiers=[TierAdviceOut(**asdict(t)) for t in advice.tiers],
+        expected_goodput_current=advice.expected_goodput_current,
+        expected_goodput_recommended=advice.expected_goodput_recommended,
+        warnings=list(advice.warnings),
+        model=advice.model,
+        ramdisk=ramdisk,
+    )
+
+
+# --- shared computations ---------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Entry:
+    computed_at: float  # monotonic
+    fresh_for_s: float
+    value: Any
+
+
+class ResultCache:
+    """One computation per key at a time; its result reused for max(min_age_s, 2 x cost)."""
+
+    def __init__(self, min_age_s: float = 1.0, max_entries: int = 256) -> None:
+        self.min_age_s = min_age_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._locks: dict[Hashable, asyncio.Lock] = {}
+
+    async def get(self, key: Hashable, compute: Callable[[], T]) -> T:
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            entry = self._entries.get(key)
+            if entry is not None and time.monotonic() - entry.computed_at < entry.fresh_for_s:
+                value: T = entry.value
+                return value
+            started = time.monotonic()
+            value = await asyncio.to_thread(compute)
+            done = time.monotonic()
+            self._entries[key] = _Entry(done, max(self.min_age_s, 2 * (done - started)), value)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                old, _ = self._entries.popitem(last=False)
+                old_lock = self._locks.get(old)
+                if old_lock is not None and not old_lock.locked():
+                    del self._locks[old]
+            return value
+
+
+def get_cache(request: Request) -> ResultCache:
+    state = request.app.state
+    cache: ResultCache | None = getattr(state, "goodput_cache", None)
+    if cache is None:
+        cache = state.goodput_cache = ResultCache()
+    return cache
+
+
+Cache = Annotated[ResultCache, Depends(get_cache)]
+
+
+# --- routes ------------------------------------------------------------------------------
+
+
+@router.get("/{job}/goodput", response_model=GoodputOut, summary="Goodput and badput of a job")
+async def get_goodput(
+    supervisor: SupervisorDep,
+    cache: Cache,
+    job: str,
+    points: Annotated[
+        int, Query(ge=0, le=200, description="Points of the `series` (0: none).")
+    ] = 20,
+    reference_step_time_s: Annotated[
+        float | None,
+        Query(gt=0, description="Step time to assume after a restart; measured if unset."),
+    ] = None,
+) -> GoodputOut:
+    check_known(supervisor, job=job)
+    live = live_step(supervisor, job)
+    report, sources = await cache.get(
+        (job, points, reference_step_time_s),
+        lambda: job_goodput(
+            supervisor,
+            job,
+            points=points,
+            reference_step_time_s=reference_step_time_s,
+            live=live,
+        ),
+    )
+    return goodput_out(job, report, sources)
+
+
+@router.get("/{job}/advice", response_model=AdviceOut, summary="Checkpoint advice for a job")
+async def get_advice(
+    supervisor: SupervisorDep,
+    cache: Cache,
+    job: str,
+    mtbf_s: Annotated[
+        float | None, Query(gt=0, description="MTBF to use instead of the observed one.")
+    ] = None,
+    durable_mtbf_s: Annotated[
+        float | None,
+        Query(gt=0, description="MTBF of the failures the local tier cannot survive."),
+    ] = None,
+    parameters: Annotated[
+        float | None,
+        Query(gt=0, le=1e15, description="Model parameters, for the ramdisk sizing."),
+    ] = None,
+    hosts: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=1_000_000,
+            description="Hosts sharing the checkpoint; default: the job's nodes now.",
+        ),
+    ] = None,
+    ramdisk_buffer: Annotated[
+        float, Query(ge=0, le=1, description="Ramdisk headroom (seed 001: 0.10-0.15).")
+    ] = 0.15,
+) -> AdviceOut:
+    check_known(supervisor, job=job)
+    ramdisk: RamdiskOut | None = None
+    if parameters is not None:
+        if hosts is None:
+            view = supervisor.sensor.job_view(job)
+            hosts = len(view.nodes) if view is not None else 0
+            if hosts < 1:
+                raise HTTPException(422, "hosts: the job has no nodes now; give hosts")
+        sizing = ramdisk_sizing(parameters, hosts, ramdisk_buffer)
+        ramdisk = RamdiskOut(**asdict(sizing), size_mib=sizing.size_mib)
+    elif hosts is not None:
+        raise HTTPException(422, "parameters: required with hosts (ramdisk sizing)")
+    live = live_step(supervisor, job)
+    report, _ = await cache.get((job, 0, None), lambda: job_goodput(supervisor, job, live=live))
+    try:
+        advice = advise_from_report(report, mtbf_s=mtbf_s, durable_mtbf_s=durable_mtbf_s)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    return advice_out(job, report, advice, ramdisk)

@@ -1,0 +1,48 @@
+"""What a client needs to know about this supervisor before it draws anything: which
+features are on and whether the caller holds the operator token."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from supervisor.api.deps import Credentials, Reader, SupervisorDep
+from supervisor.runtime import SENSOR_FAULTS
+
+router = APIRouter(prefix="/api/v1", tags=["info"], dependencies=[Reader])
+
+
+class InfoOut(BaseModel):
+    version: str
+    backend: str
+    dry_run: bool
+    read_requires_token: bool
+    enable_fault_injection: bool
+    fault_kinds: list[str] = Field(description="Fault kinds this backend can inject.")
+    operator: bool = Field(description="The request carries the operator token.")
+    heartbeat_timeout_s: float
+
+
+@router.get("/info", response_model=InfoOut, summary="Features and the caller's rights")
+async def info(supervisor: SupervisorDep, credentials: Credentials, request: Request) -> InfoOut:
+    settings = supervisor.settings
+    expected = settings.operator_token
+    operator = (
+        credentials is not None
+        and expected is not None
+        and secrets.compare_digest(
+            credentials.credentials.encode(), expected.get_secret_value().encode()
+        )
+    )
+    return InfoOut(
+        version=request.app.version,
+        backend=supervisor.backend.name,
+        dry_run=settings.dry_run,
+        read_requires_token=settings.read_requires_token,
+        enable_fault_injection=settings.enable_fault_injection,
+        fault_kinds=sorted(SENSOR_FAULTS | supervisor.backend.process_faults),
+        operator=operator,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+    )

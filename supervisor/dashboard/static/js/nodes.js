@@ -1,0 +1,133 @@
+// The node grid: state, job, last heartbeat age and GPU health (from GPU error events).
+
+import { api, query } from "./api.js";
+import { $, h } from "./dom.js";
+import { ago, duration } from "./format.js";
+
+const REFRESH_MS = 2000;
+
+/** What the grid calls a node's state. */
+export function nodeState(node) {
+  // A silent node is the most urgent news, cordoned or not (the card says both).
+  if (!node.alive || node.state === "failed") return "failed";
+  if (node.cordoned) return "cordoned";
+  if (node.state === "spare") return "spare";
+  if (node.state === "running") return "running";
+  return node.state;
+}
+
+export class Nodes {
+  constructor({ onChange }) {
+    this.onChange = onChange;
+    this.list = $("#nodes");
+    this.nodes = [];
+    this.fetchedAt = 0;
+    this.gpu = new Map(); // node -> newest GPU error event
+    this.timer = null;
+    this.loading = null;
+    setInterval(() => this.render(), 1000); // heartbeat ages tick between refreshes
+  }
+
+  async load() {
+    if (this.loading) return this.loading;
+    this.loading = (async () => {
+      try {
+        const [nodes, gpuEvents] = await Promise.all([
+          api("/api/v1/nodes"),
+          api(`/api/v1/events${query({ type: ["gpu_xid", "gpu_ecc"], limit: 500 })}`),
+        ]);
+        this.nodes = nodes;
+        this.fetchedAt = performance.now();
+        this.gpu.clear();
+        for (const event of gpuEvents.items.slice().reverse()) this.noteGpu(event);
+        this.render();
+        this.onChange(nodes);
+      } catch (err) {
+        $("#nodes-summary").textContent = `Could not load the nodes: ${err.message}`;
+      } finally {
+        this.loading = null;
+        clearTimeout(this.timer);
+        this.timer = setTimeout(() => this.load(), REFRESH_MS);
+      }
+    })();
+    return this.loading;
+  }
+
+  noteGpu(event) {
+    if (event.node && (event.type === "gpu_xid" || event.type === "gpu_ecc")) {
+      this.gpu.set(event.node, event);
+    }
+  }
+
+  /** A live event: GPU errors count at once; anything else may change a node's state. */
+  onEvent(event) {
+    this.noteGpu(event);
+    this.render();
+  }
+
+  render() {
+    if (!this.nodes.length) {
+      this.list.replaceChildren();
+      $("#nodes-summary").textContent = this.fetchedAt ? "No node has sent a heartbeat yet." : "Loading…";
+      return;
+    }
+    const elapsed = (performance.now() - this.fetchedAt) / 1000;
+    const counts = {};
+    const cards = this.nodes.map((node) => {
+      const state = nodeState(node);
+      counts[state] = (counts[state] ?? 0) + 1;
+      // A live node's age is as the server saw it (it keeps beating); a silent one's grows.
+      const age =
+        node.heartbeat_age_s === null ? null : node.heartbeat_age_s + (node.alive ? 0 : elapsed);
+      const gpu = this.gpu.get(node.name);
+      const steps = node.workers.map((w) => w.step).filter((x) => x !== null);
+      return h(
+        "li",
+        { class: `node ${state}`, "data-node": node.name, "data-state": state, "aria-label": `${node.name}: ${state}` },
+        h("h3", {}, node.name, h("span", { class: `badge ${state}` }, state)),
+        h(
+          "dl",
+          {},
+          h("dt", {}, "Job"),
+          h("dd", {}, node.job ?? "—"),
+          h("dt", {}, "Heartbeat"),
+          h("dd", { class: "heartbeat" }, ago(age)),
+          h("dt", {}, "GPU"),
+          h("dd", { class: "gpu" }, gpuHealth(gpu)),
+          h("dt", {}, "Workers"),
+          h(
+            "dd",
+            {},
+            node.workers.length
+              ? `${node.workers.length}${steps.length ? `, step ${Math.max(...steps)}` : ""}`
+              : "none",
+          ),
+          notes(node, state).length ? [h("dt", {}, "Note"), h("dd", {}, notes(node, state).join(", "))] : null,
+        ),
+      );
+    });
+    this.list.replaceChildren(...cards);
+    const order = ["running", "spare", "failed", "cordoned"];
+    const parts = Object.entries(counts)
+      .sort(([a], [b]) => (order.indexOf(a) + 99) % 99 - (order.indexOf(b) + 99) % 99)
+      .map(([state, n]) => `${n} ${state}`);
+    $("#nodes-summary").textContent = `${this.nodes.length} nodes: ${parts.join(", ")}.`;
+  }
+}
+
+function notes(node, state) {
+  const out = [];
+  if (!node.alive) out.push("no heartbeat");
+  if (node.cordoned && state !== "cordoned") out.push("cordoned");
+  if (node.flapping) out.push("flapping");
+  return out;
+}
+
+function gpuHealth(event) {
+  if (!event) return h("span", { class: "badge ok" }, "no errors");
+  const d = event.details ?? {};
+  const gpu = d.gpu !== undefined && d.gpu !== null ? ` on GPU ${d.gpu}` : "";
+  const what = event.type === "gpu_xid" ? `XID ${d.code ?? "?"}` : `ECC ×${d.count ?? "?"}`;
+  const age = (Date.now() - Date.parse(event.time)) / 1000;
+  return [h("span", { class: "badge failed" }, `${what}${gpu}`), ` ${duration(age)} ago`];
+}

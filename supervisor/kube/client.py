@@ -1,0 +1,36 @@
+"""Builds the official client's `ApiClient` from the settings: a kubeconfig, or the
+in-cluster service account."""
+
+from __future__ import annotations
+
+from kubernetes import client, config
+from kubernetes.config.config_exception import ConfigException
+
+from supervisor.config import Settings
+
+
+class KubeConfigError(RuntimeError):
+    """No usable Kubernetes configuration; the message is one line for the operator."""
+
+
+def api_client(settings: Settings) -> client.ApiClient:
+    """A new ApiClient; the caller closes it.
+
+    `kube_config` set: that kubeconfig (and `kube_context`). Unset: the pod's service
+    account (KUBERNETES_SERVICE_HOST and the mounted token), as in production.
+    """
+    configuration = client.Configuration()
+    try:
+        if settings.kube_config:
+            config.load_kube_config(
+                config_file=settings.kube_config,
+                context=settings.kube_context,
+                client_configuration=configuration,
+                persist_config=False,
+            )
+        else:
+            config.load_incluster_config(client_configuration=configuration)
+    except (ConfigException, OSError) as exc:
+        where = settings.kube_config or "the in-cluster service account"
+        raise KubeConfigError(f"cannot load Kubernetes configuration from {where}: {exc}") from None
+    return client.ApiClient(configuration)

@@ -1,0 +1,168 @@
+"""Starts the demo training job on host monitors that already run, and writes the local
+cluster's state (`cluster.json`) for the supervisor's local backend.
+
+`supervisor demo` does this for the processes it spawns itself. This is the same step
+for host monitors started by something else, e.g. `docker compose up` (one container per
+node, a volume shared by all, mounted at the same path everywhere):
+
+    HOST_MONITOR_ACTUATOR_TOKEN=... python -m supervisor.local.bootstrap \\
+        --run-dir /var/lib/resiliency-supervisor \\
+        --node node-0=http://node-0:9400 --node node-1=http://node-1:9400 ... \\
+        --replicas 2 --nodes-per-dp 2
+
+The first replicas x nodes-per-dp nodes run the job, the others are spares. Each run
+starts a new job, as `make demo` does: workers still running from a previous one are
+stopped, and its checkpoints and collectives are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from supervisor.local.cluster import ClusterError, ClusterState, JobSpec, LocalCluster, NodeInfo
+from supervisor.local.demo import DemoOptions
+
+TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token
+# What a previous job left in the run directory (see LocalCluster.worker_env).
+JOB_ENTRIES = ("cluster.json", "job", "durable", "output", "nodes")
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = DemoOptions()
+    parser = argparse.ArgumentParser(
+        prog="python -m supervisor.local.bootstrap",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--run-dir", type=Path, required=True, help="Shared by every node.")
+    parser.add_argument(
+        "--node",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="A node and the URL of its host monitor (repeat for each node).",
+    )
+    parser.add_argument("--job", default=d.job)
+    parser.add_argument("--replicas", type=int, default=d.replicas)
+    parser.add_argument("--nodes-per-dp", type=int, default=d.nodes_per_dp)
+    parser.add_argument("--steps", type=int, default=d.total_steps, help="Training steps.")
+    parser.add_argument("--step-time-s", type=float, default=d.step_time_s)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--wait-s", type=float, default=120.0, help="How long to wait for the host monitors."
+    )
+    return parser
+
+
+def parse_nodes(specs: list[str]) -> dict[str, str]:
+    nodes: dict[str, str] = {}
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--node {spec!r}: expected NAME=http://HOST:PORT")
+        if name in nodes:
+            raise ValueError(f"--node {name} given twice")
+        nodes[name] = url.rstrip("/")
+    return nodes
+
+
+def build_state(args: argparse.Namespace, nodes: dict[str, str], token: str) -> ClusterState:
+    size = args.replicas * args.nodes_per_dp
+    if args.replicas < 1 or args.nodes_per_dp < 1:
+        raise ValueError("--replicas and --nodes-per-dp must be at least 1")
+    if size > len(nodes):
+        raise ValueError(f"the job needs {size} nodes, {len(nodes)} given")
+    d = DemoOptions()
+    return ClusterState(
+        run_dir=str(args.run_dir),
+        actuator_token=token,
+        nodes={name: NodeInfo(address=url) for name, url in nodes.items()},
+        job=JobSpec(
+            name=args.job,
+            command=[sys.executable, "-m", "supervisor.local.workload"],
+            env={
+                "SEED": str(args.seed),
+                "TOTAL_STEPS": str(args.steps),
+                "STEP_TIME_S": str(args.step_time_s),
+                "IN_MEMORY_CHECKPOINTING_FREQ": str(d.in_memory_checkpointing_freq),
+                "S3_CHECKPOINTING_FREQ": str(d.s3_checkpointing_freq),
+            },
+            num_dp_replicas=args.replicas,
+            num_nodes_per_dp=args.nodes_per_dp,
+            placement=list(nodes)[:size],
+        ),
+    )
+
+
+async def wait_for_nodes(state: ClusterState, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    headers = {"Authorization": f"Bearer {state.actuator_token}"}
+    async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
+        for name, info in state.nodes.items():
+            while True:
+                try:
+                    response = await http.get(f"{info.address}/v1/status")
+                    if response.status_code == 200:
+                        break
+                    problem = f"HTTP {response.status_code}"
+                except httpx.TransportError as exc:
+                    problem = type(exc).__name__
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"host monitor of {name} ({info.address}): {problem}")
+                await asyncio.sleep(0.5)
+
+
+async def bootstrap(state: ClusterState) -> dict[str, object]:
+    cluster = LocalCluster(state)
+    try:
+        # Workers of a previous run: stopped, and their nodes made spares again.
+        nodes = list(state.nodes)
+        stopped = await cluster.stop_job(nodes, grace_s=5.0, release=nodes)
+        unreachable = {n: r for n, r in stopped.items() if isinstance(r, str)}
+        if unreachable:
+            raise RuntimeError(f"could not stop previous workers: {unreachable}")
+        run_dir = Path(state.run_dir)
+        for entry in JOB_ENTRIES:
+            path = run_dir / entry
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        state.save()
+        # A key of its own: host monitors deduplicate start requests by id.
+        return await cluster.restart_job(f"boot-{uuid.uuid4().hex[:12]}")
+    finally:
+        await cluster.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise SystemExit(f"bootstrap: {TOKEN_ENV} is not set (the host monitors' actuator token)")
+    try:
+        state = build_state(args, parse_nodes(args.node), token)
+        args.run_dir.mkdir(parents=True, exist_ok=True)
+        asyncio.run(wait_for_nodes(state, args.wait_s))
+        started = asyncio.run(bootstrap(state))
+    except (ValueError, RuntimeError, OSError, httpx.HTTPError, ClusterError) as exc:
+        raise SystemExit(f"bootstrap: {exc}") from None
+    assert state.job is not None
+    print(
+        f"job {state.job.name!r} started (attempt {started['attempt']}) on "
+        f"{', '.join(state.job.placement)}; spares: {', '.join(state.spares()) or 'none'}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,503 @@
+"""The dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright),
+against `supervisor serve` as a process, with nodes heartbeating over HTTP.
+
+Screenshots go to test-artifacts/ (look at them: they are how a person sees the page).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.test_api import heartbeat
+from tests.test_e2e import Server
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+WAIT_MS = 30_000  # generous: the machine is shared
+expect.set_options(timeout=WAIT_MS)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: `make test` installs it (apt chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        yield browser
+        browser.close()
+
+
+class Beater:
+    """Host monitors as the supervisor sees them: a heartbeat per node every 0.1 s, with
+    the job's step advancing. Connection errors (a server being restarted) are ignored."""
+
+    def __init__(self, url: str, nodes: dict[str, str | None]) -> None:
+        self.url = url
+        self.nodes = nodes
+        self.step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="beater", daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=2) as client:
+            while not self._stop.is_set():
+                self.step += 1
+                for node, job in self.nodes.items():
+                    body = heartbeat(node, job=job, step=self.step)
+                    with suppress(httpx.TransportError):
+                        client.post("/api/v1/heartbeats", json=body, headers=AGENT)
+                self._stop.wait(0.1)
+
+    def __enter__(self) -> Beater:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@contextmanager
+def cluster(tmp_path: Path, **settings: Any) -> Iterator[Server]:
+    """`supervisor serve` with two nodes of job j1 and a spare, all heartbeating."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    # Lost after 3 s of silence: quick to see, and no false alarm on a loaded machine.
+    settings.setdefault("heartbeat_timeout_s", "3.0")
+    server = Server(tmp_path, **settings)
+    server.start()
+    try:
+        with Beater(server.url, {"n1": "j1", "n2": "j1", "s1": None}):
+            deadline = time.monotonic() + 30
+            while len(httpx.get(f"{server.url}/api/v1/nodes", headers=OPERATOR).json()) < 3:
+                assert time.monotonic() < deadline, "nodes did not appear"
+                time.sleep(0.05)
+            yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def dashboard(
+    browser: Browser,
+    server: Server,
+    token: str | None = OPERATOR_TOKEN,
+    allowed_errors: tuple[str, ...] = (),
+) -> Iterator[Page]:
+    """The page, signed in with `token`; at the end, no script error, and no request
+    left for anywhere but the supervisor (offline: no CDN)."""
+    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    errors: list[str] = []
+    requests: list[str] = []
+    expected = ("status of 401", *allowed_errors)  # the first look, before the token
+
+    def on_console(message: Any) -> None:
+        if message.type == "error" and not any(e in message.text for e in expected):
+            errors.append(message.text)
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("request", lambda request: requests.append(request.url))
+    try:
+        page.goto(f"{server.url}/")
+        if token is not None:
+            expect(page.locator("#login")).to_be_visible()
+            page.fill("#token", token)
+            page.press("#token", "Enter")
+        expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+        expect(page.locator("#nodes li")).to_have_count(3)
+        yield page
+        assert not errors, errors
+        foreign = [u for u in requests if not u.startswith((server.url, "data:"))]
+        assert not foreign, foreign
+    finally:
+        context.close()
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.evaluate("window.scrollTo(0, 0)")  # the sticky header where a person sees it
+    page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}.png"), full_page=True)
+
+
+def api(server: Server, method: str, path: str, **kwargs: Any) -> Any:
+    r = httpx.request(method, f"{server.url}{path}", headers=OPERATOR, timeout=10, **kwargs)
+    assert r.status_code < 300, r.text
+    return r.json()
+
+
+def event_row(page: Page, event_id: int) -> Any:
+    return page.locator(f"#events-table tbody tr[data-id='{event_id}']")
+
+
+def wait_fault_settled(server: Server, fault_id: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        fault: dict[str, Any] = api(server, "GET", f"/api/v1/faults/{fault_id}")
+        actions = [api(server, "GET", f"/api/v1/actions/{a}") for a in fault["actions"]]
+        if actions and all(a["status"] in ("succeeded", "failed") for a in actions):
+            return fault
+        time.sleep(0.1)
+    raise AssertionError(f"fault {fault_id}: actions did not finish")
+
+
+# --- tests ------------------------------------------------------------------------------
+
+
+def test_page_asks_for_the_token_and_shows_the_cluster(browser: Browser, tmp_path: Path) -> None:
+    with cluster(tmp_path) as server:
+        context = browser.new_context(viewport={"width": 1440, "height": 900})
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.goto(f"{server.url}/")
+        dialog = page.locator("#login")
+        expect(dialog).to_be_visible()
+        expect(page.get_by_role("textbox", name="Operator token")).to_be_focused()
+        shot(page, "login")
+        page.fill("#token", "not-the-token")
+        page.press("#token", "Enter")
+        expect(page.locator("#login-error")).to_have_text("That token was refused.")
+        page.fill("#token", OPERATOR_TOKEN)
+        page.press("#token", "Enter")
+        expect(dialog).to_be_hidden()
+        expect(page.locator("#connection")).to_have_text("Live")
+        # The token stays in the tab (sessionStorage), never in the URL.
+        assert OPERATOR_TOKEN not in page.url
+        page.reload()
+        expect(page.locator("#connection")).to_have_text("Live")
+        expect(dialog).to_be_hidden()
+        context.close()
+
+    with cluster(tmp_path / "again") as server, dashboard(browser, server) as page:
+        nodes = page.locator("#nodes li")
+        expect(nodes).to_have_count(3)
+        n1 = page.locator("#nodes li[data-node='n1']")
+        expect(n1).to_have_attribute("data-state", "running")
+        expect(n1.locator("dd").first).to_have_text("j1")
+        expect(n1.locator(".heartbeat")).to_have_text(re.compile(r"^\d+\.\d s ago$"))
+        expect(n1.locator(".gpu")).to_have_text("no errors")
+        expect(page.locator("#nodes li[data-node='s1']")).to_have_attribute("data-state", "spare")
+        expect(page.locator("#nodes-summary")).to_have_text("3 nodes: 2 running, 1 spare.")
+        # The spare's arrival is in the history.
+        expect(page.locator("#events-table tbody tr[data-type='spare_available']")).to_have_count(1)
+        expect(page.locator("#faults-section")).to_be_visible()
+        shot(page, "loaded")
+
+
+def test_fault_injected_through_the_api_appears_live_with_its_actions(
+    browser: Browser, tmp_path: Path
+) -> None:
+    with cluster(tmp_path) as server, dashboard(browser, server) as page:
+        page.evaluate("window.notReloaded = true")
+        fault = api(
+            server,
+            "POST",
+            "/api/v1/faults",
+            json={"kind": "xid", "node": "n1", "code": 79, "gpu": 3},
+        )
+        fault = wait_fault_settled(server, fault["id"])
+        (event_id,) = fault["events"]
+        row = event_row(page, event_id)
+        expect(row).to_have_attribute("data-type", "gpu_xid")
+        expect(row).to_contain_text("n1")
+        expect(row).to_contain_text(f"fault #{fault['id']}")
+        expect(row).to_contain_text("code 79")
+        # The actions it caused, as they finished, listed on the event and in their table.
+        for action_id in fault["actions"]:
+            action = api(server, "GET", f"/api/v1/actions/{action_id}")
+            action_row = page.locator(f"#actions-table tbody tr[data-id='{action_id}']")
+            expect(action_row).to_have_attribute("data-status", action["status"])
+            expect(action_row).to_contain_text(action["type"].replace("_", " "))
+            expect(action_row.locator(".cause")).to_contain_text(f"event #{event_id} gpu xid on n1")
+            expect(action_row.locator(".cause")).to_contain_text(f"fault #{fault['id']}")
+            expect(row).to_contain_text(f"{action['type'].replace('_', ' ')}: {action['status']}")
+        expect(page.locator("#actions-table tbody tr[data-id] >> text=hot swap")).to_have_count(1)
+        # From an action to its cause: focus moves to the event's row.
+        page.locator(f"#actions-table tbody tr[data-id='{fault['actions'][0]}'] .cause a").click()
+        expect(row).to_be_focused()
+        # The node grid follows: the node was swapped out (cordoned), its GPU error shows.
+        n1 = page.locator("#nodes li[data-node='n1']")
+        expect(n1).to_have_attribute("data-state", "cordoned")
+        expect(n1.locator(".gpu")).to_contain_text("XID 79 on GPU 3")
+        # Screen readers were told.
+        expect(page.locator("#announcer")).to_contain_text("Action")
+        assert page.evaluate("window.notReloaded") is True  # live, not a reload
+        shot(page, "xid-live")
+
+        # The page's own form: a heartbeat loss on n2, which is declared lost.
+        page.select_option("#fault-kind", "heartbeat_loss")
+        page.select_option("#fault-node", "n2")
+        expect(page.get_by_label("Duration (s)")).to_be_visible()
+        expect(page.get_by_label("XID code")).to_be_hidden()
+        page.get_by_label("Duration (s)").fill("8")
+        page.get_by_role("button", name="Inject fault").click()
+        expect(page.locator("#fault-result")).to_have_text(
+            re.compile(r"^Fault #\d+ injected: heartbeat loss on n2\.$")
+        )
+        lost = page.locator("#events-table tbody tr[data-type='host_heartbeat_lost']")
+        expect(lost).to_have_count(1)
+        expect(lost).to_contain_text("n2")
+        expect(lost.locator("td").nth(7).locator(".badge").first).to_be_visible()  # its action
+        expect(page.locator("#nodes li[data-node='n2']")).to_have_attribute("data-state", "failed")
+        expect(page.locator("#active-faults")).to_contain_text("heartbeat loss n2")
+        shot(page, "heartbeat-loss-live")
+        # Eight seconds later the fault ends and the node comes back, live as well.
+        expect(page.locator("#events-table tbody tr[data-type='node_recovered']")).to_contain_text(
+            "n2"
+        )
+        expect(page.locator("#nodes li[data-node='n2']")).not_to_have_attribute(
+            "data-state", "failed"
+        )
+
+
+def test_filters_and_pagination(browser: Browser, tmp_path: Path) -> None:
+    with cluster(tmp_path) as server:
+        # Enough history for more than one page (50 rows): XID faults with distinct codes.
+        for code in range(60):
+            node = "n1" if code % 2 else "n2"
+            api(server, "POST", "/api/v1/faults", json={"kind": "xid", "node": node, "code": code})
+        total = len(api(server, "GET", "/api/v1/events", params={"limit": 1000})["items"])
+        assert total > 60
+        with dashboard(browser, server) as page:
+            rows = page.locator("#events-table tbody tr[data-id]")
+            expect(rows).to_have_count(50)
+            page.get_by_role("button", name="Load older events").click()
+            expect(rows).to_have_count(total)
+            expect(page.get_by_role("button", name="Load older events")).to_be_hidden()
+            ids = [int(i) for i in rows.evaluate_all("rs => rs.map(r => r.dataset.id)")]
+            assert ids == sorted(ids, reverse=True)  # newest first
+
+            page.select_option("#f-type", "gpu_xid")
+            expect(rows).to_have_count(50)
+            types = set(rows.evaluate_all("rs => rs.map(r => r.dataset.type)"))
+            assert types == {"gpu_xid"}
+            assert "type=gpu_xid" in page.url  # a view that can be bookmarked
+
+            page.select_option("#f-node", "n2")
+            expect(rows).to_have_count(30)
+            for text in rows.locator("td:nth-child(4)").all_inner_texts():
+                assert text == "n2"
+            action_nodes = page.locator("#actions-table tbody tr[data-id] td:nth-child(4)")
+            for text in action_nodes.all_inner_texts():
+                assert "n2" in text or "job j1" in text
+            shot(page, "filtered")
+
+            # A time range before anything happened: nothing.
+            page.fill("#f-until", "2020-01-01T00:00:00")
+            page.get_by_role("button", name="Apply").click()
+            expect(page.locator("#events-table tbody tr.empty")).to_have_text(
+                "No events match these filters."
+            )
+            expect(page.locator("#filter-summary")).to_contain_text("Showing 0 events")
+
+            # The URL keeps the filters: a reload shows the same view.
+            page.get_by_role("button", name="Clear").click()
+            expect(rows).to_have_count(50)
+            page.select_option("#f-status", "succeeded")
+            page.reload()
+            expect(page.locator("#f-status")).to_have_value("succeeded")
+            statuses = page.locator("#actions-table tbody tr[data-id]")
+            expect(statuses.first).to_be_visible()
+            assert set(statuses.evaluate_all("rs => rs.map(r => r.dataset.status)")) == {
+                "succeeded"
+            }
+
+
+def test_filters_work_from_the_keyboard(browser: Browser, tmp_path: Path) -> None:
+    with cluster(tmp_path) as server:
+        api(server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n2", "code": 48})
+        with dashboard(browser, server) as page:
+            rows = page.locator("#events-table tbody tr[data-id]")
+            expect(rows).to_have_count(2)  # the spare's arrival and the XID
+            # From the top of a fresh page (the token is kept for the tab: no dialog).
+            page.reload()
+            expect(page.locator("#connection")).to_have_text("Live")
+            expect(rows).to_have_count(2)
+            page.keyboard.press("Tab")
+            expect(page.get_by_role("link", name="Skip to the event history")).to_be_focused()
+            page.keyboard.press("Enter")
+            page.keyboard.press("Tab")
+            filters = page.get_by_role("search", name="Filter events and actions")
+            event_type = filters.get_by_label("Event type")
+            expect(event_type).to_be_focused()
+            outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+            assert outline != "none"  # focus is visible
+            page.keyboard.type("gpu x")  # type-ahead on the closed select picks "gpu xid"
+            expect(event_type).to_have_value("gpu_xid")
+            expect(rows).to_have_count(1)
+            expect(rows.first).to_have_attribute("data-type", "gpu_xid")
+            # On to Node, and pick n1: nothing matches.
+            for _ in range(3):
+                page.keyboard.press("Tab")
+            expect(filters.get_by_label("Node")).to_be_focused()
+            page.keyboard.type("n1")
+            expect(page.locator("#events-table tbody tr.empty")).to_be_visible()
+            shot(page, "keyboard-filters")
+            # To "Clear" by keyboard, and the full history is back.
+            for _ in range(20):
+                page.keyboard.press("Tab")
+                if page.evaluate("document.activeElement.textContent") == "Clear":
+                    break
+            expect(filters.get_by_role("button", name="Clear")).to_be_focused()
+            page.keyboard.press("Enter")
+            expect(rows).to_have_count(2)
+            expect(event_type).to_have_value("")
+
+
+def test_stream_reconnects_after_the_server_drops_it(browser: Browser, tmp_path: Path) -> None:
+    with (
+        cluster(tmp_path) as server,
+        dashboard(
+            browser,
+            server,
+            allowed_errors=("net::ERR_", "status of 503"),  # SIGKILL: cut requests
+        ) as page,
+    ):
+        page.evaluate("window.notReloaded = true")
+        status = page.locator("#connection")
+        reloads = "window.supervisorDashboard.history.generation"
+        loaded = page.evaluate(reloads)
+
+        # A dropped connection, the server still up: the page catches up by Last-Event-ID
+        # (the server replays what it missed), without reloading the history.
+        page.route("**/api/v1/stream", lambda route: route.abort())
+        page.evaluate("window.supervisorDashboard.stream.controller.abort()")
+        expect(status).to_have_attribute("data-state", "reconnecting")
+        missed = api(
+            server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n2", "code": 13}
+        )
+        missed = wait_fault_settled(server, missed["id"])
+        page.unroute("**/api/v1/stream")
+        expect(status).to_have_attribute("data-state", "live")
+        expect(event_row(page, missed["events"][0])).to_contain_text("code 13")
+        for action_id in missed["actions"]:
+            row = page.locator(f"#actions-table tbody tr[data-id='{action_id}']")
+            expect(row).to_have_attribute("data-status", "succeeded")
+        assert page.evaluate(reloads) == loaded  # replayed, not reloaded
+
+        server.kill()  # SIGKILL: the stream is cut, no goodbye
+        expect(status).to_have_attribute("data-state", "reconnecting")
+        expect(status).to_contain_text("reconnecting")
+        shot(page, "reconnecting")
+        server.start()  # same port, same database
+        fault = api(
+            server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}
+        )
+        expect(status).to_have_attribute("data-state", "live")
+        expect(status).to_have_text("Live")
+        # What happened while the page was away is there, and what follows arrives live.
+        fault = wait_fault_settled(server, fault["id"])
+        expect(event_row(page, fault["events"][0])).to_have_attribute("data-type", "gpu_xid")
+        later = api(
+            server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n2", "code": 48}
+        )
+        later = wait_fault_settled(server, later["id"])
+        expect(event_row(page, later["events"][0])).to_contain_text("n2")
+        for action_id in later["actions"]:
+            expect(page.locator(f"#actions-table tbody tr[data-id='{action_id}']")).to_be_visible()
+        assert page.evaluate("window.supervisorDashboard.stream.connections") >= 3
+        assert page.evaluate(reloads) > loaded  # another process: resync, history reloaded
+        assert page.evaluate("window.notReloaded") is True
+        shot(page, "reconnected")
+
+
+def test_a_page_left_open_keeps_a_bounded_history(browser: Browser, tmp_path: Path) -> None:
+    with cluster(tmp_path) as server, dashboard(browser, server) as page:
+        rows = page.locator("#events-table tbody tr[data-id]")
+        expect(rows).to_have_count(1)  # the spare's arrival
+        # 1200 live events (made up here: real ones would take minutes to raise).
+        page.evaluate(
+            """() => {
+              const history = window.supervisorDashboard.history;
+              for (let i = 1; i <= 1200; i++) {
+                history.onEvent({id: 100000 + i, type: "hang", time: new Date().toISOString(),
+                  node: "n1", job: "j1", rank: 0, details: {}, fault_id: null});
+              }
+            }"""
+        )
+        expect(rows).to_have_count(1000)
+        expect(rows.first).to_have_attribute("data-id", "101200")
+        more = page.get_by_role("button", name="Reload from the newest events")
+        more.click()
+        expect(rows).to_have_count(1)  # what the server has, from the newest page again
+        expect(page.get_by_role("button", name="Load older events")).to_be_hidden()
+
+
+def test_fault_form_only_with_fault_injection_and_the_token(
+    browser: Browser, tmp_path: Path
+) -> None:
+    with (
+        cluster(tmp_path, enable_fault_injection="false") as server,
+        dashboard(browser, server) as page,
+    ):
+        expect(page.locator("#nodes li")).to_have_count(3)
+        expect(page.locator("#faults-section")).to_be_hidden()
+        expect(page.get_by_role("link", name="Fault injection")).to_be_hidden()
+
+    # Reads open to all: the page works without a token, but offers no fault injection
+    # until the operator token is given.
+    with (
+        cluster(tmp_path / "open", read_requires_token="false") as server,
+        dashboard(browser, server, token=None) as page,
+    ):
+        expect(page.locator("#login")).to_be_hidden()
+        expect(page.locator("#faults-section")).to_be_hidden()
+        page.get_by_role("button", name="Enter operator token").click()
+        page.fill("#token", OPERATOR_TOKEN)
+        page.press("#token", "Enter")
+        expect(page.locator("#faults-section")).to_be_visible()
+        expect(page.get_by_role("button", name="Forget token")).to_be_visible()
+
+
+def test_goodput_panel_and_advice(browser: Browser, tmp_path: Path) -> None:
+    with cluster(tmp_path, goodput_sample_period_s="0.5") as server:
+        time.sleep(2)  # some training to measure
+        api(server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79})
+        with dashboard(browser, server) as page:
+            expect(page.locator("#goodput-job")).to_have_value("j1")
+            figure = page.locator("#goodput-figure")
+            expect(figure).to_have_text(re.compile(r"^Goodput \d+\.\d %$"))
+            goodput = api(server, "GET", "/api/v1/jobs/j1/goodput")
+            shown = float(figure.inner_text().split()[1])
+            assert abs(shown - 100 * goodput["goodput"]) < 15  # the same figure, a bit later
+            expect(page.locator("#goodput-chart")).to_be_visible()
+            assert page.locator("#goodput-chart rect").count() > 0
+            expect(page.locator(".breakdown")).to_contain_text("lost progress")
+            expect(
+                page.get_by_role("heading", name="Checkpoint advice", exact=True)
+            ).to_be_visible()
+            page.get_by_label("Model parameters").fill("70e9")
+            page.get_by_label("Hosts").fill("16")
+            page.get_by_role("button", name="Size the ramdisk").click()
+            advice = api(
+                server, "GET", "/api/v1/jobs/j1/advice", params={"parameters": 70e9, "hosts": 16}
+            )
+            size = f"{advice['ramdisk']['size_mib']:,} MiB"
+            expect(page.locator("#advice-ramdisk")).to_contain_text(size)
+            shot(page, "goodput")

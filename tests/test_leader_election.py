@@ -1,0 +1,540 @@
+"""Leader election over a coordination.k8s.io/v1 Lease (supervisor/kube/leader.py).
+
+Through the real `kubernetes` client over HTTP against the fake API server (tests/kube),
+which keeps Leases with resourceVersion and answers 409 to stale writes as the real one
+does. The elector tests drive single rounds with a hand-moved monotonic clock; the
+end-to-end tests run two `supervisor serve` processes sharing one SQLite database
+(harness in bench/failover.py) and SIGKILL the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client
+
+from bench.failover import (
+    AGENT,
+    KUBE_TOKEN,
+    LEASE,
+    NAMESPACE,
+    OPERATOR,
+    Replica,
+    Timing,
+    actions,
+    heartbeat,
+    inject_xids,
+    pair,
+    query,
+    register,
+    write_kubeconfig,
+)
+from supervisor.config import Settings
+from supervisor.kube.leader import (
+    EXIT_LEADERSHIP_LOST,
+    ElectionConfig,
+    LeaderElector,
+    Leadership,
+    LeadershipLost,
+    micro_time,
+)
+from supervisor.runtime import Supervisor
+from tests.conftest import SettingsFactory
+from tests.kube import FakeKube
+
+# What the server's MicroTime parser takes: six fractional digits, always (client 37
+# sends UTC as +00:00).
+MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}(Z|\+00:00)$")
+LEASE_PATH = rf"/namespaces/{NAMESPACE}/leases"
+
+
+class Clock:
+    """A monotonic clock moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def kube() -> Iterator[FakeKube]:
+    with FakeKube(token=KUBE_TOKEN, tick=0.5) as fake:
+        yield fake
+
+
+@pytest.fixture
+def api(kube: FakeKube) -> Iterator[client.CoordinationV1Api]:
+    with kube.client() as api_client:
+        yield client.CoordinationV1Api(api_client)
+
+
+ElectorFactory = Callable[..., LeaderElector]
+
+
+@pytest.fixture
+def elector(api: client.CoordinationV1Api) -> ElectorFactory:
+    def build(
+        identity: str,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        duration: float = 2.0,
+        deadline: float = 1.0,
+        retry: float = 0.1,
+    ) -> LeaderElector:
+        config = ElectionConfig(LEASE, NAMESPACE, identity, duration, deadline, retry)
+        return LeaderElector(api, config, clock=clock)
+
+    return build
+
+
+def spec(kube: FakeKube) -> dict[str, Any]:
+    lease = kube.get("Lease", LEASE, NAMESPACE)
+    assert lease is not None
+    return dict(lease["spec"])
+
+
+def test_lease_times_always_have_six_fractional_digits() -> None:
+    whole_second = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert micro_time(whole_second) == "2026-01-02T03:04:05.000001Z"
+    # What the client makes of it on the wire (it re-serialises through its models).
+    sent = client.ApiClient().sanitize_for_serialization(
+        client.V1LeaseSpec(renew_time=datetime.fromisoformat(micro_time(whole_second)))
+    )
+    assert MICRO_TIME.match(sent["renewTime"])
+
+
+# --- one round at a time -------------------------------------------------------------------
+
+
+async def test_first_candidate_creates_the_lease_and_leads(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    a, b = elector("a"), elector("b")
+    assert await a.try_acquire_or_renew()
+    assert a.is_leader and a.leader == "a"
+    lease = spec(kube)
+    assert lease["holderIdentity"] == "a"
+    assert lease["leaseDurationSeconds"] == 2
+    assert lease["leaseTransitions"] == 0
+    assert MICRO_TIME.match(lease["acquireTime"]) and MICRO_TIME.match(lease["renewTime"])
+    assert not await b.try_acquire_or_renew()
+    assert not b.is_leader and b.leader == "a"
+    assert spec(kube)["holderIdentity"] == "a"
+
+
+async def test_renewal_moves_renew_time_and_keeps_the_term(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    a = elector("a")
+    assert await a.try_acquire_or_renew()
+    first = spec(kube)
+    await asyncio.sleep(0.01)
+    assert await a.try_acquire_or_renew()
+    second = spec(kube)
+    assert second["renewTime"] > first["renewTime"]
+    assert second["acquireTime"] == first["acquireTime"]
+    assert second["leaseTransitions"] == 0
+    # Each renewal is a write with the resourceVersion read (optimistic concurrency).
+    puts = [r for r in kube.requests if r.method == "PUT" and LEASE_PATH in r.path]
+    assert [r.status for r in puts] == [200]
+
+
+async def test_standby_takes_over_after_lease_duration_without_renewal(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    clock = Clock()
+    a, b = elector("a", clock), elector("b", clock)
+    assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()
+    clock.advance(1.9)
+    assert await a.try_acquire_or_renew()  # a renews: b sees the record change
+    assert not await b.try_acquire_or_renew()
+    clock.advance(1.9)  # 3.8 s since b first saw the Lease, 1.9 s since it changed
+    assert not await b.try_acquire_or_renew()
+    assert b.leader == "a"
+    clock.advance(0.2)  # a has not renewed for 2 s, as far as b has seen
+    assert b.leader is None
+    assert await b.try_acquire_or_renew()
+    lease = spec(kube)
+    assert lease["holderIdentity"] == "b"
+    assert lease["leaseTransitions"] == 1
+    assert lease["acquireTime"] == lease["renewTime"]
+    # The old leader finds out on its next round, and stops.
+    with pytest.raises(LeadershipLost, match="held by 'b'"):
+        await a.try_acquire_or_renew()
+    assert not a.is_leader
+
+
+async def test_expiry_is_judged_by_own_observation_not_by_renew_time(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    """A leader whose clock is years behind writes old renewTimes; a standby must still
+    wait a full lease duration of silence rather than compare wall clocks."""
+    kube.create(
+        {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": LEASE, "namespace": NAMESPACE},
+            "spec": {
+                "holderIdentity": "x",
+                "leaseDurationSeconds": 2,
+                "acquireTime": "2000-01-01T00:00:00.000000Z",
+                "renewTime": "2000-01-01T00:00:00.000000Z",
+                "leaseTransitions": 4,
+            },
+        }
+    )
+    clock = Clock()
+    b = elector("b", clock)
+    assert not await b.try_acquire_or_renew()
+    clock.advance(1.5)
+    assert not await b.try_acquire_or_renew()
+    clock.advance(0.5)
+    assert await b.try_acquire_or_renew()
+    assert spec(kube)["leaseTransitions"] == 5
+
+
+async def test_only_one_of_concurrent_candidates_wins(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    clock = Clock()
+    candidates = [elector(name, clock) for name in "abcde"]
+    won = await asyncio.gather(*(c.try_acquire_or_renew() for c in candidates))
+    assert sum(won) == 1
+    winner = candidates[won.index(True)]
+    assert spec(kube)["holderIdentity"] == winner.identity
+    # The winner dies; the others race for the expired Lease with the same
+    # resourceVersion: one write succeeds, the rest get 409 Conflict.
+    rest = [c for c in candidates if c is not winner]
+    assert not any(await asyncio.gather(*(c.try_acquire_or_renew() for c in rest)))
+    clock.advance(2.0)
+    won = await asyncio.gather(*(c.try_acquire_or_renew() for c in rest))
+    assert sum(won) == 1
+    assert spec(kube)["holderIdentity"] == rest[won.index(True)].identity
+    assert spec(kube)["leaseTransitions"] == 1
+
+
+async def test_a_409_on_the_write_loses_the_round(kube: FakeKube, elector: ElectorFactory) -> None:
+    clock = Clock()
+    a, b = elector("a", clock), elector("b", clock)
+    assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()
+    clock.advance(2.0)
+    conflict = kube.fail_next("update", LEASE_PATH, status=409)
+    assert not await b.try_acquire_or_renew()
+    assert conflict.hits == 1 and not b.is_leader
+    assert spec(kube)["holderIdentity"] == "a"
+
+
+@pytest.mark.parametrize("how", ["stolen", "deleted", "cleared"])
+async def test_leader_loses_when_the_lease_is_taken(
+    kube: FakeKube, elector: ElectorFactory, how: str
+) -> None:
+    a = elector("a")
+    assert await a.try_acquire_or_renew()
+    if how == "stolen":
+        kube.patch("Lease", LEASE, {"spec": {"holderIdentity": "thief"}}, NAMESPACE)
+    elif how == "cleared":
+        kube.patch("Lease", LEASE, {"spec": {"holderIdentity": None}}, NAMESPACE)
+    else:
+        kube.delete("Lease", LEASE, NAMESPACE)
+    with pytest.raises(LeadershipLost, match="deleted" if how == "deleted" else "now held by"):
+        await a.hold()
+    assert not a.is_leader
+    if how == "deleted":  # and it did not quietly create a new one
+        assert kube.get("Lease", LEASE, NAMESPACE) is None
+
+
+async def test_leader_that_cannot_renew_stops_within_the_renew_deadline(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    a = elector("a", duration=3.0, deadline=1.0, retry=0.1)
+    assert await a.try_acquire_or_renew()
+    renewed = time.monotonic()
+    kube.fail_next("*", LEASE_PATH, status=500, times=1000)
+    with pytest.raises(LeadershipLost, match="within 1 s"):
+        await a.hold()
+    lost_after = time.monotonic() - renewed
+    # Never later than the deadline (plus scheduling), and not at the first error.
+    assert 0.9 <= lost_after < 1.0 + 1.5
+
+
+async def test_leader_with_a_hanging_api_stops_within_the_renew_deadline(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    a = elector("a", duration=3.0, deadline=1.0, retry=0.1)
+    assert await a.try_acquire_or_renew()
+    renewed = time.monotonic()
+    kube.fail_next("get", LEASE_PATH, status=None, delay=3)
+    with pytest.raises(LeadershipLost, match="too slow"):
+        await a.hold()
+    assert time.monotonic() - renewed < 1.0 + 1.5
+
+
+@pytest.mark.parametrize("status", [500, 409])
+async def test_a_transient_api_error_does_not_cost_the_lease(
+    kube: FakeKube, elector: ElectorFactory, status: int
+) -> None:
+    """A 500, or a 409 from a write that left us the holder (someone edited a label),
+    loses a round, not the Lease: the next read shows it is still ours."""
+    a = elector("a", duration=3.0, deadline=1.0, retry=0.1)
+    assert await a.try_acquire_or_renew()
+    fault = kube.fail_next("update", LEASE_PATH, status=status, times=2)
+    holding = asyncio.create_task(a.hold())
+    for _ in range(200):
+        if fault.hits >= 2:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    assert fault.hits == 2
+    assert not holding.done() and a.is_leader
+    holding.cancel()
+    assert spec(kube)["holderIdentity"] == "a"
+
+
+async def test_release_lets_a_standby_take_over_at_once(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    clock = Clock()
+    a, b = elector("a", clock), elector("b", clock)
+    assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()
+    await a.release()
+    assert not a.is_leader
+    released = spec(kube)
+    assert released.get("holderIdentity") is None and released["leaseDurationSeconds"] == 1
+    assert await b.try_acquire_or_renew()  # no waiting: the clock did not move
+    assert spec(kube)["leaseTransitions"] == 1
+
+
+async def test_same_identity_after_a_restart_continues_its_term(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    """A restarted container of the same pod (same identity) need not wait for its own
+    Lease to expire: its previous process is gone."""
+    assert await elector("a").try_acquire_or_renew()
+    acquired = spec(kube)["acquireTime"]
+    again = elector("a")
+    assert await again.try_acquire_or_renew()
+    assert spec(kube)["acquireTime"] == acquired and spec(kube)["leaseTransitions"] == 0
+
+
+# --- the runtime follows the Lease (in process) ---------------------------------------------
+
+
+async def test_only_the_lease_holder_runs_the_supervisor(
+    kube: FakeKube, make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", kube.url, KUBE_TOKEN)
+
+    def settings(identity: str) -> Settings:
+        return make_settings(
+            leader_election=True,
+            leader_election_identity=identity,
+            leader_election_lease_duration_s=1.0,
+            leader_election_renew_deadline_s=0.6,
+            leader_election_retry_period_s=0.1,
+            kube_config=str(kubeconfig),
+        )
+
+    lost: dict[str, str] = {}
+    replicas: dict[str, tuple[Supervisor, Leadership]] = {}
+    for identity in ("a", "b"):
+        runtime = Supervisor(settings(identity))
+        leadership = Leadership(
+            settings(identity), runtime, on_lost=lambda why, i=identity: lost.setdefault(i, why)
+        )
+        replicas[identity] = (runtime, leadership)
+        await leadership.start()
+
+    async def until(predicate: Callable[[], bool], within: float = 15.0) -> None:
+        deadline = time.monotonic() + within
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not met in time"
+            await asyncio.sleep(0.02)
+
+    try:
+        await until(lambda: sum(r.ready for r, _ in replicas.values()) == 1)
+        leader = next(i for i, (r, _) in replicas.items() if r.ready)
+        standby = "b" if leader == "a" else "a"
+        await until(lambda: replicas[standby][0].readiness.get("leader") == leader)
+        waiting = replicas[standby][0]
+        assert waiting.readiness["status"] == "standby"
+        assert waiting.readiness["identity"] == standby
+        assert waiting.metrics.registry.get_sample_value("supervisor_leader") == 0
+        assert replicas[leader][0].metrics.registry.get_sample_value("supervisor_leader") == 1
+        with pytest.raises(RuntimeError, match="not started"):
+            _ = waiting.store  # the standby never opened the database
+        # Someone takes the Lease: the leader stops acting; the standby keeps waiting
+        # (the thief holds it now).
+        kube.patch("Lease", LEASE, {"spec": {"holderIdentity": "thief"}}, NAMESPACE)
+        await until(lambda: leader in lost)
+        assert "thief" in lost[leader]
+        assert not replicas[leader][0].ready
+        assert replicas[leader][0].readiness["status"] == "lost leadership"
+        assert not waiting.ready
+        # The thief never renews: once its record has been still for a lease duration,
+        # the standby takes over and starts.
+        await until(lambda: waiting.ready)
+        assert spec(kube)["holderIdentity"] == standby
+        assert spec(kube)["leaseTransitions"] == 1
+    finally:
+        for _, leadership in replicas.values():
+            await leadership.stop()
+
+
+# --- two real processes ------------------------------------------------------------------
+
+
+TIMING = Timing(lease_duration_s=2.0, renew_deadline_s=1.5, retry_period_s=0.25)
+
+
+async def test_failover_after_sigkill_does_every_action_exactly_once(tmp_path: Path) -> None:
+    with pair(tmp_path, TIMING) as cluster:
+        leader, standby = cluster.wait_leader()
+        status, body = standby.readyz()
+        assert status == 503
+        assert body["status"] == "standby" and body["leader"] == leader.identity
+        assert leader.identity in body["detail"]
+        lease = cluster.lease()
+        assert lease is not None and lease["spec"]["holderIdentity"] == leader.identity
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            # A standby refuses heartbeats and API calls, saying who leads; nothing is
+            # recorded there.
+            r = await http.post(
+                f"{standby.url}/api/v1/heartbeats", json=heartbeat("n1", "j1"), headers=AGENT
+            )
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["leader"] == leader.identity
+            r = await http.get(f"{standby.url}/api/v1/actions", headers=OPERATOR)
+            assert r.status_code == 503 and "standby" in r.json()["detail"]
+            r = await http.get(f"{standby.url}/metrics")
+            assert "supervisor_leader 0.0" in r.text
+            r = await http.get(f"{leader.url}/metrics")
+            assert "supervisor_leader 1.0" in r.text
+
+        await register(leader, {"n1": "j1", "n2": "j1"})
+        acknowledged = await inject_xids(leader, ["n1", "n2"], [13, 31, 43, 48])
+        killed = time.monotonic()
+        leader.kill()  # at once: the policy's decisions and actions are in flight
+        unhandled, unfinished = cluster.in_flight()
+        assert len(acknowledged) == 8
+        finished = (
+            "SELECT id, status, attempts, finished_at, result FROM actions "
+            "WHERE status NOT IN ('pending', 'running') ORDER BY id"
+        )
+        finished_before = query(cluster.db, finished)
+        # Nothing was done by the standby while the leader lived.
+        assert "supervisor ready" not in standby.log_text()
+        assert "dry run: would" not in standby.log_text()
+
+        deadline = time.monotonic() + TIMING.lease_duration_s + TIMING.retry_period_s + 20
+        while standby.readyz()[0] != 200:
+            assert time.monotonic() < deadline, standby.log_text()
+            await asyncio.sleep(0.02)
+        failover_s = time.monotonic() - killed
+        # It waited for the Lease to expire (it cannot know the leader died): at least
+        # lease_duration - renew_deadline, as the leader renewed within its deadline; and
+        # about a lease duration, plus a retry period and the start (generous bound).
+        assert TIMING.lease_duration_s - TIMING.renew_deadline_s < failover_s
+        assert failover_s < TIMING.lease_duration_s + TIMING.retry_period_s + 10
+        lease = cluster.lease()
+        assert lease is not None and lease["spec"]["holderIdentity"] == standby.identity
+        assert lease["spec"]["leaseTransitions"] == 1
+
+        deadline = time.monotonic() + 30
+        while any(cluster.in_flight()):
+            assert time.monotonic() < deadline, standby.log_text()
+            await asyncio.sleep(0.05)
+        items = actions(standby)
+        events = query(cluster.db, "SELECT id, type FROM events ORDER BY id")
+        finished_after = query(cluster.db, finished)
+
+    # Every acknowledged event is there once and was handled (by one replica or the other).
+    assert sorted(e for e, t in events if t == "gpu_xid") == sorted(acknowledged)
+    assert len(events) == len(acknowledged)
+    keys = [a["idempotency_key"] for a in items]
+    assert len(keys) == len(set(keys)) and items
+    assert all(a["status"] == "succeeded" for a in items)
+    # What the old leader finished, the new one left alone ...
+    assert set(finished_before) <= set(finished_after)
+    done_before = {row[0] for row in finished_before}
+    # ... and it ran only what was unfinished at the kill, or decided for events that
+    # were unhandled then: each action once more at most (an interrupted attempt is
+    # repeated with the same idempotency key).
+    resumed = [a for a in items if a["id"] not in done_before]
+    assert all(a["id"] in unfinished or a["event_id"] in unhandled for a in resumed)
+    assert all(a["attempts"] <= 2 for a in items)
+    assert unhandled or unfinished, "nothing was in flight at the kill: the test proved little"
+    # The new leader's own account: one backend call per resumed action, and none for
+    # an action the old leader had finished.
+    new_leader_log = standby.log_text()
+    assert new_leader_log.count("dry run: would") == len(resumed)
+    for action in items:
+        mentioned = f"action {action['id']} {action['type']} " in new_leader_log
+        assert mentioned == (action["id"] not in done_before)
+
+
+def test_a_stopped_leader_hands_over_by_releasing_the_lease(tmp_path: Path) -> None:
+    with pair(tmp_path, TIMING) as cluster:
+        leader, standby = cluster.wait_leader()
+        leader.stop()  # SIGTERM, as in a rolling update
+        # uvicorn re-raises the signal after its graceful shutdown
+        assert leader.wait_exit(5) in (0, -signal.SIGTERM)
+        assert "released Lease" in leader.log_text()
+        deadline = time.monotonic() + 20
+        while standby.readyz()[0] != 200:
+            assert time.monotonic() < deadline, standby.log_text()
+            time.sleep(0.02)
+        lease = cluster.lease()
+        assert lease is not None and lease["spec"]["holderIdentity"] == standby.identity
+        assert lease["spec"]["leaseTransitions"] == 1
+
+
+@pytest.mark.parametrize("how", ["stolen", "deleted", "unreachable"])
+def test_a_leader_that_loses_the_lease_exits(tmp_path: Path, how: str) -> None:
+    with pair(tmp_path, TIMING, ("a",)) as cluster:
+        (leader,) = cluster.replicas
+        deadline = time.monotonic() + 30
+        while leader.readyz()[0] != 200:
+            assert time.monotonic() < deadline, leader.log_text()
+            time.sleep(0.05)
+        if how == "stolen":
+            cluster.kube.patch("Lease", LEASE, {"spec": {"holderIdentity": "thief"}}, NAMESPACE)
+        elif how == "deleted":
+            cluster.kube.delete("Lease", LEASE, NAMESPACE)
+        else:  # the API server answers nothing but errors
+            cluster.kube.fail_next("*", LEASE_PATH, status=500, times=100_000)
+        taken = time.monotonic()
+        assert leader.wait_exit(TIMING.renew_deadline_s + 10) == EXIT_LEADERSHIP_LOST
+        # Noticed at the next renewal, or at the renew deadline (generous bound).
+        assert time.monotonic() - taken < TIMING.renew_deadline_s + 5
+        log = leader.log_text()
+        assert "lost leadership" in log
+        assert ("could not renew" if how == "unreachable" else "Lease default/") in log
+
+
+def test_leader_election_without_kubernetes_config_stops_with_one_line(
+    tmp_path: Path,
+) -> None:
+    replica = Replica("a", tmp_path, tmp_path / "missing-kubeconfig", TIMING)
+    with pytest.raises(RuntimeError, match="exited"):
+        replica.start()
+    lines = replica.log_text().strip().splitlines()
+    assert lines[-1].startswith("supervisor: leader election: cannot load Kubernetes")
+    assert replica.wait_exit(5) != 0
