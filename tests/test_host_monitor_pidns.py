@@ -434,10 +434,18 @@ def test_host_monitor_with_only_cap_kill_finds_a_worker_of_another_user(
         assert "PermissionError" in check.stderr, check.stderr
 
         # Without its start time such a worker cannot be told apart: refused, saying so.
+        # Which words depends on the machine: any other process that is pid 1 of a
+        # namespace the monitor may not read (a container's init) is a candidate too.
         namespace = os.stat(f"/proc/{worker.host_pid}/ns/pid").st_ino
         body = {"rank": 1, "local_rank": 0, "pid": 1, "pid_namespace": namespace}
         r = node.agent.worker_api.post("/v1/workers/register", json=body)
-        assert r.status_code == 409 and "carries no start_time" in r.json()["detail"], r.text
+        assert r.status_code == 409, r.text
+        detail = r.json()["detail"]
+        alone = "carries no start_time" in detail
+        among_others = "cannot tell which one is the worker" in detail and (
+            str(worker.host_pid) in detail
+        )
+        assert alone or among_others, detail
 
         r = node.agent.api.post(
             "/v1/emergency-checkpoint", json={"request_id": "em-2", "timeout_s": 20}
