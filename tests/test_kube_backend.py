@@ -22,6 +22,7 @@ from supervisor.runtime import make_backend
 from tests.conftest import SettingsFactory
 from tests.kube import FakeKube
 from tests.kube.harness import (
+    JS,
     NS,
     Hooks,
     action,
@@ -186,12 +187,13 @@ async def test_restart_in_place_evicts_the_pod_once(
 # --- workload restart ---------------------------------------------------------------------
 
 
-async def test_restart_workload_deletes_child_jobs_and_waits_for_new_ones(
+async def test_restart_workload_evicts_and_the_jobset_controller_restarts_it(
     kube: FakeKube, make_settings: SettingsFactory
 ) -> None:
-    """Child Jobs deleted with propagationPolicy Foreground (a Job deleted without it
-    orphans its pods) and UID preconditions; the JobSet controller recreates them; the
-    JobSet's restart counters are untouched (maxRestarts not consumed)."""
+    """With the failure policy of "JobSet requirements": every pod of the current Jobs
+    evicted (UID preconditions), so the Jobs fail (PodFailurePolicy) and the JobSet
+    controller restarts the JobSet without counting it: `restart-attempt` goes up to 1
+    on the new Jobs and pods, `restartsCountTowardsMax` stays 0."""
     pods = setup_cluster(kube)
     old_pods = {p["metadata"]["uid"] for p in pods}
     async with started(kube, kube_settings(make_settings)) as backend:
@@ -199,32 +201,67 @@ async def test_restart_workload_deletes_child_jobs_and_waits_for_new_ones(
         old_jobs = {j["metadata"]["uid"] for j in kube.objects("Job")}
         before = len(kube.requests)
         result = await backend.execute(action(ActionType.RESTART_WORKLOAD, reason="hang"))
-        assert result["deleted_jobs"] == ["train-workers-0", "train-workers-1"]
-        deletes = [r for r in kube.requests[before:] if r.method == "DELETE"]
-        assert [d.path.rsplit("/", 1)[-1] for d in deletes] == result["deleted_jobs"]
-        # When execute returns, the old Jobs are gone and new ones exist.
-        new_jobs = {j["metadata"]["uid"] for j in kube.objects("Job")}
-        assert len(new_jobs) == 2 and not new_jobs & old_jobs
+        assert result["method"] == "evict" and result["restart_attempt"] == 1, result
+        assert result["pods"] == {p["metadata"]["name"]: "evicted" for p in pods}
+        writes = mutations(kube, before)
+        evictions = sorted(path.split("/")[-2] for m, path in writes if path.endswith("/eviction"))
+        assert evictions == sorted(result["pods"]) and not [w for w in writes if w[0] == "DELETE"]
+        # When execute returns, the JobSet has restarted: new Jobs of attempt 1.
+        jobs = kube.objects("Job")
+        assert len(jobs) == 2 and not {j["metadata"]["uid"] for j in jobs} & old_jobs
+        assert {j["metadata"]["labels"][JS + "restart-attempt"] for j in jobs} == {"1"}
         running = kube.wait_for(lambda: pods_running(kube, 2), 10)
         assert not {p["metadata"]["uid"] for p in running} & old_pods
-        assert kube.get("JobSet", "train")["status"].get("restarts", 0) == 0
-        assert events_about(kube, "train", "RestartWorkload")
+        assert {p["metadata"]["labels"][JS + "restart-attempt"] for p in running} == {"1"}
+        status = kube.get("JobSet", "train")["status"]
+        assert status["restarts"] == 1 and status.get("restartsCountTowardsMax", 0) == 0
+        (event,) = events_about(kube, "train", "RestartWorkload")
+        assert "restart-attempt 1" in event["message"], event
 
         before = len(kube.requests)
         again = await backend.execute(action(ActionType.RESTART_WORKLOAD, reason="hang"))
         assert again["repeated"] is True and mutations(kube, before) == []
 
 
-async def test_restart_workload_resumed_after_a_crash_deletes_nothing_new(
+async def test_restart_workload_without_the_policy_recreates_the_child_jobs(
     kube: FakeKube, make_settings: SettingsFactory
 ) -> None:
-    """A crash after the Jobs were deleted: the repeat finds its journal entry (the old
-    Jobs' UIDs), so the recreated Jobs are not deleted a second time."""
+    """A JobSet whose failed Jobs would use up maxRestarts (no rule for PodFailurePolicy):
+    its child Jobs are deleted with propagationPolicy Foreground (a Job deleted without
+    it orphans its pods) and UID preconditions, and the JobSet controller recreates them;
+    its restart counters are untouched, and the event says restart-attempt stays."""
+    pods = setup_cluster(kube, failure_policy={"maxRestarts": 3})
+    old_pods = {p["metadata"]["uid"] for p in pods}
+    async with started(kube, kube_settings(make_settings)) as backend:
+        await until(backend, lambda: len(backend.discovery.child_jobs("train")) == 2)
+        old_jobs = {j["metadata"]["uid"] for j in kube.objects("Job")}
+        before = len(kube.requests)
+        result = await backend.execute(action(ActionType.RESTART_WORKLOAD, reason="hang"))
+        assert result["method"] == "delete_jobs" and result["restart_attempt"] == 0, result
+        assert result["deleted_jobs"] == ["train-workers-0", "train-workers-1"]
+        deletes = [r for r in kube.requests[before:] if r.method == "DELETE"]
+        assert [d.path.rsplit("/", 1)[-1] for d in deletes] == result["deleted_jobs"]
+        new_jobs = {j["metadata"]["uid"] for j in kube.objects("Job")}
+        assert len(new_jobs) == 2 and not new_jobs & old_jobs
+        running = kube.wait_for(lambda: pods_running(kube, 2), 10)
+        assert not {p["metadata"]["uid"] for p in running} & old_pods
+        assert kube.get("JobSet", "train")["status"].get("restarts", 0) == 0
+        (event,) = events_about(kube, "train", "RestartWorkload")
+        assert "restart-attempt stays 0" in event["message"]
+        assert "gets RestartJobSet, not RestartJobSetAndIgnoreMaxRestarts" in event["message"]
+
+
+async def test_restart_workload_resumed_after_a_crash_restarts_nothing_new(
+    kube: FakeKube, make_settings: SettingsFactory
+) -> None:
+    """A crash after the pods were evicted: the repeat finds its journal entry (the old
+    Jobs' UIDs) and the restart done, so the new Jobs and pods are left alone."""
     setup_cluster(kube)
     async with started(kube, kube_settings(make_settings)) as backend:
         await until(backend, lambda: len(backend.discovery.child_jobs("train")) == 2)
         a = action(ActionType.RESTART_WORKLOAD, key="crashy")
         await backend.execute(a)
+        running = kube.wait_for(lambda: pods_running(kube, 2), 10)
         # Forget that it finished, as if the supervisor died before recording it.
         js = kube.get("JobSet", "train")
         journal = json.loads(js["metadata"]["annotations"][o.JOURNAL])
@@ -233,8 +270,15 @@ async def test_restart_workload_resumed_after_a_crash_deletes_nothing_new(
             "JobSet", "train", {"metadata": {"annotations": {o.JOURNAL: json.dumps(journal)}}}
         )
         jobs = {j["metadata"]["uid"] for j in kube.objects("Job")}
-        await backend.execute(a)
+        before = len(kube.requests)
+        result = await backend.execute(a)
+        assert result == {"method": "evict", "pods": {}, "restart_attempt": 1}, result
         assert {j["metadata"]["uid"] for j in kube.objects("Job")} == jobs
+        assert {p["metadata"]["uid"] for p in running_pods(kube)} == {
+            p["metadata"]["uid"] for p in running
+        }
+        writes = [w for w in mutations(kube, before) if "/events" not in w[1]]
+        assert [path.rsplit("/", 1)[-1] for _, path in writes] == ["train"], writes
 
 
 # --- hot-swap and the node's way back -------------------------------------------------------

@@ -465,10 +465,11 @@ def operator_restart(e2e: E2E) -> None:
 
 
 def test_pods_deleted_by_a_restart_stop_without_a_storm(e2e: E2E) -> None:
-    """An operator restarts the workload through the API: the supervisor deletes the
-    JobSet's Jobs, their pods are deleted, each worker gets SIGTERM and tells its host
-    monitor it is stopping, so the supervisor sees every old worker `stopped`: no
-    worker_exited event, no further action; new pods start and their workers register."""
+    """An operator restarts the workload through the API: the supervisor evicts the
+    JobSet's pods, each worker gets SIGTERM and tells its host monitor it is stopping, so
+    the supervisor sees every old worker `stopped`: no worker_exited event, no further
+    action; the JobSet controller restarts the JobSet (restart-attempt 1), new pods start
+    and their workers register."""
     trains(e2e, FIRST_FOUR, attempt="0", steps=10)
     first = {c.uid for c in e2e.bridge.running()}
     operator_restart(e2e)
@@ -499,20 +500,18 @@ def test_pods_deleted_by_a_restart_stop_without_a_storm(e2e: E2E) -> None:
     assert not any("exited" in states for states in seen.values()), seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: restart_workload (supervisor/kube/backend.py) deletes the child "
-    "Jobs, so the new pods keep the JobSet's restart-attempt label; the example "
-    "manifest's WORKLOAD_ATTEMPT comes from it, and the new workers read the previous "
-    "attempt's collective files: they disagree on the resume step and block",
-)
 def test_a_workload_restarted_by_the_supervisor_resumes_and_trains(e2e: E2E) -> None:
-    """After the supervisor's workload restart, the new workers agree on the newest
-    checkpoint every rank can load (the durable one at step 20 at least) and train on."""
+    """After the supervisor's workload restart, done as a JobSet restart that does not
+    count toward maxRestarts, the new workers (restart-attempt 1: a collective of their
+    own) agree on the newest checkpoint every rank can load (the durable one at step 20
+    at least) and train on."""
     trains(e2e, FIRST_FOUR, attempt="0", steps=25)
     first = {c.uid for c in e2e.bridge.running()}
     operator_restart(e2e)
     wait_for(lambda: len({c.uid for c in e2e.bridge.running()} - first) == 4, 30, "new pods")
+    assert {p["metadata"]["labels"][f"{JS}restart-attempt"] for p in e2e.pods()} == {"1"}
+    status = e2e.kube.get("JobSet", JOB)["status"]
+    assert status["restarts"] == 1 and status.get("restartsCountTowardsMax", 0) == 0, status
     resumed = wait_for(
         lambda: len(RESUMED.findall(e2e.logs())) == 4 and RESUMED.findall(e2e.logs()),
         15,
@@ -521,3 +520,5 @@ def test_a_workload_restarted_by_the_supervisor_resumes_and_trains(e2e: E2E) -> 
     assert all(int(step) >= 20 for step, _ in resumed), resumed
     before = e2e.step()
     wait_for(lambda: e2e.step() >= before + 10, 20, "training goes on")
+    (restart,) = wait_for(e2e.settled, 30, "actions settled")
+    assert restart["status"] == "succeeded" and restart["result"]["method"] == "evict", restart

@@ -39,6 +39,7 @@ from supervisor.kube import objects as o
 from supervisor.kube.calls import Calls, Conflict, NotFound, TooManyRequests
 from supervisor.kube.discovery import Discovery
 from supervisor.kube.events import EventRecorder, event_name
+from supervisor.kube.failure_policy import eviction_restart_refusal
 from supervisor.kube.generations import (
     Verdict,
     jobs_to_restart,
@@ -385,14 +386,19 @@ class KubeBackend(Backend):
         return action.created_at
 
     async def _plan_restart(
-        self, action: ActionRecord, when: datetime, decide: Callable[[Obj], Verdict]
+        self,
+        action: ActionRecord,
+        when: datetime,
+        decide: Callable[[Obj], Verdict],
+        how: Callable[[Obj], dict[str, Any]] | None = None,
     ) -> tuple[Obj, dict[str, Any]]:
         """The journal entry of a restart: its targets, or why it is skipped.
 
         While pods or Jobs of its generation have failed and the Job or JobSet controller
         has not reacted yet (a JobSet restart makes the action a no-op), it waits for
         them, by watching, up to `controller_patience_s`; then it acts, or fails (for
-        want of anything to act on). An entry already journalled is taken as it is."""
+        want of anything to act on). `how` adds what the JobSet says of the way to act
+        to an entry with targets. An entry already journalled is taken as it is."""
         jobset, key = self._jobset_name(action), action.idempotency_key
         deadline = time.monotonic() + self.controller_patience_s
 
@@ -413,7 +419,7 @@ class KubeBackend(Backend):
                 return {**entry, "skipped": verdict.skipped}
             if not verdict.targets:
                 raise ActionError(verdict.error or "nothing to restart", retryable=verdict.wait)
-            return {**entry, "targets": verdict.targets}
+            return {**entry, "targets": verdict.targets, **(how(js) if how else {})}
 
         while True:
             # The watches' streams are separate (a Job may be seen failed before its pod):
@@ -599,9 +605,15 @@ class KubeBackend(Backend):
         await self._finish("JobSet", jobset, key, result)
         return result
 
-    # --- workload restart: delete the child Jobs; the JobSet controller recreates them --------
+    # --- workload restart: a JobSet restart by eviction, or recreated child Jobs -----------
 
     async def _restart_workload(self, action: ActionRecord) -> dict[str, Any]:
+        """Restart every worker of the JobSet, as the JobSet controller would after a
+        failure: with the failure policy of "JobSet requirements", evict the pods of its
+        current Jobs, which fails them, and the controller restarts the JobSet without
+        counting it toward maxRestarts (`restart-attempt` goes up: workers keyed on it
+        start afresh). Without that policy, delete the child Jobs for the controller to
+        recreate (`restart-attempt` stays, maxRestarts is untouched either way)."""
         jobset, key = self._jobset_name(action), action.idempotency_key
         when = await self._reference_time(action)
 
@@ -610,13 +622,81 @@ class KubeBackend(Backend):
             # others: a second restart right after the first would be one too many.
             return jobs_to_restart(self.discovery, js, when)
 
-        js, entry = await self._plan_restart(action, when, decide)
+        def how(js: Obj) -> dict[str, Any]:
+            refusal = eviction_restart_refusal(js)
+            method = {"method": "delete_jobs", "why": refusal} if refusal else {"method": "evict"}
+            return {**method, "restarts_before": o.jobset_restarts(js)}
+
+        js, entry = await self._plan_restart(action, when, decide, how)
         if entry.get("done"):
             return {"repeated": True, **entry.get("result", {})}
         if "skipped" in entry:
             return await self._skip(js, action, entry)
         old = {uid for _, uid in entry["targets"]}
-        for name, uid in entry["targets"]:
+        restarts_before = int(entry.get("restarts_before", 0))
+        pods = sorted(
+            [o.name_of(p), o.uid_of(p)]
+            for p in self.discovery.pods_of(jobset)
+            if o.owner_uid(p) in old and not o.terminating(p) and not o.pod_finished(p)
+        )
+        # No pod left to evict (say, a repeat after the evictions): wait for the restart
+        # where it is done or under way (a failed Job); else nothing would fail the Jobs,
+        # so they are deleted instead.
+        current = self.discovery.jobset(jobset) or js
+        under_way = o.jobset_restarts(current) > restarts_before or any(
+            o.job_failed(j) for j in self.discovery.child_jobs(jobset) if o.uid_of(j) in old
+        )
+        by_eviction = entry.get("method") == "evict" and (bool(pods) or under_way)
+        result: dict[str, Any]
+        if by_eviction:
+            outcome = await self._evict_targets(
+                action, pods, "RestartWorkload", "restarting the JobSet's workers"
+            )
+            result = {"method": "evict", "pods": outcome}
+        else:
+            await self._delete_jobs(entry["targets"])
+            result = {"method": "delete_jobs", "deleted_jobs": [n for n, _ in entry["targets"]]}
+        expected_jobs = sum(
+            int(r.get("replicas", 1)) for r in js.get("spec", {}).get("replicatedJobs") or []
+        )
+
+        def replaced() -> bool:
+            current = self.discovery.jobset(jobset)
+            if by_eviction and (current is None or o.jobset_restarts(current) <= restarts_before):
+                return False
+            jobs = self.discovery.child_jobs(jobset)
+            fresh = [j for j in jobs if o.uid_of(j) not in old and not o.terminating(j)]
+            return not any(o.uid_of(j) in old for j in jobs) and len(fresh) >= expected_jobs
+
+        limit = self.settings.pod_termination_threshold_s
+        if not await self.discovery.wait_until(replaced, limit):
+            left = sorted(
+                o.name_of(j) for j in self.discovery.child_jobs(jobset) if o.uid_of(j) in old
+            )
+            raise ActionError(
+                f"JobSet {jobset}: old Jobs {left} not replaced within"
+                f" pod_termination_threshold_s={limit:g}s",
+                retryable=True,
+            )
+        current = self.discovery.jobset(jobset) or js
+        result["restart_attempt"] = o.jobset_restarts(current)
+        if by_eviction:
+            what = (
+                f"evicted the pods of its Jobs {result['pods']}; the JobSet controller"
+                f" restarted it (restart-attempt {result['restart_attempt']})"
+            )
+        else:
+            what = (
+                f"deleted child Jobs {result['deleted_jobs']}; the JobSet controller"
+                f" recreated them (restart-attempt stays {result['restart_attempt']}:"
+                f" {entry.get('why')})"
+            )
+        await self._event(js, "JobSet", action, "RestartWorkload", what)
+        await self._finish("JobSet", jobset, key, result)
+        return result
+
+    async def _delete_jobs(self, targets: list[list[str]]) -> None:
+        for name, uid in targets:
             # Foreground: the Job stays until its pods are gone, so the JobSet controller
             # recreates it only then, and old and new workers never run side by side.
             options = client.V1DeleteOptions(
@@ -631,35 +711,6 @@ class KubeBackend(Backend):
                     self.ns,
                     body=options,
                 )
-        expected_jobs = sum(
-            int(r.get("replicas", 1)) for r in js.get("spec", {}).get("replicatedJobs") or []
-        )
-
-        def recreated() -> bool:
-            jobs = self.discovery.child_jobs(jobset)
-            fresh = [j for j in jobs if o.uid_of(j) not in old and not o.terminating(j)]
-            return not any(o.uid_of(j) in old for j in jobs) and len(fresh) >= expected_jobs
-
-        limit = self.settings.pod_termination_threshold_s
-        if not await self.discovery.wait_until(recreated, limit):
-            left = sorted(
-                o.name_of(j) for j in self.discovery.child_jobs(jobset) if o.uid_of(j) in old
-            )
-            raise ActionError(
-                f"JobSet {jobset}: old Jobs {left} not replaced within"
-                f" pod_termination_threshold_s={limit:g}s",
-                retryable=True,
-            )
-        result = {"deleted_jobs": [name for name, _ in entry["targets"]]}
-        await self._event(
-            js,
-            "JobSet",
-            action,
-            "RestartWorkload",
-            f"deleted child Jobs {result['deleted_jobs']}; the JobSet controller recreated them",
-        )
-        await self._finish("JobSet", jobset, key, result)
-        return result
 
     # --- nodes: cordon, swap out, restore -----------------------------------------------------
 

@@ -111,6 +111,14 @@ def jobset_of(pod: Obj) -> str | None:
     return labels_of(pod).get(JOBSET_NAME)
 
 
+def owner_uid(obj: Obj) -> str | None:
+    """The UID of the object's controller (a pod's Job), from its ownerReferences."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
 def terminating(obj: Obj) -> bool:
     return bool(obj.get("metadata", {}).get("deletionTimestamp"))
 
