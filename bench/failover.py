@@ -179,11 +179,17 @@ class Pair:
     """A fake API server and replicas (two by default) sharing one database."""
 
     def __init__(
-        self, run_dir: Path, timing: Timing, identities: tuple[str, ...] = ("a", "b")
+        self,
+        run_dir: Path,
+        timing: Timing,
+        identities: tuple[str, ...] = ("a", "b"),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.timing = timing
         self.identities = identities
+        #: Added to each replica's environment (e.g. SUPERVISOR_POLICY).
+        self.env = env or {}
         # (Controllers run, idle: FakeKube.stop() fails when they never started.)
         self.kube = FakeKube(token=KUBE_TOKEN, tick=0.5)
         self.replicas: list[Replica] = []
@@ -194,6 +200,7 @@ class Pair:
         kubeconfig = write_kubeconfig(self.run_dir / "kubeconfig", self.kube.url, KUBE_TOKEN)
         self.replicas = [Replica(i, self.run_dir, kubeconfig, self.timing) for i in self.identities]
         for replica in self.replicas:
+            replica.env.update(self.env)
             replica.start()
         return self
 
@@ -233,8 +240,13 @@ def query(db: Path, sql: str) -> list[tuple[Any, ...]]:
 
 
 @contextmanager
-def pair(run_dir: Path, timing: Timing, identities: tuple[str, ...] = ("a", "b")) -> Iterator[Pair]:
-    cluster = Pair(run_dir, timing, identities)
+def pair(
+    run_dir: Path,
+    timing: Timing,
+    identities: tuple[str, ...] = ("a", "b"),
+    env: dict[str, str] | None = None,
+) -> Iterator[Pair]:
+    cluster = Pair(run_dir, timing, identities, env)
     try:
         yield cluster.start()
     finally:

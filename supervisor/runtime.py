@@ -16,7 +16,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from supervisor.actuator import ActionError, Actuator, Backend, BackendHooks, DryRunBackend
+from supervisor.actuator import (
+    ActionError,
+    Actuator,
+    Backend,
+    BackendHooks,
+    DryRunBackend,
+    Fence,
+    no_fence,
+)
 from supervisor.config import Settings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
@@ -99,6 +107,8 @@ class Supervisor:
         self._schedules: dict[int, asyncio.Task[None]] = {}
         self._sampler: ProgressSampler | None = None
         self._sampling: asyncio.Task[None] | None = None
+        #: Raises Fenced once this replica may no longer act; leader election sets it.
+        self.fence: Fence = no_fence
         self.ready = False
         #: What /readyz and refused requests answer while not ready (a standby says who
         #: leads; see supervisor.kube.leader).
@@ -130,6 +140,7 @@ class Supervisor:
             self.metrics,
             self._apply_effects,
             on_change=self.hub.action,
+            fence=self.fence,
         )
         self._controller = Controller(
             self.settings, self.policy, self.store, self._actuator, self._snapshot
@@ -165,6 +176,7 @@ class Supervisor:
                 node_address=self._node_address,
                 node_heartbeating=self._node_heartbeating,
                 event=self._event,
+                fence=self.fence,
             )
         )
         self.ready = True

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.actuator.backend import ActionError
+from supervisor.actuator.backend import ActionError, Fenced
 from supervisor.domain import ActionType
 from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
@@ -279,6 +279,27 @@ async def test_restart_workload_resumed_after_a_crash_restarts_nothing_new(
         }
         writes = [w for w in mutations(kube, before) if "/events" not in w[1]]
         assert [path.rsplit("/", 1)[-1] for _, path in writes] == ["train"], writes
+
+
+async def test_a_fenced_replica_sends_nothing(
+    kube: FakeKube, make_settings: SettingsFactory
+) -> None:
+    """Once the fence says this replica may no longer act (its leadership lapsed), an
+    action raises Fenced before sending any request: not even its journal entry."""
+    setup_cluster(kube)
+    hooks = Hooks()
+    async with started(kube, kube_settings(make_settings), hooks) as backend:
+        await until(backend, lambda: len(backend.discovery.child_jobs("train")) == 2)
+        hooks.fenced = "the Lease may be someone else's"
+        before = len(kube.requests)
+        with pytest.raises(Fenced, match="someone else's"):
+            await backend.execute(action(ActionType.RESTART_WORKLOAD))
+        with pytest.raises(Fenced):
+            await backend.execute(action(ActionType.CORDON, node="gpu-0", job=None, key="k2"))
+        assert mutations(kube, before) == []
+        assert "resiliency.supervisor.io/actions" not in kube.get("JobSet", "train")[
+            "metadata"
+        ].get("annotations", {})
 
 
 # --- hot-swap and the node's way back -------------------------------------------------------

@@ -273,6 +273,27 @@ async def test_leader_that_cannot_renew_stops_within_the_renew_deadline(
     assert 0.9 <= lost_after < 1.0 + 1.5
 
 
+async def test_the_fence_closes_at_the_renew_deadline_of_the_last_renewal(
+    kube: FakeKube, elector: ElectorFactory
+) -> None:
+    """`check` lets a replica act only while its last renewal started less than the
+    renew deadline ago: a replica frozen past it cannot know whether the Lease is still
+    its own, so it may not act, even before its renewal loop has run."""
+    clock = Clock()
+    a = elector("a", clock, duration=2.0, deadline=1.0)
+    with pytest.raises(LeadershipLost, match="does not hold"):
+        a.check()
+    assert await a.try_acquire_or_renew()
+    clock.advance(0.99)
+    a.check()
+    clock.advance(0.02)
+    with pytest.raises(LeadershipLost, match=r"1\.0 s ago, past the renew deadline"):
+        a.check()
+    # A renewal opens it again.
+    assert await a.try_acquire_or_renew()
+    a.check()
+
+
 async def test_leader_with_a_hanging_api_stops_within_the_renew_deadline(
     kube: FakeKube, elector: ElectorFactory
 ) -> None:
@@ -488,6 +509,70 @@ async def test_failover_after_sigkill_does_every_action_exactly_once(tmp_path: P
     for action in items:
         mentioned = f"action {action['id']} {action['type']} " in new_leader_log
         assert mentioned == (action["id"] not in done_before)
+
+
+FREEZING_POLICY = """
+import time
+from pathlib import Path
+
+from policies.default import DefaultPolicy
+
+MARKER = Path(__file__).with_name("freeze-next-decision")
+
+
+class FreezingPolicy(DefaultPolicy):
+    \"\"\"The default policy, except that the first decision after MARKER appears first
+    blocks the whole process for FREEZE_S, as SIGSTOP, a paused VM or a long GC would.\"\"\"
+
+    def event_policy(self, event, context):
+        try:
+            MARKER.unlink()
+        except FileNotFoundError:
+            pass
+        else:
+            time.sleep(FREEZE_S)
+        return super().event_policy(event, context)
+"""
+
+
+async def test_a_leader_frozen_past_its_lease_steps_down_without_acting(tmp_path: Path) -> None:
+    """The leader freezes while deciding on an event, for longer than the Lease lasts; the
+    standby takes over meanwhile. When the old leader wakes, with its decision made, the
+    fence is closed: it records nothing, runs nothing and exits; the new leader decides
+    on the event and acts, once."""
+    freeze_s = 3 * TIMING.lease_duration_s
+    policy = tmp_path / "freezing_policy.py"
+    policy.write_text(FREEZING_POLICY.replace("FREEZE_S", str(freeze_s)))
+    env = {"SUPERVISOR_POLICY": f"{policy}:FreezingPolicy"}
+    with pair(tmp_path, TIMING, env=env) as cluster:
+        leader, standby = cluster.wait_leader()
+        await register(leader, {"n1": "j1"})
+        (tmp_path / "freeze-next-decision").touch()
+        (event,) = await inject_xids(leader, ["n1"], [79])
+        frozen = time.monotonic()
+
+        deadline = frozen + freeze_s
+        while standby.readyz()[0] != 200:
+            assert time.monotonic() < deadline, standby.log_text()
+            await asyncio.sleep(0.02)
+        assert leader.running, "the old leader must still be frozen: the test proves little"
+
+        assert leader.wait_exit(freeze_s + 10) == EXIT_LEADERSHIP_LOST
+        old_log = leader.log_text()
+        assert "was this replica frozen?" in old_log, old_log
+        decided = f"event {event} gpu_xid node=n1"
+        assert decided not in old_log and "dry run: would" not in old_log, old_log
+
+        deadline = time.monotonic() + 30
+        while any(cluster.in_flight()):
+            assert time.monotonic() < deadline, standby.log_text()
+            await asyncio.sleep(0.05)
+        items = actions(standby)
+        assert items and all(a["event_id"] == event for a in items), items
+        assert all(a["status"] == "succeeded" and a["attempts"] == 1 for a in items), items
+        new_log = standby.log_text()
+        assert new_log.count(decided) == 1
+        assert new_log.count("dry run: would") == len(items)
 
 
 def test_a_stopped_leader_hands_over_by_releasing_the_lease(tmp_path: Path) -> None:

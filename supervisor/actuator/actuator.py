@@ -11,7 +11,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from supervisor.actuator.backend import ActionError, Backend
+from supervisor.actuator.backend import ActionError, Backend, Fence, Fenced, no_fence
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.metrics import Metrics
@@ -34,8 +34,11 @@ class Actuator:
         on_succeeded: OnFinished | None = None,
         *,
         on_change: OnChange | None = None,
+        fence: Fence = no_fence,
     ) -> None:
         self.store = store
+        #: Raises Fenced once this replica may no longer act (leader election).
+        self.fence = fence
         self.backend = backend
         self.settings = settings
         self.metrics = metrics
@@ -59,7 +62,10 @@ class Actuator:
         return self.settings.action_max_attempts
 
     async def run(self, action: ActionRecord) -> ActionRecord:
-        """Run an action to its end. Finished actions are returned as they are."""
+        """Run an action to its end. Finished actions are returned as they are.
+
+        Raises Fenced, leaving the action as it stands in the store, when this replica
+        may no longer act: before an attempt, or from inside the backend."""
         if action.status.finished:
             return action
         timeout = self.timeout_s(action.type)
@@ -72,11 +78,16 @@ class Actuator:
         started = time.monotonic()
         error = "not attempted"
         while action.attempts < limit:
+            self.fence()
             action = await asyncio.to_thread(self.store.start_attempt, action.id)
             self.changed(action)
             try:
+                self.fence()  # the store write may have taken long
                 async with asyncio.timeout(timeout):
                     result = await self.backend.execute(action)
+            except Fenced:
+                log.warning("action %s (%s) left to the leader", action.id, action.type.value)
+                raise
             except TimeoutError:
                 error = f"timed out after {timeout:g}s"
                 retryable = action.type is not ActionType.EMERGENCY_CHECKPOINT

@@ -18,6 +18,21 @@ class ActionError(Exception):
         self.retryable = retryable
 
 
+class Fenced(Exception):
+    """This replica may no longer act: its leadership has lapsed (e.g. it was frozen for
+    longer than the Lease lasts) and another replica may be acting already. The action
+    is left as it stands in the store, for the leader to resume."""
+
+
+#: Raises Fenced when this replica may no longer act; called before every attempt and
+#: every call a backend makes to the outside world.
+Fence = Callable[[], None]
+
+
+def no_fence() -> None:
+    """The fence of a replica that is the only one (no leader election)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BackendHooks:
     """What the supervisor offers a backend that watches the cluster itself (Kubernetes)."""
@@ -33,6 +48,8 @@ class BackendHooks:
     #: A recorded event, by id (None: unknown): an action taken for it acts on what
     #: existed at its time, not on what was created since.
     event: Callable[[int], Awaitable[Event | None]] | None = None
+    #: Checked before each call to the outside world (see `Fenced`).
+    fence: Fence = no_fence
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from supervisor.actuator import Actuator
+from supervisor.actuator import Actuator, Fenced
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.policy import Policy, PolicyContext, PolicyLimits
@@ -111,6 +111,8 @@ class Controller:
                         await self.actuator.run(action)
             except asyncio.CancelledError:
                 raise
+            except Fenced:
+                pass  # this replica is stepping down; the leader takes the work over
             except Exception:
                 log.exception("controller lane failed on %r", item)
             finally:
@@ -151,6 +153,7 @@ class Controller:
         if event.id is None:
             raise ValueError("only persisted events can be handled")
         requests = self.decide(event, await self.context())
+        self.actuator.fence()  # only the leader records decisions (a policy may be slow)
         actions = await asyncio.to_thread(self.store.handle_event, event.id, requests)
         for action in actions:
             self.actuator.changed(action)

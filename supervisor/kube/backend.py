@@ -151,6 +151,7 @@ class KubeBackend(Backend):
 
     async def start(self, hooks: BackendHooks) -> None:
         self._hooks = hooks
+        self.calls.fence = hooks.fence
         self.sensing = KubeSensing(self.discovery, self.settings, hooks.raise_events)
         self.sensing.start()
         self._start_watches()
@@ -540,6 +541,7 @@ class KubeBackend(Backend):
             url = self._host_monitor_url(node)
             if url is None:
                 raise ActionError(f"no address for the host monitor of {node}")
+            self.calls.fence()
             response = await self._http.post(
                 f"{url}/v1/emergency-checkpoint", json=body, timeout=budget + 2
             )

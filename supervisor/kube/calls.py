@@ -1,6 +1,7 @@
 """Calls to the API server from async code: in a thread, bounded, retried where safe.
 
 Every call the backend makes goes through `Calls.run`, which
+- refuses (Fenced) when this replica may no longer act (leader election);
 - runs the (synchronous) client call in a worker thread with a request timeout;
 - retries 429 (honouring `Retry-After`), 500, 502, 503, 504, timeouts and connection
   errors with capped exponential backoff, a few times: the backend only sends requests
@@ -21,7 +22,7 @@ from typing import Any
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from supervisor.actuator.backend import ActionError
+from supervisor.actuator.backend import ActionError, Fence, no_fence
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class Calls:
         self.request_timeout_s = request_timeout_s
         self.attempts = attempts
         self.backoff_s = backoff_s
+        #: Checked before every request: a replica that may no longer act sends none.
+        self.fence: Fence = no_fence
 
     async def run(
         self,
@@ -88,6 +91,7 @@ class Calls:
         delay = self.backoff_s[0]
         last = ""
         for attempt in range(1, self.attempts + 1):
+            self.fence()
             try:
                 return await asyncio.to_thread(
                     func, *args, _request_timeout=self.request_timeout_s, **kwargs

@@ -17,6 +17,12 @@ kube-controller-manager and kube-scheduler):
   `renew_deadline < lease_duration`, a leader that cannot renew gives up before anyone
   may take over, with `lease_duration - renew_deadline` to spare.
 
+Fencing: a leader may act only while its last renewal started less than
+`renew_deadline` ago (`LeaderElector.check`). Every action attempt and every call the
+backends make checks it first, so a replica that was frozen for longer than the Lease
+lasts, and wakes up with work ready to run, steps down before sending anything instead
+of racing the new leader.
+
 What losing means here is `Leadership`'s business: the replica exits at once (non-zero,
 so Kubernetes restarts it, as a standby), which stops every task of the runtime without
 having to trust that each one notices a flag.
@@ -45,6 +51,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from supervisor.actuator import Fenced
 from supervisor.config import Settings
 from supervisor.kube.client import api_client
 from supervisor.runtime import Supervisor
@@ -168,6 +175,21 @@ class LeaderElector:
         if record is None or not record.holder or self._expired(record):
             return None
         return record.holder
+
+    def check(self) -> None:
+        """Raise LeadershipLost unless this replica may act now: it leads, and its last
+        renewal started less than `renew_deadline` ago, so no other replica can have
+        taken the Lease. `hold` would notice the same, later: a replica frozen (SIGSTOP,
+        a paused VM, a long GC) for longer than the Lease lasts wakes up with other
+        tasks ready to run before it."""
+        if self._renewed_at is None:
+            raise LeadershipLost("this replica does not hold the Lease")
+        age = self._clock() - self._renewed_at
+        if age >= self.config.renew_deadline_s:
+            raise LeadershipLost(
+                f"the last renewal of the Lease started {age:.1f} s ago, past the renew"
+                f" deadline ({self.config.renew_deadline_s:g} s): was this replica frozen?"
+            )
 
     def _expired(self, record: LeaseRecord) -> bool:
         duration = record.lease_duration_s or self._duration
@@ -386,6 +408,9 @@ class Leadership:
             client.CoordinationV1Api(self._api), ElectionConfig.from_settings(settings)
         )
         self.supervisor = supervisor
+        supervisor.fence = self.fence
+        #: Why this replica lost the Lease, once it has.
+        self.lost: str | None = None
         self._on_lost = on_lost
         self._campaign: asyncio.Task[None] | None = None
         self._renewal: asyncio.Task[None] | None = None
@@ -419,7 +444,21 @@ class Leadership:
             log.exception("Lease renewal failed")
             self._lost(f"renewal failed: {type(exc).__name__}: {exc}")
 
+    def fence(self) -> None:
+        """The runtime's fence: raises Fenced (after stepping down) once the Lease may
+        be someone else's, so no action or Kubernetes call outlives the leadership."""
+        if self.lost is not None:
+            raise Fenced(self.lost)
+        try:
+            self.elector.check()
+        except LeadershipLost as exc:
+            self._lost(str(exc))
+            raise Fenced(str(exc)) from None
+
     def _lost(self, reason: str) -> None:
+        if self.lost is not None:
+            return  # told once
+        self.lost = reason
         self.supervisor.ready = False  # refuse requests from now on
         self.supervisor.metrics.acting.set(0)
         self.supervisor.readiness = {"status": "lost leadership", "detail": reason}

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.actuator.backend import BackendHooks
+from supervisor.actuator.backend import BackendHooks, Fenced
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionRequest, ActionStatus, ActionType, Event, utcnow
 from supervisor.kube.backend import KubeBackend
@@ -29,12 +29,18 @@ class Hooks:
     heartbeating: dict[str, bool] = field(default_factory=dict)
     #: Recorded events by id, as the store would answer.
     recorded: dict[int, Event] = field(default_factory=dict)
+    #: Set: the replica may no longer act (the fence raises Fenced with this reason).
+    fenced: str | None = None
 
     async def request(self, request: ActionRequest, key: str) -> None:
         self.requests.append((request, key))
 
     async def event(self, event_id: int) -> Event | None:
         return self.recorded.get(event_id)
+
+    def fence(self) -> None:
+        if self.fenced is not None:
+            raise Fenced(self.fenced)
 
     def hooks(self) -> BackendHooks:
         return BackendHooks(
@@ -43,6 +49,7 @@ class Hooks:
             node_address=self.addresses.get,
             node_heartbeating=self.heartbeating.get,
             event=self.event,
+            fence=self.fence,
         )
 
     def of(self, type_: str) -> list[Event]:
