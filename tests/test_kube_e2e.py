@@ -83,11 +83,6 @@ def jobset(tmp: Path) -> dict[str, Any]:
         "LOCAL_CKPT_DIR": str(tmp / "nodes" / "$(NODE_NAME)" / "local"),
         "LOG_EVERY_STEPS": "5",
     }
-    # The API server answers quantities as strings ("8"); FakeKube keeps the manifest's
-    # YAML integer, which the client's models then refuse: write it as the server would.
-    for limits in container["resources"].values():
-        for resource, quantity in limits.items():
-            limits[resource] = str(quantity)
     for var in container["env"]:
         if var["name"] in overrides:
             var["value"] = overrides.pop(var["name"])

@@ -172,6 +172,36 @@ def test_create_sets_metadata_and_resets_pod_status(kube: FakeKube, api: Any) ->
     assert generated.metadata.name.startswith("gen-") and len(generated.metadata.name) == 9
 
 
+def test_quantities_come_back_as_strings(kube: FakeKube, api: Any) -> None:
+    """Resource quantities sent as JSON numbers (a manifest's YAML `8`, applied as it is:
+    the client's models would refuse it) come back as the server writes them ("8",
+    "500m"), in pods and in Jobs' pod templates; requests default to the limits."""
+    core = _api(client.CoreV1Api, api)
+    body = pod_body("q")
+    body["spec"]["containers"][0]["resources"] = {
+        "limits": {"nvidia.com/gpu": 8, "cpu": 0.5},
+        "requests": {"memory": "1Gi"},
+    }
+    kube.create(body, namespace=NS)
+    pod = core.read_namespaced_pod("q", NS)
+    assert pod.spec.containers[0].resources.limits == {"nvidia.com/gpu": "8", "cpu": "500m"}
+    assert pod.spec.containers[0].resources.requests == {
+        "memory": "1Gi",
+        "nvidia.com/gpu": "8",
+        "cpu": "500m",
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "qj"},
+        "spec": {"template": {"spec": {**body["spec"], "restartPolicy": "Never"}}},
+    }
+    kube.create(job, namespace=NS)
+    created = _api(client.BatchV1Api, api).read_namespaced_job("qj", NS)
+    limits = created.spec.template.spec.containers[0].resources.limits
+    assert limits == {"nvidia.com/gpu": "8", "cpu": "500m"}
+
+
 def test_already_exists_and_not_found_are_status_objects(api: Any) -> None:
     """409 AlreadyExists on a duplicate create; 404 NotFound on get/delete/patch of a missing
     object, with the real messages and details."""

@@ -889,6 +889,14 @@ def _scaled(value: int | str, total: int) -> int:
     return int(value)
 
 
+def _quantity(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{round(value * 1000)}m"
+
+
 def _default_pod_spec(spec: Obj) -> None:
     spec.setdefault("restartPolicy", "Always")
     spec.setdefault("terminationGracePeriodSeconds", 30)
@@ -897,6 +905,11 @@ def _default_pod_spec(spec: Obj) -> None:
     spec.setdefault("priority", 0)
     for c in spec.get("containers") or []:
         res = c.get("resources") or {}
+        # Quantities are strings in what the server answers, whatever JSON number was
+        # sent ("8" for 8, "500m" for 0.5); the client's models take only strings.
+        for part in ("limits", "requests"):
+            if res.get(part):
+                res[part] = {k: _quantity(v) for k, v in res[part].items()}
         limits = res.get("limits") or {}
         if limits:
             requests = res.setdefault("requests", {})
