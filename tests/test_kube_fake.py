@@ -91,10 +91,11 @@ def jobset_body(
     max_restarts: int | None = 3,
     suspend: bool = False,
     gpus: int = 8,
+    grace: int = 5,
 ) -> dict[str, Any]:
     pod_spec = {
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 5,
+        "terminationGracePeriodSeconds": grace,
         "containers": [
             {
                 "name": "main",
@@ -1127,7 +1128,10 @@ def test_foreground_deletion_of_a_jobset_removes_the_tree_owner_last(
     once no old pod is left. The scaling action of the backend relies on this order."""
     _nodes(kube, 4)
     co = _api(client.CustomObjectsApi, api)
-    co.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, jobset_body("train"))
+    # Pods that take 1 s to stop (100 s scaled): the checks below fit in it, even on a
+    # loaded machine.
+    body = jobset_body("train", grace=100)
+    co.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
     kube.wait_for(lambda: len(jobset_pods(kube, "train", 0)) == 4)
     co.delete_namespaced_custom_object(
         GROUP,
