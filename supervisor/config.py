@@ -159,6 +159,18 @@ class Settings(BaseSettings):
         ge=0,
         description="Grace period of pods deleted when eviction is impossible.",
     )
+    eviction_patience_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long an eviction refused by a PodDisruptionBudget is retried "
+        "before the pod is deleted instead.",
+    )
+    controller_patience_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long a restart waits for the Job and JobSet controllers to react "
+        "to failed pods or Jobs of its generation before it acts itself.",
+    )
     host_monitor_port: int = Field(
         9400,
         ge=1,

@@ -109,8 +109,8 @@ class KubeBackend(Backend):
         watch_timeout_s: int = 300,
         api_attempts: int = 4,
         api_backoff_s: tuple[float, float] = (0.2, 5.0),
-        eviction_patience_s: float = 30.0,
-        controller_patience_s: float = 10.0,
+        eviction_patience_s: float | None = None,
+        controller_patience_s: float | None = None,
     ) -> None:
         if api is None:
             from supervisor.kube.client import api_client
@@ -120,11 +120,17 @@ class KubeBackend(Backend):
         self.api = api
         #: How long an eviction refused by a PodDisruptionBudget (429) is retried before
         #: the pod is deleted instead.
-        self.eviction_patience_s = eviction_patience_s
+        self.eviction_patience_s = (
+            settings.eviction_patience_s if eviction_patience_s is None else eviction_patience_s
+        )
         #: How long a restart waits for the Job and JobSet controllers to react to pods
         #: or Jobs of its generation that have failed (they restart the JobSet
         #: themselves), before it acts, or fails for want of anything to act on.
-        self.controller_patience_s = controller_patience_s
+        self.controller_patience_s = (
+            settings.controller_patience_s
+            if controller_patience_s is None
+            else controller_patience_s
+        )
         self.ns = settings.kube_namespace
         self.core = client.CoreV1Api(api)
         self.batch = client.BatchV1Api(api)
