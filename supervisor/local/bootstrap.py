@@ -21,14 +21,13 @@ import argparse
 import asyncio
 import os
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 
-from supervisor.local.cluster import ClusterError, ClusterState, JobSpec, LocalCluster, NodeInfo
+from supervisor.local.cluster import ClusterError, ClusterState, LocalCluster, NodeInfo
 from supervisor.local.demo import DemoOptions
 
 TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token
@@ -81,25 +80,19 @@ def build_state(args: argparse.Namespace, nodes: dict[str, str], token: str) -> 
         raise ValueError("--replicas and --nodes-per-dp must be at least 1")
     if size > len(nodes):
         raise ValueError(f"the job needs {size} nodes, {len(nodes)} given")
-    d = DemoOptions()
+    workload = DemoOptions(
+        job=args.job,
+        seed=args.seed,
+        total_steps=args.steps,
+        step_time_s=args.step_time_s,
+        replicas=args.replicas,
+        nodes_per_dp=args.nodes_per_dp,
+    )
     return ClusterState(
         run_dir=str(args.run_dir),
         actuator_token=token,
         nodes={name: NodeInfo(address=url) for name, url in nodes.items()},
-        job=JobSpec(
-            name=args.job,
-            command=[sys.executable, "-m", "supervisor.local.workload"],
-            env={
-                "SEED": str(args.seed),
-                "TOTAL_STEPS": str(args.steps),
-                "STEP_TIME_S": str(args.step_time_s),
-                "IN_MEMORY_CHECKPOINTING_FREQ": str(d.in_memory_checkpointing_freq),
-                "S3_CHECKPOINTING_FREQ": str(d.s3_checkpointing_freq),
-            },
-            num_dp_replicas=args.replicas,
-            num_nodes_per_dp=args.nodes_per_dp,
-            placement=list(nodes)[:size],
-        ),
+        job=workload.job_spec(list(nodes)[:size]),
     )
 
 

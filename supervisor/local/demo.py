@@ -55,6 +55,23 @@ class DemoOptions:
     def nodes(self) -> list[str]:
         return [f"node-{i}" for i in range(self.replicas * self.nodes_per_dp + self.spares)]
 
+    def job_spec(self, placement: list[str]) -> JobSpec:
+        """The demo training workload as a job of the local cluster, on `placement`."""
+        return JobSpec(
+            name=self.job,
+            command=[sys.executable, "-m", "supervisor.local.workload"],
+            env={
+                "SEED": str(self.seed),
+                "TOTAL_STEPS": str(self.total_steps),
+                "STEP_TIME_S": str(self.step_time_s),
+                "IN_MEMORY_CHECKPOINTING_FREQ": str(self.in_memory_checkpointing_freq),
+                "S3_CHECKPOINTING_FREQ": str(self.s3_checkpointing_freq),
+            },
+            num_dp_replicas=self.replicas,
+            num_nodes_per_dp=self.nodes_per_dp,
+            placement=placement,
+        )
+
 
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
@@ -198,20 +215,7 @@ class LocalDemo:
             run_dir=str(self.run_dir),
             actuator_token=self.actuator_token,
             nodes={n: NodeInfo(address=self._node_url(n)) for n in o.nodes},
-            job=JobSpec(
-                name=o.job,
-                command=[sys.executable, "-m", "supervisor.local.workload"],
-                env={
-                    "SEED": str(o.seed),
-                    "TOTAL_STEPS": str(o.total_steps),
-                    "STEP_TIME_S": str(o.step_time_s),
-                    "IN_MEMORY_CHECKPOINTING_FREQ": str(o.in_memory_checkpointing_freq),
-                    "S3_CHECKPOINTING_FREQ": str(o.s3_checkpointing_freq),
-                },
-                num_dp_replicas=o.replicas,
-                num_nodes_per_dp=o.nodes_per_dp,
-                placement=placement,
-            ),
+            job=o.job_spec(placement),
         )
         state.save()
         asyncio.run(self._start_job(state))
