@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -87,6 +88,25 @@ async def test_heartbeat_needs_the_agent_token(api: Api) -> None:
     ok = await api.beat(heartbeat("n1"))
     assert ok.status_code == 204 and ok.content == b""
     assert "n1" in api.supervisor.sensor.nodes
+
+
+async def test_heartbeat_body_in_parts_and_one_too_large(api: Api) -> None:
+    """A body that arrives in several parts (chunked) is put together; one larger than
+    1 MiB gets 413 naming the limit, and changes nothing."""
+    body = json.dumps(heartbeat("n1")).encode()
+
+    async def parts(data: bytes, size: int) -> AsyncIterator[bytes]:
+        for i in range(0, len(data), size):
+            yield data[i : i + size]
+
+    ok = await api.client.post("/api/v1/heartbeats", content=parts(body, 7), headers=AGENT)
+    assert ok.status_code == 204, ok.text
+    assert "n1" in api.supervisor.sensor.nodes
+    big = heartbeat("n2")
+    padded = json.dumps(big).encode()[:-1] + b" " * (1 << 20) + b"}"  # valid, too large
+    r = await api.client.post("/api/v1/heartbeats", content=parts(padded, 64 * 1024), headers=AGENT)
+    assert r.status_code == 413 and "larger than 1048576 bytes" in r.json()["detail"]
+    assert "n2" not in api.supervisor.sensor.nodes
 
 
 async def test_reads_need_the_operator_token_unless_opened(make_settings: SettingsFactory) -> None:

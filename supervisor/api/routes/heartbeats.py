@@ -48,7 +48,10 @@ class HeartbeatEndpoint:
                 [(b"www-authenticate", b"Bearer")],
             )
             return
-        body = await _read_body(receive)
+        message = await receive()
+        body: bytes | None = message.get("body", b"")
+        if message.get("more_body", False):  # rare: heartbeats fit in one read
+            body = await _read_rest(receive, message)
         if body is None:
             await _reply(send, 413, {"detail": f"body larger than {MAX_BODY} bytes"})
             return
@@ -91,13 +94,11 @@ class HeartbeatEndpoint:
         return False
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    message: Message = await receive()
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        return body
-    chunks = [body]
-    size = len(body)
+async def _read_rest(receive: Receive, first: Message) -> bytes | None:
+    """The whole body, `first` being its first part; None when it exceeds MAX_BODY."""
+    chunks = [first.get("body", b"")]
+    size = len(chunks[0])
+    message = first
     while message.get("more_body", False):
         message = await receive()
         chunk = message.get("body", b"")
