@@ -41,8 +41,7 @@ from supervisor.goodput.sampler import ProgressSampler, sensor_steps
 from supervisor.metrics import Metrics
 from supervisor.notify import Hub
 from supervisor.policy import Policy
-from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor
-from supervisor.sensor.sensor import UNCHANGED
+from supervisor.sensor import Changes, GpuReport, Sensor
 from supervisor.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -221,12 +220,6 @@ class Supervisor:
         await self.controller.drain()
 
     # --- sensor input ---------------------------------------------------------------------
-
-    async def ingest(self, heartbeat: HostHeartbeat) -> list[Event]:
-        changes = self.sensor.ingest(heartbeat)
-        if changes is UNCHANGED or not changes:
-            return []
-        return await self.record(changes)
 
     async def record(self, changes: Changes) -> list[Event]:
         """Persist what a sensor step produced, then hand its events to the controller."""

@@ -82,7 +82,6 @@ class Actuator:
             action = await asyncio.to_thread(self.store.start_attempt, action.id)
             self.changed(action)
             try:
-                self.fence()  # the store write may have taken long
                 async with asyncio.timeout(timeout):
                     result = await self.backend.execute(action)
             except Fenced:

@@ -68,7 +68,7 @@ class HeartbeatEndpoint:
                 },
             )
             return
-        # Supervisor.ingest, inlined: no coroutine in the common case (nothing changed).
+        # No coroutine in the common case (nothing changed): the sensor answers UNCHANGED.
         changes = self.supervisor.sensor.ingest(heartbeat)
         events = (
             None if changes is UNCHANGED or not changes else await self.supervisor.record(changes)
