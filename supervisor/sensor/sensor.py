@@ -350,9 +350,9 @@ class Sensor:
             last_seen=now,
             last_seen_wall=wall,
             workers=hb.workers,
-            ranks=tuple(map(_rank, hb.workers)),
-            states=",".join(map(_state, hb.workers)),
-            all_running=all(w.state is WorkerState.RUNNING for w in hb.workers),
+            ranks=_ranks(hb.workers),
+            states=_states(hb.workers),
+            all_running=_all_running(hb.workers),
             address=hb.address,
             topology=dict(hb.topology),
             up_since=now,
@@ -409,10 +409,10 @@ class Sensor:
             node.address = hb.address
             node.topology = dict(hb.topology)
         previous, current = node.workers, hb.workers
-        ranks, states = tuple(map(_rank, current)), ",".join(map(_state, current))
+        ranks, states = _ranks(current), _states(current)
         if node.ranks is None:  # restored from the database
-            node.ranks, node.states = tuple(map(_rank, previous)), ",".join(map(_state, previous))
-            node.all_running = all(w.state is WorkerState.RUNNING for w in previous)
+            node.ranks, node.states = _ranks(previous), _states(previous)
+            node.all_running = _all_running(previous)
         if ranks != node.ranks or states != node.states:
             changed = True  # persisted with the node, so a restart knows the states
             by_rank = {w.rank: w for w in previous}
@@ -420,7 +420,7 @@ class Sensor:
                 before = by_rank.get(worker.rank)
                 if before is None or before.state is not worker.state:
                     self._worker_changed(node, before, worker, changes)
-            node.all_running = all(w.state is WorkerState.RUNNING for w in current)
+            node.all_running = _all_running(current)
         node.workers = current
         node.ranks, node.states = ranks, states
         if changed:
@@ -691,3 +691,16 @@ class Sensor:
 _rank = operator.attrgetter("rank")
 _state = operator.attrgetter("state")
 _step = operator.attrgetter("step")
+
+
+def _ranks(workers: list[WorkerReport]) -> tuple[int, ...]:
+    return tuple(map(_rank, workers))
+
+
+def _states(workers: list[WorkerReport]) -> str:
+    """The workers' states joined into one str (`ingest`'s fast path builds it inline)."""
+    return ",".join(map(_state, workers))
+
+
+def _all_running(workers: list[WorkerReport]) -> bool:
+    return all(w.state is WorkerState.RUNNING for w in workers)
