@@ -1,7 +1,10 @@
 """Heartbeat ingest over real HTTP: the supervisor app against a bare ASGI ceiling.
 
 Each server runs in its own process (uvicorn, uvloop, httptools) and the load generator
-in another, so the client never competes with the server inside one interpreter.
+in another, so the client never competes with the server inside one interpreter. The
+machine is shared and its speed moves by up to 2x within seconds, so the two servers are
+measured in many short windows, back to back in each round, and compared round by round:
+the result is the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,27 +30,86 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
+class Window:
+    """One measured window of one server."""
+
+    round: int
+    rps: float
+    requests: int
+    server_cpu_s: float  # user + system, during the window
+    client_cpu_pct: float
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return 1e6 * self.server_cpu_s / self.requests if self.requests else float("nan")
+
+
+@dataclass(frozen=True, slots=True)
 class IngestResult:
     app: str
-    rps: float
+    windows: tuple[Window, ...]
     p50_ms: float
     p99_ms: float
-    requests: int  # in the measured window (all rounds, for the supervisor's best)
     errors: int
-    server_cpu_pct: float
-    client_cpu_pct: float
+    duration_s: float
     events_rows: int | None = None  # supervisor only
     nodes_rows: int | None = None
     db_changed: bool | None = None
+
+    @property
+    def rps(self) -> float:
+        """The median window's throughput."""
+        return statistics.median(w.rps for w in self.windows)
+
+    @property
+    def requests(self) -> int:
+        return sum(w.requests for w in self.windows)
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return statistics.median(w.cpu_us_per_request for w in self.windows)
+
+    @property
+    def server_cpu_pct(self) -> float:
+        return statistics.median(100 * w.server_cpu_s / self.duration_s for w in self.windows)
+
+    @property
+    def client_cpu_pct(self) -> float:
+        return statistics.median(w.client_cpu_pct for w in self.windows)
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The supervisor against the bare ceiling, window by window."""
+
+    supervisor: IngestResult
+    bare: IngestResult
+
+    @property
+    def ratios(self) -> list[float]:
+        """Per round: the supervisor's throughput over the bare app's in the same round.
+        The two windows of a round are back to back, so they share the machine's mood."""
+        bare = {w.round: w.rps for w in self.bare.windows}
+        return [w.rps / bare[w.round] for w in self.supervisor.windows if bare.get(w.round)]
+
+    @property
+    def pct(self) -> float:
+        """Median of the per-round ratios, in percent."""
+        return 100 * statistics.median(self.ratios) if self.ratios else 0.0
+
+    @property
+    def cpu_pct(self) -> float:
+        """The bare app's server CPU per request over the supervisor's, in percent."""
+        return 100 * self.bare.cpu_us_per_request / self.supervisor.cpu_us_per_request
 
 
 @dataclass(frozen=True, slots=True)
 class IngestConfig:
     connections: int = 32
     nodes: int = 1000
-    warmup_s: float = 1.0
-    duration_s: float = 4.0
-    rounds: int = 3  # supervisor and bare alternate; the best round of each is kept
+    warmup_s: float = 0.5
+    duration_s: float = 2.0
+    rounds: int = 9  # each round measures both servers, back to back
     profile_dir: Path | None = None
 
 
@@ -98,101 +161,112 @@ def _readline(stream: IO[str]) -> str:
     return line.strip()
 
 
-def run_one(app: str, config: IngestConfig, workdir: Path, round_: int = 0) -> IngestResult:
-    db = workdir / f"{app}-{round_}.db"
+def _start_server(app: str, workdir: Path, config: IngestConfig) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "bench.server", "--app", app]
     cmd += ["--agent-token", AGENT_TOKEN, "--operator-token", OPERATOR_TOKEN]
     if app == "supervisor":
-        cmd += ["--database-url", f"sqlite:///{db}"]
+        cmd += ["--database-url", f"sqlite:///{workdir / 'supervisor.db'}"]
     if config.profile_dir is not None:
-        cmd += ["--profile", str(config.profile_dir / f"{app}-{round_}.prof")]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_clean_env())
+        cmd += ["--profile", str(config.profile_dir / f"{app}.prof")]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_clean_env())
+
+
+def _stop(server: subprocess.Popen[str]) -> None:
+    server.send_signal(signal.SIGTERM)
     try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
-        _wait_ready(port, "/readyz" if app == "supervisor" else "/", server)
-        gen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.loadgen",
-                "--port",
-                str(port),
-                "--token",
-                AGENT_TOKEN,
-                "--expect",
-                "204",
-                "--connections",
-                str(config.connections),
-                "--nodes",
-                str(config.nodes),
-                "--warmup",
-                str(config.warmup_s),
-                "--duration",
-                str(config.duration_s),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert gen.stdout is not None
-        try:
-            assert _readline(gen.stdout) == "primed"
-            before = _db_state(db)
-            assert _readline(gen.stdout) == "measure-start"
-            cpu0 = _cpu_s(server.pid)
-            assert _readline(gen.stdout) == "measure-end"
-            cpu1 = _cpu_s(server.pid)
-            result: dict[str, Any] = json.loads(_readline(gen.stdout))
-        finally:
-            if gen.wait(timeout=30) != 0:
-                raise RuntimeError(f"load generator failed ({gen.returncode})")
-        extra: dict[str, Any] = {}
-        if app == "supervisor":
-            changed = _db_state(db) != before
-            extra = {
-                "events_rows": _count(db, "events"),
-                "nodes_rows": _count(db, "nodes"),
-                "db_changed": changed,
-            }
-        return IngestResult(
-            app=app,
-            rps=result["rps"],
-            p50_ms=result["p50_ms"],
-            p99_ms=result["p99_ms"],
-            requests=result["requests"],
-            errors=result["errors"],
-            server_cpu_pct=100 * (cpu1 - cpu0) / config.duration_s,
-            client_cpu_pct=result["client_cpu_pct"],
-            **extra,
-        )
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
-def run(config: IngestConfig) -> tuple[IngestResult, IngestResult]:
-    """(supervisor, bare ceiling) with the same client, alternating, best round of each.
-
-    The machine is shared, so one round can be slowed by a neighbour; the best round is
-    the closest to what the code can do. The SQL check covers every supervisor round.
-    """
-    sup: list[IngestResult] = []
-    bare: list[IngestResult] = []
+def run(config: IngestConfig) -> Comparison:
+    """Both servers run side by side, idle but for their own windows; one client
+    measures them in turns (see bench.loadgen)."""
+    apps = ("supervisor", "bare")
     with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
-        for round_ in range(config.rounds):
-            sup.append(run_one("supervisor", config, Path(tmp), round_))
-            bare.append(run_one("bare", config, Path(tmp), round_))
-    best = max(sup, key=lambda r: r.rps)
-    best = replace(
-        best,
-        errors=sum(r.errors for r in sup),
-        events_rows=max(r.events_rows or 0 for r in sup),
-        db_changed=any(r.db_changed for r in sup),
-        requests=sum(r.requests for r in sup),
-    )
-    ceiling = max(bare, key=lambda r: r.rps)
-    return best, replace(ceiling, errors=sum(r.errors for r in bare))
+        workdir = Path(tmp)
+        db = workdir / "supervisor.db"
+        servers = [_start_server(app, workdir, config) for app in apps]
+        try:
+            ports = []
+            for app, server in zip(apps, servers, strict=True):
+                assert server.stdout is not None
+                ports.append(int(server.stdout.readline()))
+                _wait_ready(ports[-1], "/readyz" if app == "supervisor" else "/", server)
+            gen = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.loadgen",
+                    "--ports",
+                    ",".join(map(str, ports)),
+                    "--token",
+                    AGENT_TOKEN,
+                    "--expect",
+                    "204",
+                    "--connections",
+                    str(config.connections),
+                    "--nodes",
+                    str(config.nodes),
+                    "--rounds",
+                    str(config.rounds),
+                    "--warmup",
+                    str(config.warmup_s),
+                    "--duration",
+                    str(config.duration_s),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert gen.stdout is not None
+            windows: list[list[Window]] = [[] for _ in apps]
+            try:
+                assert _readline(gen.stdout) == "primed"
+                before = _db_state(db)
+                cpu0 = 0.0
+                while True:
+                    line = _readline(gen.stdout)
+                    kind, _, rest = line.partition(" ")
+                    if kind == "window-start":
+                        cpu0 = _cpu_s(servers[int(rest)].pid)
+                    elif kind == "window-end":
+                        cpu1 = _cpu_s(servers[int(rest)].pid)
+                    elif kind == "window":
+                        w = json.loads(rest)
+                        windows[w["server"]].append(
+                            Window(
+                                round=w["round"],
+                                rps=w["rps"],
+                                requests=w["requests"],
+                                server_cpu_s=cpu1 - cpu0,
+                                client_cpu_pct=w["client_cpu_pct"],
+                            )
+                        )
+                    elif kind == "done":
+                        done: dict[str, Any] = json.loads(rest)
+                        break
+            finally:
+                if gen.wait(timeout=30) != 0:
+                    raise RuntimeError(f"load generator failed ({gen.returncode})")
+            results = [
+                IngestResult(
+                    app=app,
+                    windows=tuple(windows[i]),
+                    p50_ms=done["servers"][i]["p50_ms"],
+                    p99_ms=done["servers"][i]["p99_ms"],
+                    errors=done["servers"][i]["errors"],
+                    duration_s=config.duration_s,
+                )
+                for i, app in enumerate(apps)
+            ]
+            sup = replace(
+                results[0],
+                events_rows=_count(db, "events"),
+                nodes_rows=_count(db, "nodes"),
+                db_changed=_db_state(db) != before,
+            )
+            return Comparison(supervisor=sup, bare=results[1])
+        finally:
+            for server in servers:
+                _stop(server)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
-from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport
+from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from supervisor.api.errors import error_message
 from supervisor.domain import NodeState
 
@@ -113,7 +113,7 @@ class HeartbeatSender:
         if snap is None:
             snap = self._snapshot()
         spare = snap.state is NodeState.SPARE
-        return HostHeartbeat(
+        body = HostHeartbeat(
             node=self.node,
             state=snap.state,
             job=None if spare else snap.job,
@@ -121,6 +121,8 @@ class HeartbeatSender:
             gpu_reports=list(self._pending),
             address=self.address,
         )
+        check_heartbeat(body)  # what the supervisor would refuse, refused here
+        return body
 
     async def _send(self, client: httpx.AsyncClient) -> bool:
         if self._silenced:

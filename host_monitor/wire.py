@@ -11,9 +11,9 @@ from typing import Annotated
 from pydantic import StringConstraints
 
 from supervisor.domain import NAME_PATTERN
-from supervisor.sensor.heartbeat import GpuReport, HostHeartbeat, WorkerReport
+from supervisor.sensor.heartbeat import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 
 #: The supervisor's rule for node and job names, for the agent's pydantic settings.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=NAME_PATTERN)]
 
-__all__ = ["GpuReport", "HostHeartbeat", "Name", "WorkerReport"]
+__all__ = ["GpuReport", "HostHeartbeat", "Name", "WorkerReport", "check_heartbeat"]

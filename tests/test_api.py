@@ -160,7 +160,7 @@ async def test_agent_token_cannot_inject_faults_or_act(api: Api) -> None:
             },
             "workers.0.step",
         ),
-        ({"node": "n1", "state": "running"}, "job is required"),
+        ({"node": "n1", "state": "running"}, "job: required when state is running"),
         ({"node": "n1", "state": "running", "job": "j1", "colour": "red"}, "colour"),
     ],
 )
@@ -171,6 +171,40 @@ async def test_bad_heartbeats_get_422_naming_the_field(
     assert response.status_code == 422
     assert field in response.json()["message"]
     assert api.supervisor.sensor.nodes == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"job": None}, "job: required when state is running"),
+        ({"state": "spare", "job": None}, "workers: a spare node reports no workers"),
+        ({"node": "n1 "}, "node: Expected str matching regex"),
+        ({"job": "j1/x"}, "job: Expected str matching regex"),
+        (
+            {
+                "workers": [
+                    {"rank": 2, "local_rank": 0, "state": "running", "step": 11},
+                    {"rank": 2, "local_rank": 1, "state": "running", "step": 11},
+                ]
+            },
+            "workers.1.rank: rank 2 is reported twice",
+        ),
+    ],
+)
+async def test_a_known_node_cannot_skip_the_cross_field_checks(
+    api: Api, change: dict[str, Any], field: str
+) -> None:
+    """A node's steady heartbeats skip the checks their fields already passed; any other
+    heartbeat from it still gets them, and a refused one changes nothing."""
+    assert (await api.beat(heartbeat("n1"))).status_code == 204  # registered
+    assert (await api.beat(heartbeat("n1", step=11))).status_code == 204  # steady
+    before = api.supervisor.sensor.node_view("n1")
+    bad = {k: v for k, v in {**heartbeat("n1", step=12), **change}.items() if v is not None}
+    response = await api.beat(bad)
+    assert response.status_code == 422, response.text
+    assert field in response.json()["message"]
+    assert api.supervisor.sensor.node_view("n1") == before
+    assert [e["type"] for e in (await api.get("/api/v1/events"))["items"]] == []
 
 
 async def test_malformed_json_is_422(api: Api) -> None:

@@ -241,3 +241,27 @@ async def test_past_deadline_fires_promptly() -> None:
     await rec.wait_for(1)
     assert rec.keys == ["overdue"]
     queue.close()
+
+
+async def test_an_owner_can_move_deadlines_on_without_arming() -> None:
+    """`extended` is asked once the armed deadline passes; a later answer re-arms the key
+    there, and the callback gets the deadline that finally passed."""
+    rec = Recorder()
+    loop = asyncio.get_running_loop()
+    latest = {"a": loop.time() + 0.05}
+    asked: list[tuple[str, float]] = []
+
+    def extended(key: str, deadline: float) -> float:
+        asked.append((key, deadline))
+        return latest[key]
+
+    queue: DeadlineQueue[str] = DeadlineQueue(rec, extended=extended)
+    armed = latest["a"]
+    queue.arm("a", armed)
+    latest["a"] = loop.time() + 0.2  # moved on by the owner alone, as a heartbeat does
+    await rec.wait_for(1)
+
+    [(key, given, fired_at)] = rec.fired
+    assert key == "a" and given == latest["a"] and fired_at >= latest["a"]
+    assert asked == [("a", armed), ("a", latest["a"])]
+    queue.close()

@@ -6,6 +6,7 @@ Nodes heartbeat from this process; the supervisor runs as a child that we can SI
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -192,6 +193,62 @@ async def test_acknowledged_events_survive_sigkill_and_are_handled_once(tmp_path
         assert len(mine) == 2 and sorted(a["type"] for a in mine)[0] == "emergency_checkpoint"
     # Taken over after the restart, not declared lost.
     assert {n["name"]: n["alive"] for n in nodes} == {"n1": True, "n2": True}
+
+
+async def test_heartbeats_arriving_together_each_get_their_own_answer(tmp_path: Path) -> None:
+    """Heartbeats that arrive in the same loop turn are applied together; each still gets
+    its own answer (204, 202 with its own events, 422 naming its field), and only the
+    valid ones change anything."""
+    nodes = [f"n{i}" for i in range(1, 41)]
+    crashed = set(nodes[7::10])
+    invalid = set(nodes[3::10])
+
+    def body(node: str, step: int) -> dict[str, Any]:
+        beat = heartbeat(node, step=step)
+        if node in crashed:
+            beat["workers"][0].update(state="exited", exit_code=9)
+        if node in invalid:
+            beat["workers"][1]["step"] = -1
+        return beat
+
+    with serving(tmp_path, heartbeat_timeout_s=60, heartbeat_polling_period_s=5) as server:
+        limits = httpx.Limits(max_connections=len(nodes))
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, limits=limits) as client:
+
+            async def beat_all(make: Any) -> list[httpx.Response]:
+                return list(
+                    await asyncio.gather(
+                        *(
+                            client.post("/api/v1/heartbeats", json=make(n), headers=AGENT)
+                            for n in nodes
+                        )
+                    )
+                )
+
+            registered = await beat_all(lambda n: heartbeat(n, step=10))
+            assert {r.status_code for r in registered} == {204}
+            for step in (11, 12, 13):
+                sent = await beat_all(functools.partial(body, step=step))
+                answers = dict(zip(nodes, sent, strict=True))
+                for node, r in answers.items():
+                    if node in invalid:
+                        assert r.status_code == 422, r.text
+                        assert r.json()["message"].startswith("workers.1.step:")
+                    elif node in crashed and step == 11:
+                        assert r.status_code == 202, r.text
+                        [event_id] = r.json()["events"]
+                        event = await client.get(f"/api/v1/events/{event_id}", headers=OPERATOR)
+                        assert event.json()["node"] == node
+                        assert event.json()["type"] == "worker_exited"
+                    else:
+                        assert r.status_code == 204, (node, step, r.text)
+            exited = await client.get(
+                "/api/v1/events", params={"type": "worker_exited"}, headers=OPERATOR
+            )
+            views = (await client.get("/api/v1/nodes", headers=OPERATOR)).json()
+    assert sorted(e["node"] for e in exited.json()["items"]) == sorted(crashed)
+    steps = {v["name"]: max(w["step"] for w in v["workers"]) for v in views}
+    assert steps == {n: 10 if n in invalid else 13 for n in nodes}
 
 
 def test_invalid_setting_stops_startup_with_one_line(tmp_path: Path) -> None:

@@ -500,7 +500,7 @@ async def test_the_cluster_says_which_nodes_are_spares_and_cordoned(
         assert context.spares == (stale,)
         view = context.nodes[stale]
         assert view.state is NodeState.SPARE and view.job is None and not view.cordoned
-        assert supervisor.sensor.nodes[stale].view().state is NodeState.COMPLETE
+        assert supervisor.sensor.nodes[stale].state is NodeState.COMPLETE
         assert unmonitored not in context.nodes
         assert {context.nodes[n].state for n in used} == {NodeState.RUNNING}
 
@@ -539,7 +539,7 @@ async def test_the_policy_hot_swaps_onto_a_spare_only_kubernetes_knows(
             beats.running(name, rank)
         beats.says[spare] = {"node": spare, "state": "complete", "job": "train"}
         await wait(lambda: {*used, spare} <= set(supervisor.sensor.nodes))
-        assert supervisor.sensor.nodes[spare].view().state is NodeState.COMPLETE
+        assert supervisor.sensor.nodes[spare].state is NodeState.COMPLETE
         r = await http.post(
             "/api/v1/faults", json={"kind": "heartbeat_loss", "node": bad}, headers=OPERATOR
         )

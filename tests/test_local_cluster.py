@@ -218,7 +218,16 @@ def test_worker_and_gpu_faults_are_healed_exactly(
 
     weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
     resumes = resumed_steps(demo)
-    assert resumes and {step for step, _ in resumes} == {saved}, resumes
+    [resumed] = {step for step, _ in resumes} or {None}
+    if fault["kind"] == "xid":
+        # No rank is dead or stuck, so the job trains on between the emergency checkpoint
+        # and the hot-swap's stop; it may reach a newer periodic checkpoint on every rank
+        # (seen on a loaded machine), and then resumes from that one.
+        assert resumed is not None and resumed >= saved, resumes
+    else:
+        # A dead or hung rank blocks the others in the step's all-reduce: the emergency
+        # checkpoint is the newest step any rank holds.
+        assert resumed == saved, resumes
     for got, want in zip(weights, expected, strict=True):
         assert np.array_equal(got, want)
 

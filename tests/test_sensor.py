@@ -277,6 +277,33 @@ async def test_heartbeats_keep_node_alive(make_sensor: SensorFactory) -> None:
     assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST]
 
 
+async def test_a_steady_node_is_lost_one_timeout_after_its_last_heartbeat(
+    make_sensor: SensorFactory,
+) -> None:
+    """Steady heartbeats move the loss deadline without re-arming a timer: the loss is
+    due at the last of them plus the timeout, and reported as such."""
+    from supervisor.sensor.sensor import UNCHANGED
+
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.2)
+    sensor.ingest(stepping("n1", 1))
+    step, stop = 1, now() + 0.6  # three timeouts of steady heartbeats
+    while now() < stop:
+        step += 1
+        assert sensor.ingest(stepping("n1", step)) is UNCHANGED
+        last, last_wall = now(), datetime.now(UTC)
+        await asyncio.sleep(0.02)
+    assert emitted.events == []
+
+    await until(lambda: bool(emitted.events))
+    lost_at = now()
+    [event] = emitted.events
+    assert event.type is E.HOST_HEARTBEAT_LOST
+    assert lost_at >= last + 0.2
+    reported = datetime.fromisoformat(event.details["last_heartbeat"])
+    assert abs((reported - last_wall).total_seconds()) < 0.005
+    assert 0 <= event.details["lateness_ms"] < 1000 * (lost_at - last - 0.2) + 5
+
+
 async def test_lost_node_that_comes_back_raises_node_recovered(
     make_sensor: SensorFactory,
 ) -> None:
@@ -773,15 +800,23 @@ def test_minimal_heartbeat_from_the_contract_parses() -> None:
 @pytest.mark.parametrize(
     ("payload", "fragment"),
     [
-        pytest.param({"node": "n1", "state": "running"}, "job is required", id="running-no-job"),
-        pytest.param({"node": "n1", "state": "spare", "job": "j1"}, "spare", id="spare-with-job"),
+        pytest.param(
+            {"node": "n1", "state": "running"},
+            "('job',) required when state is running",
+            id="running-no-job",
+        ),
+        pytest.param(
+            {"node": "n1", "state": "spare", "job": "j1"},
+            "('job',) a spare node reports no job",
+            id="spare-with-job",
+        ),
         pytest.param(
             {
                 "node": "n1",
                 "state": "spare",
                 "workers": [{"rank": 0, "local_rank": 0, "state": "running"}],
             },
-            "spare",
+            "('workers',) a spare node reports no workers",
             id="spare-with-workers",
         ),
         pytest.param(
@@ -794,7 +829,7 @@ def test_minimal_heartbeat_from_the_contract_parses() -> None:
                     {"rank": 0, "local_rank": 1, "state": "running"},
                 ],
             },
-            "unique",
+            "('workers', 1, 'rank') rank 0 is reported twice",
             id="duplicate-ranks",
         ),
         pytest.param(

@@ -2,10 +2,12 @@
 
 Heartbeats push deadlines forward all the time, so pushing to the heap on every heartbeat
 would be wasteful. Instead each key has at most one heap entry; when it pops early (the
-key's deadline moved on), it is pushed again at the current deadline. A heartbeat then
-costs one dict write, and only the earliest deadline holds an event-loop timer, so the
-cost of watching N nodes does not grow with N per period and lateness stays at the timer
-resolution.
+key's deadline moved on), it is pushed again at the current deadline. The owner may also
+move a deadline on without telling the queue at all: before firing, the queue asks
+`extended(key, deadline)` for the key's latest deadline. A heartbeat then costs nothing
+here (the sensor only notes the node's last heartbeat time), and only the earliest
+deadline holds an event-loop timer, so the cost of watching N nodes does not grow with N
+per period and lateness stays at the timer resolution.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class DeadlineQueue(Generic[K]):
         self,
         on_expired: Callable[[K, float], None],
         loop: asyncio.AbstractEventLoop | None = None,
+        extended: Callable[[K, float], float] | None = None,
     ) -> None:
         self._on_expired = on_expired
+        self._extended = extended
         self._loop = loop
         self._desired: dict[K, float] = {}
         self._scheduled: dict[K, float] = {}
@@ -102,6 +106,12 @@ class DeadlineQueue(Generic[K]):
             if wanted > when:
                 self._push(key, wanted)
                 continue
+            if self._extended is not None:
+                wanted = max(wanted, self._extended(key, wanted))
+                if wanted > now:  # moved on by its owner since it was armed
+                    self._desired[key] = wanted
+                    self._push(key, wanted)
+                    continue
             del self._desired[key]
             self._on_expired(key, wanted)
             now = self.loop.time()

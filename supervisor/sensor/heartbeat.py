@@ -6,6 +6,13 @@ pydantic's cost for the same checks. The JSON Schema in /openapi.json is generat
 these same types. The structs hold no references back to anything, so they are kept out
 of the cyclic garbage collector (`gc=False`): with 10,000 nodes' latest heartbeats in
 memory, full collections would otherwise pause the event loop for a few hundred ms.
+
+Validation comes in two parts. `parse_heartbeat` checks every field on its own (types,
+ranges, unknown fields). `check_heartbeat` checks what spans fields (a running node names
+its job, ranks are unique, names match NAME_PATTERN). The sensor runs the second part only
+on a heartbeat that differs from what it already holds for the node: one that repeats the
+node's validated name, state, job and worker ranks cannot fail it. `decode_heartbeat`
+runs both, for every other caller.
 """
 
 from __future__ import annotations
@@ -19,18 +26,21 @@ import msgspec
 
 from supervisor.domain import NAME_PATTERN, NodeState, WorkerState
 
-# Node and job names follow NAME_PATTERN. The pattern is checked in `decode_heartbeat`
+# Node and job names follow NAME_PATTERN. The pattern is checked in `check_heartbeat`
 # rather than by msgspec: a regex match on every heartbeat cost more than the rest of the
 # validation together, and the same few thousand names come back every period.
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class WorkerReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
+class WorkerReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False, kw_only=True):
+    # In the order of the contract's example, which is the order agents send: msgspec
+    # matches each key against the next field first, so a body in field order decodes
+    # fastest. (kw_only lets the optional pid come before the required state.)
     rank: NonNegative
     local_rank: NonNegative
-    state: WorkerState
     pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    state: WorkerState
     step: NonNegative | None = None
     exit_code: int | None = None
 
@@ -61,21 +71,8 @@ class HostHeartbeat(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=
     address: Annotated[str, msgspec.Meta(max_length=255)] | None = None
     topology: Annotated[dict[str, str], msgspec.Meta(max_length=16)] = {}
 
-    def __post_init__(self) -> None:
-        # Runs on every heartbeat: module-level constants, C-level rank check.
-        state = self.state
-        if state is _RUNNING and self.job is None:
-            raise ValueError("job is required when state is running")
-        if state is _SPARE and (self.job is not None or self.workers):
-            raise ValueError("a spare node reports no job and no workers")
-        workers = self.workers
-        if len(workers) > 1 and len(set(map(_rank, workers))) != len(workers):
-            raise ValueError("workers: ranks must be unique")
-
 
 _rank = operator.attrgetter("rank")
-_RUNNING = NodeState.RUNNING
-_SPARE = NodeState.SPARE
 
 
 class HeartbeatError(ValueError):
@@ -95,18 +92,44 @@ _valid_names: set[str] = set()
 
 
 def decode_heartbeat(body: bytes) -> HostHeartbeat:
-    """Parse and validate a heartbeat from JSON bytes."""
+    """Parse and validate a heartbeat from JSON bytes: both parts of the validation."""
+    hb = parse_heartbeat(body)
+    check_heartbeat(hb)
+    return hb
+
+
+def parse_heartbeat(body: bytes) -> HostHeartbeat:
+    """Parse a heartbeat and check each field on its own; `check_heartbeat` does the rest."""
     try:
-        hb = _decoder.decode(body)
+        return _decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise HeartbeatError(*_split(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HeartbeatError((), f"invalid JSON: {exc}") from None
+
+
+def check_heartbeat(hb: HostHeartbeat) -> None:
+    """The checks that span fields, and the name pattern. Raises HeartbeatError."""
     if hb.node not in _valid_names:
         _check_name("node", hb.node)
     if hb.job is not None and hb.job not in _valid_names:
         _check_name("job", hb.job)
-    return hb
+    if hb.state is NodeState.RUNNING and hb.job is None:
+        raise HeartbeatError(("job",), "required when state is running")
+    if hb.state is NodeState.SPARE:
+        if hb.job is not None:
+            raise HeartbeatError(("job",), "a spare node reports no job")
+        if hb.workers:
+            raise HeartbeatError(("workers",), "a spare node reports no workers")
+    workers = hb.workers
+    if len(workers) > 1 and len(set(map(_rank, workers))) != len(workers):
+        seen: set[int] = set()
+        for i, worker in enumerate(workers):
+            if worker.rank in seen:
+                raise HeartbeatError(
+                    ("workers", i, "rank"), f"rank {worker.rank} is reported twice"
+                )
+            seen.add(worker.rank)
 
 
 def _check_name(field: str, name: str) -> None:

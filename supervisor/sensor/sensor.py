@@ -28,11 +28,12 @@ from supervisor.domain import (
 )
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
-from supervisor.sensor.heartbeat import GpuReport, HostHeartbeat, WorkerReport
+from supervisor.sensor.heartbeat import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from supervisor.sensor.progress import HangParams, JobProgress
 
 NODE = "node"
 HANG = "hang"
+WALL_OFFSET_TOLERANCE_S = 0.001
 DeadlineKey = tuple[str, str]
 
 
@@ -54,27 +55,33 @@ UNCHANGED = Changes()
 
 @dataclass(slots=True)
 class NodeRecord:
+    # The fields a steady heartbeat reads and writes come first: slots are laid out in
+    # this order, so they share two cache lines (at 10,000 nodes a node's record is
+    # rarely still in cache when its next heartbeat comes).
     name: str
     state: NodeState
     job: str | None
-    last_seen: float  # event-loop time
-    last_seen_wall: float  # Unix time, for display
-    workers: list[WorkerReport] = field(default_factory=list)  # as last reported
+    # Event-loop time of the last heartbeat (of the last restart, for a restored node that
+    # has not reported since): the node's loss is due `heartbeat_timeout_s` after it.
+    last_seen: float
+    alive: bool = True
+    flapping: bool = False
+    muted_by_fault: int | None = None
     # Ranks and states of `workers`, compared with each heartbeat's (`ingest`'s fast path);
     # None: not computed yet. A str and a tuple of ints: objects the cyclic GC skips.
     ranks: tuple[int, ...] | None = None
     states: str = ""
     all_running: bool = False  # every worker in `workers` is running
+    workers: list[WorkerReport] = field(default_factory=list)  # as last reported
     address: str | None = None
     topology: dict[str, str] = field(default_factory=dict)
-    alive: bool = True
+    # Unix time of the last heartbeat while `last_seen` cannot tell it (restored node).
+    restored_wall: float | None = None
     cordoned: bool = False
-    flapping: bool = False
     up_since: float = 0.0
     losses: list[float] = field(default_factory=list)
     ecc_counts: dict[int | None, int] | None = None
     gpu_seen: dict[tuple[str, int | None, int | None], float] | None = None
-    muted_by_fault: int | None = None
     muted_until: float | None = None
     loss_fault: int | None = None
     # A process-level fault injected on this node: failures seen until `expected_until`
@@ -86,13 +93,19 @@ class NodeRecord:
     def __post_init__(self) -> None:
         self.deadline_key = (NODE, self.name)
 
-    def view(self) -> NodeView:
+    def last_heartbeat(self, wall_offset: float) -> float:
+        """Unix time of the last heartbeat; `wall_offset`: Unix time minus loop time."""
+        if self.restored_wall is not None:
+            return self.restored_wall
+        return self.last_seen + wall_offset
+
+    def view(self, wall_offset: float) -> NodeView:
         return NodeView(
             name=self.name,
             state=self.state,
             job=self.job,
             alive=self.alive,
-            last_heartbeat=datetime.fromtimestamp(self.last_seen_wall, UTC),
+            last_heartbeat=datetime.fromtimestamp(self.last_heartbeat(wall_offset), UTC),
             workers=tuple(
                 WorkerView(
                     rank=w.rank,
@@ -144,7 +157,13 @@ class Sensor:
         self.metrics = metrics or Metrics()
         self.nodes: dict[str, NodeRecord] = {}
         self.jobs: dict[str, JobRecord] = {}
-        self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(self._expired)
+        self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(
+            self._expired, extended=self._extended
+        )
+        self._timeout_s = settings.heartbeat_timeout_s
+        # The event loop's clock, bound on first use (the loop may not exist yet).
+        self._clock: Callable[[], float] = self._bind_clock
+        self._offset = 0.0  # see _wall_offset
         self._hang = HangParams(
             fixed_timeout_s=settings.hang_timeout_s,
             min_timeout_s=settings.hang_min_timeout_s,
@@ -162,12 +181,29 @@ class Sensor:
     def close(self) -> None:
         self._deadlines.close()
 
+    def _bind_clock(self) -> float:
+        self._clock = self._deadlines.loop.time
+        return self._clock()
+
+    def _wall_offset(self) -> float:
+        """Unix time minus event-loop time, to turn `last_seen` into a Unix time.
+
+        Kept until the two clocks drift apart by a millisecond, so that a node's
+        reported last heartbeat does not wobble by microseconds from one read to the next.
+        """
+        offset = time.time() - self._clock()
+        if abs(offset - self._offset) > WALL_OFFSET_TOLERANCE_S:
+            self._offset = offset
+        return self._offset
+
     # --- inputs ---------------------------------------------------------------------
 
     def ingest(self, hb: HostHeartbeat) -> Changes:
         """Apply one heartbeat. The returned changes must be persisted before the ack.
 
-        The result may be the shared, empty `UNCHANGED`: read it, never add to it.
+        Raises HeartbeatError, changing nothing, when `hb` fails `check_heartbeat`; a
+        heartbeat that repeats the node's validated picture is not checked again. The
+        result may be the shared, empty `UNCHANGED`: read it, never add to it.
         """
         node = self.nodes.get(hb.node)
         if (
@@ -180,26 +216,44 @@ class Sensor:
             and not hb.gpu_reports
         ):
             # The steady state of every node, every period: the same workers in the same
-            # states, only steps moving. Kept to a few C-level passes (it is most of the
-            # supervisor's CPU at scale); anything else takes the general path below.
+            # states, only steps moving. It is most of the supervisor's CPU at scale, so
+            # it is inline and kept to a few C-level passes; anything else takes the
+            # general path below.
             workers = hb.workers
             if ",".join(map(_state, workers)) == node.states and (
                 tuple(map(_rank, workers)) == node.ranks
             ):
-                return self._refresh(node, hb, workers)
-        now = self._deadlines.time()
+                now = self._clock()
+                self.metrics.heartbeats_received += 1
+                node.last_seen = now  # moves the loss deadline on (see `_extended`)
+                if hb.address != node.address or hb.topology != node.topology:
+                    node.address = hb.address
+                    node.topology = dict(hb.topology)
+                node.workers = workers
+                if node.all_running and node.job is not None:
+                    try:
+                        step = max(map(_step, workers), default=None)
+                    except TypeError:  # some worker has reported no step yet
+                        step = None
+                    if step is not None:
+                        self._observe_step(node.job, node.name, step, now)
+                        return UNCHANGED
+                if node.job is not None and workers:
+                    self._progress(node, workers, now)
+                return UNCHANGED
+        check_heartbeat(hb)
+        now = self._clock()
         self.metrics.heartbeats_received += 1
         changes = Changes()
         if node is not None and node.muted_by_fault is not None:
             if node.muted_until is None or now < node.muted_until:
                 return changes  # an injected fault: drop it as a lost packet would be
             node.muted_by_fault = node.muted_until = None
-        wall = time.time()
         if node is None:
-            node = self._register(hb, now, wall, changes)
+            node = self._register(hb, now, changes)
         else:
-            self._update(node, hb, now, wall, changes)
-        self._deadlines.arm(node.deadline_key, now + self.settings.heartbeat_timeout_s)
+            self._update(node, hb, now, changes)
+        self._deadlines.arm(node.deadline_key, now + self._timeout_s)
         if hb.gpu_reports:
             for report in hb.gpu_reports:
                 self._gpu_report(node, report, now, None, changes)
@@ -208,26 +262,6 @@ class Sensor:
         for event in changes.events:
             self.metrics.events.labels(event.type.value).inc()
         return changes
-
-    def _refresh(
-        self,
-        node: NodeRecord,
-        hb: HostHeartbeat,
-        workers: list[WorkerReport],
-    ) -> Changes:
-        """`ingest` for a heartbeat that changes nothing but liveness and steps."""
-        now = self._deadlines.time()
-        self.metrics.heartbeats_received += 1
-        node.last_seen = now
-        node.last_seen_wall = time.time()
-        if hb.address != node.address or hb.topology != node.topology:
-            node.address = hb.address
-            node.topology = dict(hb.topology)
-        node.workers = workers
-        self._deadlines.arm(node.deadline_key, now + self.settings.heartbeat_timeout_s)
-        if node.job is not None and workers:
-            self._progress(node, workers, now)
-        return UNCHANGED
 
     def inject_heartbeat_loss(
         self, node_name: str, fault_id: int, duration_s: float | None
@@ -264,7 +298,7 @@ class Sensor:
         if node is None:
             return None
         node.cordoned = cordoned
-        return node.view()
+        return node.view(self._wall_offset())
 
     def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
         job = self.jobs.get(job_name)
@@ -304,7 +338,7 @@ class Sensor:
                     for w in nv.workers
                 ],
                 last_seen=now,
-                last_seen_wall=seen,
+                restored_wall=seen,
                 alive=nv.alive,
                 cordoned=nv.cordoned,
                 flapping=nv.flapping,
@@ -320,21 +354,24 @@ class Sensor:
 
     def node_view(self, name: str) -> NodeView | None:
         node = self.nodes.get(name)
-        return node.view() if node else None
+        return node.view(self._wall_offset()) if node else None
 
     def job_view(self, name: str) -> JobView | None:
         job = self.jobs.get(name)
         return job.view() if job else None
 
     def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
+        offset = self._wall_offset()
         return (
-            {name: n.view() for name, n in self.nodes.items()},
+            {name: n.view(offset) for name, n in self.nodes.items()},
             {name: j.view() for name, j in self.jobs.items()},
         )
 
     def heartbeat_age_s(self, name: str) -> float | None:
         node = self.nodes.get(name)
-        return None if node is None else max(0.0, time.time() - node.last_seen_wall)
+        if node is None:
+            return None
+        return max(0.0, time.time() - node.last_heartbeat(self._wall_offset()))
 
     def hang_timeout_s(self, job_name: str) -> float | None:
         job = self.jobs.get(job_name)
@@ -342,13 +379,12 @@ class Sensor:
 
     # --- heartbeat handling ---------------------------------------------------------------
 
-    def _register(self, hb: HostHeartbeat, now: float, wall: float, changes: Changes) -> NodeRecord:
+    def _register(self, hb: HostHeartbeat, now: float, changes: Changes) -> NodeRecord:
         node = NodeRecord(
             name=hb.node,
             state=hb.state,
             job=hb.job,
             last_seen=now,
-            last_seen_wall=wall,
             workers=hb.workers,
             ranks=_ranks(hb.workers),
             states=_states(hb.workers),
@@ -364,14 +400,12 @@ class Sensor:
             changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
         for worker in hb.workers:
             self._worker_changed(node, None, worker, changes)
-        changes.nodes.append(node.view())
+        changes.nodes.append(node.view(self._wall_offset()))
         return node
 
-    def _update(
-        self, node: NodeRecord, hb: HostHeartbeat, now: float, wall: float, changes: Changes
-    ) -> None:
+    def _update(self, node: NodeRecord, hb: HostHeartbeat, now: float, changes: Changes) -> None:
         node.last_seen = now
-        node.last_seen_wall = wall
+        node.restored_wall = None
         changed = False
         if not node.alive:
             node.alive = True
@@ -424,7 +458,7 @@ class Sensor:
         node.workers = current
         node.ranks, node.states = ranks, states
         if changed:
-            changes.nodes.append(node.view())
+            changes.nodes.append(node.view(self._wall_offset()))
 
     def _worker_changed(
         self,
@@ -507,21 +541,18 @@ class Sensor:
             )
 
     def _progress(self, node: NodeRecord, workers: list[WorkerReport], now: float) -> None:
+        """Take the node's newest step: the highest of its running workers' steps."""
         assert node.job is not None
-        if node.all_running and workers is node.workers:
-            steps = list(map(_step, workers))  # the common case, in C
-            step = -1 if None in steps else max(steps)
-        else:
-            step = -1
-        if step < 0:
-            running = WorkerState.RUNNING
-            step = max(
-                [w.step for w in workers if w.state is running and w.step is not None], default=-1
-            )
-        if step < 0:
-            return
-        job = self.jobs[node.job]
-        if job.progress.observe(node.name, step, now):
+        running = WorkerState.RUNNING
+        step = max(
+            [w.step for w in workers if w.state is running and w.step is not None], default=-1
+        )
+        if step >= 0:
+            self._observe_step(node.job, node.name, step, now)
+
+    def _observe_step(self, job_name: str, node_name: str, step: int, now: float) -> None:
+        job = self.jobs[job_name]
+        if job.progress.observe(node_name, step, now):
             job.hang_reported = False
             if job.progress.watching:
                 self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
@@ -574,6 +605,15 @@ class Sensor:
 
     # --- deadlines --------------------------------------------------------------------
 
+    def _extended(self, key: DeadlineKey, deadline: float) -> float:
+        """The key's latest deadline: steady heartbeats move a node's on without arming."""
+        kind, name = key
+        if kind == NODE:
+            node = self.nodes.get(name)
+            if node is not None and node.alive:
+                return node.last_seen + self._timeout_s
+        return deadline
+
     def _expired(self, key: DeadlineKey, deadline: float) -> None:
         kind, name = key
         changes = Changes()
@@ -601,7 +641,9 @@ class Sensor:
         node.losses = [t for t in node.losses if now - t <= window]
         node.losses.append(now)
         details: dict[str, Any] = {
-            "last_heartbeat": datetime.fromtimestamp(node.last_seen_wall, UTC).isoformat(),
+            "last_heartbeat": datetime.fromtimestamp(
+                node.last_heartbeat(self._wall_offset()), UTC
+            ).isoformat(),
             "heartbeat_timeout_s": self.settings.heartbeat_timeout_s,
             "lateness_ms": round(lateness * 1000, 3),
         }
@@ -625,7 +667,7 @@ class Sensor:
                     EventType.HOST_HEARTBEAT_LOST, node, fault_id=node.loss_fault, **details
                 )
             )
-        changes.nodes.append(node.view())
+        changes.nodes.append(node.view(self._wall_offset()))
 
     def _job_hung(self, name: str, changes: Changes) -> None:
         job = self.jobs.get(name)

@@ -1,29 +1,73 @@
 """POST /api/v1/heartbeats: the hot path, served ahead of FastAPI's own machinery.
 
 Every node calls it every few seconds, so it skips the framework: the token is checked
-inline, the body decoded and validated by msgspec in one pass, the sensor updated in
-memory, and a fixed reply sent. Nothing is written to the database unless something
-changed; then the events are committed before the reply. Its schema is documented in
-/openapi.json like every other route (see app._openapi).
+inline; the body is queued and, with the others of the same loop turn (IngestQueue),
+decoded with its fields validated by msgspec in one pass and applied to the sensor in
+memory (which checks what spans fields, unless the heartbeat repeats what it already
+holds for the node); then a fixed reply is sent. Nothing is written to the database
+unless something changed; then the events are committed before the reply. Its schema is
+documented in /openapi.json like every other route (see app._openapi).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import secrets
+from collections.abc import Callable
+from hmac import compare_digest
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
 from supervisor.runtime import Supervisor
-from supervisor.sensor.heartbeat import HeartbeatError, decode_heartbeat
-from supervisor.sensor.sensor import UNCHANGED
+from supervisor.sensor.heartbeat import HeartbeatError, parse_heartbeat
+from supervisor.sensor.sensor import UNCHANGED, Changes
 
 PATH = "/api/v1/heartbeats"
 MAX_BODY = 1 << 20
 
 _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER = [(b"retry-after", b"1")]
+_NO_CONTENT_START: Message = {"type": "http.response.start", "status": 204, "headers": ()}
+_NO_CONTENT_BODY: Message = {"type": "http.response.body", "body": b""}
+
+
+class IngestQueue:
+    """Heartbeats that arrived in one turn of the event loop, parsed and applied together.
+
+    Under load one turn of the loop reads many requests, and their handlers run one after
+    another, each after the server's own socket and HTTP work for the next: every one of
+    them would find the decoder and the sensor's records cold in the CPU's caches. Queued
+    and applied in one go at the end of the turn, they run back to back instead, which
+    costs each heartbeat a future and an extra await. Measured with `make bench` (2
+    shared cores, 9 paired rounds): ingest went from about 60% to 70% of the bare-ASGI
+    ceiling. A heartbeat that comes alone waits one loop turn.
+    """
+
+    def __init__(self, apply: Callable[[bytes], Changes]) -> None:
+        self._apply = apply
+        self._queued: list[tuple[bytes, asyncio.Future[Changes]]] = []
+
+    def submit(self, body: bytes) -> asyncio.Future[Changes]:
+        """Apply `body` at the end of this loop turn; the future has its changes, or the
+        HeartbeatError that refused it (the error of anything else that went wrong)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Changes] = loop.create_future()
+        self._queued.append((body, future))
+        if len(self._queued) == 1:
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        apply = self._apply
+        for body, future in queued:
+            if future.done():  # its request was cancelled: it was never acknowledged
+                continue
+            try:
+                future.set_result(apply(body))
+            except Exception as exc:  # the request's handler raises it
+                future.set_exception(exc)
 
 
 class HeartbeatEndpoint:
@@ -32,15 +76,24 @@ class HeartbeatEndpoint:
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
         self._expected: bytes | None = None
+        self._queue = IngestQueue(self._apply)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        supervisor = self.supervisor
         if scope["method"] != "POST":
             await _reply(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
             return
-        if not self.supervisor.ready:  # a standby, or starting: the sender retries
-            await _reply(send, 503, self.supervisor.readiness, RETRY_AFTER)
+        if not supervisor.ready:  # a standby, or starting: the sender retries
+            await _reply(send, 503, supervisor.readiness, RETRY_AFTER)
             return
-        if not self._authorized(scope):
+        authorized = False
+        expected = self._expected or self._expected_header()
+        if expected is not None:
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorized = compare_digest(value, expected)
+                    break
+        if not authorized:
             await _reply(
                 send,
                 401,
@@ -56,7 +109,7 @@ class HeartbeatEndpoint:
             await _reply(send, 413, {"detail": f"body larger than {MAX_BODY} bytes"})
             return
         try:
-            heartbeat = decode_heartbeat(body)
+            changes = await self._queue.submit(body)
         except HeartbeatError as exc:
             where = ".".join(str(p) for p in exc.loc) or "body"
             await _reply(
@@ -69,29 +122,28 @@ class HeartbeatEndpoint:
             )
             return
         # No coroutine in the common case (nothing changed): the sensor answers UNCHANGED.
-        changes = self.supervisor.sensor.ingest(heartbeat)
-        events = (
-            None if changes is UNCHANGED or not changes else await self.supervisor.record(changes)
-        )
+        events = None if changes is UNCHANGED or not changes else await supervisor.record(changes)
         if events:
             ids = [e.id for e in events]
             await _send(send, 202, json.dumps({"events": ids}).encode())
         else:
             # The common case has no body: the server writes a body apart from the headers,
-            # so this saves a socket write on every heartbeat.
-            await send({"type": "http.response.start", "status": 204, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+            # so this saves a socket write on every heartbeat. The messages are constants:
+            # servers read them and never change them.
+            await send(_NO_CONTENT_START)
+            await send(_NO_CONTENT_BODY)
 
-    def _authorized(self, scope: Scope) -> bool:
-        if self._expected is None:
-            token = self.supervisor.settings.agent_token
-            if token is None:
-                return False
+    def _apply(self, body: bytes) -> Changes:
+        # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
+        # what it already validated for the node; it changes nothing if it is invalid.
+        return self.supervisor.sensor.ingest(parse_heartbeat(body))
+
+    def _expected_header(self) -> bytes | None:
+        """The Authorization header the agents must send; None: no agent token is set."""
+        token = self.supervisor.settings.agent_token
+        if token is not None:
             self._expected = b"Bearer " + token.get_secret_value().encode()
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return secrets.compare_digest(value, self._expected)
-        return False
+        return self._expected
 
 
 async def _read_rest(receive: Receive, first: Message) -> bytes | None:
