@@ -230,16 +230,18 @@ class Sensor:
                     node.address = hb.address
                     node.topology = dict(hb.topology)
                 node.workers = workers
-                if node.all_running and node.job is not None:
-                    try:
-                        step = max(map(_step, workers), default=None)
-                    except TypeError:  # some worker has reported no step yet
-                        step = None
-                    if step is not None:
-                        self._observe_step(node.job, node.name, step, now)
-                        return UNCHANGED
-                if node.job is not None and workers:
+                if node.job is None or not workers:
+                    return UNCHANGED
+                try:
+                    step = max(map(_step, workers)) if node.all_running else None
+                except TypeError:  # some worker has reported no step yet
+                    step = None
+                if step is None:
                     self._progress(node, workers, now)
+                else:
+                    job = self.jobs[node.job]
+                    if job.progress.observe(node.name, step, now):
+                        self._advanced(job, now)
                 return UNCHANGED
         check_heartbeat(hb)
         now = self._clock()
@@ -553,9 +555,13 @@ class Sensor:
     def _observe_step(self, job_name: str, node_name: str, step: int, now: float) -> None:
         job = self.jobs[job_name]
         if job.progress.observe(node_name, step, now):
-            job.hang_reported = False
-            if job.progress.watching:
-                self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
+            self._advanced(job, now)
+
+    def _advanced(self, job: JobRecord, now: float) -> None:
+        """The job made progress: watch it for a hang again from now."""
+        job.hang_reported = False
+        if job.progress.watching:
+            self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
 
     def _rearm_hang(self, job_name: str | None, now: float) -> None:
         """Watch the job for hangs again (after a lost node of it came back)."""
