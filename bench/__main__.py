@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "--duration", type=float, default=2.0, help="ingest: measured window, seconds"
     )
     parser.add_argument(
-        "--rounds", type=int, default=9, help="ingest: rounds (one window per app each)"
+        "--rounds", type=int, default=15, help="ingest: rounds (one window per app each)"
     )
     parser.add_argument(
         "--profile", type=Path, default=None, help="save cProfile stats of each server here"

@@ -109,7 +109,7 @@ class IngestConfig:
     nodes: int = 1000
     warmup_s: float = 0.5
     duration_s: float = 2.0
-    rounds: int = 9  # each round measures both servers, back to back
+    rounds: int = 15  # each round measures both servers, back to back
     profile_dir: Path | None = None
 
 
