@@ -294,11 +294,18 @@ class Supervisor:
 
     async def _record_timer_changes(self) -> None:
         while True:
-            changes = await self._pending.get()
+            batch = [await self._pending.get()]
+            # Whatever else is waiting goes in the same transaction: when a rack or the
+            # network fails, hundreds of nodes are lost within one timeout, and one commit
+            # (an fsync on SQLite) each would hand the last of them to the policy seconds
+            # late.
+            while not self._pending.empty():
+                batch.append(self._pending.get_nowait())
             try:
-                await self._record_with_retry(changes)
+                await self._record_with_retry(Changes.merged(batch))
             finally:
-                self._pending.task_done()
+                for _ in batch:
+                    self._pending.task_done()
 
     async def _record_with_retry(self, changes: Changes) -> None:
         delay = 0.1

@@ -421,6 +421,33 @@ async def test_heartbeat_loss_fault_until_deleted(make_settings: SettingsFactory
         assert await api.get("/api/v1/faults", active=True) == []
 
 
+async def test_nodes_lost_together_are_recorded_together(make_settings: SettingsFactory) -> None:
+    """A rack going dark: its losses are persisted in one transaction or a few, not one
+    commit each, and every one of them is there and decided."""
+    async with running(
+        make_settings(heartbeat_timeout_s=1.5, heartbeat_polling_period_s=0.5)
+    ) as api:
+        rack = [f"n{i}" for i in range(1, 41)]
+        transactions: list[int] = []
+        store = api.supervisor.store
+        record = store.record
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            transactions.append(len(args[0]))
+            return record(*args, **kwargs)
+
+        await asyncio.gather(*(api.beat(heartbeat(n, job=None)) for n in rack))
+        await api.settle()
+        store.record = counted  # type: ignore[method-assign]
+        await asyncio.sleep(2.0)  # every node silent past its timeout
+        await api.settle()
+        lost = (await api.get("/api/v1/events", type="host_heartbeat_lost", limit=100))["items"]
+        assert sorted(e["node"] for e in lost) == sorted(rack)
+        assert sum(transactions) == len(rack) and len(transactions) <= 4, transactions
+        nodes = await api.get("/api/v1/nodes")
+        assert {n["name"] for n in nodes if not n["alive"]} == set(rack)
+
+
 async def test_manual_action_is_idempotent_by_key(api: Api) -> None:
     await api.beat(heartbeat("n1"))
     headers = {**OPERATOR, "Idempotency-Key": "cordon-n1-ticket-42"}

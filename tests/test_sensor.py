@@ -943,3 +943,19 @@ def test_names_are_checked_on_every_field_even_when_seen_before() -> None:
         with pytest.raises(HeartbeatError) as info:
             decode_heartbeat(body)
         assert info.value.loc == (field,)
+
+
+def test_changes_merge_keeps_every_event_and_each_latest_record() -> None:
+    from dataclasses import replace
+
+    from supervisor.sensor.sensor import Changes
+
+    up = NodeView("n1", NodeState.RUNNING, "j1", True, None)
+    down, other = replace(up, alive=False), replace(up, name="n2")
+    lost = Event(type=E.HOST_HEARTBEAT_LOST, time=datetime.now(UTC), node="n1")
+    back = Event(type=E.NODE_RECOVERED, time=datetime.now(UTC), node="n1")
+    merged = Changes.merged(
+        [Changes(events=[lost], nodes=[down, other]), Changes(events=[back], nodes=[up])]
+    )
+    assert merged.events == [lost, back]
+    assert merged.nodes == [other, up]  # n1's latest record, after n2's

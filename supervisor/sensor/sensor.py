@@ -48,6 +48,24 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.events or self.nodes or self.jobs)
 
+    @staticmethod
+    def merged(batch: Iterable[Changes]) -> Changes:
+        """Several steps' changes as one, in order: every event, and each node's and job's
+        latest record."""
+        out = Changes()
+        nodes: dict[str, NodeView] = {}
+        jobs: dict[str, JobView] = {}
+        for changes in batch:
+            out.events.extend(changes.events)
+            for node in changes.nodes:
+                nodes.pop(node.name, None)  # re-insert: the order of the latest records
+                nodes[node.name] = node
+            for job in changes.jobs:
+                jobs.pop(job.name, None)
+                jobs[job.name] = job
+        out.nodes, out.jobs = list(nodes.values()), list(jobs.values())
+        return out
+
 
 #: What `Sensor.ingest` returns for a heartbeat that changed nothing. Shared: never add to it.
 UNCHANGED = Changes()
