@@ -443,7 +443,10 @@ async def test_nodes_lost_together_are_recorded_together(make_settings: Settings
         await api.settle()
         lost = (await api.get("/api/v1/events", type="host_heartbeat_lost", limit=100))["items"]
         assert sorted(e["node"] for e in lost) == sorted(rack)
-        assert sum(transactions) == len(rack) and len(transactions) <= 4, transactions
+        # Their last heartbeats (so their deadlines) are spread over the time the 40
+        # requests took; what expires during one commit goes in the next: a few
+        # transactions, where one each would be 40.
+        assert sum(transactions) == len(rack) and len(transactions) <= 10, transactions
         nodes = await api.get("/api/v1/nodes")
         assert {n["name"] for n in nodes if not n["alive"]} == set(rack)
 

@@ -196,9 +196,8 @@ async def test_acknowledged_events_survive_sigkill_and_are_handled_once(tmp_path
 
 
 async def test_heartbeats_arriving_together_each_get_their_own_answer(tmp_path: Path) -> None:
-    """Heartbeats that arrive in the same loop turn are applied together; each still gets
-    its own answer (204, 202 with its own events, 422 naming its field), and only the
-    valid ones change anything."""
+    """Heartbeats that arrive together each get their own answer (204, 202 with its own
+    events, 422 naming its field), and only the valid ones change anything."""
     nodes = [f"n{i}" for i in range(1, 41)]
     crashed = set(nodes[7::10])
     invalid = set(nodes[3::10])

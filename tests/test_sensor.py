@@ -935,6 +935,37 @@ async def test_steady_heartbeats_change_nothing_yet_changes_still_surface(
     assert sensor.node_view("n1").job == "j2"
 
 
+async def test_a_steady_heartbeat_is_kept_as_its_body_and_read_back_exactly(
+    make_sensor: SensorFactory,
+) -> None:
+    """The fast path keeps a steady heartbeat's bytes, not its parsed reports; whatever
+    reads the node's workers (views, the full path's comparison) gets the latest ones."""
+    import msgspec
+
+    from supervisor.sensor.sensor import UNCHANGED
+
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+
+    def sent(beat: HostHeartbeat) -> Changes:
+        body = msgspec.json.encode(beat)
+        return sensor.ingest(decode_heartbeat(body), body)
+
+    sent(stepping("n1", 1, ranks=(0, 1)))
+    restarted = [worker(0, 7), WorkerReport(rank=1, local_rank=1, pid=4242, state="running")]
+    restarted[1] = msgspec.structs.replace(restarted[1], step=8)
+    assert sent(hb("n1", workers=restarted)) is UNCHANGED  # a new pid, steps: still steady
+    node = sensor.nodes["n1"]
+    assert node.body is not None  # kept undecoded
+    assert [(w.pid, w.step) for w in sensor.node_view("n1").workers] == [(1000, 7), (4242, 8)]
+    assert node.body is None  # decoded once, on reading
+    assert sensor.job_view("j1").last_step == 8
+
+    sent(hb("n1", workers=[worker(0, 9), worker(1, 9, local_rank=1)]))
+    crash = [worker(0, 9), worker(1, 9, "exited", local_rank=1, exit_code=3)]
+    [event] = sent(hb("n1", workers=crash)).events  # compared with the kept body's workers
+    assert (event.type, event.rank, event.details["exit_code"]) == (E.WORKER_EXITED, 1, 3)
+
+
 def test_names_are_checked_on_every_field_even_when_seen_before() -> None:
     good = {"node": "n-ok", "state": "running", "job": "j-ok", "workers": []}
     decode_heartbeat(json.dumps(good).encode())
