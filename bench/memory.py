@@ -1,8 +1,8 @@
 """Memory per tracked node: what a Sensor keeps for each node, measured with tracemalloc.
 
-Heartbeats are parsed from JSON one at a time and dropped after ingest, as in the
-service, so only what the sensor retains is counted (node record, last worker reports,
-deadline entries, job progress).
+Heartbeats are parsed from JSON one at a time and handed to the sensor with their body,
+as the service does, so only what the sensor retains is counted (node record, the last
+heartbeat's body or worker reports, deadline entries, job progress).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ async def _measure(nodes: int, heartbeats_each: int) -> MemoryResult:
         before = tracemalloc.get_traced_memory()[0]
         for step in range(1, heartbeats_each + 1):
             for i in range(nodes):
-                sensor.ingest(decode_heartbeat(heartbeat_json(i, step)))
+                body = heartbeat_json(i, step)
+                sensor.ingest(decode_heartbeat(body), body)
         gc.collect()
         after = tracemalloc.get_traced_memory()[0]
     finally:

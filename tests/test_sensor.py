@@ -966,6 +966,18 @@ async def test_a_steady_heartbeat_is_kept_as_its_body_and_read_back_exactly(
     assert (event.type, event.rank, event.details["exit_code"]) == (E.WORKER_EXITED, 1, 3)
 
 
+def test_heartbeats_are_encoded_without_their_defaults_and_decode_the_same() -> None:
+    import msgspec
+
+    beat = hb("n1", workers=[worker(0, 5), worker(1, None, local_rank=1)])
+    body = msgspec.json.encode(beat)
+    assert b"null" not in body and b"[]" not in body and b"{}" not in body
+    assert b"exit_code" not in body and b"gpu_reports" not in body
+    assert decode_heartbeat(body) == beat
+    crashed = hb("n1", workers=[worker(0, 5, "exited", exit_code=0)], gpu=[xid(79)])
+    assert decode_heartbeat(msgspec.json.encode(crashed)) == crashed  # 0 is not a default
+
+
 def test_names_are_checked_on_every_field_even_when_seen_before() -> None:
     good = {"node": "n-ok", "state": "running", "job": "j-ok", "workers": []}
     decode_heartbeat(json.dumps(good).encode())

@@ -278,6 +278,8 @@ class Sensor:
                     node.workers = workers
                 else:
                     node.body = body
+                    if node.reports:  # stale now: not kept beside the body
+                        node.reports = []
                 if node.job is None or not workers:
                     return UNCHANGED
                 try:
