@@ -73,7 +73,7 @@ class HeartbeatEndpoint:
         try:
             # Inline, not deferred: queuing the heartbeats of one loop turn to parse and apply
             # them together (warmer caches) cost more in futures and wake-ups than it saved,
-            # 3-4% of throughput in paired rounds (bench/README.md).
+            # 3 to 4.5 points of the ceiling in paired rounds (bench/README.md).
             changes = self._ingest(parse_heartbeat(body), body)
         except HeartbeatError as exc:
             where = ".".join(str(p) for p in exc.loc) or "body"
