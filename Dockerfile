@@ -18,9 +18,12 @@ COPY pyproject.toml README.md ./
 COPY supervisor ./supervisor
 COPY host_monitor ./host_monitor
 COPY policies ./policies
+COPY training ./training
 # A regular (not editable) install: the runtime stage gets /opt/venv and no source tree.
-# Byte-code is compiled here because the root filesystem is read-only at run time.
-RUN /opt/venv/bin/pip install . \
+# Byte-code is compiled here because the root filesystem is read-only at run time. The
+# `demo` extra (NumPy) is for the demo workload the compose stack and the example JobSet
+# run; the supervisor itself does not need it.
+RUN /opt/venv/bin/pip install '.[demo]' \
  && /opt/venv/bin/python -m compileall -q /opt/venv/lib
 
 # --- runtime: the virtual environment and a non-root user, nothing else ----------------

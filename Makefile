@@ -3,13 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The CPU build of torch (extra `torch`, for the PyTorch integration and its tests). Pinned:
+# an unpinned torch pulls several GB of CUDA packages.
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo test lint bench format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,demo,torch]' 'torch==$(TORCH_VERSION)'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,7 +28,7 @@ lint: $(STAMP)
 DEPLOY_STAMP := $(VENV)/.installed-deploy
 
 $(DEPLOY_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,deploy]'
+	$(BIN)/pip install --quiet -e '.[dev,demo,torch,deploy]' 'torch==$(TORCH_VERSION)'
 	touch $(DEPLOY_STAMP)
 
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never its

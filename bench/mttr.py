@@ -9,7 +9,7 @@ POST /api/v1/faults and each is followed to the end:
 - resumed: the job's newest attempt (after the remediation's restart) completed a step
   past the one it resumed from. Read from the job's own all-reduce barrier
   (`RUN_DIR/collective/<attempt>/step-<s>/rank-<r>.bin`, see
-  `supervisor/local/workload/collective.py`), polled every 50 ms: a rank creates
+  `training/numpy_workload/collective.py`), polled every 50 ms: a rank creates
   `step-<s>` once it finished step s, and `step-<R>` holding every rank's file means
   step R + 1 is done. The supervisor's own view (`last_step`) lags up to a worker report
   interval (0.5 s) plus a heartbeat period, too coarse for steps lost;

@@ -51,10 +51,10 @@ log = logging.getLogger(__name__)
 KEEP_START_REQUESTS = 64  # request ids remembered for idempotency
 KEEP_CHECKPOINTS = 100
 # Env of launched workers naming the file that holds the current emergency request id
-# (read by host_monitor/worker_client.py after SIGUSR1, which carries no data).
+# (read by training/worker_client.py after SIGUSR1, which carries no data).
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
 # Env of launched workers naming their job (what a worker pod sets itself on Kubernetes;
-# read by host_monitor/worker_client.py and sent with its registration).
+# read by training/worker_client.py and sent with its registration).
 ENV_JOB = "HOST_MONITOR_JOB"
 _NAME = TypeAdapter(Name)
 

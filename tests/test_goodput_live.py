@@ -486,7 +486,7 @@ async def test_steps_are_sampled_periodically_not_per_heartbeat(
 WORKER_SCRIPT = r"""
 import os, time
 from pathlib import Path
-from host_monitor.worker_client import WorkerClient
+from training.worker_client import WorkerClient
 
 Path(os.environ["PID_DIR"], str(os.getpid())).write_text(os.environ["RANK"])
 client = WorkerClient.from_env(report_interval_s=0.05)

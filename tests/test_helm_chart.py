@@ -26,7 +26,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from host_monitor import worker_client
 from host_monitor.config import HostMonitorSettings
 from supervisor.api.schemas import FaultIn
 from supervisor.config import CONFIG_FILE_ENV, Settings, load_settings
@@ -34,6 +33,7 @@ from supervisor.controller import load_policy
 from supervisor.kube import events as kube_events
 from supervisor.kube import objects as kube_objects
 from supervisor.policy import Policy
+from training import worker_client
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "resiliency-supervisor"

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import yaml
 
-from host_monitor import worker_client
 from supervisor.kube import objects as kube_objects
 from supervisor.local.demo import free_port
 from tests.test_host_monitor import (
@@ -37,6 +36,7 @@ from tests.test_host_monitor import (
 )
 from tests.test_host_monitor_pidns import CAN_UNSHARE, NamespacedProcess
 from tests.test_workload import Job
+from training import worker_client
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER_SCRIPT = r"""
 import os, signal, sys, time
 from pathlib import Path
-from host_monitor.worker_client import WorkerClient
+from training.worker_client import WorkerClient
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 if mode == "own-handler":

@@ -32,7 +32,6 @@ from typing import Any
 import pytest
 
 from host_monitor import pidns
-from host_monitor.worker_client import WorkerClient
 from tests.test_host_monitor import (
     ACTUATOR_TOKEN,
     AGENT_TOKEN,
@@ -41,6 +40,7 @@ from tests.test_host_monitor import (
     Supervisor,
     wait_for,
 )
+from training.worker_client import WorkerClient
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
 NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
@@ -54,7 +54,7 @@ KILL_ONLY = ["setpriv", "--bounding-set", "-all,+kill", "--inh-caps", "-all"]
 WORKER_SCRIPT = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from host_monitor.worker_client import WorkerClient
+from training.worker_client import WorkerClient
 
 out = Path(sys.argv[1])
 step = 0
@@ -396,7 +396,7 @@ def test_monitor_without_the_hosts_pid_namespace_refuses_and_the_client_says_why
     node = Node(tmp_path, None, prefix=UNSHARE)
     client = WorkerClient(0, 0, monitor_url=node.agent.url, token=WORKER_TOKEN)
     try:
-        with caplog.at_level(logging.WARNING, logger="host_monitor.worker_client"):
+        with caplog.at_level(logging.WARNING, logger="training.worker_client"):
             assert client.register(attempts=1) is False
         assert f"cannot find pid {os.getpid()} of PID namespace" in caplog.text
         assert "does the host monitor run with hostPID?" in caplog.text

@@ -54,7 +54,7 @@ def reference_weights(tmp: Path, replicas: int, nodes_per_dp: int, steps: int) -
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "supervisor.local.workload"],
+                [sys.executable, "-m", "training.numpy_workload"],
                 env=env,
                 stdout=subprocess.DEVNULL,
             )

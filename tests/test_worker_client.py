@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from host_monitor.worker_client import (
-    WorkerClient,
+from training.npz_format import (
     checkpoint_file,
     list_checkpoints,
     newest_checkpoint,
     read_checkpoint,
     write_checkpoint_file,
 )
+from training.worker_client import WorkerClient
 
 
 class RecordingServer:

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_monitor.worker_client import checkpoint_file, read_checkpoint
-from supervisor.local.workload.checkpoint import CheckpointStore
-from supervisor.local.workload.model import init_state
 from tests.test_worker_client import RecordingServer
+from training.npz_format import checkpoint_file, read_checkpoint
+from training.numpy_workload.checkpoint import CheckpointStore
+from training.numpy_workload.model import init_state
 
 REPO = Path(__file__).resolve().parents[1]
 R, N = 2, 2
@@ -81,7 +81,7 @@ class Job:
             self.logs[rank] = log
             with open(log, "wb") as out:
                 self.procs[rank] = subprocess.Popen(
-                    [sys.executable, "-m", "supervisor.local.workload"],
+                    [sys.executable, "-m", "training.numpy_workload"],
                     cwd=REPO,
                     env=env,
                     stdout=out,

@@ -59,7 +59,7 @@ class DemoOptions:
         """The demo training workload as a job of the local cluster, on `placement`."""
         return JobSpec(
             name=self.job,
-            command=[sys.executable, "-m", "supervisor.local.workload"],
+            command=[sys.executable, "-m", "training.numpy_workload"],
             env={
                 "SEED": str(self.seed),
                 "TOTAL_STEPS": str(self.total_steps),

@@ -13,17 +13,17 @@ import sys
 import time
 from types import FrameType
 
-from host_monitor.worker_client import CheckpointTier, WorkerClient
-from supervisor.local.workload.checkpoint import CheckpointStore, write_output
-from supervisor.local.workload.collective import CollectiveTimeout, FileCollective
-from supervisor.local.workload.config import ConfigError, WorkloadConfig
-from supervisor.local.workload.model import (
+from training.numpy_workload.checkpoint import CheckpointStore, write_output
+from training.numpy_workload.collective import CollectiveTimeout, FileCollective
+from training.numpy_workload.config import ConfigError, WorkloadConfig
+from training.numpy_workload.model import (
     ShardState,
     apply_update,
     ground_truth,
     init_state,
     local_gradient,
 )
+from training.worker_client import CheckpointTier, WorkerClient
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -31,7 +31,7 @@ EXIT_CONFIG = 2
 EXIT_COLLECTIVE_TIMEOUT = 3
 SLEEP_SLICE_S = 0.05
 
-log = logging.getLogger("supervisor.local.workload")
+log = logging.getLogger("training.numpy_workload")
 
 
 class Terminated(Exception):

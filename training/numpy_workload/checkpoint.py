@@ -3,7 +3,7 @@
 Tiers: `local` (per node, `LOCAL_CKPT_DIR`, frequent), `durable` (shared,
 `DURABLE_CKPT_DIR`, less frequent) and `emergency` (shared, `DURABLE_CKPT_DIR/emergency`,
 written on SIGUSR1 so that a replacement node can read it). The file layout, the atomic
-write and the verification are `host_monitor.worker_client`'s (`checkpoint_file`,
+write and the verification are `training.npz_format`'s (`checkpoint_file`,
 `write_checkpoint_file`, `read_checkpoint`): `<tier>/step-<s:08d>/shard-<k>-of-<N>.npz`,
 with a sha256 per array checked on load, so a partial or corrupt file is never taken as a
 checkpoint.
@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from host_monitor.worker_client import (
-    CheckpointTier,
+from training.npz_format import (
     checkpoint_steps,
     list_checkpoints,
     read_checkpoint,
     step_dir,
     write_checkpoint_file,
 )
-from supervisor.local.workload.model import ShardState, Vector
+from training.numpy_workload.model import ShardState, Vector
+from training.worker_client import CheckpointTier
 
 # Where to load from first when several tiers hold a step: the fastest.
 LOAD_ORDER: tuple[CheckpointTier, ...] = ("local", "durable", "emergency")

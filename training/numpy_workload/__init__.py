@@ -8,9 +8,9 @@ shared directory (which is also a barrier across all ranks), and everyone update
 result depends only on the seed and the number of steps, never on timing, so a run that
 was interrupted and resumed from a checkpoint ends with bit-identical weights.
 
-Run it with `python -m supervisor.local.workload`; `config.py` lists the environment
+Run it with `python -m training.numpy_workload`; `config.py` lists the environment
 variables it reads. It talks to its node's host monitor through
-`host_monitor.worker_client` (progress, emergency checkpoints on SIGUSR1, checkpoint
+`training.worker_client` (progress, emergency checkpoints on SIGUSR1, checkpoint
 reports), or runs offline without one.
 
 Nothing is imported here so that the package stays cheap to import.

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from supervisor.local.workload.model import Vector, mean_in_order
+from training.numpy_workload.model import Vector, mean_in_order
 
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.010

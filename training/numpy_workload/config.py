@@ -25,7 +25,7 @@
 | `MOMENTUM` | `0.9` | SGD momentum. |
 
 The worker client reads `LOCAL_RANK`, `HOST_MONITOR_URL`, `HOST_MONITOR_WORKER_TOKEN`
-and `HOST_MONITOR_REQUEST_FILE` (see `host_monitor.worker_client`).
+and `HOST_MONITOR_REQUEST_FILE` (see `training.worker_client`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m supervisor.local.workload`: run one training worker (see `config.py`)."""
+"""`python -m training.numpy_workload`: run one training worker (see `config.py`)."""
 
 import os
 import signal
@@ -12,6 +12,6 @@ signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-from supervisor.local.workload.train import main  # noqa: E402
+from training.numpy_workload.train import main  # noqa: E402
 
 raise SystemExit(main())

@@ -1,0 +1,11 @@
+"""The training side: what runs inside the user's training processes.
+
+- `worker_client`: the link to the node's host monitor (register, progress, checkpoint
+  reports, emergency checkpoints on SIGUSR1); standard library and httpx only.
+- `checkpoint`: checkpoint tiers (RAM, peer, durable) for a PyTorch training state, with
+  `torch.distributed.checkpoint` (extra `torch`).
+- `numpy_workload`: the demo workload of local mode (extra `demo`: NumPy).
+
+Nothing here imports the supervisor or the host monitor: they are other processes, and
+talk to this package only over HTTP.
+"""
