@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from importlib.metadata import version
@@ -154,6 +155,52 @@ def mttr_rows(config: mttr.MttrConfig) -> list[Row]:
     return rows
 
 
+CHECKPOINT_TIER_TARGET = 0.70
+CHECKPOINT_BLOCKING_TARGET = 0.10
+
+
+def checkpoint_rows() -> list[Row]:
+    # torch is the `torch` extra: imported only when this part runs.
+    from bench import checkpoint
+
+    res = checkpoint.run(checkpoint.CheckpointConfig())
+    gb = res.state_bytes / 1e9
+    rows = [
+        Row(
+            f"Checkpoint, {res.params / 1e6:.0f}M params + Adam ({gb:.2f} GB), 1 rank: "
+            "blocking per async save (median)",
+            f"{statistics.median(res.blocking_s):.3f} s "
+            f"= {statistics.median(res.blocking_s) / res.sync_dcp_save_s:.1%} of sync DCP",
+            f"sync DCP save {res.sync_dcp_save_s:.2f} s; sync torch.save "
+            f"{res.sync_torch_save_s:.2f} s",
+            f"<= {CHECKPOINT_BLOCKING_TARGET:.0%} of sync DCP",
+            verdict(
+                statistics.median(res.blocking_s)
+                <= CHECKPOINT_BLOCKING_TARGET * res.sync_dcp_save_s
+            ),
+        )
+    ]
+    for key, raw_key in (
+        ("ram save", "ram write"),
+        ("ram load", "ram read"),
+        ("durable save", "durable write"),
+        ("durable load", "durable read"),
+    ):
+        mine, raw = res.tier[key], res.raw[raw_key]
+        rows.append(
+            Row(
+                f"  {key} (MiB/s)",
+                f"{mine:,.0f} MiB/s = {mine / raw:.0%} of raw",
+                f"raw {raw_key}: {raw:,.0f} MiB/s",
+                f">= {CHECKPOINT_TIER_TARGET:.0%} of raw",
+                verdict(mine >= CHECKPOINT_TIER_TARGET * raw),
+            )
+        )
+    if res.peer_note is not None:
+        rows.append(Row("  peer restore", res.peer_note))
+    return rows
+
+
 def machine_line() -> str:
     load = os.getloadavg()[0]
     return (
@@ -185,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
         "--only",
-        choices=("ingest", "detection", "memory", "goodput", "mttr", "failover"),
+        choices=("ingest", "detection", "memory", "goodput", "mttr", "failover", "checkpoint"),
         action="append",
         default=None,
     )
@@ -204,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mttr-keep", type=Path, default=None, help="mttr: keep the clusters' run dirs here"
     )
     args = parser.parse_args(argv)
-    only = set(args.only or ("ingest", "detection", "memory", "goodput", "mttr", "failover"))
+    only = set(
+        args.only or ("ingest", "detection", "memory", "goodput", "mttr", "failover", "checkpoint")
+    )
     header = machine_line()
     started = time.monotonic()
     rows: list[Row] = []
@@ -229,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += mttr_rows(mttr.MttrConfig(faults_per_kind=args.faults, keep_dir=keep))
     if "failover" in only:
         rows += failover.rows()
+    if "checkpoint" in only:
+        rows += checkpoint_rows()
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

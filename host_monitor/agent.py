@@ -30,6 +30,7 @@ from host_monitor.config import HostMonitorSettings
 from host_monitor.faults import FaultActor
 from host_monitor.heartbeat import HeartbeatSender
 from host_monitor.node import CheckpointRecord, Node
+from host_monitor.peer_tier import PeerTier
 from host_monitor.server import create_app
 from host_monitor.watchdogs import GpuReporter
 from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
@@ -116,8 +117,14 @@ class Agent:
         sender = self._sender(node, advertised)
         forwarder = self._forwarder(node)  # hooked before any worker can report
         xid, ecc, faults = await self._watchdogs(node, sender)
+        peer = PeerTier(s, node, forwarder)
+        peer.start()  # clears what a crash left in the peer store
         app = create_app(
-            node, faults, worker_token=self.worker_token, actuator_token=self.actuator_token
+            node,
+            faults,
+            worker_token=self.worker_token,
+            actuator_token=self.actuator_token,
+            peer=peer,
         )
         server = _Server(
             uvicorn.Config(
@@ -174,6 +181,7 @@ class Agent:
             for task in (*tasks, stopping):
                 task.cancel()
             await asyncio.gather(*tasks, stopping, serving, return_exceptions=True)
+            await peer.close()
             xid.close()
             sock.close()
         log.info("host monitor of %s stopped", s.node)
@@ -221,6 +229,8 @@ class Agent:
                 step=r.step,
                 duration_s=r.duration_s,
                 tier=r.tier,
+                size_bytes=r.bytes,
+                total_s=r.total_s,
                 time=record.time,
             )
 

@@ -31,7 +31,9 @@ from typing import Any
 
 import httpx
 
+from host_monitor.protocol import CheckpointReport
 from supervisor.api.errors import error_message
+from supervisor.domain import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +80,44 @@ class CheckpointForwarder:
         step: int,
         duration_s: float,
         tier: str,
-        time: str,
+        size_bytes: int | None = None,
+        total_s: float | None = None,
+        time: str | None = None,
     ) -> str:
-        """Keep a report (durably) for sending; returns its id. Call before acking it."""
-        report = {
+        """Keep a report (durably) for sending; returns its id. Call before acking it.
+
+        ``duration_s``: seconds the training loop was blocked; ``size_bytes``: the rank's
+        checkpoint size; ``total_s``: seconds from start to commit; ``time``: when it
+        finished (ISO, with a zone; default now). Raises ValueError (pydantic's
+        ValidationError) for a report the supervisor would refuse.
+        """
+        checked = CheckpointReport.model_validate(
+            {
+                "event": event,
+                "step": step,
+                "duration_s": duration_s,
+                "tier": tier,
+                "bytes": size_bytes,
+                "total_s": total_s,
+            }
+        )
+        report: dict[str, Any] = {
             "id": f"{self.node}-{uuid.uuid4().hex}",
             "node": self.node,
             "job": job,
             "rank": rank,
-            "event": event,
-            "step": step,
-            "duration_s": duration_s,
-            "tier": tier,
-            "time": time,
+            "event": checked.event,
+            "step": checked.step,
+            "duration_s": checked.duration_s,
+            "tier": checked.tier,
+            "time": time if time is not None else utcnow().isoformat(),
         }
+        # Left out when unknown: a report without them is what a supervisor that predates
+        # them accepts, and old outbox lines look the same.
+        if checked.bytes is not None:
+            report["bytes"] = checked.bytes
+        if checked.total_s is not None:
+            report["total_s"] = checked.total_s
         if len(self._pending) >= MAX_OUTBOX:
             dropped = self._pending.popleft()
             log.error("checkpoint outbox full: dropping the oldest report (%s)", dropped["id"])

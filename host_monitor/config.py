@@ -18,6 +18,9 @@ from host_monitor.wire import Name  # the supervisor's rule for node and job nam
 DEV_KMSG = "/dev/kmsg"
 # `kernel_log` values that turn the XID watchdog off explicitly.
 KERNEL_LOG_OFF = ("none", "off")
+DEFAULT_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
+DEFAULT_PEER_STORE_PARENT = "/dev/shm/resiliency-peer"
+DEFAULT_PEER_MAX_FILE_BYTES = 2**40  # 1 TiB: no shard is that big; RAM runs out first
 
 
 class HostMonitorSettings(BaseSettings):
@@ -99,6 +102,33 @@ class HostMonitorSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    # The peer checkpoint tier (host_monitor/peer_tier.py): copies of the workers' RAM
+    # checkpoints kept by a partner node, for a swapped-in spare whose RAM is empty.
+    peer_token: SecretStr | None = Field(
+        None,
+        description="Bearer token host monitors present to each other (peer checkpoint "
+        "tier). Unset: the tier is off (peer routes answer 503, nothing is replicated).",
+    )
+    checkpoint_root: Path = Field(
+        Path(DEFAULT_CHECKPOINT_ROOT),
+        description="The only directory tree workers may ask us to replicate from or fetch "
+        "into (symlinks resolved).",
+    )
+    peer_store_dir: Path | None = Field(
+        None,
+        description=f"Where the copies received from the partner are kept. Unset: "
+        f"{DEFAULT_PEER_STORE_PARENT}/<node>.",
+    )
+    peer_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Timeout of each network step of a transfer to or from the partner.",
+    )
+    peer_max_file_bytes: int = Field(
+        DEFAULT_PEER_MAX_FILE_BYTES,
+        ge=1,
+        description="Largest checkpoint file the partner may upload to us.",
+    )
 
     @model_validator(mode="after")
     def _check_relations(self) -> Self:
@@ -116,11 +146,23 @@ class HostMonitorSettings(BaseSettings):
         if len(tokens) != len(set(tokens)):
             # A worker must never be able to act as the actuator or as the node itself.
             raise ValueError("agent_token, actuator_token and worker_token must differ")
+        if self.peer_token is not None and self.peer_token.get_secret_value() in tokens:
+            # Other host monitors hold the peer token: it must open nothing else.
+            raise ValueError(
+                "peer_token must differ from agent_token, actuator_token and worker_token"
+            )
         return self
 
     @property
     def kernel_log_disabled(self) -> bool:
         return self.kernel_log is not None and self.kernel_log.lower() in KERNEL_LOG_OFF
+
+    @property
+    def peer_store(self) -> Path:
+        """`peer_store_dir`, or its default for this node."""
+        if self.peer_store_dir is not None:
+            return self.peer_store_dir
+        return Path(DEFAULT_PEER_STORE_PARENT) / self.node
 
 
 class ConfigError(Exception):

@@ -31,6 +31,7 @@ from host_monitor.config import HostMonitorSettings, env_without_secrets
 from host_monitor.emergency import EmergencyRounds
 from host_monitor.heartbeat import NodeSnapshot
 from host_monitor.protocol import (
+    CheckpointPeer,
     CheckpointReport,
     NodeStatus,
     ProgressReply,
@@ -106,6 +107,9 @@ class Node:
         self._idle_since: float | None = None  # monotonic: when its last worker went
         self._starts: OrderedDict[str, StartWorkersRequest] = OrderedDict()
         self._lock = asyncio.Lock()
+        # The partner of the peer checkpoint tier (peer_tier.py): from the start request,
+        # or PUT /v1/checkpoint-peer. A relation of the job: a released node has none.
+        self.checkpoint_peer: CheckpointPeer | None = None
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -173,6 +177,7 @@ class Node:
                 raise InvalidRequest("command", f"cannot run {req.command[0]!r}: {exc}") from None
             self.state = NodeState.RUNNING
             self.job = req.job
+            self.checkpoint_peer = req.checkpoint_peer
             self._starts[req.request_id] = req
             while len(self._starts) > KEEP_START_REQUESTS:
                 self._starts.popitem(last=False)
@@ -198,6 +203,7 @@ class Node:
                 self.registry.forget()
                 self.state = NodeState.SPARE
                 self.job = None
+                self.checkpoint_peer = None
                 log.info("released: node is a spare")
             self._changed()
             return StopWorkersResult(exit_codes=codes)
@@ -262,13 +268,19 @@ class Node:
         if self.on_checkpoint is not None:
             self.on_checkpoint(record, self.job)
         self.checkpoints.append(record)
+        extra = ""
+        if report.bytes is not None:
+            extra += f", {report.bytes} bytes"
+        if report.total_s is not None:
+            extra += f", {report.total_s:.3f}s in all"
         log.info(
-            "rank %d %s %s checkpoint of step %d in %.3fs",
+            "rank %d %s %s checkpoint of step %d in %.3fs%s",
             rank,
             report.event,
             report.tier,
             report.step,
             report.duration_s,
+            extra,
         )
 
     def release_if_idle(self) -> bool:
@@ -306,6 +318,7 @@ class Node:
         self.registry.forget()
         self.state = NodeState.SPARE
         self.job = None
+        self.checkpoint_peer = None
         self._idle_since = None
         self._changed()
         return True

@@ -67,17 +67,35 @@ class ProgressReply(BaseModel):
     slowdown_s: float = Field(0.0, ge=0, description="Extra seconds per step (straggler fault).")
 
 
-CheckpointTier = Literal["local", "durable", "emergency"]
+# `local`: the NumPy demo's node-local files; `ram`: tmpfs on the node; `peer`: a copy held
+# by a partner node's host monitor; `durable`: shared storage; `emergency`: saved on demand.
+CheckpointTier = Literal["local", "ram", "peer", "durable", "emergency"]
+MAX_CHECKPOINT_BYTES = 2**62
+MAX_CHECKPOINT_TOTAL_S = 604_800.0  # a week
 
 
 class CheckpointReport(BaseModel):
-    """POST /v1/workers/{rank}/checkpoints: a checkpoint saved or loaded, for goodput."""
+    """POST /v1/workers/{rank}/checkpoints: a checkpoint saved or loaded, for goodput.
+
+    A load is reported with the tier that served it. `bytes` and `total_s` are optional:
+    older clients (and the NumPy demo) leave them out.
+    """
 
     model_config = ConfigDict(extra="forbid")
     event: Literal["saved", "loaded"]
     step: int = Field(ge=0)
-    duration_s: float = Field(ge=0)
+    duration_s: float = Field(ge=0, description="Seconds the training loop was blocked.")
     tier: CheckpointTier
+    bytes: int | None = Field(
+        None, ge=0, le=MAX_CHECKPOINT_BYTES, description="Size of this rank's checkpoint."
+    )
+    total_s: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_CHECKPOINT_TOTAL_S,
+        allow_inf_nan=False,
+        description="Seconds from the start of the save or load to its commit, in all.",
+    )
 
 
 class EmergencyAck(BaseModel):
@@ -117,6 +135,19 @@ class WorkerSpec(BaseModel):
     local_rank: int = Field(ge=0)
 
 
+class CheckpointPeer(BaseModel):
+    """The partner of the peer checkpoint tier: the node whose host monitor keeps a copy of
+    this node's newest checkpoint shards (and whose shards this node keeps)."""
+
+    model_config = ConfigDict(extra="forbid")
+    node: Name
+    url: str = Field(
+        max_length=2048,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="Base URL of the partner's host monitor.",
+    )
+
+
 class StartWorkersRequest(BaseModel):
     """POST /v1/workers/start: run the job's workers on this node (local backend).
 
@@ -130,6 +161,9 @@ class StartWorkersRequest(BaseModel):
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = Field(default_factory=dict)
     workers: list[WorkerSpec] = Field(min_length=1)
+    checkpoint_peer: CheckpointPeer | None = Field(
+        None, description="The node's partner for the peer checkpoint tier; None: none."
+    )
 
 
 class StopWorkersRequest(BaseModel):

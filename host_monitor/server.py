@@ -23,6 +23,9 @@ from pydantic import BaseModel
 from host_monitor.emergency import UnknownRound
 from host_monitor.faults import NODE_DOWN_EXIT_CODE, FaultActor, FaultOutcome
 from host_monitor.node import InvalidRequest, Node
+from host_monitor.peer_routes import peer_router
+from host_monitor.peer_tier import PeerTier
+from host_monitor.peer_worker_routes import peer_actuator_router, peer_worker_router
 from host_monitor.protocol import (
     CheckpointReport,
     EmergencyAck,
@@ -86,7 +89,12 @@ def _require(expected: str) -> Any:
 
 
 def create_app(
-    node: Node, faults: FaultActor, *, worker_token: str, actuator_token: str
+    node: Node,
+    faults: FaultActor,
+    *,
+    worker_token: str,
+    actuator_token: str,
+    peer: PeerTier | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Host monitor",
@@ -202,6 +210,10 @@ def create_app(
 
     app.include_router(workers)
     app.include_router(actuator)
+    if peer is not None:  # the peer checkpoint tier (peer_tier.py); it checks the peer token
+        app.include_router(peer_worker_router(peer), dependencies=[_require(worker_token)])
+        app.include_router(peer_actuator_router(peer), dependencies=[_require(actuator_token)])
+        app.include_router(peer_router(peer))
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(InvalidRequest, _invalid_request)
     app.add_exception_handler(WorkerNotFound, _not_found)

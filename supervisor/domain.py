@@ -215,6 +215,9 @@ class CheckpointReport:
 
     ``time`` is when the worker reported it to its host monitor, just after the save or
     load finished; ``report_id`` is unique per report, so a report sent again is one report.
+    ``duration_s`` is the time the training loop was blocked; ``size_bytes`` (the rank's
+    checkpoint size) and ``total_s`` (from start to commit) are None when not reported.
+    A load's ``tier`` is the tier that served it.
     """
 
     report_id: str
@@ -224,8 +227,10 @@ class CheckpointReport:
     event: str  # "saved" or "loaded"
     step: int
     duration_s: float
-    tier: str  # "local", "durable" or "emergency"
+    tier: str  # "local", "ram", "peer", "durable" or "emergency"
     time: datetime
+    size_bytes: int | None = None
+    total_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -479,6 +480,17 @@ def test_goodput_panel_and_advice(browser: Browser, tmp_path: Path) -> None:
     with cluster(tmp_path, goodput_sample_period_s="0.5") as server:
         time.sleep(2)  # some training to measure
         api(server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79})
+        # Checkpoints of the RAM tier with their sizes (64 MiB in 0.5 s: 128 MiB/s), and
+        # one of the local tier from an older client (no size).
+        now = time.time()
+        reports = [
+            {"id": f"c{step}", "node": "n1", "job": "j1", "rank": 0, "event": "saved",
+             "step": step, "duration_s": 0.25, "tier": tier, "bytes": size, "total_s": total,
+             "time": datetime.fromtimestamp(now - 1 + step / 100, UTC).isoformat()}
+            for step, tier, size, total in ((1, "ram", 64 * 2**20, 0.5), (2, "local", None, None))
+        ]  # fmt: skip
+        r = httpx.post(f"{server.url}/api/v1/checkpoints", json={"reports": reports}, headers=AGENT)
+        assert r.status_code == 200, r.text
         with dashboard(browser, server) as page:
             expect(page.locator("#goodput-job")).to_have_value("j1")
             figure = page.locator("#goodput-figure")
@@ -489,6 +501,11 @@ def test_goodput_panel_and_advice(browser: Browser, tmp_path: Path) -> None:
             expect(page.locator("#goodput-chart")).to_be_visible()
             assert page.locator("#goodput-chart rect").count() > 0
             expect(page.locator(".breakdown")).to_contain_text("lost progress")
+            ram = page.locator("#goodput-tiers tr[data-tier='ram']")
+            expect(ram).to_contain_text("64 MiB")
+            expect(ram).to_contain_text("128 MiB/s")
+            expect(ram).to_contain_text("250 ms")
+            expect(page.locator("#goodput-tiers tr[data-tier='local']")).to_contain_text("—")
             expect(
                 page.get_by_role("heading", name="Checkpoint advice", exact=True)
             ).to_be_visible()

@@ -362,6 +362,36 @@ def test_blocking_checkpoint_save() -> None:
     assert_sums_to_wall(report)
 
 
+def test_tier_sizes_and_throughputs_never_count_as_badput() -> None:
+    mib = 2**20
+    recs: list[Record] = [JobStarted(0)]
+    recs += [StepReported(k, 10 * k) for k in range(1, 31)]
+    # RAM saves blocking 1 s each but 4 s / 2 s / unknown in all; a peer copy that does
+    # not block; a load served by the peer tier.
+    recs += [
+        CheckpointSaved(10, 101, 1, "ram", size_bytes=256 * mib, total_s=4),
+        CheckpointSaved(20, 201, 1, "ram", size_bytes=128 * mib, total_s=2),
+        CheckpointSaved(30, 301, 1, "ram"),
+        CheckpointSaved(30, 330, 0, "peer", blocking=False, size_bytes=64 * mib, total_s=0),
+        CheckpointLoaded(30, 400, 5, "peer", size_bytes=64 * mib, total_s=0.5),
+    ]
+    report = compute_goodput(Timeline.from_records(recs))
+    assert report.badput.checkpoint_save_s == approx(3 * 1)  # blocking seconds only
+    ram, peer = report.tier("ram"), report.tier("peer")
+    assert ram is not None and peer is not None
+    assert ram.mean_save_bytes == approx((256 + 128) / 2 * mib)
+    assert ram.save_mib_per_s == approx((256 / 4 + 128 / 2) / 2)  # 64 MiB/s
+    assert ram.mean_save_s == 1 and ram.mean_load_bytes is None and ram.load_mib_per_s is None
+    # A save with no time in all has a size but no throughput.
+    assert peer.mean_save_bytes == 64 * mib and peer.save_mib_per_s is None
+    assert (peer.loads, peer.mean_load_s, peer.mean_load_bytes) == (1, 5, 64 * mib)
+    assert peer.load_mib_per_s == approx(128)
+    assert_sums_to_wall(report)
+    # An older timeline (no sizes at all) has none.
+    (local,) = compute_goodput(Timeline.from_records([CheckpointSaved(1, 1, 0.5, "local")])).tiers
+    assert (local.mean_save_bytes, local.save_mib_per_s) == (None, None)
+
+
 def test_scale_down_period() -> None:
     recs: list[Record] = [JobStarted(0)]
     recs += [StepReported(k, 10 * k) for k in range(1, 31)]
@@ -431,6 +461,12 @@ def test_record_validation() -> None:
         StepReported(-1, 0)
     with pytest.raises(ValueError, match="duration_s"):
         CheckpointSaved(1, 0, -2)
+    with pytest.raises(ValueError, match="size_bytes"):
+        CheckpointSaved(1, 0, 0, size_bytes=-1)
+    with pytest.raises(ValueError, match="size_bytes"):
+        CheckpointLoaded(1, 0, 0, size_bytes=math.inf)
+    with pytest.raises(ValueError, match="total_s"):
+        CheckpointLoaded(1, 0, 0, total_s=math.nan)
     with pytest.raises(ValueError, match="end"):
         Remediation(10, 5)
     with pytest.raises(ValueError, match="before"):

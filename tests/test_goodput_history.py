@@ -7,6 +7,7 @@ gives it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -421,6 +422,41 @@ def test_grouping_separates_saves_of_one_step_far_apart() -> None:
         (10, approx(11), 2),
         (10, approx(100), 1),
     ]
+
+
+def test_a_checkpoint_of_several_ranks_carries_their_mean_size_and_total_time() -> None:
+    def sized(rank: int, t: float, size: int | None, total: float | None) -> CheckpointReport:
+        r = report("saved", 10, t, 0.5 + rank, tier="ram", rank=rank)
+        return replace(r, size_bytes=size, total_s=total)
+
+    timeline, _ = build(
+        checkpoints=[
+            sized(0, 10, 100, 1.0),
+            sized(1, 11, 300, 3.0),
+            sized(2, 12, None, None),  # an older client
+            replace(report("loaded", 10, 50, 2, tier="peer"), size_bytes=200, total_s=0.5),
+        ],
+        now=60,
+    )
+    (save,) = timeline.saves
+    assert (save.tier, save.duration_s, save.size_bytes, save.total_s) == ("ram", 2.5, 200, 2.0)
+    (load,) = timeline.loads
+    assert (load.tier, load.size_bytes, load.total_s) == ("peer", 200, 0.5)
+
+
+def test_ram_saves_are_periodic_steps_and_peer_copies_are_not() -> None:
+    # A RAM save of step 15 began at 15; a peer copy of step 15 made later (at 19) by the
+    # host monitor is no evidence of when step 15 was reached.
+    timeline, _ = build(
+        samples=[sample(10, 10), sample(20, 20.5)],
+        checkpoints=[
+            report("saved", 15, 15.5, 0.5, tier="ram"),
+            report("saved", 15, 19, 0, "peer"),
+        ],
+        now=20.5,
+    )
+    assert sorted(s.step for s in timeline.steps) == [10, 15, 20]
+    assert [rel(s.time) for s in timeline.steps if s.step == 15] == [approx(15)]
 
 
 def test_advice_from_the_worked_example() -> None:

@@ -31,6 +31,7 @@ import httpx
 import pytest
 from sqlalchemy import update
 
+from host_monitor.checkpoint_forwarder import CheckpointForwarder
 from supervisor.actuator import DryRunBackend
 from supervisor.api import create_app
 from supervisor.api.routes.goodput import ResultCache
@@ -75,6 +76,7 @@ def checkpoint(
     duration_s: float = 0.5,
     tier: str = "local",
     rank: int = 0,
+    **extra: Any,
 ) -> dict[str, Any]:
     return {
         "id": report_id,
@@ -86,6 +88,7 @@ def checkpoint(
         "duration_s": duration_s,
         "tier": tier,
         "time": at(t).isoformat(),
+        **extra,
     }
 
 
@@ -136,6 +139,35 @@ def test_job_history_summarises_the_ranks_reports_of_one_checkpoint(store: Store
         ("n0", 20, at(20), 1.0),
         ("n1", 20, at(120), 2.0),
     ]
+
+
+def test_sizes_and_total_times_round_trip_and_are_summarised(store: Store) -> None:
+    def sized(rank: int, step: int, t: float, size: int | None, total: float | None) -> Any:
+        return CheckpointReport(
+            f"s{rank}-{step}-{t}", f"n{rank}", "j1", rank, "saved", step, 0.25, "ram", at(t),
+            size_bytes=size, total_s=total,
+        )  # fmt: skip
+
+    big = 3 * 2**40  # beyond 32 bits
+    store.record_checkpoint_reports(
+        [
+            sized(0, 10, 10, big, 2.0),
+            sized(1, 10, 11, big + 2, 4.0),
+            sized(2, 10, 12, None, None),
+            sized(0, 20, 20, 0, 0.0),
+            sized(0, 30, 30, None, None),
+        ]
+    )
+    stored = {r.report_id: r for r in store.list_checkpoint_reports("j1")}
+    assert (stored["s0-10-10"].size_bytes, stored["s0-10-10"].total_s) == (big, 2.0)
+    assert (stored["s0-20-20"].size_bytes, stored["s0-20-20"].total_s) == (0, 0.0)
+    assert (stored["s0-30-30"].size_bytes, stored["s0-30-30"].total_s) == (None, None)
+    assert stored["s0-10-10"] == sized(0, 10, 10, big, 2.0)
+    # One record per checkpoint: the means over the ranks that gave them.
+    history = store.job_history("j1", group_window_s=30)
+    summary = [(r.step, r.tier, r.size_bytes, r.total_s) for r in history.checkpoints]
+    assert summary == [(10, "ram", big + 1, 3.0), (20, "ram", 0, 0.0), (30, "ram", None, None)]
+    assert all(isinstance(r.size_bytes, int | None) for r in history.checkpoints)
 
 
 def test_job_history_holds_only_that_job_oldest_first(store: Store) -> None:
@@ -219,6 +251,12 @@ async def test_checkpoint_batches_need_the_agent_token(api: Api) -> None:
     ("change", "field"),
     [
         ({"tier": "ramdisk"}, "reports.1.tier"),
+        ({"bytes": -1}, "reports.1.bytes"),
+        ({"bytes": 2**62 + 1}, "reports.1.bytes"),
+        ({"bytes": 1.5}, "reports.1.bytes"),
+        ({"bytes": "many"}, "reports.1.bytes"),
+        ({"total_s": -0.1}, "reports.1.total_s"),
+        ({"total_s": 604_801}, "reports.1.total_s"),
         ({"event": "deleted"}, "reports.1.event"),
         ({"step": -1}, "reports.1.step"),
         ({"duration_s": -0.1}, "reports.1.duration_s"),
@@ -235,6 +273,124 @@ async def test_a_bad_report_refuses_the_batch_naming_the_field(
     assert r.status_code == 422, r.text
     assert r.json()["message"].startswith(f"{field}:"), r.json()
     assert api.supervisor.store.list_checkpoint_reports() == []  # nothing changed
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+async def test_a_total_time_that_is_not_finite_is_refused(api: Api, value: str) -> None:
+    good = json.dumps(checkpoint("good", bytes=1, total_s=1.0))
+    bad = json.dumps(checkpoint("bad", bytes=1)).removesuffix("}") + f', "total_s": {value}}}'
+    r = await api.client.post(
+        "/api/v1/checkpoints",
+        content=f'{{"reports": [{good}, {bad}]}}',
+        headers={**AGENT, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith("reports.1.total_s:"), r.json()
+    assert api.supervisor.store.list_checkpoint_reports() == []
+
+
+async def test_new_tiers_sizes_and_total_times_round_trip(api: Api) -> None:
+    mib = 2**20
+    batch = [
+        checkpoint("old", step=10, t=10),  # an older host monitor: neither field
+        checkpoint("ram", step=20, t=20, tier="ram", bytes=64 * mib, total_s=0.5),
+        checkpoint("peer", event="loaded", step=20, t=30, tier="peer", bytes=64 * mib),
+        checkpoint("zero", step=30, t=40, tier="durable", bytes=0, total_s=0.0),
+    ]
+    assert (await api.post_checkpoints(batch)).json() == {"stored": 4, "duplicates": 0}
+    await api.join()
+    listed = {r["id"]: r for r in await api.get("/api/v1/checkpoints", job="j1")}
+    assert {k: (r["tier"], r["bytes"], r["total_s"]) for k, r in listed.items()} == {
+        "old": ("local", None, None),
+        "ram": ("ram", 64 * mib, 0.5),
+        "peer": ("peer", 64 * mib, None),
+        "zero": ("durable", 0, 0.0),
+    }
+    assert listed["peer"]["event"] == "loaded" and listed["ram"]["duration_s"] == 0.5
+
+
+async def test_goodput_per_tier_sizes_and_throughputs(api: Api) -> None:
+    mib = 2**20
+    await api.join()
+    reports = [
+        # Step 10 to RAM by two ranks (one record: mean size 96 MiB over mean 1.5 s), step
+        # 20 by one rank (128 MiB in 0.5 s), step 30 by an old client (no sizes).
+        checkpoint("r10-0", step=10, t=10, tier="ram", duration_s=0.2, bytes=64 * mib,
+                   total_s=1.0),
+        checkpoint("r10-1", step=10, t=10.5, tier="ram", duration_s=0.4, rank=1,
+                   bytes=128 * mib, total_s=2.0),
+        checkpoint("r20-0", step=20, t=20, tier="ram", duration_s=0.3, bytes=128 * mib,
+                   total_s=0.5),
+        checkpoint("r30-0", step=30, t=30, tier="ram", duration_s=0.1),
+        # A restart loaded step 30 from the partner's copy: 128 MiB in 0.25 s.
+        checkpoint("p30-0", event="loaded", step=30, t=50, tier="peer", duration_s=0.25,
+                   bytes=128 * mib, total_s=0.25),
+        # The host monitor's own copy to its partner: no blocking time, 2 s in all.
+        checkpoint("c30-0", step=30, t=33, tier="peer", duration_s=0.0, bytes=128 * mib,
+                   total_s=2.0),
+    ]  # fmt: skip
+    assert (await api.post_checkpoints(reports)).status_code == 200
+    data = await api.get("/api/v1/jobs/j1/goodput", points=0)
+    tiers = {t["tier"]: t for t in data["tiers"]}
+    ram, peer = tiers["ram"], tiers["peer"]
+    assert (ram["saves"], ram["loads"]) == (3, 0)
+    assert ram["mean_save_bytes"] == approx(112 * mib)  # (96 + 128) / 2: sized saves only
+    assert ram["save_mib_per_s"] == approx((96 / 1.5 + 128 / 0.5) / 2)
+    assert ram["mean_save_s"] == approx((0.4 + 0.3 + 0.1) / 3)  # blocking: duration_s
+    assert ram["mean_load_bytes"] is None and ram["load_mib_per_s"] is None
+    assert (peer["saves"], peer["loads"]) == (1, 1)
+    assert peer["mean_load_bytes"] == approx(128 * mib)
+    assert peer["load_mib_per_s"] == approx(512.0)
+    assert peer["mean_load_s"] == approx(0.25)
+    assert peer["save_mib_per_s"] == approx(64.0) and peer["mean_save_s"] == 0
+    # Badput counts the blocking seconds only (0.4 + 0.3 + 0.1), never total_s.
+    assert data["badput"]["checkpoint_save_s"] == approx(0.8)
+
+
+async def test_the_forwarder_sends_old_outbox_lines_and_the_new_fields(
+    api: Api, tmp_path: Path
+) -> None:
+    """The host monitor's forwarder against the real app: a line an older host monitor left
+    in the outbox (no bytes, no total_s) and new reports, with and without them."""
+    outbox = tmp_path / "n1.checkpoint-outbox.jsonl"
+    old = checkpoint("n1-old", step=10, t=10)
+    outbox.write_text(json.dumps(old) + "\n")
+    forwarder = CheckpointForwarder("http://test", AGENT_TOKEN, "n1", outbox)
+    assert forwarder.pending == 1
+    common: dict[str, Any] = {"rank": 1, "job": "j1", "step": 20}
+    peer = forwarder.add(
+        **common, event="saved", duration_s=0.0, tier="peer", size_bytes=5 * 2**30, total_s=1.5
+    )
+    ram = forwarder.add(
+        **common, event="loaded", duration_s=0.1, tier="ram", time=at(30).isoformat()
+    )
+    for change, field in (
+        ({"size_bytes": -1}, "bytes"),
+        ({"size_bytes": 2**62 + 1}, "bytes"),
+        ({"total_s": float("nan")}, "total_s"),
+        ({"total_s": -1.0}, "total_s"),
+        ({"tier": "tape"}, "tier"),
+    ):
+        args = {**common, "event": "saved", "duration_s": 0.1, "tier": "ram", **change}
+        with pytest.raises(ValueError, match=field):
+            forwarder.add(**args)
+    assert forwarder.pending == 3  # nothing kept of the refused ones
+    lines = [json.loads(line) for line in outbox.read_text().splitlines()]
+    assert [r["id"] for r in lines] == ["n1-old", peer, ram]
+    assert (lines[1]["tier"], lines[1]["bytes"], lines[1]["total_s"]) == ("peer", 5 * 2**30, 1.5)
+    assert datetime.fromisoformat(lines[1]["time"]).tzinfo is not None  # default: now
+    # Unknown fields are left out: what a supervisor that predates them takes.
+    assert "bytes" not in lines[2] and "total_s" not in lines[2]
+
+    api.client.headers.update(AGENT)
+    assert await forwarder._send(api.client)
+    assert forwarder.pending == 0 and outbox.read_text() == ""
+    stored = {r.report_id: r for r in api.supervisor.store.list_checkpoint_reports("j1")}
+    assert {k: (r.tier, r.size_bytes, r.total_s) for k, r in stored.items()} == {
+        "n1-old": ("local", None, None),
+        peer: ("peer", 5 * 2**30, 1.5),
+        ram: ("ram", None, None),
+    }
 
 
 async def test_empty_or_oversized_batches_are_refused(api: Api) -> None:
@@ -481,8 +637,9 @@ async def test_steps_are_sampled_periodically_not_per_heartbeat(
 # --- real processes: a host monitor forwards to `supervisor serve` ---------------------------
 
 # A worker using the real worker client: counts steps every 50 ms up to LAST_STEP, saves a
-# (local) checkpoint every SAVE_EVERY steps and reports it, then idles (still reporting
-# progress, its heartbeat).
+# checkpoint (tier SAVE_TIER, default local) every SAVE_EVERY steps and reports it, then
+# idles (still reporting progress, its heartbeat). With SAVE_BYTES, its reports carry that
+# size and 0.5 s in all; with LOAD_TIER, it first reports a load of step 0 from that tier.
 WORKER_SCRIPT = r"""
 import os, time
 from pathlib import Path
@@ -492,13 +649,19 @@ Path(os.environ["PID_DIR"], str(os.getpid())).write_text(os.environ["RANK"])
 client = WorkerClient.from_env(report_interval_s=0.05)
 client.register()
 every, last = int(os.environ["SAVE_EVERY"]), int(os.environ["LAST_STEP"])
+tier = os.environ.get("SAVE_TIER", "local")
+sizes = {}
+if "SAVE_BYTES" in os.environ:
+    sizes = {"size_bytes": int(os.environ["SAVE_BYTES"]), "total_s": 0.5}
+if "LOAD_TIER" in os.environ:
+    client.report_checkpoint_loaded(0, 0.02, os.environ["LOAD_TIER"], **sizes)
 step = 0
 while True:
     if step < last:
         step += 1
         client.report_step(step)
         if step % every == 0:
-            client.report_checkpoint_saved(step, 0.01, "local")
+            client.report_checkpoint_saved(step, 0.01, tier, **sizes)
     time.sleep(0.05)
 """
 
@@ -508,12 +671,10 @@ class Workers(Cluster):
         super().__init__(tmp)
         self.script.write_text(WORKER_SCRIPT)
 
-    def run(self, agent: Any, job: str, *, save_every: int, last_step: int) -> None:
-        env = {
-            "SAVE_EVERY": str(save_every),
-            "LAST_STEP": str(last_step),
-            "PYTHONPATH": str(ROOT),
-        }
+    def run(self, agent: Any, job: str, *, save_every: int, last_step: int, **env: str) -> None:
+        env.update(
+            {"SAVE_EVERY": str(save_every), "LAST_STEP": str(last_step), "PYTHONPATH": str(ROOT)}
+        )
         self.start_workers(agent, [0], job=job, env=env)
 
 
@@ -576,6 +737,47 @@ def test_a_workers_checkpoints_reach_the_supervisor_and_its_goodput(
     assert 0 < data["goodput"] <= 1 and len(data["series"]) == 5
     total = data["productive_s"] + data["badput_total_s"]
     assert total == approx(data["wall_s"], rel=1e-6)
+
+
+def test_sizes_and_new_tiers_go_from_the_worker_to_the_api(
+    server: ServerProcess, workers: Workers
+) -> None:
+    """The worker client -> a real host monitor (its outbox) -> `supervisor serve` -> its
+    API and goodput: tiers ram and peer, with bytes and total seconds."""
+    job = f"jt-{uuid.uuid4().hex[:6]}"
+    size = 3 * 2**30  # 3 GiB, 0.5 s in all: 6144 MiB/s
+    agent = workers.start_agent(server.url)
+    workers.run(
+        agent, job, save_every=5, last_step=10, SAVE_TIER="ram", SAVE_BYTES=str(size),
+        LOAD_TIER="peer",
+    )  # fmt: skip
+    reports = wait_for(lambda: len(stored(server, job)) == 3 and stored(server, job), 20, "3")
+    got = sorted((r["event"], r["step"], r["tier"], r["bytes"], r["total_s"]) for r in reports)
+    assert got == [
+        ("loaded", 0, "peer", size, 0.5),
+        ("saved", 5, "ram", size, 0.5),
+        ("saved", 10, "ram", size, 0.5),
+    ]
+    assert {r["duration_s"] for r in reports} == {0.02, 0.01}
+    local = agent.api.get("/v1/checkpoints").json()
+    assert {(c["report"]["tier"], c["report"]["bytes"]) for c in local} == {
+        ("peer", size),
+        ("ram", size),
+    }
+
+    def goodput() -> dict[str, Any] | None:
+        r = server.http.get(f"/api/v1/jobs/{job}/goodput", params={"points": 0})
+        data = r.json() if r.status_code == 200 else None
+        return data if data and data["last_step"] == 10 else None
+
+    data = wait_for(goodput, 10, "goodput with step 10")
+    tiers = {t["tier"]: t for t in data["tiers"]}
+    assert (tiers["ram"]["saves"], tiers["ram"]["interval_steps"]) == (2, 5)
+    assert tiers["ram"]["mean_save_bytes"] == size
+    assert tiers["ram"]["save_mib_per_s"] == approx(6144)
+    assert (tiers["peer"]["loads"], tiers["peer"]["load_mib_per_s"]) == (1, approx(6144))
+    # Two saves blocked 0.01 s each; their 0.5 s in all is not badput.
+    assert data["badput"]["checkpoint_save_s"] == approx(0.02)
 
 
 def test_reports_survive_a_down_supervisor_and_a_killed_host_monitor(

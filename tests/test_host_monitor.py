@@ -714,7 +714,36 @@ def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Clus
         report = {"event": "saved", "step": 8, "duration_s": 0.5, "tier": "local"}
         r = agent.worker_api.post("/v1/workers/4/checkpoints", json=report)
         assert r.status_code == 202
-        assert agent.api.get("/v1/checkpoints").json()[0]["report"] == report
+        # An older client's report: no size, no total time.
+        old = {**report, "bytes": None, "total_s": None}
+        assert agent.api.get("/v1/checkpoints").json()[0]["report"] == old
+        # The tiers of the PyTorch library, with the size and the time in all.
+        sized = {**report, "tier": "ram", "bytes": 2**40, "total_s": 2.5}
+        loaded = {**sized, "event": "loaded", "tier": "peer", "duration_s": 1.0}
+        for body in (sized, loaded):
+            r = agent.worker_api.post("/v1/workers/4/checkpoints", json=body)
+            assert r.status_code == 202, r.text
+        assert [c["report"] for c in agent.api.get("/v1/checkpoints").json()] == [
+            old,
+            sized,
+            loaded,
+        ]
+        for change, field in (
+            ({"bytes": -1}, "bytes"),
+            ({"bytes": 2**62 + 1}, "bytes"),
+            ({"total_s": -1}, "total_s"),
+            ({"total_s": 604_801}, "total_s"),
+            ({"tier": "tape"}, "tier"),
+        ):
+            r = agent.worker_api.post("/v1/workers/4/checkpoints", json={**sized, **change})
+            assert r.status_code == 422 and r.json()["message"].startswith(f"{field}:"), r.text
+        r = agent.worker_api.post(
+            "/v1/workers/4/checkpoints",
+            content=json.dumps(sized).replace("2.5", "NaN"),
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 422 and r.json()["message"].startswith("total_s:"), r.text
+        assert len(agent.api.get("/v1/checkpoints").json()) == 3  # none of those kept
 
         sleeper.kill()
         sleeper.wait()

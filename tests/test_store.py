@@ -20,6 +20,7 @@ from supervisor.domain import (
     ActionRequest,
     ActionStatus,
     ActionType,
+    CheckpointReport,
     Event,
     EventType,
     JobView,
@@ -677,6 +678,37 @@ def test_upgrade_from_0001_backfills_worker_states(database_url: str) -> None:
         migrate(engine)
         [node] = Store(engine).load_nodes()
         assert node.name == "old" and node.workers == ()
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_from_0003_keeps_checkpoint_reports_without_sizes(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        migrate(engine, "0003")
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO checkpoint_reports (report_id, node, job, rank, event, step,"
+                    " duration_s, tier, time, received_at) VALUES ('old', 'n1', 'j1', 0,"
+                    " 'saved', 10, 0.5, 'local', :t, :t)"
+                ),
+                {"t": T0},
+            )
+        migrate(engine)
+        store = Store(engine)
+        [old] = store.list_checkpoint_reports("j1")
+        assert (old.report_id, old.step, old.tier) == ("old", 10, "local")
+        assert (old.size_bytes, old.total_s) == (None, None)
+        # The upgraded table takes the new fields and tiers, big sizes included.
+        new = CheckpointReport(
+            "new", "n1", "j1", 0, "loaded", 20, 0.1, "peer", T0 + timedelta(seconds=1),
+            size_bytes=2**62, total_s=604_800.0,
+        )  # fmt: skip
+        assert store.record_checkpoint_reports([new]) == (1, 0)
+        assert store.list_checkpoint_reports("j1") == [new, old]
+        columns = {c["name"] for c in inspect(engine).get_columns("checkpoint_reports")}
+        assert {"bytes", "total_s"} <= columns
     finally:
         engine.dispose()
 

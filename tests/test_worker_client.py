@@ -241,6 +241,34 @@ def test_checkpoint_reports_are_flushed_on_close(server: RecordingServer) -> Non
     ]
 
 
+def test_checkpoint_reports_carry_sizes_and_total_times(server: RecordingServer) -> None:
+    client = WorkerClient(4, 0, monitor_url=server.url, report_interval_s=10)
+    client.report_checkpoint_saved(30, 0.2, "ram", size_bytes=2**40, total_s=3.5)
+    client.report_checkpoint_saved(30, 0.0, "peer", size_bytes=0)
+    client.report_checkpoint_loaded(30, 1.5, "peer", size_bytes=2**40, total_s=1.5)
+    client.report_checkpoint_loaded(30, 0.5, "ram", total_s=-0.001)  # clock jitter: 0
+    for kwargs, field in (
+        ({"size_bytes": -1}, "size_bytes"),
+        ({"size_bytes": 2**62 + 1}, "size_bytes"),
+        ({"size_bytes": 1.5}, "size_bytes"),
+        ({"size_bytes": True}, "size_bytes"),
+        ({"total_s": float("nan")}, "total_s"),
+        ({"total_s": float("inf")}, "total_s"),
+        ({"total_s": 604_801.0}, "total_s"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            client.report_checkpoint_saved(31, 0.1, "ram", **kwargs)  # type: ignore[arg-type]
+    client.close()
+    assert server.bodies("/v1/workers/4/checkpoints") == [
+        {"event": "saved", "step": 30, "duration_s": 0.2, "tier": "ram", "bytes": 2**40,
+         "total_s": 3.5},
+        {"event": "saved", "step": 30, "duration_s": 0.0, "tier": "peer", "bytes": 0},
+        {"event": "loaded", "step": 30, "duration_s": 1.5, "tier": "peer", "bytes": 2**40,
+         "total_s": 1.5},
+        {"event": "loaded", "step": 30, "duration_s": 0.5, "tier": "ram", "total_s": 0.0},
+    ]  # fmt: skip
+
+
 def test_offline_mode_works_without_a_monitor() -> None:
     client = WorkerClient.from_env({"RANK": "2", "LOCAL_RANK": "1"})
     assert (client.rank, client.local_rank, client.online) == (2, 1, False)

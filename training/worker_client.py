@@ -38,6 +38,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -58,8 +59,12 @@ __all__ = ["CheckpointTier", "WorkerClient"]
 
 log = logging.getLogger(__name__)
 
-CheckpointTier = Literal["local", "durable", "emergency"]
-_TIERS: frozenset[str] = frozenset({"local", "durable", "emergency"})
+# `local`: node-local files (the NumPy demo); `ram`: tmpfs on the node; `peer`: a copy held
+# by a partner node's host monitor; `durable`: shared storage; `emergency`: saved on demand.
+CheckpointTier = Literal["local", "ram", "peer", "durable", "emergency"]
+_TIERS: frozenset[str] = frozenset({"local", "ram", "peer", "durable", "emergency"})
+_MAX_BYTES = 2**62
+_MAX_TOTAL_S = 604_800.0  # what the host monitor takes
 
 # Env variables read by `WorkerClient.from_env` and `at_safe_point`.
 ENV_RANK = "RANK"
@@ -229,22 +234,71 @@ class WorkerClient:
         if self._thread is None and self._http is not None:
             self._ensure_thread()
 
-    def report_checkpoint_saved(self, step: int, duration_s: float, tier: CheckpointTier) -> None:
-        """Queue a `saved` checkpoint report (sent by the background thread)."""
-        self._report_checkpoint("saved", step, duration_s, tier)
+    def report_checkpoint_saved(
+        self,
+        step: int,
+        duration_s: float,
+        tier: CheckpointTier,
+        *,
+        size_bytes: int | None = None,
+        total_s: float | None = None,
+    ) -> None:
+        """Queue a `saved` checkpoint report (sent by the background thread).
 
-    def report_checkpoint_loaded(self, step: int, duration_s: float, tier: CheckpointTier) -> None:
-        """Queue a `loaded` checkpoint report (sent by the background thread)."""
-        self._report_checkpoint("loaded", step, duration_s, tier)
+        `duration_s`: seconds the training loop was blocked; `size_bytes`: this rank's
+        checkpoint size; `total_s`: seconds from the start of the save to its commit.
+        """
+        self._report_checkpoint("saved", step, duration_s, tier, size_bytes, total_s)
+
+    def report_checkpoint_loaded(
+        self,
+        step: int,
+        duration_s: float,
+        tier: CheckpointTier,
+        *,
+        size_bytes: int | None = None,
+        total_s: float | None = None,
+    ) -> None:
+        """Queue a `loaded` checkpoint report (sent by the background thread); `tier` is
+        the tier that served the load, the rest as for `report_checkpoint_saved`."""
+        self._report_checkpoint("loaded", step, duration_s, tier, size_bytes, total_s)
 
     def _report_checkpoint(
-        self, event: str, step: int, duration_s: float, tier: CheckpointTier
+        self,
+        event: str,
+        step: int,
+        duration_s: float,
+        tier: CheckpointTier,
+        size_bytes: int | None,
+        total_s: float | None,
     ) -> None:
         if tier not in _TIERS:
             raise ValueError(f"unknown checkpoint tier {tier!r}")
+        if size_bytes is not None and (
+            isinstance(size_bytes, bool)
+            or not isinstance(size_bytes, int)
+            or not 0 <= size_bytes <= _MAX_BYTES
+        ):
+            raise ValueError(f"size_bytes must be an int in [0, 2**62], got {size_bytes!r}")
+        if total_s is not None and not (
+            isinstance(total_s, int | float)
+            and not isinstance(total_s, bool)
+            and math.isfinite(total_s)
+            and total_s <= _MAX_TOTAL_S
+        ):
+            raise ValueError(f"total_s must be finite seconds up to a week, got {total_s!r}")
         if self._http is None:
             return
-        body = {"event": event, "step": step, "duration_s": max(0.0, duration_s), "tier": tier}
+        body: dict[str, Any] = {
+            "event": event,
+            "step": step,
+            "duration_s": max(0.0, duration_s),
+            "tier": tier,
+        }
+        if size_bytes is not None:
+            body["bytes"] = size_bytes
+        if total_s is not None:
+            body["total_s"] = max(0.0, float(total_s))  # like duration_s: clock jitter
         try:
             self._queue.put_nowait((f"/v1/workers/{self.rank}/checkpoints", body))
         except queue.Full:

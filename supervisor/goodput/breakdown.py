@@ -213,6 +213,23 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+MIB = 2**20
+
+
+def _sizes(
+    records: Sequence[CheckpointSaved | CheckpointLoaded],
+) -> tuple[float | None, float | None]:
+    """Mean size (bytes) over the records that have one, and mean throughput (MiB/s) over
+    those with a size and a total time above zero."""
+    sizes = [r.size_bytes for r in records if r.size_bytes is not None]
+    rates = [
+        r.size_bytes / r.total_s / MIB
+        for r in records
+        if r.size_bytes is not None and r.total_s is not None and r.total_s > 0
+    ]
+    return _mean(sizes), _mean(rates)
+
+
 class _BlockingSaves:
     """Overlap of blocking saves with a time range, for the per-step time estimate."""
 
@@ -502,7 +519,10 @@ def _tier_stats(timeline: Timeline, emergency: set[int]) -> tuple[TierStats, ...
         steps = sorted({s.step for _, s in saves})
         gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
         median_gap = _median([float(g) for g in gaps])
-        tier_loads = [ld.duration_s for ld in loads if ld.tier == name]
+        served = [ld for ld in loads if ld.tier == name]
+        tier_loads = [ld.duration_s for ld in served]
+        save_bytes, save_rate = _sizes([s for _, s in saves])
+        load_bytes, load_rate = _sizes(served)
         out.append(
             TierStats(
                 tier=name,
@@ -515,6 +535,10 @@ def _tier_stats(timeline: Timeline, emergency: set[int]) -> tuple[TierStats, ...
                 loads=len(tier_loads),
                 mean_load_s=_mean(tier_loads),
                 recoveries=recoveries.get(name, 0),
+                mean_save_bytes=save_bytes,
+                save_mib_per_s=save_rate,
+                mean_load_bytes=load_bytes,
+                load_mib_per_s=load_rate,
             )
         )
     return tuple(out)

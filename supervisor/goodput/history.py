@@ -10,11 +10,13 @@ meaning :mod:`supervisor.goodput.model` defines:
   were restarted by someone else, e.g. Kubernetes), and where the sampled step went back
   with no start recorded (halfway between the two samples).
 - :class:`StepReported`: each progress sample, and the step of each periodic checkpoint
-  (local or durable), which had completed when its save began.
+  (local, ram or durable), which had completed when its save began.
 - :class:`CheckpointSaved` / :class:`CheckpointLoaded`: the reports of all ranks for one
   checkpoint (same event, tier and step, close in time) make one record: the last report's
   time and the longest duration, since a synchronous job waits for its slowest rank. Saves
-  are taken as blocking (the workers report only the blocking part of an asynchronous save).
+  are taken as blocking for their ``duration_s`` (the workers report only the blocking part
+  of an asynchronous save; ``total_s``, start to commit, never counts as badput). The
+  record's ``size_bytes`` and ``total_s`` are the means over the ranks that reported them.
 - :class:`FailureDetected`: failure events (heartbeat lost, worker exited with a non-zero
   code or lost, hang, GPU errors, flapping, Kubernetes failures). Events detected before
   the job was started again belong to the same incident and make one failure. The fault
@@ -32,7 +34,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -74,8 +76,10 @@ FAILURE_EVENTS = frozenset(
     }
 )
 
-#: Checkpoint tiers whose saves are the job's periodic checkpoints (not emergency ones).
-PERIODIC_TIERS = frozenset({"local", "durable"})
+#: Checkpoint tiers whose saves are the job's periodic checkpoints, saved by the workers
+#: at the step they report (not emergency ones, nor the copies a partner node's host
+#: monitor makes later, `peer`).
+PERIODIC_TIERS = frozenset({"local", "ram", "durable"})
 
 #: Reports of one checkpoint by the ranks of a job arrive within this of each other.
 GROUPING_WINDOW_S = 30.0
@@ -141,10 +145,26 @@ class _Group:
     first: float
     last: float
     duration_s: float
+    sizes: list[int] = field(default_factory=list)
+    totals: list[float] = field(default_factory=list)
 
     @property
     def began(self) -> float:
         return self.last - self.duration_s
+
+    def add_size(self, r: CheckpointReport) -> None:
+        if r.size_bytes is not None:
+            self.sizes.append(r.size_bytes)
+        if r.total_s is not None:
+            self.totals.append(r.total_s)
+
+    @property
+    def size_bytes(self) -> float | None:
+        return sum(self.sizes) / len(self.sizes) if self.sizes else None
+
+    @property
+    def total_s(self) -> float | None:
+        return sum(self.totals) / len(self.totals) if self.totals else None
 
 
 def group_checkpoints(
@@ -160,8 +180,10 @@ def group_checkpoints(
         if g is not None and t - g.first <= window_s:
             g.last = max(g.last, t)
             g.duration_s = max(g.duration_s, r.duration_s)
+            g.add_size(r)
             continue
         g = _Group(r.event, r.tier, r.step, t, t, r.duration_s)
+        g.add_size(r)
         open_groups[key] = g
         groups.append(g)
     return groups
@@ -282,12 +304,22 @@ def timeline_from_history(
 
     groups = group_checkpoints(checkpoints)
     saves = [
-        CheckpointSaved(g.step, g.last, g.duration_s, g.tier, blocking=True)
+        CheckpointSaved(
+            g.step,
+            g.last,
+            g.duration_s,
+            g.tier,
+            blocking=True,
+            size_bytes=g.size_bytes,
+            total_s=g.total_s,
+        )
         for g in groups
         if g.event == "saved"
     ]
     loads = [
-        CheckpointLoaded(g.step, g.last, g.duration_s, g.tier)
+        CheckpointLoaded(
+            g.step, g.last, g.duration_s, g.tier, size_bytes=g.size_bytes, total_s=g.total_s
+        )
         for g in groups
         if g.event == "loaded"
     ]

@@ -19,7 +19,11 @@ Meaning of each record (the breakdown in :mod:`supervisor.goodput.breakdown` rel
 - :class:`CheckpointSaved`: a checkpoint of ``step`` finished saving at ``time`` after
   ``duration_s``; ``blocking`` says whether training waited for it (an asynchronous save
   should report only its blocking part, e.g. the device-to-host copy, as a blocking save).
-- :class:`CheckpointLoaded`: a checkpoint of ``step`` finished loading at ``time``.
+  ``size_bytes`` and ``total_s``, when known, are a rank's checkpoint size and the seconds
+  from the save's start to its commit (for a checkpoint of several ranks: their means);
+  they feed the per-tier figures only, never the breakdown.
+- :class:`CheckpointLoaded`: a checkpoint of ``step`` finished loading at ``time`` from
+  ``tier`` (the tier that served it); ``size_bytes`` and ``total_s`` as for a save.
 - :class:`FailureDetected`: a failure was detected at ``detected_at``; ``fault_at`` is
   when it happened, when known (e.g. the last heartbeat of a lost node).
 - :class:`Remediation`: an action of the supervisor ran from ``start`` to ``end``.
@@ -54,6 +58,18 @@ def _check_duration(name: str, value: float) -> None:
 def _check_step(value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"step must be a non-negative integer, got {value!r}")
+
+
+def _check_size(size_bytes: float | None, total_s: float | None) -> None:
+    if size_bytes is not None and (
+        isinstance(size_bytes, bool)
+        or not isinstance(size_bytes, int | float)
+        or not math.isfinite(size_bytes)
+        or size_bytes < 0
+    ):
+        raise ValueError(f"size_bytes must be a finite number >= 0, got {size_bytes!r}")
+    if total_s is not None:
+        _check_duration("total_s", total_s)
 
 
 # --- input records ------------------------------------------------------------------------
@@ -105,11 +121,14 @@ class CheckpointSaved:
     duration_s: float = 0.0
     tier: str = DURABLE_TIER
     blocking: bool = True
+    size_bytes: float | None = None
+    total_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_step(self.step)
         _check_time("time", self.time)
         _check_duration("duration_s", self.duration_s)
+        _check_size(self.size_bytes, self.total_s)
 
 
 @dataclass(frozen=True)
@@ -120,11 +139,14 @@ class CheckpointLoaded:
     time: float
     duration_s: float = 0.0
     tier: str = DURABLE_TIER
+    size_bytes: float | None = None
+    total_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_step(self.step)
         _check_time("time", self.time)
         _check_duration("duration_s", self.duration_s)
+        _check_size(self.size_bytes, self.total_s)
 
 
 @dataclass(frozen=True)
@@ -377,6 +399,15 @@ class TierStats:
     mean_load_s: float | None
     #: Failures whose recovery loaded a checkpoint of this tier.
     recoveries: int
+    #: Mean size of a rank's checkpoint over the saves that reported one (bytes).
+    mean_save_bytes: float | None = None
+    #: Mean of ``size_bytes / total_s`` over the saves that reported both (MiB/s): how fast
+    #: the tier takes a rank's checkpoint, start to commit, not only the blocking part. A
+    #: save is one checkpoint: with several ranks, their mean size over their mean time.
+    save_mib_per_s: float | None = None
+    #: As ``mean_save_bytes`` and ``save_mib_per_s``, for the loads this tier served.
+    mean_load_bytes: float | None = None
+    load_mib_per_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ from pydantic import BaseModel, Field
 
 STATE_FILE = "cluster.json"
 MAX_REMEMBERED_KEYS = 1000
+# The host monitor's default `checkpoint_root` (host_monitor/config.py): where its workers'
+# RAM checkpoint tier must live for the peer tier to copy it.
+HOST_MONITOR_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
 
 
 class ClusterError(Exception):
@@ -28,6 +31,8 @@ class ClusterError(Exception):
 
 class NodeInfo(BaseModel):
     address: str
+    # The `checkpoint_root` its host monitor runs with; None: the host monitor's default.
+    checkpoint_root: str | None = None
 
 
 class JobSpec(BaseModel):
@@ -44,6 +49,17 @@ class JobSpec(BaseModel):
     started_by: str | None = None
     # Nodes to stop and hand back as spares at the next restart (set with the placement).
     pending_release: list[str] = Field(default_factory=list)
+
+
+def checkpoint_partner(job: JobSpec, rank: int) -> str | None:
+    """The node whose host monitor keeps copies of `rank`'s RAM checkpoints (the peer
+    tier): the node of the same shard in the next data-parallel replica, so that losing a
+    whole replica loses no shard; with one replica, the node of the next rank. None for a
+    job of one node."""
+    world = len(job.placement)
+    offset = job.num_nodes_per_dp if job.num_dp_replicas > 1 else 1
+    partner = job.placement[(rank + offset) % world]
+    return None if partner == job.placement[rank] else partner
 
 
 class ClusterState(BaseModel):
@@ -160,6 +176,8 @@ class LocalCluster:
 
     def worker_env(self, job: JobSpec, node: str) -> dict[str, str]:
         run = self.run_dir
+        info = self.state.nodes.get(node)
+        root = (info.checkpoint_root if info else None) or HOST_MONITOR_CHECKPOINT_ROOT
         return {
             **job.env,
             "WORKLOAD_ATTEMPT": str(job.attempt),
@@ -169,6 +187,9 @@ class LocalCluster:
             "RUN_DIR": str(run / "job"),
             "LOCAL_CKPT_DIR": str(run / "nodes" / node / "checkpoints"),
             "DURABLE_CKPT_DIR": str(run / "durable"),
+            # The RAM tier: under the host monitor's checkpoint_root, so that it can copy
+            # the saves to the partner node and restore the partner's copy here.
+            "CHECKPOINT_RAM_DIR": str(Path(root) / node),
             "OUTPUT_DIR": str(run / "output"),
         }
 
@@ -197,6 +218,12 @@ class LocalCluster:
                 "env": self.worker_env(job, node),
                 "workers": [{"rank": rank, "local_rank": 0}],
             }
+            partner = checkpoint_partner(job, rank)
+            if partner is not None and partner in self.state.nodes:
+                bodies[node]["checkpoint_peer"] = {
+                    "node": partner,
+                    "url": self.state.nodes[partner].address,
+                }
         results = await asyncio.gather(
             *(self.call(node, "/v1/workers/start", body) for node, body in bodies.items()),
             return_exceptions=True,

@@ -73,6 +73,17 @@ class DemoOptions:
         )
 
 
+def node_checkpoint_root(run_dir: Path, node: str) -> Path:
+    """The `checkpoint_root` of a local node's host monitor: its "RAM" (a directory of the
+    run, emptied when the node is repaired, as a reboot empties a tmpfs)."""
+    return run_dir / "nodes" / node / "ram"
+
+
+def node_peer_store(run_dir: Path, node: str) -> Path:
+    """Where a local node's host monitor keeps the copies its partner sends it."""
+    return run_dir / "nodes" / node / "peer"
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
     with contextlib.suppress(OSError, AttributeError):
@@ -94,6 +105,7 @@ class LocalDemo:
         self.agent_token = secrets.token_urlsafe(24)
         self.operator_token = secrets.token_urlsafe(24)
         self.actuator_token = secrets.token_urlsafe(24)
+        self.peer_token = secrets.token_urlsafe(24)  # shared by the nodes' host monitors
         self.url = f"http://127.0.0.1:{options.port}"
         self.node_ports: dict[str, int] = {}
         self.monitors: dict[str, subprocess.Popen[bytes]] = {}
@@ -127,6 +139,14 @@ class LocalDemo:
         node_dir = self.run_dir / "nodes" / node
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / "kmsg.log").touch()
+        ram, peer_store = (
+            node_checkpoint_root(self.run_dir, node),
+            node_peer_store(self.run_dir, node),
+        )
+        for volatile in (ram, peer_store):
+            # A node that comes back (repaired) has lost what it held in RAM.
+            shutil.rmtree(volatile, ignore_errors=True)
+        ram.mkdir()
         env = {
             "HOST_MONITOR_NODE": node,
             "HOST_MONITOR_SUPERVISOR_URL": self.url,
@@ -139,6 +159,9 @@ class LocalDemo:
             "HOST_MONITOR_KERNEL_LOG": str(node_dir / "kmsg.log"),
             "HOST_MONITOR_WATCHDOG_PERIOD_S": "0.5",
             "HOST_MONITOR_RUN_DIR": str(node_dir),
+            "HOST_MONITOR_PEER_TOKEN": self.peer_token,
+            "HOST_MONITOR_CHECKPOINT_ROOT": str(ram),
+            "HOST_MONITOR_PEER_STORE_DIR": str(peer_store),
         }
         self.monitors[node] = self._spawn(
             [sys.executable, "-m", "host_monitor.cli"], env, f"host-monitor-{node}"
@@ -214,7 +237,13 @@ class LocalDemo:
         state = ClusterState(
             run_dir=str(self.run_dir),
             actuator_token=self.actuator_token,
-            nodes={n: NodeInfo(address=self._node_url(n)) for n in o.nodes},
+            nodes={
+                n: NodeInfo(
+                    address=self._node_url(n),
+                    checkpoint_root=str(node_checkpoint_root(self.run_dir, n)),
+                )
+                for n in o.nodes
+            },
             job=o.job_spec(placement),
         )
         state.save()

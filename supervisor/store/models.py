@@ -168,10 +168,14 @@ class CheckpointReportRow(Base):
     rank: Mapped[int]
     event: Mapped[str] = mapped_column(String(16))
     step: Mapped[int] = mapped_column(BigInteger)
-    duration_s: Mapped[float] = mapped_column(Float)
+    duration_s: Mapped[float] = mapped_column(Float)  # blocking the training loop
     tier: Mapped[str] = mapped_column(String(32))
     time: Mapped[datetime]
     received_at: Mapped[datetime]
+    # Optional in a report (older clients leave them out): the rank's checkpoint size, and
+    # the seconds from the start of the save or load to its commit.
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    total_s: Mapped[float | None] = mapped_column(Float)
 
 
 class ProgressSampleRow(Base):

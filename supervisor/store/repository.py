@@ -91,7 +91,8 @@ class JobHistory:
 
     ``checkpoints`` summarises the reports of all ranks for one checkpoint (same event,
     tier and step, all within the grouping window) as one report (node ``*``, the latest
-    time, the longest duration), so reading them does not grow with the number of ranks;
+    time, the longest duration, the mean ``size_bytes`` and ``total_s`` of the ranks that
+    gave them), so reading them does not grow with the number of ranks;
     a step saved again later (after a rollback) comes as its individual reports.
     ``checkpoint_reports`` is the number of reports stored.
     """
@@ -520,6 +521,8 @@ class Store:
                             "tier": r.tier,
                             "time": r.time,
                             "received_at": now,
+                            "bytes": r.size_bytes,
+                            "total_s": r.total_s,
                         }
                         for r in new
                     ],
@@ -557,6 +560,8 @@ class Store:
                 func.min(c.time),
                 func.max(c.time),
                 func.max(c.duration_s),
+                func.avg(c.bytes),
+                func.avg(c.total_s),
             )
             .where(c.job == job)
             .group_by(c.event, c.tier, c.step)
@@ -573,14 +578,27 @@ class Store:
             checkpoints: list[CheckpointReport] = []
             spread: list[tuple[str, str, int]] = []
             total = 0
-            for event, tier, step, count, first, last, longest in session.execute(by_checkpoint):
+            for event, tier, step, count, first, last, longest, size, seconds in session.execute(
+                by_checkpoint
+            ):
                 total += count
                 if (last - first).total_seconds() > group_window_s:
                     spread.append((event, tier, step))
                     continue
                 checkpoints.append(
                     CheckpointReport(
-                        f"{count} report(s)", "*", job, 0, event, step, longest, tier, last
+                        f"{count} report(s)",
+                        "*",
+                        job,
+                        0,
+                        event,
+                        step,
+                        longest,
+                        tier,
+                        last,
+                        # PostgreSQL averages a BIGINT as a NUMERIC (a Decimal).
+                        size_bytes=round(size) if size is not None else None,
+                        total_s=float(seconds) if seconds is not None else None,
                     )
                 )
             for event, tier, step in spread:
@@ -707,4 +725,6 @@ def _checkpoint(row: CheckpointReportRow) -> CheckpointReport:
         duration_s=row.duration_s,
         tier=row.tier,
         time=row.time,
+        size_bytes=row.bytes,
+        total_s=row.total_s,
     )

@@ -23,8 +23,12 @@ from supervisor.domain import CheckpointReport
 router = APIRouter(prefix="/api/v1/checkpoints", tags=["goodput"])
 
 CheckpointEvent = Literal["saved", "loaded"]
-CheckpointTier = Literal["local", "durable", "emergency"]
+# `local`: node-local files (the NumPy demo); `ram`: tmpfs on the node; `peer`: a copy held
+# by a partner node's host monitor; `durable`: shared storage; `emergency`: saved on demand.
+CheckpointTier = Literal["local", "ram", "peer", "durable", "emergency"]
 MAX_BATCH = 1000
+MAX_BYTES = 2**62
+MAX_SECONDS = 604_800  # a week
 
 
 class CheckpointReportIn(BaseModel):
@@ -45,10 +49,23 @@ class CheckpointReportIn(BaseModel):
     event: CheckpointEvent
     step: int = Field(ge=0, le=2**62, description="Step of the checkpoint.")
     duration_s: float = Field(
-        ge=0, le=604_800, allow_inf_nan=False, description="Blocking time of the save or load."
+        ge=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description="Seconds the save or load blocked the training loop.",
     )
-    tier: CheckpointTier
+    tier: CheckpointTier = Field(description="For a load: the tier that served it.")
     time: AwareDatetime = Field(description="When the save or load finished (with a zone).")
+    bytes: int | None = Field(
+        None, ge=0, le=MAX_BYTES, description="Size of this rank's checkpoint, when known."
+    )
+    total_s: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description="Seconds from the start of the save or load to its commit, when known.",
+    )
 
     def to_domain(self) -> CheckpointReport:
         return CheckpointReport(
@@ -61,6 +78,8 @@ class CheckpointReportIn(BaseModel):
             duration_s=self.duration_s,
             tier=self.tier,
             time=self.time,
+            size_bytes=self.bytes,
+            total_s=self.total_s,
         )
 
 
@@ -87,6 +106,8 @@ class CheckpointReportOut(BaseModel):
     duration_s: float
     tier: CheckpointTier
     time: datetime
+    bytes: int | None
+    total_s: float | None
 
     @classmethod
     def of(cls, r: CheckpointReport) -> CheckpointReportOut:
@@ -100,6 +121,8 @@ class CheckpointReportOut(BaseModel):
             duration_s=r.duration_s,
             tier=r.tier,
             time=r.time,
+            bytes=r.size_bytes,
+            total_s=r.total_s,
         )
 
 

@@ -73,7 +73,10 @@ class BadputOut(BaseModel):
 
 
 class TierStatsOut(BaseModel):
-    """What was measured of one checkpoint tier (`local`, `durable`, `emergency`)."""
+    """What was measured of one checkpoint tier (`local`, `ram`, `peer`, `durable`,
+    `emergency`). Seconds are the time the training loop was blocked (`duration_s` of the
+    reports); the throughputs use the time from start to commit (`total_s`). Loads count
+    for the tier that served them."""
 
     tier: str
     saves: int
@@ -87,6 +90,18 @@ class TierStatsOut(BaseModel):
     loads: int
     mean_load_s: float | None
     recoveries: int = Field(description="Failures recovered by loading this tier.")
+    mean_save_bytes: float | None = Field(
+        description="Mean size of a rank's checkpoint saved (bytes), where reported."
+    )
+    save_mib_per_s: float | None = Field(
+        description="Mean of bytes / total_s over the saves reporting both (MiB/s)."
+    )
+    mean_load_bytes: float | None = Field(
+        description="Mean size of a rank's checkpoint loaded (bytes), where reported."
+    )
+    load_mib_per_s: float | None = Field(
+        description="Mean of bytes / total_s over the loads reporting both (MiB/s)."
+    )
 
 
 class GoodputPointOut(BaseModel):

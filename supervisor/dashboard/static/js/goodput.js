@@ -136,6 +136,8 @@ export class Goodput {
         ),
         h("div", {}, h("h3", {}, "Badput breakdown"), breakdown, h("h3", {}, "Figures"), facts),
       ),
+      h("h3", {}, "Checkpoint tiers"),
+      h("div", { class: "table-wrap" }, tierTable(g.tiers)),
     );
   }
 
@@ -246,6 +248,64 @@ function swatch(colour) {
 
 function fact(label, value) {
   return h("tr", {}, h("th", { scope: "row" }, label), h("td", {}, String(value)));
+}
+
+/** Seconds, with sub-second ones in ms (blocking saves are often short). */
+function secs(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  return seconds < 1 ? `${Math.round(seconds * 1000)} ms` : duration(seconds);
+}
+
+/** "512 KiB", "1.5 GiB". */
+function size(bytes) {
+  if (bytes === null || bytes === undefined) return "—";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+  let v = bytes;
+  let i = 0;
+  while (v >= 1024 && i < units.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return `${i && v < 10 ? v.toFixed(1) : Math.round(v)} ${units[i]}`;
+}
+
+function rate(mibPerS) {
+  return mibPerS === null || mibPerS === undefined ? "—" : `${mibPerS.toFixed(mibPerS < 10 ? 1 : 0)} MiB/s`;
+}
+
+/**
+ * Per checkpoint tier: saves and loads (a load counts for the tier that served it), the
+ * time they blocked training, a rank's checkpoint size and the throughput from start to
+ * commit, where the workers reported them.
+ */
+function tierTable(tiers) {
+  const head = ["Tier", "Saves", "Save blocks", "Size (rank)", "Save rate", "Loads", "Load blocks", "Load rate"];
+  return h(
+    "table",
+    { id: "goodput-tiers" },
+    h("caption", { class: "visually-hidden" }, "Checkpoints per tier"),
+    h("thead", {}, h("tr", {}, head.map((t) => h("th", { scope: "col" }, t)))),
+    h(
+      "tbody",
+      {},
+      tiers.length
+        ? tiers.map((t) =>
+            h(
+              "tr",
+              { "data-tier": t.tier },
+              h("th", { scope: "row" }, t.tier),
+              h("td", { class: "num" }, String(t.saves)),
+              h("td", { class: "num" }, secs(t.mean_save_s)),
+              h("td", { class: "num" }, size(t.mean_save_bytes ?? t.mean_load_bytes)),
+              h("td", { class: "num" }, rate(t.save_mib_per_s)),
+              h("td", { class: "num" }, String(t.loads)),
+              h("td", { class: "num" }, secs(t.mean_load_s)),
+              h("td", { class: "num" }, rate(t.load_mib_per_s)),
+            ),
+          )
+        : h("tr", { class: "empty" }, h("td", { colspan: head.length }, "No checkpoint reported yet.")),
+    ),
+  );
 }
 
 /**

@@ -1,0 +1,216 @@
+"""Checkpoint tiers: save and load throughput in MiB/s, and what a save blocks the loop.
+
+One process, a model of `layers` x Linear(width, width) with Adam state (three copies of
+the parameters: weights, exp_avg, exp_avg_sq; 26 x 2048 x 2048 is 109M parameters, 1.3 GB
+of state). Each figure is set beside a baseline measured in the same run on the same
+medium:
+- RAM tier (tmpfs, /dev/shm) and durable tier (a directory on disk) against the raw rate
+  of writing the same number of bytes in the same number of files (fsynced) and reading
+  them back: the medium's physical limit here. Durable reads start with the files evicted
+  from the page cache (POSIX_FADV_DONTNEED), for the tier and for its baseline alike.
+- the blocking time of an asynchronous save against a synchronous `torch.save` of the same
+  state and a synchronous `torch.distributed.checkpoint` save, both to the durable tier's
+  directory.
+- a swapped-in node's restore from the partner's copy (peer tier, host monitor to host
+  monitor over HTTP on loopback) against a restore from durable, when the host monitor can
+  be started here.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from training.checkpoint import Checkpointer, CheckpointSettings
+from training.checkpoint import format as fmt
+from training.checkpoint.peer import PeerTier
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    layers: int = 26
+    width: int = 2048
+    threads: int = 2
+    saves: int = 3
+    ram_root: Path = Path("/dev/shm")
+    disk_root: Path | None = None  # default: a temporary directory under var/
+
+
+@dataclass
+class CheckpointResult:
+    params: int = 0
+    state_bytes: int = 0
+    raw: dict[str, float] = field(default_factory=dict)  # "ram write" -> MiB/s
+    tier: dict[str, float] = field(default_factory=dict)  # "ram save" -> MiB/s
+    blocking_s: list[float] = field(default_factory=list)
+    sync_torch_save_s: float = 0.0
+    sync_dcp_save_s: float = 0.0
+    peer_note: str | None = None
+
+
+def _model(config: CheckpointConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *(torch.nn.Linear(config.width, config.width, bias=False) for _ in range(config.layers))
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()  # creates exp_avg and exp_avg_sq
+    model.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def _evict(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_rates(directory: Path, nbytes: int, files: int, *, evict: bool) -> tuple[float, float]:
+    """(write, read) MiB/s of `nbytes` in `files` fresh files, fsynced.
+
+    Written from, and read back into, one buffer of the full size allocated and touched
+    beforehand: what a loader that reads straight into the model's existing tensors
+    would do, and nothing less (reading into one small reused buffer would measure a
+    read that puts the data nowhere)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    per_file = nbytes // files
+    buffer = bytearray(os.urandom(MiB) * (per_file // MiB + 1))[:per_file]
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    for i in range(files):
+        with open(directory / f"raw-{i}", "wb", buffering=0) as f:
+            f.write(view)
+            os.fsync(f.fileno())
+    write = nbytes / MiB / (time.perf_counter() - started)
+    if evict:
+        _evict(directory)
+    into = [bytearray(per_file) for _ in range(files)]  # touched: zero-filled here
+    started = time.perf_counter()
+    for i in range(files):
+        target = memoryview(into[i])
+        with open(directory / f"raw-{i}", "rb", buffering=0) as f:
+            done = 0
+            while done < per_file and (n := f.readinto(target[done:])):
+                done += n
+    read = nbytes / MiB / (time.perf_counter() - started)
+    shutil.rmtree(directory, ignore_errors=True)
+    return write, read
+
+
+@contextmanager
+def _directories(config: CheckpointConfig) -> Iterator[tuple[Path, Path]]:
+    ram = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=config.ram_root))
+    disk_parent = config.disk_root or Path("var")
+    disk_parent.mkdir(parents=True, exist_ok=True)
+    disk = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=disk_parent))
+    try:
+        yield ram, disk
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def _load_rate(ckpt: Checkpointer, nbytes: int, tier: str) -> float:
+    started = time.perf_counter()
+    ckpt.restore()
+    seconds = time.perf_counter() - started
+    assert ckpt.last_restore is not None and ckpt.last_restore.tier == tier, ckpt.last_restore
+    return nbytes / MiB / seconds
+
+
+def run(config: CheckpointConfig) -> CheckpointResult:
+    """Warm-up saves first (the staging buffers are allocated once; in a long run a save
+    reuses the memory the previous one freed), then `saves` rounds, each measuring the
+    media's raw rates, one save to both tiers and a load from each, back to back, so that
+    the tier and its baseline see the same machine. Medians over the rounds."""
+    result = CheckpointResult()
+    model, optimizer = _model(config)
+    result.params = sum(p.numel() for p in model.parameters())
+    samples: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    with _directories(config) as (ram, disk):
+        settings = CheckpointSettings(
+            in_memory_checkpointing_freq=1,
+            s3_checkpointing_freq=1,
+            ram_dir=ram / "tier",
+            durable_dir=disk / "tier",
+            ckpt_threads_per_rank=config.threads,
+            topk_ckpt=1,
+        )
+        no_peer = PeerTier(None, None, 0, fetch_timeout_s=1)
+        ckpt = Checkpointer(model, optimizer, settings=settings, peer=no_peer, job="bench")
+        restorer = Checkpointer(model, optimizer, settings=settings, peer=no_peer, job="bench")
+        for step in (1, 2):  # warm-up
+            ckpt.save(step, to_ram=True, to_durable=True)
+            ckpt.wait()
+        for step in range(3, 3 + config.saves):
+            nbytes = ckpt.save_results[-1].size
+            files = len(fmt.read_manifest(fmt.rank_dir(disk / "tier", step - 1, 0)).files)
+            w, r = raw_rates(ram / "raw", nbytes, files, evict=False)
+            add("raw ram write", w)
+            add("raw ram read", r)
+            w, r = raw_rates(disk / "raw", nbytes, files, evict=True)
+            add("raw durable write", w)
+            add("raw durable read", r)
+            first = len(ckpt.save_results)
+            result.blocking_s.append(ckpt.save(step, to_ram=True, to_durable=True))
+            ckpt.wait()
+            for saved in ckpt.save_results[first:]:
+                assert saved.error is None, saved.error
+                add(f"{saved.tier} save", saved.size / MiB / saved.total_s)
+            result.state_bytes = nbytes = ckpt.save_results[-1].size
+            add("ram load", _load_rate(restorer, nbytes, "ram"))
+            # A node whose RAM tier is gone reads the durable copy, from the disk itself.
+            shutil.rmtree(ram / "tier" / fmt.step_dir(Path(), step).name)
+            _evict(disk / "tier")
+            add("durable load", _load_rate(restorer, nbytes, "durable"))
+        for key, values in samples.items():
+            target = result.raw if key.startswith("raw ") else result.tier
+            target[key.removeprefix("raw ")] = statistics.median(values)
+        # Synchronous baselines of the same state, to the durable tier's directory.
+        state = ckpt.state.state_dict(0)
+        started = time.perf_counter()
+        with open(disk / "torch-save.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        result.sync_torch_save_s = time.perf_counter() - started
+        (disk / "torch-save.pt").unlink()
+        started = time.perf_counter()
+        dcp_save(
+            state,
+            storage_writer=FileSystemWriter(disk / "dcp-sync", thread_count=config.threads),
+            no_dist=True,
+        )
+        result.sync_dcp_save_s = time.perf_counter() - started
+        del state
+        shutil.rmtree(disk / "dcp-sync", ignore_errors=True)
+        ckpt.close()
+        restorer.close()
+    del model, optimizer, ckpt, restorer
+    gc.collect()
+    return result

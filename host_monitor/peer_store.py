@@ -1,0 +1,422 @@
+"""The copies of a partner's checkpoints this node keeps: files in, verified commit, files out.
+
+Layout under the store directory:
+
+    <job or _>/rank-<rank>/step-<step:010d>/   committed copies (files + manifest.json)
+    .incoming/<job or _>/rank-<rank>/step-<step:010d>/   uploads not committed yet
+    .trash/   what is being deleted
+
+An uploaded file is written to a part file (`~<hex>.part`: `~` is in no checkpoint file
+name) and renamed to its name once complete. A commit verifies every file of the
+manifest (size and crc32, streamed), writes `manifest.json`, renames the upload
+directory into place, and then deletes every other copy of that rank: one copy per (job,
+rank), the newest save. Copies of other jobs, and of ranks the new copy's world size no
+longer has, go too: a node holds its partner's newest shards, nothing older.
+
+Commits of one (job, rank) are serialized; a commit of an older save than the one kept
+(uploads of two steps overlapping) is dropped. Leftovers of a crash (uploads, trash,
+older copies) are removed at start. Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from host_monitor.peer_protocol import MANIFEST, CommitResult, Manifest, PeerCopy
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 * 1024 * 1024  # bytes read or written at a time: memory stays flat
+INCOMING = ".incoming"
+TRASH = ".trash"
+PART_PREFIX = "~"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+class PeerStoreError(Exception):
+    """A request the store refuses: `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class Invalid(PeerStoreError):
+    pass
+
+
+class NotFound(PeerStoreError):
+    pass
+
+
+class TooLarge(PeerStoreError):
+    pass
+
+
+class Mismatch(PeerStoreError):
+    """A file of the upload is missing or does not match the manifest: nothing committed."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"files.{name}", message)
+        self.name = name
+
+
+class Superseded(PeerStoreError):
+    """The upload's directory was removed: a newer save of the rank was committed."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def parse_step(name: str) -> int | None:
+    prefix, _, digits = name.partition("-")
+    if prefix != "step" or len(digits) != 10 or not digits.isdigit():
+        return None
+    return int(digits)
+
+
+def parse_rank(name: str) -> int | None:
+    prefix, _, digits = name.partition("-")
+    if prefix != "rank" or not digits.isdigit() or digits != str(int(digits)):
+        return None
+    return int(digits)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def file_crc32(fd: int) -> tuple[int, int]:
+    """(size, crc32) of an open file, read in chunks from its start."""
+    size, crc = 0, 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, CHUNK):
+        size += len(chunk)
+        crc = zlib.crc32(chunk, crc)
+    return size, crc
+
+
+def verify_files(directory: int, manifest: Manifest) -> tuple[str, str] | None:
+    """(name, problem) of the first file of `directory` (a dir fd) that does not match the
+    manifest; None when all do. Files the manifest does not list are removed."""
+    listed = set(manifest.files)
+    for name in os.listdir(directory):
+        if name not in listed and not name.startswith(PART_PREFIX):
+            os.unlink(name, dir_fd=directory)
+    for name, entry in sorted(manifest.files.items()):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+        except FileNotFoundError:
+            return name, "not uploaded"
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != entry.size:
+                return name, f"size {actual}, manifest says {entry.size}"
+            size, crc = file_crc32(fd)
+        finally:
+            os.close(fd)
+        if size != entry.size:
+            return name, f"size {size}, manifest says {entry.size}"
+        if crc != entry.crc32:
+            return name, f"crc32 {crc}, manifest says {entry.crc32}"
+    return None
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    try:
+        with (directory / MANIFEST).open("rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError:
+        return None
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    step: int
+    manifest: Manifest
+
+
+class PeerStore:
+    def __init__(self, root: Path, *, max_file_bytes: int) -> None:
+        self.root = root
+        self.max_file_bytes = max_file_bytes
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        # Uploads being received now, by (job, rank, step): a commit leaves them alone.
+        self._receiving: dict[tuple[str, int, int], int] = {}
+
+    # --- layout -------------------------------------------------------------------------
+
+    def _rank_dir(self, job: str, rank: int) -> Path:
+        return self.root / job / rank_dir_name(rank)
+
+    def _upload_dir(self, job: str, rank: int, step: int) -> Path:
+        return self.root / INCOMING / job / rank_dir_name(rank) / step_dir_name(step)
+
+    def _lock(self, job: str, rank: int) -> asyncio.Lock:
+        return self._locks.setdefault((job, rank), asyncio.Lock())
+
+    # --- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the store; remove what a crash left: uploads, trash, superseded copies."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in (INCOMING, TRASH):
+            shutil.rmtree(self.root / leftover, ignore_errors=True)
+        kept = 0
+        for job_dir in self._job_dirs():
+            for rank_dir in job_dir.iterdir():
+                if parse_rank(rank_dir.name) is None:
+                    continue
+                newest = self._scan(rank_dir)
+                for entry in rank_dir.iterdir():
+                    if newest is None or entry.name != step_dir_name(newest.step):
+                        _remove(entry)
+                kept += newest is not None
+        log.info("peer store %s: %d copies kept from before", self.root, kept)
+
+    def _job_dirs(self) -> list[Path]:
+        return [p for p in self.root.iterdir() if not p.name.startswith(".") and p.is_dir()]
+
+    # --- reads --------------------------------------------------------------------------
+
+    def _scan(self, rank_dir: Path) -> _Kept | None:
+        """The newest committed copy in `rank_dir` (one, but two after a crash mid-commit)."""
+        best: _Kept | None = None
+        try:
+            entries = list(rank_dir.iterdir())
+        except FileNotFoundError:
+            return None
+        for entry in entries:
+            step = parse_step(entry.name)
+            if step is None:
+                continue
+            manifest = read_manifest(entry)
+            if manifest is None or manifest.step != step:
+                continue  # not committed (or not ours)
+            if best is None or manifest.newer_than(best.manifest):
+                best = _Kept(step, manifest)
+        return best
+
+    def newest(self, job: str, rank: int) -> PeerCopy | None:
+        kept = self._scan(self._rank_dir(job, rank))
+        return None if kept is None else PeerCopy(step=kept.step, manifest=kept.manifest)
+
+    def open_file(self, job: str, rank: int, step: int, name: str) -> tuple[int, int]:
+        """(fd, size) of a file of the committed copy; opened now, so deleting the copy
+        (a newer one committed) does not cut a download short. The caller closes fd."""
+        directory = self._rank_dir(job, rank) / step_dir_name(step)
+        if not (directory / MANIFEST).is_file():
+            raise NotFound("step", f"no copy of rank {rank} of job {job} at step {step}")
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound("name", f"no file {name!r} in the copy of step {step}") from None
+        return fd, os.fstat(fd).st_size
+
+    # --- uploads --------------------------------------------------------------------------
+
+    async def receive(
+        self, job: str, rank: int, step: int, name: str, chunks: AsyncIterable[bytes]
+    ) -> int:
+        """Write one uploaded file; returns its size. It appears under its name only
+        once complete."""
+        key = (job, rank, step)
+        self._receiving[key] = self._receiving.get(key, 0) + 1
+        try:
+            return await self._receive(job, rank, step, name, chunks)
+        finally:
+            self._receiving[key] -= 1
+            if not self._receiving[key]:
+                del self._receiving[key]
+
+    async def _receive(
+        self, job: str, rank: int, step: int, name: str, chunks: AsyncIterable[bytes]
+    ) -> int:
+        directory = self._upload_dir(job, rank, step)
+        directory.mkdir(parents=True, exist_ok=True)
+        part = directory / f"{PART_PREFIX}{uuid.uuid4().hex}.part"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        size = 0
+        buffer = bytearray()
+        try:
+            try:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_file_bytes:
+                        raise TooLarge("body", f"larger than {self.max_file_bytes} bytes")
+                    buffer += chunk
+                    if len(buffer) >= CHUNK:
+                        # A thread: a write to a disk-backed store must not stall the loop.
+                        await asyncio.to_thread(write_all, fd, buffer)
+                        buffer.clear()
+                if buffer:
+                    await asyncio.to_thread(write_all, fd, buffer)
+            finally:
+                os.close(fd)
+            os.replace(part, directory / name)
+        except FileNotFoundError:
+            raise Superseded("step", "this upload was dropped: its job left") from None
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        return size
+
+    async def commit(self, job: str, rank: int, step: int, manifest: Manifest) -> CommitResult:
+        """Verify the upload against `manifest`, then make it the copy of (job, rank).
+
+        Raises Mismatch (the bad file is removed, the rest of the upload stays for a
+        retry). An older save than the one kept is dropped: `committed` False.
+        """
+        for field, ours, theirs in (("step", step, manifest.step), ("rank", rank, manifest.rank)):
+            if ours != theirs:
+                raise Invalid(f"manifest.{field}", f"is {theirs}, the path says {ours}")
+        if manifest.job is not None and manifest.job != job:
+            raise Invalid("manifest.job", f"is {manifest.job!r}, the path says {job!r}")
+        async with self._lock(job, rank):
+            rank_dir = self._rank_dir(job, rank)
+            upload = self._upload_dir(job, rank, step)
+            kept = self._scan(rank_dir)
+            if kept is not None and kept.manifest.newer_than(manifest):
+                log.info(
+                    "peer copy of %s rank %d step %d dropped: step %d is newer",
+                    job,
+                    rank,
+                    step,
+                    kept.step,
+                )
+                await self._discard(upload)
+                return CommitResult(
+                    step=step, committed=False, kept_step=kept.step, bytes=manifest.total_bytes
+                )
+            if kept is not None and kept.step == step and kept.manifest == manifest:
+                await self._discard(upload)  # committed before (a retry): nothing new
+                return CommitResult(
+                    step=step, committed=True, kept_step=step, bytes=manifest.total_bytes
+                )
+            if not manifest.files:
+                upload.mkdir(parents=True, exist_ok=True)  # nothing was uploaded: no directory
+            try:
+                dir_fd = os.open(upload, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                first = min(manifest.files, default=MANIFEST)
+                raise Mismatch(first, "not uploaded") from None
+            try:
+                problem = await asyncio.to_thread(verify_files, dir_fd, manifest)
+                if problem is not None:
+                    name, message = problem
+                    # Removed so that a retry uploads it again rather than trusting it.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dir_fd)
+                    raise Mismatch(name, message)
+                _write_manifest(dir_fd, manifest)
+            finally:
+                os.close(dir_fd)
+            final = rank_dir / step_dir_name(step)
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            # No await from here to the end of the renames: no request sees a half state.
+            doomed = [self._to_trash(final)] if final.exists() else []
+            os.rename(upload, final)
+            for entry in list(rank_dir.iterdir()):
+                if entry.name != final.name:
+                    doomed.append(self._to_trash(entry))
+            doomed.extend(self._superseded_by(job, rank, step, manifest))
+        log.info(
+            "peer copy of %s rank %d step %d committed (%d files, %d bytes)",
+            job,
+            rank,
+            step,
+            len(manifest.files),
+            manifest.total_bytes,
+        )
+        await asyncio.to_thread(_remove_all, doomed)
+        return CommitResult(step=step, committed=True, kept_step=step, bytes=manifest.total_bytes)
+
+    def _superseded_by(self, job: str, rank: int, step: int, manifest: Manifest) -> list[Path]:
+        """Into the trash: uploads of this rank no request is writing (left by a sender
+        that gave up), copies and uploads of other jobs, and of ranks outside the new
+        copy's world size."""
+        doomed: list[Path] = []
+        upload_ranks = self.root / INCOMING / job / rank_dir_name(rank)
+        if upload_ranks.is_dir():
+            for entry in upload_ranks.iterdir():
+                other = parse_step(entry.name)
+                if other is not None and (job, rank, other) not in self._receiving:
+                    doomed.append(self._to_trash(entry))
+        for base in (self.root, self.root / INCOMING):
+            if not base.is_dir():
+                continue
+            for job_dir in base.iterdir():
+                if job_dir.name.startswith(".") or not job_dir.is_dir():
+                    continue
+                if job_dir.name != job:
+                    doomed.append(self._to_trash(job_dir))
+                    continue
+                for rank_dir in job_dir.iterdir():
+                    other_rank = parse_rank(rank_dir.name)
+                    if other_rank is not None and other_rank >= manifest.world_size:
+                        doomed.append(self._to_trash(rank_dir))
+        return doomed
+
+    def _to_trash(self, path: Path) -> Path:
+        trash = self.root / TRASH
+        trash.mkdir(exist_ok=True)
+        target = trash / uuid.uuid4().hex
+        os.rename(path, target)
+        return target
+
+    async def _discard(self, upload: Path) -> None:
+        try:
+            doomed = self._to_trash(upload)
+        except FileNotFoundError:
+            return
+        await asyncio.to_thread(_remove, doomed)
+
+
+def _write_manifest(dir_fd: int, manifest: Manifest) -> None:
+    data = json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
+    fd = os.open(
+        MANIFEST,
+        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o644,
+        dir_fd=dir_fd,
+    )
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        _remove(path)

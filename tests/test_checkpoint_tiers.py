@@ -1,0 +1,464 @@
+"""The checkpoint tiers with real torch: DDP on gloo, one process per rank, real files.
+
+Each test runs `tests/torch_jobs/checkpoint_job.py` as separate processes (2 ranks, one
+per "node": each rank has its own RAM tier directory, the durable one is shared) and
+compares the final weights, by hash, with a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.test_worker_client import free_port
+from training.checkpoint import CheckpointSettings
+from training.checkpoint import format as fmt
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 24
+WORLD = 2
+
+
+def start_job(
+    tmp: Path,
+    name: str,
+    *,
+    steps: int = STEPS,
+    stop_at: int = 0,
+    ram_dirs: Mapping[int, Path] | None = None,
+    extra_env: Mapping[int, Mapping[str, str]] | None = None,
+) -> dict[int, subprocess.Popen[str]]:
+    """Start the job's WORLD ranks (RAM tier per rank: tmp/ram/node-<rank> by default)."""
+    port = free_port()
+    out = tmp / name
+    out.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for rank in range(WORLD):
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "JOB_STEPS": str(steps),
+            "JOB_STOP_AT": str(stop_at),
+            "JOB_RESULT": str(out / f"rank-{rank}.json"),
+            "IN_MEMORY_CHECKPOINTING_FREQ": "5",
+            "S3_CHECKPOINTING_FREQ": "10",
+            "CHECKPOINT_RAM_DIR": str((ram_dirs or {}).get(rank, tmp / "ram" / f"node-{rank}")),
+            "CHECKPOINT_DURABLE_DIR": str(tmp / "durable"),
+            "SYNC_FILES": "false",
+            **((extra_env or {}).get(rank, {})),
+        }
+        procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "tests.torch_jobs.checkpoint_job"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    return procs
+
+
+def run_job(
+    tmp: Path, name: str, *, timeout_s: float = 180, **options: Any
+) -> dict[int, dict[str, Any]]:
+    """Run the job to its end; {rank: its result}."""
+    procs = start_job(tmp, name, **options)
+    results: dict[int, dict[str, Any]] = {}
+    for rank, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{output}"
+        results[rank] = json.loads((tmp / name / f"rank-{rank}.json").read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final weights of a run never interrupted."""
+    tmp = tmp_path_factory.mktemp("reference")
+    results = run_job(tmp, "ref")
+    digests = {r["weights_sha256"] for r in results.values()}
+    assert len(digests) == 1  # DDP: every replica holds the same weights
+    assert all(r["restored"] == 0 and r["final_step"] == STEPS for r in results.values())
+    return digests.pop()
+
+
+def final_digest(results: Mapping[int, Mapping[str, Any]]) -> str:
+    digests = {r["weights_sha256"] for r in results.values()}
+    assert len(digests) == 1, results
+    return digests.pop()
+
+
+def test_resume_from_ram_is_bit_exact(tmp_path: Path, reference: str) -> None:
+    first = run_job(tmp_path, "first", stop_at=13)
+    assert {r["final_step"] for r in first.values()} == {13}
+    # RAM keeps its newest (step 10), durable its two newest (10 only: every 10 steps).
+    for rank in range(WORLD):
+        assert fmt.committed_steps(tmp_path / "ram" / f"node-{rank}", rank) == [10]
+        assert fmt.committed_steps(tmp_path / "durable", rank) == [10]
+    second = run_job(tmp_path, "second")
+    assert {(r["restored"], r["tier"]) for r in second.values()} == {(10, "ram")}
+    assert {r["samples_seen"] for r in second.values()} == {STEPS * 32}
+    assert final_digest(second) == reference
+
+
+def test_lost_ram_restores_from_durable(tmp_path: Path, reference: str) -> None:
+    run_job(tmp_path, "first", stop_at=17)  # RAM: step 15; durable: step 10
+    shutil.rmtree(tmp_path / "ram" / "node-1")
+    second = run_job(tmp_path, "second")
+    # Rank 1 can load only step 10 (durable): both agree on it, rank 0 from its RAM? No:
+    # rank 0's RAM holds 15 only, so it loads 10 from durable too.
+    assert {r["restored"] for r in second.values()} == {10}
+    assert {r["tier"] for r in second.values()} == {"durable"}
+    assert final_digest(second) == reference
+
+
+def test_kill_during_save_leaves_nothing_that_looks_complete(
+    tmp_path: Path, reference: str
+) -> None:
+    # Rank 1 is SIGKILLed while the files of step 15 are written, before the commit; its
+    # peer then fails in a collective and is stopped as a supervisor would stop it.
+    procs = start_job(tmp_path, "killed", extra_env={1: {"JOB_KILL_IN_SAVE_AT": "15"}})
+    procs[1].communicate(timeout=120)
+    assert procs[1].returncode == -9
+    procs[0].kill()
+    procs[0].communicate(timeout=30)
+    ram1 = tmp_path / "ram" / "node-1"
+    assert fmt.committed_steps(ram1, 1) == [10]
+    leftovers = [p.name for p in (ram1 / "step-0000000015").iterdir()]
+    assert leftovers and all(name.startswith(".tmp-rank-1-") for name in leftovers)
+    second = run_job(tmp_path, "second")
+    assert {r["restored"] for r in second.values()} == {10}
+    assert final_digest(second) == reference
+    assert not (ram1 / "step-0000000015").exists()  # the leftovers were removed at start
+
+
+def test_corrupted_shard_is_skipped_for_another_source(tmp_path: Path, reference: str) -> None:
+    run_job(tmp_path, "first", stop_at=12)  # RAM and durable: step 10
+    shard = tmp_path / "ram" / "node-0" / "step-0000000010" / "rank-0" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    second = run_job(tmp_path, "second")
+    assert second[0]["restored"] == 10 and second[0]["tier"] == "durable"
+    assert second[1]["restored"] == 10 and second[1]["tier"] == "ram"
+    assert final_digest(second) == reference
+
+
+def test_a_step_no_source_can_serve_is_dropped_by_every_rank(
+    tmp_path: Path, reference: str
+) -> None:
+    run_job(tmp_path, "first", stop_at=17)  # RAM: 15; durable: 10
+    shard = tmp_path / "ram" / "node-1" / "step-0000000015" / "rank-1" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    second = run_job(tmp_path, "second")
+    # Rank 1 found step 15 listed but corrupt; both ranks fall back to step 10.
+    assert {r["restored"] for r in second.values()} == {10}
+    assert final_digest(second) == reference
+
+
+def test_settings_are_refused_with_the_names_of_the_settings(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"s3_checkpointing_freq=15 .*in_memory_checkpointing_freq=10"
+    ):
+        CheckpointSettings(
+            in_memory_checkpointing_freq=10, s3_checkpointing_freq=15, durable_dir=tmp_path
+        )
+    with pytest.raises(ValueError, match="needs durable_dir"):
+        CheckpointSettings(s3_checkpointing_freq=20)
+    with pytest.raises(ValueError, match="ckpt_threads_per_rank must be an integer >= 1"):
+        CheckpointSettings(ckpt_threads_per_rank=0, s3_checkpointing_freq=0)
+    with pytest.raises(ValueError, match="topk_ckpt"):
+        CheckpointSettings(topk_ckpt=0, s3_checkpointing_freq=0)
+    with pytest.raises(ValueError, match="IN_MEMORY_CHECKPOINTING_FREQ must be an integer"):
+        CheckpointSettings.from_env({"IN_MEMORY_CHECKPOINTING_FREQ": "ten"})
+    with pytest.raises(ValueError, match="overlap"):
+        CheckpointSettings(ram_dir=tmp_path, durable_dir=tmp_path / "d")
+    env = {
+        "IN_MEMORY_CHECKPOINTING_FREQ": "5",
+        "S3_CHECKPOINTING_FREQ": "20",
+        "CHECKPOINT_DURABLE_DIR": str(tmp_path / "durable"),
+        "ENABLE_ASYNC_CKPT": "false",
+        "CKPT_THREADS_PER_RANK": "4",
+        "TOPK_CKPT": "3",
+    }
+    settings = CheckpointSettings.from_env(env)
+    assert (settings.s3_checkpointing_freq, settings.ckpt_threads_per_rank) == (20, 4)
+    assert settings.enable_async_ckpt is False and settings.topk_ckpt == 3
+
+
+def test_settings_refused_in_a_job_stop_it_with_the_message(tmp_path: Path) -> None:
+    procs = start_job(tmp_path, "bad", extra_env={0: {"S3_CHECKPOINTING_FREQ": "7"}, 1: {}})
+    output, _ = procs[0].communicate(timeout=120)
+    procs[1].kill()
+    procs[1].communicate(timeout=30)
+    assert procs[0].returncode != 0
+    assert "s3_checkpointing_freq=7 must be a multiple of in_memory_checkpointing_freq=5" in output
+
+
+def test_the_readme_example_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("# example: checkpoint tiers")
+    code = readme[start : readme.index("```", start)]
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
+        "CHECKPOINT_RAM_DIR": str(tmp_path / "ram"),
+        "CHECKPOINT_DURABLE_DIR": str(tmp_path / "durable"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    for start in (0, 100):  # the second run resumes from step 100: nothing left to do
+        done = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        for rank in range(2):
+            assert f"rank {rank}: starting after step {start}" in done.stdout
+    for rank in range(2):
+        assert fmt.committed_steps(tmp_path / "ram", rank) == [100]
+        assert fmt.committed_steps(tmp_path / "durable", rank) == [50, 100]
+
+
+# --- one process: the save path itself -----------------------------------------------
+
+
+def small_checkpointer(tmp: Path, **settings: Any) -> Any:
+    import torch
+
+    from training.checkpoint import Checkpointer
+    from training.checkpoint.peer import PeerTier
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    config = CheckpointSettings(
+        **{
+            "in_memory_checkpointing_freq": 1,
+            "s3_checkpointing_freq": 2,
+            "ram_dir": tmp / "ram",
+            "durable_dir": tmp / "durable",
+            "sync_files": False,
+            **settings,
+        }
+    )
+    return Checkpointer(
+        model, optimizer, settings=config, peer=PeerTier(None, None, 0, fetch_timeout_s=1)
+    )
+
+
+def test_a_save_due_while_the_last_is_written_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from training.checkpoint import saver
+
+    release = threading.Event()
+    writing = threading.Event()
+    real_save = saver.dcp_save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        writing.set()
+        assert release.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(saver, "dcp_save", held_save)
+    ckpt = small_checkpointer(tmp_path)
+    ckpt.step_done(1)  # returns while its write is held: the save is asynchronous
+    assert writing.wait(10) and ckpt._saver.busy
+    assert fmt.committed_steps(tmp_path / "ram", 0) == []
+    second_returned = threading.Event()
+    worker = threading.Thread(target=lambda: (ckpt.step_done(2), second_returned.set()))
+    worker.start()
+    # Step 2 is due while step 1 is still being written: it waits (it does not skip, and
+    # does not overwrite the buffers step 1 is being written from).
+    assert not second_returned.wait(0.3)
+    release.set()
+    worker.join(30)
+    assert second_returned.is_set()
+    ckpt.close()
+    assert [(r.step, r.tier) for r in ckpt.save_results] == [(1, "ram"), (2, "ram"), (2, "durable")]
+    assert all(r.error is None for r in ckpt.save_results)
+    assert ckpt.blocking[1] >= 0.3  # the wait is counted as blocking
+    assert fmt.committed_steps(tmp_path / "ram", 0) == [2]  # ram_topk_ckpt = 1
+
+
+def test_a_synchronous_save_is_committed_when_it_returns(tmp_path: Path) -> None:
+    ckpt = small_checkpointer(tmp_path, enable_async_ckpt=False, topk_ckpt=2)
+    for step in range(1, 7):
+        ckpt.step_done(step)
+        assert step in fmt.committed_steps(tmp_path / "ram", 0)
+    ckpt.close()
+    assert fmt.committed_steps(tmp_path / "durable", 0) == [4, 6]  # topk_ckpt = 2
+    manifest = fmt.read_manifest(fmt.rank_dir(tmp_path / "durable", 6, 0), step=6, rank=0)
+    fmt.verify(fmt.rank_dir(tmp_path / "durable", 6, 0), manifest)
+    assert manifest.size == sum(
+        f.stat().st_size
+        for f in fmt.rank_dir(tmp_path / "durable", 6, 0).iterdir()
+        if f.name != fmt.MANIFEST
+    )
+
+
+# --- the peer tier: real host monitors ------------------------------------------------
+
+PEER_JOB = "torchjob"
+
+
+@pytest.fixture
+def monitors(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Host monitors node-a, node-b (partners of each other) and a spare, node-s, whose
+    partner is node-a (it takes node-b's place)."""
+    from tests.test_host_monitor import WORKER_TOKEN, Cluster
+    from tests.test_host_monitor_peer import PEER_TOKEN
+
+    (tmp_path / "monitors").mkdir()
+    cluster = Cluster(tmp_path / "monitors")
+    agents = {}
+    try:
+        for name in ("node-a", "node-b", "node-s"):
+            agents[name] = cluster.start_agent(
+                None,
+                node=name,
+                env={"HOST_MONITOR_PEER_TOKEN": PEER_TOKEN},
+                initial_state="running",
+                job=PEER_JOB,
+                checkpoint_root=tmp_path / name / "ram",
+                peer_store_dir=tmp_path / name / "peer",
+                peer_timeout_s=20,
+            )
+        for name, partner in (("node-a", "node-b"), ("node-b", "node-a"), ("node-s", "node-a")):
+            body = {"node": partner, "url": agents[partner].url}
+            assert agents[name].api.put("/v1/checkpoint-peer", json=body).status_code == 200
+        yield {"agents": agents, "token": WORKER_TOKEN}
+    finally:
+        for agent in agents.values():
+            agent.close()
+        cluster_close = getattr(cluster, "close", None)
+        if cluster_close is not None:
+            cluster_close()
+        for agent in agents.values():
+            agent.proc.kill()
+            agent.proc.wait(10)
+
+
+def on_nodes(tmp: Path, monitors: dict[str, Any], nodes: list[str]) -> dict[str, Any]:
+    """start_job options placing rank r on host monitor nodes[r]."""
+    agents = monitors["agents"]
+    env = {
+        rank: {
+            "HOST_MONITOR_URL": agents[node].url,
+            "HOST_MONITOR_WORKER_TOKEN": monitors["token"],
+            "HOST_MONITOR_JOB": PEER_JOB,
+        }
+        for rank, node in enumerate(nodes)
+    }
+    ram = {rank: tmp / node / "ram" / PEER_JOB for rank, node in enumerate(nodes)}
+    return {"extra_env": env, "ram_dirs": ram}
+
+
+def wait_pushed(monitors: dict[str, Any], node: str, rank: int, step: int) -> None:
+    from tests.test_host_monitor import wait_for
+
+    agent = monitors["agents"][node]
+
+    def done() -> bool:
+        state = agent.worker_api.get(f"/v1/workers/{rank}/checkpoints/replicate").json()
+        assert state["state"] != "failed", state
+        return bool(state["step"] == step and state["state"] == "done")
+
+    wait_for(done, 30, f"{node} pushed rank {rank} step {step}")
+
+
+def reports(monitors: dict[str, Any], node: str) -> list[dict[str, Any]]:
+    """The checkpoint reports the node's workers sent (GET /v1/checkpoints)."""
+    r = monitors["agents"][node].api.get("/v1/checkpoints")
+    assert r.status_code == 200, r.text
+    return [record["report"] for record in r.json()]
+
+
+def test_lost_ram_of_one_node_restores_from_its_partner(
+    tmp_path: Path, reference: str, monitors: dict[str, Any]
+) -> None:
+    placed = on_nodes(tmp_path, monitors, ["node-a", "node-b"])
+    run_job(tmp_path, "first", stop_at=17, **placed)  # RAM and peer: 15; durable: 10
+    wait_pushed(monitors, "node-b", 1, 15)
+    wait_pushed(monitors, "node-a", 0, 15)
+    shutil.rmtree(tmp_path / "node-b" / "ram" / PEER_JOB)
+    second = run_job(tmp_path, "second", **placed)
+    assert (second[0]["restored"], second[0]["tier"]) == (15, "ram")
+    assert (second[1]["restored"], second[1]["tier"]) == (15, "peer")  # not durable's 10
+    assert final_digest(second) == reference
+    # Every save and load was reported with its tier and size, the peer copies too.
+    from tests.test_host_monitor import wait_for
+
+    def loaded_from_peer() -> list[dict[str, Any]]:
+        return [
+            r
+            for r in reports(monitors, "node-b")
+            if r["event"] == "loaded" and r["tier"] == "peer" and r["step"] == 15
+        ]
+
+    (load,) = wait_for(loaded_from_peer, 10, "the peer load reported")
+    assert load["bytes"] > 0 and load["total_s"] >= load["duration_s"] >= 0
+    saved = {r["tier"] for r in reports(monitors, "node-a") if r["event"] == "saved"}
+    assert saved == {"ram", "durable"}  # the peer copy is reported by the host monitor
+    assert all(r["bytes"] > 0 for r in reports(monitors, "node-a"))
+
+
+def test_an_empty_spare_restores_from_the_peer_copy(
+    tmp_path: Path, reference: str, monitors: dict[str, Any]
+) -> None:
+    run_job(tmp_path, "first", stop_at=17, **on_nodes(tmp_path, monitors, ["node-a", "node-b"]))
+    wait_pushed(monitors, "node-b", 1, 15)
+    # node-b is gone; the spare node-s (empty RAM, partner node-a) takes rank 1.
+    second = run_job(tmp_path, "second", **on_nodes(tmp_path, monitors, ["node-a", "node-s"]))
+    assert (second[1]["restored"], second[1]["tier"]) == (15, "peer")
+    assert fmt.committed_steps(tmp_path / "node-s" / "ram" / PEER_JOB, 1) == [STEPS // 5 * 5]
+    assert final_digest(second) == reference
+
+
+def test_both_ram_copies_lost_restores_from_durable(
+    tmp_path: Path, reference: str, monitors: dict[str, Any]
+) -> None:
+    placed = on_nodes(tmp_path, monitors, ["node-a", "node-b"])
+    run_job(tmp_path, "first", stop_at=17, **placed)
+    wait_pushed(monitors, "node-b", 1, 15)
+    shutil.rmtree(tmp_path / "node-b" / "ram" / PEER_JOB)  # node-b's own RAM ...
+    shutil.rmtree(tmp_path / "node-a" / "peer")  # ... and the copy its partner held
+    second = run_job(tmp_path, "second", **placed)
+    assert {r["restored"] for r in second.values()} == {10}
+    assert {r["tier"] for r in second.values()} == {"durable"}
+    assert final_digest(second) == reference

@@ -1,0 +1,310 @@
+"""The on-disk format of the checkpoint tiers: one committed directory per rank and step.
+
+    <tier root>/step-<step:010d>/rank-<rank>/
+        manifest.json                 written last, inside the temporary directory
+        .metadata, __0_0.distcp, ...  what torch.distributed.checkpoint wrote
+
+`manifest.json` = {"format": "resiliency-checkpoint/1", "step", "rank", "world_size",
+"job", "files": {name: {"size", "crc32"}}, "created"}. A directory is written under a
+hidden temporary name beside its final one and renamed into place once every file and
+the manifest are on disk (fsynced), so a process killed mid-save never leaves a
+directory that looks complete. A reader trusts a directory only when its manifest
+parses, names the same step and rank as its path, and every listed file has its size;
+`verify` then streams each file through crc32 (a few MiB at a time, never the whole file
+in memory) before it is loaded.
+
+The host monitor reads the same layout when it copies a rank's newest checkpoint to its
+partner node (the peer tier). Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "resiliency-checkpoint/1"
+MANIFEST = "manifest.json"
+_CHUNK = 8 * 1024 * 1024
+_STEP_RE = re.compile(r"^step-(\d{10,})$")
+_TMP_PREFIX = ".tmp-"
+FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class CheckpointCorrupt(Exception):
+    """A checkpoint directory failed verification (the message names the file)."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    rank: int
+    world_size: int
+    job: str | None
+    files: dict[str, FileEntry]
+    created: float
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "step": self.step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "job": self.job,
+                "files": {
+                    name: {"size": f.size, "crc32": f.crc32} for name, f in self.files.items()
+                },
+                "created": self.created,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse a manifest; ValueError names what is wrong."""
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"manifest is not JSON: {exc}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"manifest format is not {FORMAT!r}")
+        step, rank, world = raw.get("step"), raw.get("rank"), raw.get("world_size")
+        if not all(isinstance(v, int) and v >= 0 for v in (step, rank, world)):
+            raise ValueError("manifest step, rank and world_size must be integers >= 0")
+        job = raw.get("job")
+        files = raw.get("files")
+        if (job is not None and not isinstance(job, str)) or not isinstance(files, dict):
+            raise ValueError("manifest job or files malformed")
+        entries: dict[str, FileEntry] = {}
+        for name, entry in files.items():
+            if not FILE_NAME_RE.match(name) or name in {".", "..", MANIFEST}:
+                raise ValueError(f"manifest names a bad file {name!r}")
+            size = entry.get("size") if isinstance(entry, dict) else None
+            crc = entry.get("crc32") if isinstance(entry, dict) else None
+            if not (isinstance(size, int) and size >= 0 and isinstance(crc, int) and crc >= 0):
+                raise ValueError(f"manifest entry of {name!r} malformed")
+            entries[name] = FileEntry(size, crc)
+        created = raw.get("created", 0.0)
+        return cls(step, rank, world, job, entries, float(created))  # type: ignore[arg-type]
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:010d}"
+
+
+def rank_dir(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank}"
+
+
+def file_crc32(path: Path) -> int:
+    """crc32 of a file, streamed through one reused buffer (never the whole file)."""
+    crc = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def build_manifest(
+    directory: Path, *, step: int, rank: int, world_size: int, job: str | None, threads: int = 1
+) -> Manifest:
+    """Checksum every file of `directory` (the manifest itself excluded), `threads` files
+    at a time (zlib releases the GIL while it sums a large buffer)."""
+    names = [
+        name
+        for name in sorted(os.listdir(directory))
+        if name != MANIFEST and (directory / name).is_file()
+    ]
+    with ThreadPoolExecutor(max(1, min(threads, len(names) or 1))) as pool:
+        crcs = list(pool.map(file_crc32, (directory / name for name in names)))
+    files = {
+        name: FileEntry((directory / name).stat().st_size, crc)
+        for name, crc in zip(names, crcs, strict=True)
+    }
+    return Manifest(step, rank, world_size, job, files, time.time())
+
+
+def read_manifest(directory: Path, *, step: int | None = None, rank: int | None = None) -> Manifest:
+    """The manifest of a committed directory, checked against its path and file sizes
+    (cheap: no file is read). Raises CheckpointCorrupt."""
+    try:
+        manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
+    except OSError as exc:
+        raise CheckpointCorrupt(f"{directory}: no manifest ({exc.strerror})") from None
+    except ValueError as exc:
+        raise CheckpointCorrupt(f"{directory}: {exc}") from None
+    if (step is not None and manifest.step != step) or (rank is not None and manifest.rank != rank):
+        raise CheckpointCorrupt(
+            f"{directory}: manifest names step {manifest.step} rank {manifest.rank}"
+        )
+    for name, entry in manifest.files.items():
+        try:
+            size = (directory / name).stat().st_size
+        except OSError:
+            raise CheckpointCorrupt(f"{directory / name}: missing") from None
+        if size != entry.size:
+            raise CheckpointCorrupt(f"{directory / name}: {size} bytes, manifest says {entry.size}")
+    return manifest
+
+
+def verify(directory: Path, manifest: Manifest, *, threads: int = 1) -> None:
+    """Stream every file through crc32 (`threads` files at a time) and compare with the
+    manifest."""
+    names = list(manifest.files)
+
+    def crc_of(name: str) -> int | OSError:
+        try:
+            return file_crc32(directory / name)
+        except OSError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max(1, min(threads, len(names) or 1))) as pool:
+        crcs = list(pool.map(crc_of, names))
+    for name, crc in zip(names, crcs, strict=True):
+        path, entry = directory / name, manifest.files[name]
+        if isinstance(crc, OSError):
+            raise CheckpointCorrupt(f"{path}: {crc.strerror}")
+        if crc != entry.crc32:
+            raise CheckpointCorrupt(
+                f"{path}: checksum {crc:#010x}, manifest says {entry.crc32:#010x}"
+            )
+
+
+def new_temp_dir(root: Path, step: int, rank: int) -> Path:
+    """A fresh hidden directory beside where `rank_dir(root, step, rank)` will be."""
+    parent = step_dir(root, step)
+    parent.mkdir(parents=True, exist_ok=True)
+    path = parent / f"{_TMP_PREFIX}rank-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
+
+
+def commit(temp: Path, manifest: Manifest, final: Path, *, sync: bool = True) -> None:
+    """Write the manifest into `temp`, then rename `temp` to `final` atomically.
+
+    A committed directory of the same step and rank (a run that went further before it
+    was rolled back) is moved aside first and removed after: between the two renames
+    neither counts, which is safe (the step is simply not there for a moment).
+    """
+    with open(temp / MANIFEST, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    if sync:
+        for name in manifest.files:
+            _fsync_path(temp / name)
+        _fsync_path(temp)
+    old: Path | None = None
+    if final.exists():
+        old = final.parent / f"{_TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
+        os.replace(final, old)
+    os.replace(temp, final)
+    if sync:
+        _fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_committed(
+    source: Path, manifest: Manifest, root: Path, *, sync: bool = True, threads: int = 1
+) -> Path:
+    """Copy a committed rank directory into another tier root (durable), atomically,
+    `threads` files at a time (the copy runs in the kernel, without the GIL)."""
+    temp = new_temp_dir(root, manifest.step, manifest.rank)
+    try:
+        with ThreadPoolExecutor(max(1, min(threads, len(manifest.files) or 1))) as pool:
+            list(pool.map(lambda name: shutil.copyfile(source / name, temp / name), manifest.files))
+        final = rank_dir(root, manifest.step, manifest.rank)
+        commit(temp, manifest, final, sync=sync)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return final
+
+
+def committed_steps(root: Path, rank: int) -> list[int]:
+    """Steps with a committed directory for `rank` under `root`, ascending (sizes not
+    checked yet: see `read_manifest`)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    steps = []
+    for name in names:
+        match = _STEP_RE.match(name)
+        if match and (Path(root) / name / f"rank-{rank}" / MANIFEST).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def remove_step(root: Path, step: int, rank: int) -> None:
+    shutil.rmtree(rank_dir(root, step, rank), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        step_dir(root, step).rmdir()  # only when no other rank's directory is left
+
+
+def retain(root: Path, rank: int, keep: int, *, protect: Iterable[int] = ()) -> list[int]:
+    """Remove all but the newest `keep` committed steps of `rank`; returns those removed.
+    Steps in `protect` (being copied elsewhere) stay."""
+    steps = committed_steps(root, rank)
+    protected = set(protect)
+    removed = [s for s in steps[: max(0, len(steps) - keep)] if s not in protected]
+    for step in removed:
+        remove_step(root, step, rank)
+    return removed
+
+
+def remove_temporaries(root: Path, rank: int) -> None:
+    """Remove this rank's leftovers of saves cut short (a kill -9 mid-save)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not _STEP_RE.match(name):
+            continue
+        parent = Path(root) / name
+        with contextlib.suppress(OSError):
+            for child in os.listdir(parent):
+                if child.startswith(f"{_TMP_PREFIX}rank-{rank}-") or (
+                    child.startswith(f"{_TMP_PREFIX}old-rank-{rank}-")
+                ):
+                    shutil.rmtree(parent / child, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
+def _fsync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,203 @@
+"""Writes staged states to the tiers, in the background, one save at a time.
+
+A save job: `torch.distributed.checkpoint` writes the staged state into a temporary
+directory of the first tier due (RAM, else durable) with `ckpt_threads_per_rank` writer
+threads; the files are checksummed into the manifest and the directory committed by
+rename; the host monitor is asked to copy it to the partner node (peer tier); a durable
+save then copies the committed RAM directory (the same files and manifest); retention
+keeps the newest checkpoints of each tier.
+
+A save due while the previous one is still being written waits for it: the staging
+buffers are the previous save's until it is on disk, and skipping a save would silently
+widen what a failure loses. The wait counts as blocking time, and is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from training.checkpoint import format as fmt
+
+log = logging.getLogger(__name__)
+
+# Each rank writes and reads its own directory without a process group (no_dist=True) on
+# purpose; torch warns about that on every call.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
+
+
+@dataclass
+class SaveJob:
+    step: int
+    state: dict[str, Any]
+    to_ram: bool
+    to_durable: bool
+    blocking_s: float
+    started: float  # monotonic, when the loop asked for it
+
+
+@dataclass
+class SaveResult:
+    """One tier's outcome of one save (for reports and tests)."""
+
+    step: int
+    tier: str
+    path: Path | None
+    size: int
+    blocking_s: float
+    total_s: float
+    error: str | None = None
+
+
+@dataclass
+class SaveStats:
+    results: list[SaveResult] = field(default_factory=list)
+    failures: int = 0
+
+
+class Saver:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        job: str | None,
+        ram_root: Path | None,
+        durable_root: Path | None,
+        threads: int,
+        ram_keep: int,
+        durable_keep: int,
+        sync_files: bool,
+        on_committed: Callable[[SaveResult], None],
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.job = job
+        self.ram_root = ram_root
+        self.durable_root = durable_root
+        self.threads = threads
+        self.ram_keep = ram_keep
+        self.durable_keep = durable_keep
+        self.sync_files = sync_files
+        self.on_committed = on_committed
+        self.stats = SaveStats()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the save in flight (if any) is committed or failed; False on timeout."""
+        return self._idle.wait(timeout_s)
+
+    def submit(self, job: SaveJob, *, background: bool) -> None:
+        """Run `job` (in a new thread when `background`). The caller has waited for the
+        previous one (`wait`)."""
+        with self._lock:
+            if not self._idle.is_set():
+                raise RuntimeError("a save is still being written")
+            self._idle.clear()
+        if not background:
+            self._run(job)
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), name=f"checkpoint-save-{job.step}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, job: SaveJob) -> None:
+        try:
+            self._save(job)
+        except Exception as exc:  # never kill the training loop for a failed save
+            self.stats.failures += 1
+            log.error("checkpoint save of step %d failed: %r", job.step, exc)
+            self.stats.results.append(
+                SaveResult(
+                    job.step,
+                    "ram" if job.to_ram else "durable",
+                    None,
+                    0,
+                    job.blocking_s,
+                    time.monotonic() - job.started,
+                    repr(exc),
+                )
+            )
+        finally:
+            self._idle.set()
+
+    def _save(self, job: SaveJob) -> None:
+        first_root = self.ram_root if job.to_ram else self.durable_root
+        assert first_root is not None
+        first_tier = "ram" if job.to_ram else "durable"
+        temp = fmt.new_temp_dir(first_root, job.step, self.rank)
+        try:
+            dcp_save(
+                job.state,
+                storage_writer=FileSystemWriter(
+                    temp, thread_count=self.threads, sync_files=self.sync_files
+                ),
+                no_dist=True,
+            )
+            manifest = fmt.build_manifest(
+                temp,
+                step=job.step,
+                rank=self.rank,
+                world_size=self.world_size,
+                job=self.job,
+                threads=self.threads,
+            )
+            final = fmt.rank_dir(first_root, job.step, self.rank)
+            fmt.commit(temp, manifest, final, sync=self.sync_files)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self._committed(
+            SaveResult(
+                job.step,
+                first_tier,
+                final,
+                manifest.size,
+                job.blocking_s,
+                time.monotonic() - job.started,
+            )
+        )
+        if job.to_ram and job.to_durable and self.durable_root is not None:
+            copied_at = time.monotonic()
+            path = fmt.copy_committed(
+                final, manifest, self.durable_root, sync=self.sync_files, threads=self.threads
+            )
+            # The loop blocked once, for the RAM save: the durable copy adds no blocking.
+            self._committed(
+                SaveResult(
+                    job.step, "durable", path, manifest.size, 0.0, time.monotonic() - copied_at
+                )
+            )
+        if job.to_ram and self.ram_root is not None:
+            fmt.retain(self.ram_root, self.rank, self.ram_keep)
+        if job.to_durable and self.durable_root is not None:
+            fmt.retain(self.durable_root, self.rank, self.durable_keep)
+
+    def _committed(self, result: SaveResult) -> None:
+        self.stats.results.append(result)
+        try:
+            self.on_committed(result)
+        except Exception as exc:
+            log.warning("checkpoint: reporting step %d failed: %r", result.step, exc)

@@ -1,0 +1,121 @@
+"""Settings of the checkpoint tiers, with the names users of the managed systems know.
+
+- `in_memory_checkpointing_freq` / `s3_checkpointing_freq` (HyperPod's managed tiered
+  checkpointing): steps between RAM saves and between durable saves; the durable one must
+  be a multiple of the RAM one (a durable save is a copy of a RAM save of the same step).
+- `enable_async_ckpt`, `ckpt_threads_per_rank`, `topk_ckpt` (the NeMo recipe's flags).
+
+Read from the environment by `from_env` (upper-case names, e.g.
+`IN_MEMORY_CHECKPOINTING_FREQ`), or passed directly. Every refusal is a `ValueError`
+whose message names the setting(s).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+DEFAULT_RAM_ROOT = Path("/dev/shm/resiliency-checkpoints")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    #: Steps between saves to the RAM tier (tmpfs); 0 turns the RAM tier (and the peer
+    #: copy, which is made from it) off.
+    in_memory_checkpointing_freq: int = 10
+    #: Steps between saves to the durable tier; 0 turns it off. A multiple of the RAM one.
+    s3_checkpointing_freq: int = 100
+    #: The RAM tier's directory (a tmpfs). Default: /dev/shm/resiliency-checkpoints/<job>.
+    ram_dir: Path | str | None = None
+    #: The durable tier's directory (a mounted bucket in production); None: no durable tier.
+    durable_dir: Path | str | None = None
+    #: Saves run in the background: the loop blocks only while the state is copied.
+    enable_async_ckpt: bool = True
+    #: Writer threads per rank for one save (torch.distributed.checkpoint's thread_count).
+    ckpt_threads_per_rank: int = 2
+    #: Committed checkpoints kept per tier (the newest ones), durable tier.
+    topk_ckpt: int = 2
+    #: Committed checkpoints kept in the RAM tier. With the partner's copy the ramdisk
+    #: holds (ram_topk_ckpt + 1 while a save is written + 1 partner) x shard size.
+    ram_topk_ckpt: int = 1
+    #: Copy each RAM save to the partner node's host monitor (needs a host monitor).
+    enable_peer_ckpt: bool = True
+    #: Restore may take a step from the partner's copy (NeMo: --enable-ckpt-load-replication).
+    enable_ckpt_load_replication: bool = True
+    #: fsync files and directories on commit (off only for throw-away runs).
+    sync_files: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("ram_dir", "durable_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))  # a str is fine too
+        for name in ("in_memory_checkpointing_freq", "s3_checkpointing_freq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("ckpt_threads_per_rank", "topk_ckpt", "ram_topk_ckpt"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        ram, durable = self.in_memory_checkpointing_freq, self.s3_checkpointing_freq
+        if ram and durable and durable % ram:
+            raise ValueError(
+                f"s3_checkpointing_freq={durable} must be a multiple of "
+                f"in_memory_checkpointing_freq={ram}: a durable save is a copy of the RAM "
+                "save of the same step"
+            )
+        if durable and self.durable_dir is None:
+            raise ValueError(
+                f"s3_checkpointing_freq={durable} needs durable_dir (or set "
+                "s3_checkpointing_freq=0 to run without a durable tier)"
+            )
+        if self.ram_dir is not None and self.durable_dir is not None:
+            a, b = Path(self.ram_dir).resolve(), Path(self.durable_dir).resolve()
+            if a == b or a in b.parents or b in a.parents:
+                raise ValueError(
+                    f"ram_dir={self.ram_dir} and durable_dir={self.durable_dir} overlap"
+                )
+
+    def ram_root(self, job: str | None) -> Path:
+        if self.ram_dir is not None:
+            return Path(self.ram_dir)
+        return DEFAULT_RAM_ROOT / (job or "default")
+
+    def durable_root(self) -> Path | None:
+        return Path(self.durable_dir) if self.durable_dir is not None else None
+
+    def with_changes(self, **changes: object) -> CheckpointSettings:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: object
+    ) -> CheckpointSettings:
+        """Each field from the upper-case variable of its name (`CHECKPOINT_RAM_DIR` and
+        `CHECKPOINT_DURABLE_DIR` for the directories); `overrides` win over both."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            key = {
+                "ram_dir": "CHECKPOINT_RAM_DIR",
+                "durable_dir": "CHECKPOINT_DURABLE_DIR",
+            }.get(field.name, field.name.upper())
+            raw = env.get(key)
+            if raw is None or raw == "":
+                continue
+            if field.name in ("ram_dir", "durable_dir"):
+                values[field.name] = Path(raw)
+            elif field.type in ("bool", bool):
+                if raw.lower() not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
+                    raise ValueError(f"{key} must be a boolean (true/false), got {raw!r}")
+                values[field.name] = raw.lower() in {"1", "true", "yes", "on"}
+            else:
+                try:
+                    values[field.name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
