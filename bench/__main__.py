@@ -196,8 +196,20 @@ def checkpoint_rows() -> list[Row]:
                 verdict(mine >= CHECKPOINT_TIER_TARGET * raw),
             )
         )
-    if res.peer_note is not None:
-        rows.append(Row("  peer restore", res.peer_note))
+    durable_load = res.tier["durable load"]
+    if res.peer_load is not None and res.peer_push is not None:
+        rows += [
+            Row(
+                "  swapped-in spare: restore from the partner's copy (MiB/s)",
+                f"{res.peer_load:,.0f} MiB/s = {res.peer_load / durable_load:.1f}x durable",
+                f"restore from durable: {durable_load:,.0f} MiB/s",
+                "faster than durable",
+                verdict(res.peer_load > durable_load),
+            ),
+            Row("  peer copy, host monitor to host monitor (MiB/s)", f"{res.peer_push:,.0f}"),
+        ]
+    else:
+        rows.append(Row("  peer restore", res.peer_error or "not measured", verdict="FAIL"))
     return rows
 
 

@@ -8,9 +8,11 @@ medium:
   of writing the same number of bytes in the same number of files (fsynced) and reading
   them back: the medium's physical limit here. Durable reads start with the files evicted
   from the page cache (POSIX_FADV_DONTNEED), for the tier and for its baseline alike.
-- the blocking time of an asynchronous save against a synchronous `torch.save` of the same
-  state and a synchronous `torch.distributed.checkpoint` save, both to the durable tier's
-  directory.
+- the blocking time of an asynchronous save (the time `save` takes plus what the next
+  training step's `optimizer.step()` waits for the copy to host memory to finish; one
+  forward and backward pass of the model on a batch of 8 runs between them) against a
+  synchronous `torch.save` of the same state and a synchronous
+  `torch.distributed.checkpoint` save, both to the durable tier's directory.
 - a swapped-in node's restore from the partner's copy (peer tier, host monitor to host
   monitor over HTTP on loopback) against a restore from durable, when the host monitor can
   be started here.
@@ -20,8 +22,11 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -50,6 +56,101 @@ class CheckpointConfig:
     disk_root: Path | None = None  # default: a temporary directory under var/
 
 
+class HostMonitor:
+    """A real `host-monitor` process with the peer tier on, for the peer measurement."""
+
+    def __init__(self, node: str, directory: Path, tokens: dict[str, str]) -> None:
+        self.node = node
+        self.root = directory / node / "ram"
+        self.root.mkdir(parents=True)
+        argv = [
+            sys.executable, "-m", "host_monitor.cli", "--node", node, "--port", "0",
+            "--initial-state", "running", "--job", "bench",
+            "--checkpoint-root", str(self.root),
+            "--peer-store-dir", str(directory / node / "peer"),
+            "--run-dir", str(directory / node / "run"),
+        ]  # fmt: skip
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")},
+            **{f"HOST_MONITOR_{role.upper()}_TOKEN": token for role, token in tokens.items()},
+        }
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()  # "host-monitor NODE listening on URL"
+        if " listening on " not in line:
+            self.proc.kill()
+            raise RuntimeError(f"host monitor {node} did not start: {line!r}")
+        self.url = line.rsplit(" ", 1)[1]
+        self.actuator = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {tokens['actuator']}"}
+        )
+
+    def partner(self, other: HostMonitor) -> None:
+        body = {"node": other.node, "url": other.url}
+        self.actuator.put("/v1/checkpoint-peer", json=body).raise_for_status()
+
+    def stop(self) -> None:
+        self.actuator.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def peer_restore(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ram: Path, threads: int
+) -> tuple[float, float]:
+    """(push MiB/s, restore MiB/s) of a node's checkpoint copied to its partner and
+    restored from there by a swapped-in spare with an empty RAM tier."""
+    tokens = {role: secrets.token_hex(16) for role in ("actuator", "worker", "peer")}
+    monitors = [HostMonitor(node, ram / "peer", tokens) for node in ("node-b", "node-a", "spare")]
+    try:
+        b, a, spare = monitors
+        b.partner(a)
+        spare.partner(a)  # the spare takes node-b's place: its partner is node-b's
+        settings = CheckpointSettings(
+            in_memory_checkpointing_freq=1, s3_checkpointing_freq=0, ckpt_threads_per_rank=threads
+        )
+        on_b = Checkpointer(
+            model, optimizer, job="bench", settings=settings.with_changes(ram_dir=b.root / "j"),
+            peer=PeerTier(b.url, tokens["worker"], 0, fetch_timeout_s=600),
+        )  # fmt: skip
+        on_b.save(1)
+        on_b.wait()
+        size = on_b.save_results[-1].size
+        worker = httpx.Client(
+            base_url=b.url, headers={"Authorization": f"Bearer {tokens['worker']}"}
+        )
+        deadline = time.monotonic() + 600
+        while True:
+            state = worker.get("/v1/workers/0/checkpoints/replicate").json()
+            if state["state"] in ("done", "failed") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        worker.close()
+        if state["state"] != "done":
+            raise RuntimeError(f"the push to the partner did not finish: {state}")
+        on_spare = Checkpointer(
+            model, optimizer, job="bench",
+            settings=settings.with_changes(ram_dir=spare.root / "j"),
+            peer=PeerTier(spare.url, tokens["worker"], 0, fetch_timeout_s=600),
+        )  # fmt: skip
+        started = time.perf_counter()
+        on_spare.restore()
+        seconds = time.perf_counter() - started
+        assert on_spare.last_restore is not None and on_spare.last_restore.tier == "peer"
+        on_b.close()
+        on_spare.close()
+        return size / MiB / state["seconds"], size / MiB / seconds
+    finally:
+        for monitor in monitors:
+            monitor.stop()
+
+
 @dataclass
 class CheckpointResult:
     params: int = 0
@@ -59,7 +160,9 @@ class CheckpointResult:
     blocking_s: list[float] = field(default_factory=list)
     sync_torch_save_s: float = 0.0
     sync_dcp_save_s: float = 0.0
-    peer_note: str | None = None
+    peer_push: float | None = None  # MiB/s, host monitor to host monitor
+    peer_load: float | None = None  # MiB/s, a spare's restore from the partner's copy
+    peer_error: str | None = None
 
 
 def _model(config: CheckpointConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -73,6 +176,14 @@ def _model(config: CheckpointConfig) -> tuple[torch.nn.Module, torch.optim.Optim
     optimizer.step()  # creates exp_avg and exp_avg_sq
     model.zero_grad(set_to_none=True)
     return model, optimizer
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, width: int) -> None:
+    """One step of the training loop the save overlaps with."""
+    loss = model(torch.randn(8, width)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _evict(directory: Path) -> None:
@@ -177,7 +288,9 @@ def run(config: CheckpointConfig) -> CheckpointResult:
             add("raw durable write", w)
             add("raw durable read", r)
             first = len(ckpt.save_results)
-            result.blocking_s.append(ckpt.save(step, to_ram=True, to_durable=True))
+            ckpt.save(step, to_ram=True, to_durable=True)
+            _train_step(model, optimizer, config.width)  # its optimizer step may wait
+            result.blocking_s.append(ckpt.blocking[-1])
             ckpt.wait()
             for saved in ckpt.save_results[first:]:
                 assert saved.error is None, saved.error
@@ -211,6 +324,10 @@ def run(config: CheckpointConfig) -> CheckpointResult:
         shutil.rmtree(disk / "dcp-sync", ignore_errors=True)
         ckpt.close()
         restorer.close()
+        try:
+            result.peer_push, result.peer_load = peer_restore(model, optimizer, ram, config.threads)
+        except (RuntimeError, OSError, httpx.HTTPError) as exc:
+            result.peer_error = f"{type(exc).__name__}: {exc}"
     del model, optimizer, ckpt, restorer
     gc.collect()
     return result

@@ -462,3 +462,87 @@ def test_both_ram_copies_lost_restores_from_durable(
     assert {r["restored"] for r in second.values()} == {10}
     assert {r["tier"] for r in second.values()} == {"durable"}
     assert final_digest(second) == reference
+
+
+def test_the_copy_during_the_next_step_saves_the_state_of_the_step_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import torch
+
+    from training.checkpoint import Checkpointer
+
+    release = threading.Event()
+    real_finish = Checkpointer._finish_staging
+
+    def slow_finish(self: Checkpointer, state: dict[str, Any]) -> dict[str, Any]:
+        assert release.wait(30)  # the copy is still running when the next step arrives
+        return real_finish(self, state)
+
+    monkeypatch.setattr(Checkpointer, "_finish_staging", slow_finish)
+    ckpt = small_checkpointer(tmp_path, s3_checkpointing_freq=0)
+    model, optimizer = ckpt.state.model, ckpt.state.optimizer
+    assert ckpt.settings.stage_during_next_step
+    at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    adam_at_1 = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    ckpt.step_done(1)
+    # The next step: forward and backward run while the copy is held; optimizer.step()
+    # waits until it is released.
+    model(torch.randn(4, 64)).sum().backward()
+    threading.Timer(0.3, release.set).start()
+    optimizer.step()
+    assert release.is_set()
+    assert ckpt.blocking[0] >= 0.3  # the wait in optimizer.step() counts as blocking
+    assert not torch.equal(model.weight, at_step_1["weight"])  # the step did change them
+    ckpt.close()
+    assert ckpt.save_results[0].blocking_s == ckpt.blocking[0]
+    # What was saved is step 1's state, not the one after the next optimizer step.
+    fresh = small_checkpointer(tmp_path, s3_checkpointing_freq=0)
+    assert fresh.restore() == 1
+    for key, value in fresh.state.model.state_dict().items():
+        assert torch.equal(value, at_step_1[key]), key
+    assert torch.equal(fresh.state.optimizer.state_dict()["state"][0]["exp_avg"], adam_at_1)
+    fresh.close()
+
+
+def test_the_direct_reader_restores_every_dtype_exactly(tmp_path: Path) -> None:
+    import torch
+
+    from training.checkpoint import Checkpointer
+    from training.checkpoint.peer import PeerTier
+    from training.checkpoint.reader import DirectReader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(8, 32)).sum().backward()
+        optimizer.step()
+    model[2].to(torch.bfloat16)  # a bf16 layer; BatchNorm brings an int64 buffer
+    settings = CheckpointSettings(
+        in_memory_checkpointing_freq=1, s3_checkpointing_freq=0, ram_dir=tmp_path
+    )
+    no_peer = PeerTier(None, None, 0, fetch_timeout_s=1)
+    saver = Checkpointer(model, optimizer, settings=settings, peer=no_peer)
+    saver.save(1)
+    saver.close()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_adam = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+        model[1].num_batches_tracked.add_(5)
+    optimizer.state[model[0].weight]["exp_avg"].zero_()
+    direct = DirectReader.direct
+    loader = Checkpointer(model, optimizer, settings=settings, peer=no_peer)
+    assert loader.restore() == 1
+    assert DirectReader.direct > direct  # the large tensors took the direct path
+    got = model.state_dict()
+    assert {k: (v.dtype, torch.equal(v, want[k])) for k, v in got.items()} == {
+        k: (v.dtype, True) for k, v in want.items()
+    }
+    got_adam = optimizer.state_dict()["state"][0]
+    assert all(torch.equal(got_adam[k], v) for k, v in want_adam.items())

@@ -716,6 +716,22 @@ def test_advice_from_a_measured_report() -> None:
     json.dumps(advice_to_dict(advice))
 
 
+def test_advice_takes_a_pytorch_jobs_ram_tier_as_its_fast_tier() -> None:
+    recs: list[Record] = [JobStarted(0)]
+    t = 0.0
+    for step in range(1, 401):
+        t += 10
+        recs.append(StepReported(step, t))
+        if step % 10 == 0:
+            recs.append(CheckpointSaved(step, t, 0.5, "ram", blocking=True))
+        if step % 100 == 0:
+            recs.append(CheckpointSaved(step, t, 0.0, "durable", blocking=True))
+    advice = advise_from_report(compute_goodput(Timeline.from_records(recs)), mtbf_s=36_000)
+    ram = advice.tier("ram")
+    assert ram is not None and ram.save_cost_s == 0.5 and ram.current_interval_steps == 10
+    assert advice.tier("durable") is not None
+
+
 def test_ramdisk_sizing() -> None:
     # 70e9 params x 12 B = 840e9 B; / 16 hosts = 52.5e9; x 2 = 105e9; x 1.15 = 120.75e9.
     assert ramdisk_size_bytes(70e9, 16) == 120_750_000_000

@@ -133,7 +133,20 @@ def output(demo: LocalDemo) -> list[Any] | None:
     return [np.load(p) for p in paths]
 
 
+def node_known(demo: LocalDemo, node: str) -> bool:
+    response = httpx.get(
+        f"{demo.url}/api/v1/nodes/{node}",
+        headers={"Authorization": f"Bearer {demo.operator_token}"},
+        timeout=5,
+    )
+    return response.status_code == 200
+
+
 def inject(demo: LocalDemo, **body: Any) -> dict[str, Any]:
+    if body.get("node") is not None:
+        # The job can be 10 steps in before a slow host monitor's first heartbeat (it
+        # backs off while the supervisor starts): a fault needs its node known.
+        wait_for(lambda: node_known(demo, body["node"]), what=f"{body['node']} known")
     response = httpx.post(
         f"{demo.url}/api/v1/faults",
         json=body,

@@ -31,7 +31,13 @@ import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from supervisor.goodput.model import DURABLE_TIER, LOCAL_TIER, GoodputReport, TierStats
+from supervisor.goodput.model import (
+    DURABLE_TIER,
+    LOCAL_TIER,
+    RAM_TIER,
+    GoodputReport,
+    TierStats,
+)
 
 MODEL = (
     "waste per tier = C/T (save overhead) + T/(2*M) (expected rework); "
@@ -380,6 +386,8 @@ def advise_from_report(
     another name (an anchor log's "unknown") uses it as the local tier.
     """
     notes: list[str] = []
+    if local_tier == LOCAL_TIER and report.tier(LOCAL_TIER) is None and report.tier(RAM_TIER):
+        local_tier = RAM_TIER  # a PyTorch job's fast tier (training.checkpoint)
     if (
         report.tier(local_tier) is None
         and report.tier(durable_tier) is None

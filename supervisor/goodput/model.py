@@ -41,6 +41,7 @@ from supervisor.goodput.anchor_log import AnchorGoodput
 
 #: Tier names used by default for the fast local tier and the durable tier.
 LOCAL_TIER = "local"
+RAM_TIER = "ram"  # the PyTorch checkpoint tiers' fast tier
 DURABLE_TIER = "durable"
 
 

@@ -22,6 +22,7 @@ monitor (step, tier, bytes, seconds blocking, seconds in all) when one is config
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,11 +31,11 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from training.checkpoint import format as fmt
 from training.checkpoint.peer import PeerTier
+from training.checkpoint.reader import DirectReader
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
 from training.checkpoint.settings import CheckpointSettings
 from training.checkpoint.state import StagingBuffers, Stateful, TrainingState
@@ -106,6 +107,14 @@ class Checkpointer:
         self.last_restore: Restored | None = None
         #: Seconds the loop was blocked by each save, in order (for benchmarks and tests).
         self.blocking: list[float] = []
+        # Staging during the next step: set once the deferred copy is done.
+        self._staged = threading.Event()
+        self._staged.set()
+        self._staging_job: SaveJob | None = None
+        self._staging_lock = threading.Lock()
+        self._hook: Any = None
+        if optimizer is not None and s.stage_during_next_step and s.enable_async_ckpt:
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         for root in (self.ram_root, self.durable_root):
             if root is not None:
                 root.mkdir(parents=True, exist_ok=True)
@@ -143,16 +152,52 @@ class Checkpointer:
         if self._saver.busy:
             log.info("checkpoint: step %d waits for the previous save to be written", step)
             self._saver.wait()
-        staged = self._buffers.stage(self.state.state_dict(step))
-        blocking = time.monotonic() - started
+        state = self.state.state_dict(step)
         background = self.settings.enable_async_ckpt
-        self._saver.submit(
-            SaveJob(step, staged, to_ram, to_durable, blocking, started), background=background
-        )
+        finish = None
+        if background and self._hook is not None:
+            # Parameters and optimizer state change only in optimizer.step(): they are
+            # copied in the save's thread while the next step's forward and backward run,
+            # and the next optimizer.step() waits for that copy (`_before_optimizer_step`).
+            # Everything else (buffers, RNG, scheduler, data position) is copied now.
+            params = {p.data_ptr() for p in self.state.model.parameters()}
+
+            def deferred(path: str, tensor: torch.Tensor) -> bool:
+                return path.startswith("/optim/") or tensor.data_ptr() in params
+
+            staged = self._buffers.stage(state, defer=deferred)
+            self._staged.clear()
+            finish = self._finish_staging
+        else:
+            staged = self._buffers.stage(state)
+        blocking = time.monotonic() - started
+        job = SaveJob(step, staged, to_ram, to_durable, blocking, started, finish)
+        with self._staging_lock:
+            self._staging_job = job if finish is not None else None
+        self.blocking.append(blocking)
+        self._saver.submit(job, background=background)
         if not background:
             blocking = time.monotonic() - started
-        self.blocking.append(blocking)
+            self.blocking[-1] = blocking
         return blocking
+
+    def _finish_staging(self, state: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._buffers.stage(state)
+        finally:
+            self._staged.set()
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        if self._staged.is_set():
+            return
+        started = time.monotonic()
+        self._staged.wait()
+        waited = time.monotonic() - started
+        with self._staging_lock:
+            job = self._staging_job
+            if job is not None:
+                job.blocking_s += waited
+                self.blocking[-1] += waited
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until the save in flight is committed (or failed); False on timeout."""
@@ -265,7 +310,7 @@ class Checkpointer:
                 manifest = fmt.read_manifest(directory, step=step, rank=self.rank)
                 fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
                 target = self.state.state_dict(step)
-                dcp_load(target, storage_reader=FileSystemReader(directory), no_dist=True)
+                dcp_load(target, storage_reader=DirectReader(directory), no_dist=True)
                 if self.state.apply(target) != step:
                     raise fmt.CheckpointCorrupt(f"{directory}: holds another step")
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
@@ -286,8 +331,12 @@ class Checkpointer:
     # --- shutdown ---------------------------------------------------------------------
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Wait for the save in flight, then release the peer client."""
+        """Wait for the save in flight, then release the peer client and the optimizer
+        hook."""
         self._saver.wait(timeout_s)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.peer.close()
 
     def __enter__(self) -> Checkpointer:

@@ -46,8 +46,11 @@ class SaveJob:
     state: dict[str, Any]
     to_ram: bool
     to_durable: bool
-    blocking_s: float
+    blocking_s: float  # grows if the next optimizer step waits for `finish_staging`
     started: float  # monotonic, when the loop asked for it
+    #: Copies what the loop left to copy during its next step (see Checkpointer.save);
+    #: run first, in the save's thread.
+    finish_staging: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass
@@ -144,6 +147,8 @@ class Saver:
             self._idle.set()
 
     def _save(self, job: SaveJob) -> None:
+        if job.finish_staging is not None:
+            job.state = job.finish_staging(job.state)
         first_root = self.ram_root if job.to_ram else self.durable_root
         assert first_root is not None
         first_tier = "ram" if job.to_ram else "durable"

@@ -33,6 +33,11 @@ class CheckpointSettings:
     durable_dir: Path | str | None = None
     #: Saves run in the background: the loop blocks only while the state is copied.
     enable_async_ckpt: bool = True
+    #: The copy of the parameters and optimizer state to host memory runs while the next
+    #: step computes its forward and backward passes; that step's `optimizer.step()`
+    #: waits for it. Needs parameters and optimizer state that change only in
+    #: `optimizer.step()` (true of standard loops); off: the copy blocks `step_done`.
+    stage_during_next_step: bool = True
     #: Writer threads per rank for one save (torch.distributed.checkpoint's thread_count).
     ckpt_threads_per_rank: int = 2
     #: Committed checkpoints kept per tier (the newest ones), durable tier.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -94,23 +94,40 @@ class StagingBuffers:
         self.nbytes = 0
         self._on_gpu = False
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A copy of `state` whose tensors live in the buffers (blocking until copied)."""
+    def stage(
+        self, state: dict[str, Any], *, defer: Callable[[str, torch.Tensor], bool] | None = None
+    ) -> dict[str, Any]:
+        """A copy of `state` whose tensors live in the buffers (blocking until copied).
+
+        Tensors for which `defer(path, tensor)` is true are left as they are (the live
+        tensors): a second `stage` of the result, without `defer`, copies them later.
+        """
         seen: set[str] = set()
         self._on_gpu = False
-        staged = self._copy(state, "", seen)
-        for key in set(self._buffers) - seen:
-            del self._buffers[key]
+        staged = self._copy(state, "", seen, defer)
+        if defer is None:
+            for key in set(self._buffers) - seen:
+                del self._buffers[key]
         self.nbytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         if self._on_gpu:
             torch.cuda.synchronize()  # the copies were issued non-blocking
         result: dict[str, Any] = staged
         return result
 
-    def _copy(self, value: Any, path: str, seen: set[str]) -> Any:
+    def _copy(
+        self,
+        value: Any,
+        path: str,
+        seen: set[str],
+        defer: Callable[[str, torch.Tensor], bool] | None,
+    ) -> Any:
         if isinstance(value, torch.Tensor):
             seen.add(path)
+            if defer is not None and defer(path, value):
+                return value
             buffer = self._buffers.get(path)
+            if buffer is value:
+                return buffer  # staged already (the first of two stages)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
                 pin = value.is_cuda
                 buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
@@ -119,7 +136,7 @@ class StagingBuffers:
             self._on_gpu = self._on_gpu or value.is_cuda
             return buffer
         if isinstance(value, Mapping):
-            return {k: self._copy(v, f"{path}/{k}", seen) for k, v in value.items()}
+            return {k: self._copy(v, f"{path}/{k}", seen, defer) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._copy(v, f"{path}/{i}", seen) for i, v in enumerate(value)]
+            return [self._copy(v, f"{path}/{i}", seen, defer) for i, v in enumerate(value)]
         return copy.deepcopy(value)

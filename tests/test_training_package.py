@@ -1,0 +1,49 @@
+"""The training side stands alone: it imports neither the supervisor nor the host
+monitor, the worker client needs no torch and no NumPy, and the service needs no NumPy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_training_side_imports_nothing_of_the_service_or_the_agent() -> None:
+    done = run(
+        "import sys, training.worker_client, training.numpy_workload.train\n"
+        "from training.checkpoint import Checkpointer\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('supervisor', 'host_monitor')]\n"
+        "assert not bad, bad\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_worker_client_works_without_torch_and_numpy() -> None:
+    done = run(
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['numpy'] = None  # as if not installed\n"
+        "from training.worker_client import WorkerClient\n"
+        "client = WorkerClient.from_env({'RANK': '3'})\n"
+        "assert client.rank == 3 and not client.online and not client.register()\n"
+        "client.report_step(5); client.close()\n"
+        "from training.checkpoint import CheckpointSettings, format  # stdlib only\n"
+        "CheckpointSettings(s3_checkpointing_freq=0)\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_service_and_the_agent_need_no_numpy_and_no_torch() -> None:
+    done = run(
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+        "import supervisor.api.app, supervisor.cli, supervisor.local.demo, host_monitor.agent\n"
+    )
+    assert done.returncode == 0, done.stderr
