@@ -51,7 +51,7 @@ class CheckpointConfig:
     layers: int = 26
     width: int = 2048
     threads: int = 2
-    saves: int = 3
+    saves: int = 5
     ram_root: Path = Path("/dev/shm")
     disk_root: Path | None = None  # default: a temporary directory under var/
 
@@ -278,19 +278,20 @@ def run(config: CheckpointConfig) -> CheckpointResult:
         for step in (1, 2):  # warm-up
             ckpt.save(step, to_ram=True, to_durable=True)
             ckpt.wait()
-        for step in range(3, 3 + config.saves):
+        for round_ in range(config.saves):
+            step = 3 + 2 * round_
             nbytes = ckpt.save_results[-1].size
-            files = len(fmt.read_manifest(fmt.rank_dir(disk / "tier", step - 1, 0)).files)
+            newest = fmt.committed_steps(disk / "tier", 0)[-1]
+            files = len(fmt.read_manifest(fmt.rank_dir(disk / "tier", newest, 0)).files)
             w, r = raw_rates(ram / "raw", nbytes, files, evict=False)
             add("raw ram write", w)
             add("raw ram read", r)
             w, r = raw_rates(disk / "raw", nbytes, files, evict=True)
             add("raw durable write", w)
             add("raw durable read", r)
+            # Throughput: a save with nothing else running, as the raw rates were measured.
             first = len(ckpt.save_results)
             ckpt.save(step, to_ram=True, to_durable=True)
-            _train_step(model, optimizer, config.width)  # its optimizer step may wait
-            result.blocking_s.append(ckpt.blocking[-1])
             ckpt.wait()
             for saved in ckpt.save_results[first:]:
                 assert saved.error is None, saved.error
@@ -301,6 +302,11 @@ def run(config: CheckpointConfig) -> CheckpointResult:
             shutil.rmtree(ram / "tier" / fmt.step_dir(Path(), step).name)
             _evict(disk / "tier")
             add("durable load", _load_rate(restorer, nbytes, "durable"))
+            # Blocking: a save followed by a training step, as in a training loop.
+            ckpt.save(step + 1, to_ram=True)
+            _train_step(model, optimizer, config.width)  # its optimizer step may wait
+            result.blocking_s.append(ckpt.blocking[-1])
+            ckpt.wait()
         for key, values in samples.items():
             target = result.raw if key.startswith("raw ") else result.tier
             target[key.removeprefix("raw ")] = statistics.median(values)

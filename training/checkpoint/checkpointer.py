@@ -296,19 +296,23 @@ class Checkpointer:
     def _load(self, step: int, sources: list[Source]) -> tuple[Source, int] | None:
         """Load `step` from the first source that verifies; (tier, bytes) or None."""
         for tier in sources:
+            verified = False
             if tier == "peer":
                 assert self.ram_root is not None
                 fetched = self.peer.fetch(step, self.ram_root)
                 if fetched is None:
                     continue
-                directory = fetched
+                # The host monitor checked sizes and crc32s as it downloaded: no second
+                # pass over the files.
+                directory, verified = fetched
             else:
                 root = self.ram_root if tier == "ram" else self.durable_root
                 assert root is not None
                 directory = fmt.rank_dir(root, step, self.rank)
             try:
                 manifest = fmt.read_manifest(directory, step=step, rank=self.rank)
-                fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
+                if not verified:
+                    fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
                 target = self.state.state_dict(step)
                 dcp_load(target, storage_reader=DirectReader(directory), no_dist=True)
                 if self.state.apply(target) != step:

@@ -76,8 +76,10 @@ class PeerTier:
             size = sum(int(f.get("size", 0)) for f in files.values() if isinstance(f, dict))
         return PeerCopy(step, size)
 
-    def fetch(self, step: int, ram_root: Path) -> Path | None:
-        """Fetch the partner's copy of `step` into this node's RAM tier; its directory."""
+    def fetch(self, step: int, ram_root: Path) -> tuple[Path, bool] | None:
+        """Fetch the partner's copy of `step` into this node's RAM tier: its directory,
+        and whether the host monitor checked every file against the manifest as it
+        downloaded it (False: the directory was there already)."""
         body = self._call(
             "POST",
             "fetch-peer",
@@ -85,7 +87,7 @@ class PeerTier:
             timeout=self.fetch_timeout_s,
         )
         if isinstance(body, dict) and isinstance(body.get("path"), str):
-            return Path(body["path"])
+            return Path(body["path"]), body.get("existed") is False
         return None
 
     def close(self) -> None:
