@@ -314,7 +314,8 @@ class Checkpointer:
                 if not verified:
                     fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
                 target = self.state.state_dict(step)
-                dcp_load(target, storage_reader=DirectReader(directory), no_dist=True)
+                reader = DirectReader(directory, thread_count=self.settings.ckpt_threads_per_rank)
+                dcp_load(target, storage_reader=reader, no_dist=True)
                 if self.state.apply(target) != step:
                     raise fmt.CheckpointCorrupt(f"{directory}: holds another step")
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:

@@ -235,8 +235,14 @@ def copy_committed(
     `threads` files at a time (the copy runs in the kernel, without the GIL)."""
     temp = new_temp_dir(root, manifest.step, manifest.rank)
     try:
+
+        def copy(name: str) -> None:
+            shutil.copyfile(source / name, temp / name)
+            if sync:
+                _fsync_path(temp / name)  # in this thread: the files flush in parallel
+
         with ThreadPoolExecutor(max(1, min(threads, len(manifest.files) or 1))) as pool:
-            list(pool.map(lambda name: shutil.copyfile(source / name, temp / name), manifest.files))
+            list(pool.map(copy, manifest.files))
         final = rank_dir(root, manifest.step, manifest.rank)
         commit(temp, manifest, final, sync=sync)
     except BaseException:

@@ -19,6 +19,7 @@ import os
 import struct
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
 import torch
@@ -65,6 +66,10 @@ class DirectReader(FileSystemReader):
     direct = 0
     fallback = 0
 
+    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
+        super().__init__(path)
+        self.thread_count = thread_count
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = getattr(self, "storage_data", None)
         if not isinstance(storage, dict) or sys.byteorder != "little":
@@ -72,8 +77,10 @@ class DirectReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
-        rest = []
-        for relative_path, items in per_file.items():
+
+        def read_file(relative_path: str, items: list[Any]) -> list[Any]:
+            """This file's items read straight into their targets; the others."""
+            left = []
             with open(os.path.join(self.path, relative_path), "rb") as f:
                 for item in sorted(items, key=lambda i: storage[i.storage_index].offset):
                     info = storage[item.storage_index]
@@ -82,9 +89,15 @@ class DirectReader(FileSystemReader):
                         and not getattr(info, "transform_descriptors", None)
                         and self._read_into(f, info.offset, info.length, item, planner)
                     ):
-                        DirectReader.direct += 1
                         continue
-                    rest.append(item)
+                    left.append(item)
+            return left
+
+        # The files at once (DCP writes one per writer thread): readinto releases the GIL.
+        with ThreadPoolExecutor(max(1, min(self.thread_count, len(per_file)))) as pool:
+            lefts = list(pool.map(lambda kv: read_file(*kv), per_file.items()))
+        rest = [item for left in lefts for item in left]
+        DirectReader.direct += len(plan.items) - len(rest)
         if rest:
             DirectReader.fallback += len(rest)
             return super().read_data(LoadPlan(rest), planner)
