@@ -658,7 +658,7 @@ class PeerTier:
                 # The files at once: each download runs in a thread of its own.
                 await asyncio.gather(
                     *(
-                        self._download(peer, client, f"{base}/files/{name}", tmp_fd, name, e, step)
+                        self._download(peer, f"{base}/files/{name}", tmp_fd, name, e, step)
                         for name, e in files
                     )
                 )
@@ -692,7 +692,6 @@ class PeerTier:
     async def _download(
         self,
         peer: CheckpointPeer,
-        client: httpx.AsyncClient,
         url: str,
         dir_fd: int,
         name: str,

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.checkpoint.format import fsync_path
+
 __all__ = [
     "CHECKPOINT_META",
     "CheckpointData",
@@ -117,21 +119,8 @@ def write_checkpoint_file(
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_checkpoint(

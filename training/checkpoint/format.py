@@ -215,15 +215,15 @@ def commit(temp: Path, manifest: Manifest, final: Path, *, sync: bool = True) ->
             os.fsync(f.fileno())
     if sync:
         for name in manifest.files:
-            _fsync_path(temp / name)
-        _fsync_path(temp)
+            fsync_path(temp / name)
+        fsync_path(temp)
     old: Path | None = None
     if final.exists():
         old = final.parent / f"{_TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
         os.replace(final, old)
     os.replace(temp, final)
     if sync:
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -239,7 +239,7 @@ def copy_committed(
         def copy(name: str) -> None:
             shutil.copyfile(source / name, temp / name)
             if sync:
-                _fsync_path(temp / name)  # in this thread: the files flush in parallel
+                fsync_path(temp / name)  # in this thread: the files flush in parallel
 
         with ThreadPoolExecutor(max(1, min(threads, len(manifest.files) or 1))) as pool:
             list(pool.map(copy, manifest.files))
@@ -303,7 +303,8 @@ def remove_temporaries(root: Path, rank: int) -> None:
             parent.rmdir()
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory; errors ignored (not every file system supports it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

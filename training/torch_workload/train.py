@@ -104,9 +104,9 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         out = Path(cfg.output_dir) / "weights.sha256"
         out.write_text(weights_sha256(model) + "\n")
         say(cfg, f"done step={step} weights={out}")
-    dist.barrier()  # no rank tears the group down while another still talks to it
+    client.close()  # flushes its reports
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
-    client.close()
     return EXIT_OK
 
 
