@@ -174,7 +174,7 @@ async def _sensor_run(config: DetectionConfig) -> Lateness:
 
 
 async def _polling_run(config: DetectionConfig) -> Lateness:
-    """The anchor's approach: scan every node once per polling period."""
+    """The approach of Google's resiliency supervisor: scan every node once per polling period."""
     loop = asyncio.get_running_loop()
     last_seen: dict[int, float] = {}
     alive: dict[int, bool] = {}

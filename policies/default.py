@@ -18,9 +18,10 @@ Ladder, per event (see `DefaultPolicy`):
 A node failure on a node already cordoned and no longer among its job's nodes was handled
 when the node first failed (a dead node is both silent and NotReady): nothing more is done.
 
-Beyond the anchor: every action that stops workers is preceded by an emergency checkpoint of
-the healthy workers, and a job that used up its restart budget (`max_restarts_in_window`
-disruptive actions within `restart_window_s`) is left alone instead of being restarted forever.
+Beyond Google's resiliency supervisor: every action that stops workers is preceded by an
+emergency checkpoint of the healthy workers, and a job that used up its restart budget
+(`max_restarts_in_window` disruptive actions within `restart_window_s`) is left alone
+instead of being restarted forever.
 """
 
 from __future__ import annotations

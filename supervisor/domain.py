@@ -21,7 +21,7 @@ def utcnow() -> datetime:
 
 
 class NodeState(StrEnum):
-    """What a host monitor says its node is doing (the anchor's host states)."""
+    """What a host monitor says its node is doing (the host states of Google's supervisor)."""
 
     UNDEFINED = "undefined"
     RUNNING = "running"

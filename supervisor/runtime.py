@@ -57,7 +57,7 @@ class FaultNotSupported(ValueError):
 
 #: Faults the sensor can act out by itself, with any backend.
 SENSOR_FAULTS = frozenset({"heartbeat_loss", "xid", "ecc"})
-#: What a `random` schedule draws from (the anchor's rank_killed, rank_hung, plus nodes).
+#: What a `random` schedule draws from (Google's rank_killed, rank_hung, plus nodes).
 RANDOM_KINDS = ("worker_crash", "worker_hang", "node_down")
 
 

@@ -1,9 +1,9 @@
-"""Goodput analysis and checkpoint advice (issue 6): pure computation, no I/O, except
+"""Goodput analysis and checkpoint advice: pure computation, no I/O, except
 the step sampler and the CLI.
 
-- :mod:`.anchor_log`: the anchor calculator's JSON-lines log and its goodput formula.
+- :mod:`.anchor_log`: the gpu-recipes goodput calculator's JSON-lines log and its goodput formula.
 - :mod:`.model`: the input timeline (plain records) and the output report.
-- :mod:`.breakdown`: goodput and badput breakdown of a timeline (or of an anchor log).
+- :mod:`.breakdown`: goodput and badput breakdown of a timeline (or of the calculator's log).
 - :mod:`.history`: a job's timeline from the supervisor's events, actions, checkpoint
   reports and step samples.
 - :mod:`.advice`: Young/Daly checkpoint intervals per tier, MTBF, ramdisk sizing.

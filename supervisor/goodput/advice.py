@@ -192,7 +192,7 @@ class CheckpointAdvice:
 
 
 def check_tier_frequencies(local_steps: int, durable_steps: int) -> str | None:
-    """Seed 000's rule: the durable frequency (steps) should be a multiple of the local one.
+    """HyperPod's rule: the durable frequency (steps) should be a multiple of the local one.
 
     Returns a warning naming the nearest multiples, or None when the rule holds.
     """
@@ -206,7 +206,7 @@ def check_tier_frequencies(local_steps: int, durable_steps: int) -> str | None:
     return (
         f"durable checkpoints every {durable_steps} steps are not a multiple of local "
         f"checkpoints every {local_steps} steps; use a multiple ({options} steps): the "
-        "durable frequency should be a multiple of the in-memory one (seed 000)"
+        "durable frequency should be a multiple of the in-memory one (as HyperPod requires)"
     )
 
 
@@ -383,7 +383,7 @@ def advise_from_report(
     (failures over wall time), durable MTBF (failures recovered from the durable tier over
     wall time) and downtime per failure. A tier with no saves and no cost given is left
     out; with only one tier, it recovers every failure. A report with a single tier of
-    another name (an anchor log's "unknown") uses it as the local tier.
+    another name (the gpu-recipes calculator's "unknown") uses it as the local tier.
     """
     notes: list[str] = []
     if local_tier == LOCAL_TIER and report.tier(LOCAL_TIER) is None and report.tier(RAM_TIER):
@@ -394,7 +394,7 @@ def advise_from_report(
         and len(report.tiers) == 1
         and durable_save_cost_s is None
     ):
-        local_tier = report.tiers[0].tier  # the only tier there is (e.g. an anchor log's)
+        local_tier = report.tiers[0].tier  # the only tier (e.g. of a calculator log)
     local = _tier_input(
         report.tier(local_tier), local_tier, local_save_cost_s, current_local_steps, notes
     )
@@ -440,7 +440,7 @@ def advise_from_report(
 
 # --- ramdisk ------------------------------------------------------------------------------
 
-#: Seed 001: "Total Checkpoint Size ≈ Number of Parameters x 12 bytes" (weights + optimizer).
+#: GKE's guide: "Total Checkpoint Size ≈ Number of Parameters x 12 bytes" (weights + optimizer).
 BYTES_PER_PARAMETER = 12
 
 
@@ -450,7 +450,7 @@ def _exact(value: float) -> Fraction:
 
 @dataclass(frozen=True)
 class RamdiskSizing:
-    """Ramdisk per host, with the intermediate figures of seed 001's calculation."""
+    """Ramdisk per host, with the intermediate figures of GKE's calculation."""
 
     parameters: float
     hosts: int
@@ -478,9 +478,9 @@ def ramdisk_sizing(
     *,
     bytes_per_parameter: float = BYTES_PER_PARAMETER,
 ) -> RamdiskSizing:
-    """Ramdisk size per host for the in-memory checkpoint tier, as seed 001 computes it.
+    """Ramdisk size per host for the in-memory checkpoint tier, as GKE computes it.
 
-    Seed 001 ("Calculating Ramdisk Size Per Host"): total checkpoint size ≈ parameters x
+    GKE's guide ("Calculating Ramdisk Size Per Host"): total checkpoint size ≈ parameters x
     12 bytes (model and optimizer state); it is sharded across the hosts; "Required
     Ramdisk Size per Pod ≈ 2 * (Total Checkpoint Size / Number of Hosts in the Slice)";
     "add a 10-15% buffer", applied as a factor: its example, 70e9 parameters on 32 hosts,
@@ -517,7 +517,7 @@ def ramdisk_size_bytes(
 ) -> int:
     """Bytes of ramdisk per host: ``2 x parameters x 12 / hosts x (1 + buffer)``, rounded up.
 
-    See :func:`ramdisk_sizing` for the rule (seed 001) and the intermediate figures.
+    See :func:`ramdisk_sizing` for the rule (GKE's) and the intermediate figures.
     """
     return ramdisk_sizing(
         parameters, hosts, buffer, bytes_per_parameter=bytes_per_parameter

@@ -1,6 +1,6 @@
-"""The anchor goodput calculator's JSON-lines event log, and its goodput formula.
+"""The gpu-recipes goodput calculator's JSON-lines event log, and its goodput formula.
 
-The anchor (gpu-recipes ``resiliency_metrics``, see ``../shared/anchors.md``) logs one
+The goodput calculator of Google's gpu-recipes (``resiliency_metrics``) logs one
 JSON object per line, written by its tracker as
 ``{"timestamp": "<ISO 8601>", "job_name": "...", "event_type": "...", "step": N}``:
 ``timestamp`` is the writer's naive local time (``datetime.now().isoformat()``), ``step``
@@ -13,15 +13,15 @@ and :func:`anchor_goodput` reproduces that figure, including its zero cases.
 
 What this parser accepts (assumptions, all documented here):
 
-- Field names: the anchor's (``event_type``, ``timestamp``, ``step``, ``job_name``) first,
+- Field names: the calculator's (``event_type``, ``timestamp``, ``step``, ``job_name``) first,
   then common alternatives, first present wins: event ``event``/``type``/``eventType``/
   ``event_name``; time ``time``/``ts``/``@timestamp``/``datetime``/``event_time``/
   ``eventTime``/``timestamp_s``/``unix_time``; step ``checkpoint_step``/``global_step``/
   ``iteration``/``step_num``/``ckpt_step``; job ``job``/``jobName``/``job_id``.
 - A Cloud Logging export entry (``{"jsonPayload": {...}, "timestamp": ...}``, which is
-  where the anchor's tracker writes by default) is unwrapped; the payload's fields win.
+  where the calculator's tracker writes by default) is unwrapped; the payload's fields win.
 - Event names are matched case-insensitively, with ``-`` and spaces read as ``_``.
-  Unknown event names are kept as "other" events: like the anchor, they still count for
+  Unknown event names are kept as "other" events: like the calculator, they still count for
   the first and last timestamp. ``strict=True`` rejects them instead.
 - Timestamps: ISO 8601 strings (``Z`` or an offset, or naive, which is read as UTC: only
   differences matter, but a naive log spanning a DST change is off by an hour, as the
@@ -29,10 +29,10 @@ What this parser accepts (assumptions, all documented here):
   are read by magnitude as milliseconds (>= 1e11), microseconds (>= 1e14) or nanoseconds
   (>= 1e17).
 - Steps: non-negative integers (integral floats and digit strings accepted). A
-  checkpoint event without a step is an error (the anchor silently reads it as step 0).
+  checkpoint event without a step is an error (the calculator silently reads it as step 0).
 - Blank lines are skipped; any other bad line raises :class:`AnchorLogError` naming the
-  line number and the field (the anchor skips unparsable lines with a warning).
-- Events are ordered by parsed time, ties by the anchor's event order (the anchor sorts
+  line number and the field (the calculator skips unparsable lines with a warning).
+- Events are ordered by parsed time, ties by the calculator's event order (the calculator sorts
   the timestamp strings, which is the same order for a log written in one format).
 """
 
@@ -58,7 +58,7 @@ class AnchorEventType(StrEnum):
     JOB_TERMINATED = "job_terminated"
 
 
-#: The anchor's tie-break order for events with equal timestamps.
+#: The calculator's tie-break order for events with equal timestamps.
 EVENT_ORDER: dict[str, int] = {t.value: i for i, t in enumerate(AnchorEventType)}
 
 CHECKPOINT_EVENTS = frozenset({AnchorEventType.CHECKPOINT_LOADED, AnchorEventType.CHECKPOINT_SAVED})
@@ -82,7 +82,7 @@ _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
 class AnchorLogError(ValueError):
-    """A bad line of an anchor log: ``line`` (1-based) and ``field`` say where."""
+    """A bad line of a calculator log: ``line`` (1-based) and ``field`` say where."""
 
     def __init__(self, message: str, *, line: int | None = None, field: str | None = None):
         self.line = line
@@ -98,7 +98,7 @@ class AnchorLogError(ValueError):
 
 @dataclass(frozen=True)
 class AnchorEvent:
-    """One event of an anchor log. ``timestamp`` is in Unix seconds."""
+    """One event of a calculator log. ``timestamp`` is in Unix seconds."""
 
     event_type: str
     timestamp: float
@@ -109,7 +109,7 @@ class AnchorEvent:
 
     @property
     def kind(self) -> AnchorEventType | None:
-        """The event's type, or None for an event type the anchor does not know."""
+        """The event's type, or None for an event type the calculator does not know."""
         try:
             return AnchorEventType(self.event_type)
         except ValueError:
@@ -241,7 +241,7 @@ def parse_anchor_event(obj: object, *, line: int = 0, strict: bool = False) -> A
 
 
 def parse_anchor_log(lines: Iterable[str], *, strict: bool = False) -> list[AnchorEvent]:
-    """Parse JSON lines into events, sorted by time (ties in the anchor's event order).
+    """Parse JSON lines into events, sorted by time (ties in the calculator's event order).
 
     Raises :class:`AnchorLogError` on the first bad line.
     """
@@ -261,7 +261,7 @@ def parse_anchor_log(lines: Iterable[str], *, strict: bool = False) -> list[Anch
 
 
 def read_anchor_log(path: str | Path, *, strict: bool = False) -> list[AnchorEvent]:
-    """Read and parse an anchor log file (UTF-8). Errors name the file and the line."""
+    """Read and parse a calculator log file (UTF-8). Errors name the file and the line."""
     with open(path, encoding="utf-8") as f:
         try:
             return parse_anchor_log(f, strict=strict)
@@ -269,14 +269,14 @@ def read_anchor_log(path: str | Path, *, strict: bool = False) -> list[AnchorEve
             raise AnchorLogError(f"{path}: {exc}") from exc
 
 
-# --- the anchor's formula -----------------------------------------------------------------
+# --- the calculator's formula -----------------------------------------------------------------
 
 
 def select_job(events: Sequence[AnchorEvent], job_name: str | None = None) -> list[AnchorEvent]:
-    """The events of one job, sorted, as the anchor selects them.
+    """The events of one job, sorted, as the calculator selects them.
 
     With ``job_name``, the events carrying that name. Without, the job of the earliest
-    event when it has one (the anchor's default), else every event.
+    event when it has one (the calculator's default), else every event.
     """
     ordered = sorted(events, key=AnchorEvent.sort_key)
     if job_name is None and ordered:
@@ -289,7 +289,7 @@ def select_job(events: Sequence[AnchorEvent], job_name: str | None = None) -> li
 def collapse_repeats(events: Sequence[AnchorEvent]) -> list[AnchorEvent]:
     """Keep only the last of consecutive ``job_started`` (or ``job_terminated``) events.
 
-    The anchor does this (several ranks may log the same start); it changes neither the
+    The calculator does this (several ranks may log the same start); it changes neither the
     first nor the last timestamp.
     """
     out: list[AnchorEvent] = []
@@ -303,7 +303,7 @@ def collapse_repeats(events: Sequence[AnchorEvent]) -> list[AnchorEvent]:
 
 @dataclass(frozen=True)
 class AnchorGoodput:
-    """The anchor calculator's figures for one job's log."""
+    """The calculator's figures for one job's log."""
 
     goodput_percent: float
     #: last_ts - first_ts over all the job's events.
@@ -316,10 +316,10 @@ class AnchorGoodput:
     job_name: str | None
     events: int
     job_starts: int
-    #: Loads of a step above 0 (the anchor's count).
+    #: Loads of a step above 0 (the calculator's count).
     checkpoints_loaded: int
     checkpoints_saved: int
-    #: Events of a type the anchor does not know (they count only for the time span).
+    #: Events of a type the calculator does not know (they count only for the time span).
     other_events: int
     #: Why the figure is zero, when it is.
     zero_reason: str | None = None
@@ -337,11 +337,11 @@ def anchor_goodput(
     *,
     job_name: str | None = None,
 ) -> AnchorGoodput:
-    """The anchor calculator's goodput on ``events``, exactly as its formula gives it.
+    """The calculator's goodput on ``events``, exactly as its formula gives it.
 
     ``goodput% = (max_saved_step - min_loaded_step) * reference_step_time_s
     / (last_ts - first_ts) * 100``, over the events of one job (:func:`select_job`).
-    Like the anchor it is 0 when there is no reference step time (None or 0), no
+    Like the calculator it is 0 when there is no reference step time (None or 0), no
     ``checkpoint_loaded`` event, no saved step above 0, a step difference <= 0, or a zero
     time span; ``zero_reason`` says which.
     """

@@ -70,7 +70,7 @@ from supervisor.goodput.model import (
 _SAVE, _LOAD, _STEP, _LOST, _DETECT, _REMEDIATE, _RESTART = range(7)
 _LEVELS = 7
 
-#: Tier name given to checkpoints of the anchor log, which does not say.
+#: Tier name given to checkpoints of the gpu-recipes calculator's log, which does not say.
 ANCHOR_TIER = "unknown"
 
 
@@ -591,15 +591,15 @@ def goodput_series(
     ]
 
 
-# --- the anchor's log as a timeline -------------------------------------------------------
+# --- the calculator's log as a timeline -------------------------------------------------------
 
 
 def timeline_from_anchor(events: Sequence[AnchorEvent], *, job_name: str | None = None) -> Timeline:
-    """Map the anchor's events of one job (:func:`select_job`) onto a :class:`Timeline`.
+    """Map the calculator's events of one job (:func:`select_job`) onto a :class:`Timeline`.
 
-    - The window runs from the first to the last event, as the anchor's runtime does;
+    - The window runs from the first to the last event, as the calculator's runtime does;
       ``user_scheduled`` only opens it (time until ``job_started`` is idle: queueing).
-    - ``job_started`` -> :class:`JobStarted` (repeats collapsed, as the anchor does).
+    - ``job_started`` -> :class:`JobStarted` (repeats collapsed, as the calculator does).
     - ``checkpoint_loaded`` -> :class:`CheckpointLoaded` (no duration known).
     - ``checkpoint_saved`` -> :class:`CheckpointSaved` (non-blocking: no duration known,
       so ``checkpoint_save_s`` stays 0) and a :class:`StepReported` of that step: the
@@ -664,13 +664,13 @@ def goodput_from_anchor_log(
     *,
     job_name: str | None = None,
 ) -> GoodputReport:
-    """Our breakdown of an anchor log, with the anchor's own figure attached (``.anchor``)."""
+    """Our breakdown of a calculator log, with its own figure attached (``.anchor``)."""
     anchor = anchor_goodput(events, reference_step_time_s, job_name=job_name)
     timeline = timeline_from_anchor(events, job_name=job_name)
     report = compute_goodput(timeline, reference_step_time_s=reference_step_time_s, anchor=anchor)
     notes = (
         *report.notes,
-        "from the anchor's log: save durations are not logged (checkpoint_save_s is 0) and "
+        "from the calculator's log: save durations are not logged (checkpoint_save_s is 0) and "
         "fault times are not known (detection_s is 0)",
     )
     return replace(report, notes=notes)

@@ -3,8 +3,8 @@
 Online (`--url URL --job J`), they ask the supervisor's API (`GET
 /api/v1/jobs/{job}/goodput`, `/advice`) with the operator token (`--token`, or env
 `SUPERVISOR_OPERATOR_TOKEN`) and print the same tables as offline; `--json` prints the
-API's answer. Offline, `goodput` reads the anchor calculator's JSON-lines log and `advise`
-takes the measurements as flags.
+API's answer. Offline, `goodput` reads the gpu-recipes goodput calculator's JSON-lines
+log and `advise` takes the measurements as flags.
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ def add_commands(sub: Any) -> None:
     goodput = sub.add_parser(
         "goodput",
         help="Goodput and badput of a job: live from a supervisor (--url, --job), or from "
-        "an event log (the anchor calculator's JSON-lines format).",
+        "an event log (the gpu-recipes goodput calculator's JSON-lines format).",
     )
     goodput.add_argument(
         "log", nargs="?", help="JSON-lines file: user_scheduled, job_started, ... (offline)."
     )
     goodput.add_argument(
-        "--reference-step-time-s", type=float, help="As the anchor calculator's; measured if unset."
+        "--reference-step-time-s",
+        type=float,
+        help="As the gpu-recipes calculator's; measured if unset.",
     )
     goodput.add_argument("--job", help="Job to report (offline default: that of the first event).")
     _add_online(goodput)

@@ -454,7 +454,7 @@ class GoodputReport:
     #: Median measured time per step (None when no interval between reports is known).
     step_time_s: float | None
     tiers: tuple[TierStats, ...] = ()
-    #: The anchor calculator's figure on the same log, when the input was its log.
+    #: The gpu-recipes goodput calculator's figure on the same log, when the input was its log.
     anchor: AnchorGoodput | None = None
     notes: tuple[str, ...] = ()
     #: Cumulative breakdown at evenly spaced times (``compute_goodput(series_points=N)``).

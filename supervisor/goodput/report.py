@@ -53,7 +53,7 @@ def format_percent(fraction: float | None) -> str:
 
 
 def format_bytes(n: int) -> str:
-    """Decimal units, as seed 001 writes them (840 GB), with the exact count."""
+    """Decimal units, as GKE multi-tier checkpointing writes them (840 GB), with the exact count."""
     for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if n >= size:
             return f"{n / size:.2f} {unit} ({n:,} bytes)"
@@ -285,7 +285,7 @@ def render_advice_text(advice: CheckpointAdvice) -> str:
 
 
 def render_ramdisk_text(sizing: RamdiskSizing) -> str:
-    """Seed 001's calculation, step by step."""
+    """GKE's ramdisk calculation, step by step."""
     return "\n".join(
         [
             f"Ramdisk per host for {sizing.parameters:,.0f} parameters on {sizing.hosts} hosts:",

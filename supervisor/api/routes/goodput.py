@@ -426,7 +426,8 @@ async def get_advice(
         ),
     ] = None,
     ramdisk_buffer: Annotated[
-        float, Query(ge=0, le=1, description="Ramdisk headroom (seed 001: 0.10-0.15).")
+        float,
+        Query(ge=0, le=1, description="Ramdisk headroom (GKE advises 0.10-0.15)."),
     ] = 0.15,
 ) -> AdviceOut:
     check_known(supervisor, job=job)
