@@ -177,6 +177,23 @@ def test_a_step_no_source_can_serve_is_dropped_by_every_rank(
     assert final_digest(second) == reference
 
 
+def test_ranks_that_cannot_agree_after_a_load_stop_rather_than_start_fresh(
+    tmp_path: Path,
+) -> None:
+    no_durable = {rank: {"S3_CHECKPOINTING_FREQ": "0"} for rank in range(WORLD)}
+    run_job(tmp_path, "first", stop_at=7, extra_env=no_durable)  # RAM only: step 5
+    shard = tmp_path / "ram" / "node-1" / "step-0000000005" / "rank-1" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # Rank 0 loads step 5, rank 1 cannot: step 0 would leave rank 0 with step 5's weights.
+    procs = start_job(tmp_path, "second", extra_env=no_durable)
+    for proc in procs.values():
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "no step is left that every rank can load" in output
+
+
 def test_settings_are_refused_with_the_names_of_the_settings(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=r"s3_checkpointing_freq=15 .*in_memory_checkpointing_freq=10"

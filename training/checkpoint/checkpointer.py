@@ -229,9 +229,12 @@ class Checkpointer:
         started = time.monotonic()
         candidates = self._candidates()
         dropped: set[int] = set()
+        loaded_before = False  # this rank's tensors hold a step the ranks then dropped
         for _ in range(MAX_RESTORE_ROUNDS):
             mine = sorted(set(candidates) - dropped)
-            everyone = self._all_gather({"steps": mine, "world_size": self.world_size})
+            everyone = self._all_gather(
+                {"steps": mine, "world_size": self.world_size, "loaded": loaded_before}
+            )
             for rank, theirs in enumerate(everyone):
                 if theirs["world_size"] != self.world_size:
                     raise RuntimeError(
@@ -241,6 +244,12 @@ class Checkpointer:
             common = set(mine)
             for theirs in everyone:
                 common &= set(theirs["steps"])
+            if not common and any(theirs["loaded"] for theirs in everyone):
+                # Starting from step 0 would keep the weights some rank already loaded.
+                raise RuntimeError(
+                    "no step is left that every rank can load, and some ranks hold a step "
+                    "the others could not load: start the job again (it starts fresh)"
+                )
             if not common:
                 self.last_restore = Restored(0, None, 0, time.monotonic() - started)
                 log.info("checkpoint: no step every rank can load; starting from step 0")
@@ -265,6 +274,8 @@ class Checkpointer:
                 return step
             if loaded is None:
                 dropped.add(step)
+            else:
+                loaded_before = True
         raise RuntimeError(f"no checkpoint could be loaded after {MAX_RESTORE_ROUNDS} rounds")
 
     def _candidates(self) -> dict[int, list[Source]]:
