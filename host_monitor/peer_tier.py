@@ -173,11 +173,6 @@ def _committed(dir_fd: int, name: str) -> bool:
     return True
 
 
-def _write_crc(fd: int, data: bytearray, crc: int) -> int:
-    write_all(fd, data)
-    return zlib.crc32(data, crc)
-
-
 def _get_into(
     url: str, token: str, fd: int, expected: int, timeout_s: float
 ) -> tuple[int, int, int, bytes]:

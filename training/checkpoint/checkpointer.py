@@ -205,7 +205,7 @@ class Checkpointer:
 
     @property
     def save_results(self) -> list[SaveResult]:
-        return self._saver.stats.results
+        return self._saver.results
 
     def _on_committed(self, result: SaveResult) -> None:
         if result.tier == "ram" and result.path is not None and self.settings.enable_peer_ckpt:
@@ -298,9 +298,9 @@ class Checkpointer:
                     continue
                 out.setdefault(step, []).append(tier)
         if self.settings.enable_ckpt_load_replication and self.ram_root is not None:
-            copy = self.peer.newest()
-            if copy is not None:
-                sources = out.setdefault(copy.step, [])
+            peer_step = self.peer.newest()
+            if peer_step is not None:
+                sources = out.setdefault(peer_step, [])
                 sources.insert(1 if sources[:1] == ["ram"] else 0, "peer")
         return out
 

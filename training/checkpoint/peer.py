@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,6 @@ import httpx
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class PeerCopy:
-    step: int
-    size: int
 
 
 class PeerTier:
@@ -62,19 +55,11 @@ class PeerTier:
         answers at once and copies in the background)."""
         return self._call("POST", "replicate", json={"step": step, "path": str(path)}) is not None
 
-    def newest(self) -> PeerCopy | None:
+    def newest(self) -> int | None:
         """The step of this rank the partner holds, if any."""
         body = self._call("GET", "peer")
-        if not isinstance(body, dict):
-            return None
-        step, manifest = body.get("step"), body.get("manifest")
-        if not isinstance(step, int) or not isinstance(manifest, dict):
-            return None
-        files = manifest.get("files")
-        size = 0
-        if isinstance(files, dict):
-            size = sum(int(f.get("size", 0)) for f in files.values() if isinstance(f, dict))
-        return PeerCopy(step, size)
+        step = body.get("step") if isinstance(body, dict) else None
+        return step if isinstance(step, int) else None
 
     def fetch(self, step: int, ram_root: Path) -> tuple[Path, bool] | None:
         """Fetch the partner's copy of `step` into this node's RAM tier: its directory,

@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,6 @@ class SaveResult:
     error: str | None = None
 
 
-@dataclass
-class SaveStats:
-    results: list[SaveResult] = field(default_factory=list)
-    failures: int = 0
-
-
 class Saver:
     def __init__(
         self,
@@ -97,10 +91,10 @@ class Saver:
         self.durable_keep = durable_keep
         self.sync_files = sync_files
         self.on_committed = on_committed
-        self.stats = SaveStats()
+        #: Every tier's outcome of every save, in order.
+        self.results: list[SaveResult] = []
         self._idle = threading.Event()
         self._idle.set()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @property
@@ -121,18 +115,16 @@ class Saver:
         if not background:
             self._run(job)
             return
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._run, args=(job,), name=f"checkpoint-save-{job.step}", daemon=True
-        )
-        self._thread.start()
+        ).start()
 
     def _run(self, job: SaveJob) -> None:
         try:
             self._save(job)
         except Exception as exc:  # never kill the training loop for a failed save
-            self.stats.failures += 1
             log.error("checkpoint save of step %d failed: %r", job.step, exc)
-            self.stats.results.append(
+            self.results.append(
                 SaveResult(
                     job.step,
                     "ram" if job.to_ram else "durable",
@@ -201,7 +193,7 @@ class Saver:
             fmt.retain(self.durable_root, self.rank, self.durable_keep)
 
     def _committed(self, result: SaveResult) -> None:
-        self.stats.results.append(result)
+        self.results.append(result)
         try:
             self.on_committed(result)
         except Exception as exc:
