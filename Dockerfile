@@ -22,8 +22,11 @@ COPY training ./training
 # A regular (not editable) install: the runtime stage gets /opt/venv and no source tree.
 # Byte-code is compiled here because the root filesystem is read-only at run time. The
 # `demo` extra (NumPy) is for the demo workload the compose stack and the example JobSet
-# run; the supervisor itself does not need it.
-RUN /opt/venv/bin/pip install '.[demo]' \
+# run; the supervisor itself does not need it. An image for the PyTorch example JobSet
+# adds the `torch` extra (with the torch build of your accelerators' index):
+#   docker build --build-arg EXTRAS=demo,torch -t resiliency-supervisor-torch:0.1.0 .
+ARG EXTRAS=demo
+RUN /opt/venv/bin/pip install ".[${EXTRAS}]" \
  && /opt/venv/bin/python -m compileall -q /opt/venv/lib
 
 # --- runtime: the virtual environment and a non-root user, nothing else ----------------

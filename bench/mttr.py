@@ -40,7 +40,8 @@ from typing import Any
 
 import httpx
 
-from supervisor.local.demo import DemoOptions, LocalDemo, free_port
+from supervisor.local.cluster import free_port
+from supervisor.local.demo import DemoOptions, LocalDemo
 
 DEFAULT_POLICY = "policies.default:DefaultPolicy"
 BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"

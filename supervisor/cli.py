@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import signal
 import sys
@@ -17,7 +18,7 @@ from supervisor.api.app import SupervisorApp, create_app, with_tokens
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.controller import PolicyLoadError, load_policy
 from supervisor.goodput import cli as goodput_cli
-from supervisor.local.demo import DemoOptions, LocalDemo
+from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
 from supervisor.policy import Policy
 from supervisor.runtime import Supervisor
 
@@ -51,10 +52,25 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=d.port, help="Supervisor port.")
     demo.add_argument("--run-dir", type=Path, default=d.run_dir, help="Emptied at start.")
     demo.add_argument("--replicas", type=int, default=d.replicas, help="Data-parallel replicas.")
-    demo.add_argument("--nodes-per-dp", type=int, default=d.nodes_per_dp)
+    demo.add_argument(
+        "--nodes-per-dp",
+        type=int,
+        help=f"Nodes per replica (default: {d.nodes_per_dp} for numpy, 1 for torch).",
+    )
     demo.add_argument("--spares", type=int, default=d.spares, help="Spare nodes.")
     demo.add_argument("--steps", type=int, default=d.total_steps, help="Training steps.")
-    demo.add_argument("--step-time-s", type=float, default=d.step_time_s)
+    demo.add_argument(
+        "--step-time-s",
+        type=float,
+        help=f"Extra seconds per step (default: {d.step_time_s} for numpy, 0 for torch).",
+    )
+    demo.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=d.workload,
+        help="numpy: the sharded NumPy model; torch: a transformer LM, DDP on gloo "
+        "(needs the `torch` extra).",
+    )
     demo.add_argument("--seed", type=int, default=d.seed)
     demo.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     demo.add_argument("--node-repair-s", type=float, default=d.node_repair_s)
@@ -111,20 +127,39 @@ def _app(settings: Settings, policy: Policy) -> SupervisorApp:
         raise SystemExit(f"supervisor: leader election: {exc}") from None
 
 
-def _demo(args: argparse.Namespace) -> None:
-    options = DemoOptions(
+def _demo_options(args: argparse.Namespace, nodes_per_dp: int, step_time_s: float) -> DemoOptions:
+    return DemoOptions(
         run_dir=args.run_dir,
         port=args.port,
         replicas=args.replicas,
-        nodes_per_dp=args.nodes_per_dp,
+        nodes_per_dp=nodes_per_dp,
         spares=args.spares,
         total_steps=args.steps,
-        step_time_s=args.step_time_s,
+        step_time_s=step_time_s,
         seed=args.seed,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         heartbeat_polling_period_s=min(1.0, args.heartbeat_timeout_s / 4),
         node_repair_s=args.node_repair_s,
+        workload=args.workload,
     )
+
+
+def _demo(args: argparse.Namespace) -> None:
+    torch = args.workload == "torch"
+    if torch and importlib.util.find_spec("torch") is None:
+        raise SystemExit(
+            "supervisor demo: --workload torch needs PyTorch: "
+            "pip install 'resiliency-supervisor[torch]'"
+        )
+    defaults = DemoOptions()
+    nodes_per_dp = args.nodes_per_dp or (1 if torch else defaults.nodes_per_dp)
+    step_time_s = args.step_time_s
+    if step_time_s is None:
+        step_time_s = 0.0 if torch else defaults.step_time_s
+    try:
+        options = _demo_options(args, nodes_per_dp, step_time_s)
+    except ValueError as exc:
+        raise SystemExit(f"supervisor demo: --{str(exc).replace('_', '-')}") from None
     demo = LocalDemo(options)
     stopping = False
 

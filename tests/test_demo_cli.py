@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.local.demo import free_port, leftover_processes
+from supervisor.local.cluster import free_port
+from supervisor.local.demo import leftover_processes
 
 
-def _start(run_dir: Path, port: int) -> subprocess.Popen[str]:
+def _start(run_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
     return subprocess.Popen(
         [
@@ -36,6 +37,7 @@ def _start(run_dir: Path, port: int) -> subprocess.Popen[str]:
             "1",
             "--step-time-s",
             "0.05",
+            *extra,
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -93,3 +95,41 @@ def test_demo_starts_and_leaves_nothing_behind(tmp_path: Path, how: signal.Signa
             proc.kill()
         for pid in leftover_processes(run_dir.resolve()):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_runs_the_torch_workload(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    run_dir = tmp_path / "demo"
+    port = free_port()
+    proc = _start(run_dir, port, "--workload", "torch")
+    try:
+        banner = _read_banner(proc)
+        token = banner.split("operator token:")[1].split()[0]
+        headers = {"Authorization": f"Bearer {token}"}
+        url = f"http://127.0.0.1:{port}/api/v1/jobs/demo"
+        deadline = time.monotonic() + 180
+        while (httpx.get(url, headers=headers).json().get("last_step") or 0) < 3:
+            assert time.monotonic() < deadline, "the torch job does not train"
+            time.sleep(0.5)
+        logs = "".join(p.read_text() for p in (run_dir / "nodes").rglob("*.rank*.log"))
+        for rank in (0, 1):
+            assert f"torch workload rank={rank}: start world_size=2 from step=0" in logs
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert _gone(run_dir) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in leftover_processes(run_dir.resolve()):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_demo_refuses_a_torch_job_sharded_over_nodes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    argv = [sys.executable, "-m", "supervisor.cli", "demo", "--run-dir", str(tmp_path / "d")]
+    argv += ["--workload", "torch", "--nodes-per-dp", "2"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("supervisor demo: --nodes-per-dp must be 1 with the torch workload")
+    assert not (tmp_path / "d").exists()  # nothing was started

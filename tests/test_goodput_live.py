@@ -45,7 +45,7 @@ from supervisor.domain import (
     EventType,
     ProgressSample,
 )
-from supervisor.local.demo import free_port
+from supervisor.local.cluster import free_port
 from supervisor.runtime import Supervisor
 from supervisor.store import Store, open_store
 from supervisor.store.models import ActionRow, JobRow

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.local.demo import free_port
+from supervisor.local.cluster import free_port
 
 AGENT_TOKEN = "hm-test-agent-token"
 OPERATOR_TOKEN = "hm-test-operator-token"

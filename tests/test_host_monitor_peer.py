@@ -33,8 +33,7 @@ from host_monitor.peer_routes import peer_router
 from host_monitor.peer_store import Mismatch, PeerStore, TooLarge
 from host_monitor.peer_tier import PeerTier
 from host_monitor.protocol import CheckpointPeer
-from supervisor.local.cluster import JobSpec, checkpoint_partner
-from supervisor.local.demo import free_port
+from supervisor.local.cluster import JobSpec, checkpoint_partner, free_port
 from tests.test_host_monitor import ACTUATOR, WORKER, Agent, Cluster, wait_for
 
 PEER_TOKEN = "hm-test-peer-token"

@@ -3,7 +3,8 @@ training job on them, the supervisor with the local backend, faults acted out wi
 real signals. Checks what a user of `make demo` would look for: the fault is detected,
 the healthy replica saves an emergency checkpoint, the work moves, training resumes
 losing at most one step, and the final weights are exactly those of a run without the
-fault.
+fault. Each test runs on both workloads: the NumPy one and the PyTorch one (DDP on gloo,
+where a survivor sits inside a collective when its peer dies or freezes).
 """
 
 from __future__ import annotations
@@ -22,22 +23,39 @@ import httpx
 import numpy as np
 import pytest
 
-from supervisor.local.demo import DemoOptions, LocalDemo, free_port, leftover_processes
+from supervisor.local.cluster import free_port
+from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
 
 SEED = 3
 RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
 
 
-def reference_weights(tmp: Path, replicas: int, nodes_per_dp: int, steps: int) -> list[Any]:
-    """Final weights of an uninterrupted run (offline workers, no monitor)."""
+# The torch workload, small enough for two ranks on two cores.
+TORCH_ENV = {"D_MODEL": "64", "N_LAYERS": "2", "N_HEADS": "4", "SEQ_LEN": "32"}
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def workload(request: pytest.FixtureRequest) -> str:
+    if request.param == "torch":
+        pytest.importorskip("torch")
+    name: str = request.param
+    return name
+
+
+def reference_weights(
+    tmp: Path, replicas: int, nodes_per_dp: int, steps: int, workload: str = "numpy"
+) -> Any:
+    """Final weights of an uninterrupted run (offline workers, no monitor): the shards
+    (numpy), or the weights' hash (torch)."""
     run = tmp / "reference"
     world = replicas * nodes_per_dp
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_"))
+            if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_", "CHECKPOINT_"))
         }
         env.update(
             RANK=str(rank),
@@ -51,21 +69,46 @@ def reference_weights(tmp: Path, replicas: int, nodes_per_dp: int, steps: int) -
             LOCAL_CKPT_DIR=str(run / f"local-{rank}"),
             DURABLE_CKPT_DIR=str(run / "durable"),
             OUTPUT_DIR=str(run / "output"),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            CHECKPOINT_RAM_DIR=str(run / f"ram-{rank}"),
+            S3_CHECKPOINTING_FREQ="0",
+            OMP_NUM_THREADS="1",
+            **TORCH_ENV,
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "training.numpy_workload"],
+                [sys.executable, "-m", f"training.{workload}_workload"],
                 env=env,
                 stdout=subprocess.DEVNULL,
             )
         )
     for proc in procs:
-        assert proc.wait(120) == 0
-    return [np.load(run / "output" / f"shard-{k}.npy") for k in range(nodes_per_dp)]
+        assert proc.wait(240) == 0
+    return final_weights(run / "output", workload, nodes_per_dp)
+
+
+def final_weights(directory: Path, workload: str, nodes_per_dp: int) -> Any:
+    """What the job wrote at its end (None before): numpy's shards, torch's hash."""
+    if workload == "torch":
+        path = directory / "weights.sha256"
+        return path.read_text() if path.exists() else None
+    paths = [directory / f"shard-{k}.npy" for k in range(nodes_per_dp)]
+    if not all(p.exists() for p in paths):
+        return None
+    return [np.load(p) for p in paths]
+
+
+def assert_same_weights(got: Any, want: Any) -> None:
+    if isinstance(want, str):
+        assert got == want  # bit-identical torch weights
+        return
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
 
 
 @pytest.fixture
-def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
+def start_demo(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
     demos: list[LocalDemo] = []
 
     def start(**overrides: Any) -> LocalDemo:
@@ -81,6 +124,8 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
             heartbeat_polling_period_s=0.2,
             heartbeat_timeout_s=1.0,
             node_repair_s=3600,
+            workload=workload,
+            workload_env=dict(TORCH_ENV, OMP_NUM_THREADS="1") if workload == "torch" else {},
         )
         for key, value in overrides.items():
             setattr(options, key, value)
@@ -126,11 +171,9 @@ def resumed_steps(demo: LocalDemo) -> list[tuple[int, str]]:
     return found
 
 
-def output(demo: LocalDemo) -> list[Any] | None:
-    paths = [demo.run_dir / "output" / f"shard-{k}.npy" for k in range(demo.options.nodes_per_dp)]
-    if not all(p.exists() for p in paths):
-        return None
-    return [np.load(p) for p in paths]
+def output(demo: LocalDemo) -> Any:
+    o = demo.options
+    return final_weights(demo.run_dir / "output", o.workload, o.nodes_per_dp)
 
 
 def node_known(demo: LocalDemo, node: str) -> bool:
@@ -159,10 +202,10 @@ def inject(demo: LocalDemo, **body: Any) -> dict[str, Any]:
 
 
 def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
-    start_demo: Callable[..., LocalDemo], tmp_path: Path
+    start_demo: Callable[..., LocalDemo], tmp_path: Path, workload: str
 ) -> None:
     demo = start_demo()
-    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps)
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, workload)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     victim = demo.options.nodes[0]
     step_before = job_step(demo)
@@ -187,8 +230,7 @@ def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
     # Nothing was lost beyond the step in flight: the survivors were blocked in that
     # step's all-reduce, so they saved the last step completed, not an older periodic one.
     assert saved >= step_before
-    for got, want in zip(weights, expected, strict=True):
-        assert np.array_equal(got, want)
+    assert_same_weights(weights, expected)
 
 
 @pytest.mark.parametrize(
@@ -206,9 +248,10 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     fault: dict[str, Any],
     event: str,
     remedy: str,
+    workload: str,
 ) -> None:
     demo = start_demo()
-    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps)
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, workload)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     victim = demo.options.nodes[0]
     step_before = job_step(demo)
@@ -241,8 +284,7 @@ def test_worker_and_gpu_faults_are_healed_exactly(
         # A dead or hung rank blocks the others in the step's all-reduce: the emergency
         # checkpoint is the newest step any rank holds.
         assert resumed == saved, resumes
-    for got, want in zip(weights, expected, strict=True):
-        assert np.array_equal(got, want)
+    assert_same_weights(weights, expected)
 
 
 def test_no_spare_scales_down_then_back_up_when_the_node_returns(
@@ -280,10 +322,10 @@ def test_no_spare_scales_down_then_back_up_when_the_node_returns(
 
 
 def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(
-    start_demo: Callable[..., LocalDemo], tmp_path: Path
+    start_demo: Callable[..., LocalDemo], tmp_path: Path, workload: str
 ) -> None:
     demo = start_demo()
-    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps)
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, workload)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     injected = inject(demo, kind="worker_crash", node=demo.options.nodes[1])
     # Kill the supervisor as soon as the policy's decision is recorded.
@@ -300,8 +342,7 @@ def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(
     exited = demo.api("/api/v1/events", type="worker_exited")["items"]
     assert [(e["node"], e["fault_id"]) for e in exited] == [(demo.options.nodes[1], injected["id"])]
     weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
-    for got, want in zip(weights, expected, strict=True):
-        assert np.array_equal(got, want)
+    assert_same_weights(weights, expected)
     # One decision, carried out once: the job was restarted a single time.
     state = json.loads((demo.run_dir / "cluster.json").read_text())
     assert state["job"]["attempt"] == 2  # the boot, then the one restart

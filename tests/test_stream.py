@@ -24,7 +24,7 @@ import uvicorn
 from supervisor.api.app import create_app
 from supervisor.config import Settings
 from supervisor.domain import Event, EventType, utcnow
-from supervisor.local.demo import free_port
+from supervisor.local.cluster import free_port
 from supervisor.notify import Hub, Message, Resync
 from supervisor.runtime import Supervisor
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory

@@ -206,6 +206,48 @@ def test_sigusr1_is_served_at_a_safe_point_and_acked(
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+def test_a_thread_of_the_client_serves_requests_whatever_the_main_thread_does(
+    server: RecordingServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    monkeypatch.delenv("HOST_MONITOR_REQUEST_FILE", raising=False)
+    served_by: list[str] = []
+
+    def save() -> int:
+        served_by.append(threading.current_thread().name)
+        return 7
+
+    client = WorkerClient(3, 0, monitor_url=server.url, report_interval_s=0.05)
+    try:
+        assert client.serve_emergency_checkpoints(save) is True
+        os.kill(os.getpid(), signal.SIGUSR1)
+        # Served without any call from this (the main) thread.
+        assert wait_for(lambda: server.bodies("/v1/workers/3/emergency-ack"))
+        assert served_by == ["emergency-checkpoint-3"]
+        assert client.at_safe_point() is False  # the thread serves, not the safe point
+        (ack,) = server.bodies("/v1/workers/3/emergency-ack")
+        assert ack["ok"] is True and ack["step"] == 7
+    finally:
+        client.close()
+    assert signal.set_wakeup_fd(-1) == -1  # the wakeup fd was given back
+
+
+def test_the_wakeup_fd_of_someone_else_is_left_alone(server: RecordingServer) -> None:
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)
+    client = WorkerClient(0, 0, monitor_url=server.url)
+    try:
+        assert client.serve_emergency_checkpoints(lambda: 1) is False  # safe points only
+        assert signal.set_wakeup_fd(write_end) == write_end
+    finally:
+        client.close()
+        signal.set_wakeup_fd(-1)
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_failing_callback_is_acked_as_failed(
     server: RecordingServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

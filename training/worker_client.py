@@ -30,6 +30,17 @@ Without a monitor URL (no `HOST_MONITOR_URL`) the client works offline: nothing 
 reported, and emergency checkpoints still run on SIGUSR1 (they are just not acked), so
 the workload also runs standalone.
 
+A loop that spends its time inside C++ (a PyTorch job: a rank whose peer died sits in a
+gloo or NCCL collective, where no Python signal handler runs until the call returns)
+uses `serve_emergency_checkpoints(save_now)` instead of `on_emergency_checkpoint`: a
+thread of the client's own serves each request at once, whatever the main thread is
+doing. It learns of the signal through Python's wakeup fd (`signal.set_wakeup_fd`),
+which the interpreter's C-level handler writes from any thread. The same thread sees
+SIGTERM: when the main thread is stuck and cannot run the SIGTERM handler within
+`term_grace_s`, it reports `stopping` itself and ends the process with the exit status
+SIGTERM gives (143), rather than leave the host monitor to wait out its grace period
+and SIGKILL.
+
 """
 
 from __future__ import annotations
@@ -149,6 +160,11 @@ class WorkerClient:
         self._previous_term: Any = None
         self._term_installed = False
         self._stopping_reported = False
+        # serve_emergency_checkpoints: the thread that serves them, and its wakeup pipe.
+        self._serve_lock = threading.Lock()
+        self._emergency_thread: threading.Thread | None = None
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends
+        self._term_grace_s = 1.0
 
     @classmethod
     def from_env(
@@ -319,9 +335,79 @@ class WorkerClient:
             self._previous_handler = signal.signal(signal.SIGUSR1, self._on_signal)
             self._handler_installed = True
 
+    def serve_emergency_checkpoints(
+        self, callback: Callable[[], int], *, term_grace_s: float = 1.0
+    ) -> bool:
+        """Serve emergency checkpoints from a thread of the client's own (see the module's
+        docstring); True if that thread runs, False if it could not take the wakeup fd
+        (something else, e.g. an asyncio loop, uses it), in which case requests are served
+        at `at_safe_point` as with `on_emergency_checkpoint`.
+
+        `callback()` must be safe to call from another thread while the main thread trains
+        (`training.checkpoint.Checkpointer.emergency_save` is). Call from the main thread,
+        after `register()` (so that SIGTERM reaches the thread too).
+        """
+        if term_grace_s < 0:
+            raise ValueError("term_grace_s must be >= 0")
+        self.on_emergency_checkpoint(callback)
+        if self._emergency_thread is not None:
+            return True
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # the C handler must never block on it
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            os.close(read_end)
+            os.close(write_end)
+            log.warning(
+                "worker client: the wakeup fd is in use (an event loop?): emergency "
+                "checkpoints are served at safe points only"
+            )
+            return False
+        self._wakeup = (read_end, write_end)
+        self._term_grace_s = term_grace_s
+        self._emergency_thread = threading.Thread(
+            target=self._serve_signals, name=f"emergency-checkpoint-{self.rank}", daemon=True
+        )
+        self._emergency_thread.start()
+        return True
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Signal-safe: a single attribute store, no locks, no I/O.
         self._requested = True
+
+    def _serve_signals(self) -> None:
+        assert self._wakeup is not None
+        read_end = self._wakeup[0]
+        while True:
+            try:
+                data = os.read(read_end, 64)
+            except OSError:
+                return
+            if not data or 0 in data:  # closed, or close()'s wake-up byte
+                return
+            if signal.SIGTERM in data:
+                self._stop_if_main_thread_stuck()
+            if signal.SIGUSR1 in data:
+                self._serve()
+
+    def _stop_if_main_thread_stuck(self) -> None:
+        deadline = time.monotonic() + self._term_grace_s
+        while time.monotonic() < deadline:
+            if self._stopping_reported or not self._term_installed:
+                return  # the main thread runs the handler: it decides what happens
+            time.sleep(0.01)
+        if self._stopping_reported:
+            return
+        self._stopping_reported = True
+        log.warning(
+            "worker client: SIGTERM while the main thread is blocked (in a collective?): "
+            "stopping now"
+        )
+        self._report_stopping(signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
 
     def at_safe_point(self) -> bool:
         """Serve a pending emergency checkpoint; True if one was served.
@@ -333,9 +419,17 @@ class WorkerClient:
         arrives after it signalled the worker within a round, so the id is informational.
         A failing callback is acked with ok=false and its error; it does not raise.
         """
-        if not self._requested:
-            return False
-        self._requested = False  # a signal arriving during the save asks for another one
+        if not self._requested or self._emergency_thread is not None:
+            return False  # nothing asked, or the client's thread serves it
+        return self._serve()
+
+    def _serve(self) -> bool:
+        with self._serve_lock:
+            self._requested = False  # a signal arriving during the save asks for another
+            self._serve_now()
+        return True
+
+    def _serve_now(self) -> None:
         callback = self._callback
         started = time.monotonic()
         step: int | None = None
@@ -361,7 +455,6 @@ class WorkerClient:
             for _ in range(2):
                 if self._post(f"/v1/workers/{self.rank}/emergency-ack", body, "ack") is not None:
                     break
-        return True
 
     # --- SIGTERM: stopped on purpose --------------------------------------------------
 
@@ -522,6 +615,24 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
+        if self._wakeup is not None:
+            read_end, write_end = self._wakeup
+            if threading.current_thread() is threading.main_thread():
+                with contextlib.suppress(ValueError):
+                    current = signal.set_wakeup_fd(-1)
+                    if current != write_end:  # somebody else's since: put it back
+                        signal.set_wakeup_fd(current)
+            with contextlib.suppress(OSError):
+                os.write(write_end, b"\0")
+            thread = self._emergency_thread
+            if thread is not None:
+                thread.join(timeout_s)  # a save in flight finishes first (it has a timeout)
+            if thread is None or not thread.is_alive():  # else its fd number must stay taken
+                for fd in (read_end, write_end):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._wakeup = None
+            self._emergency_thread = None
         thread = self._thread
         if thread is not None:
             self._stop.set()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,14 @@ MAX_REMEMBERED_KEYS = 1000
 # The host monitor's default `checkpoint_root` (host_monitor/config.py): where its workers'
 # RAM checkpoint tier must live for the peer tier to copy it.
 HOST_MONITOR_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 class ClusterError(Exception):
@@ -49,6 +59,9 @@ class JobSpec(BaseModel):
     started_by: str | None = None
     # Nodes to stop and hand back as spares at the next restart (set with the placement).
     pending_release: list[str] = Field(default_factory=list)
+    # The torch.distributed rendezvous port of the current attempt (MASTER_PORT), on rank
+    # 0's node: a fresh one per attempt, so that a new world never meets ranks of the old.
+    master_port: int | None = None
 
 
 def checkpoint_partner(job: JobSpec, rank: int) -> str | None:
@@ -187,10 +200,25 @@ class LocalCluster:
             "RUN_DIR": str(run / "job"),
             "LOCAL_CKPT_DIR": str(run / "nodes" / node / "checkpoints"),
             "DURABLE_CKPT_DIR": str(run / "durable"),
+            "CHECKPOINT_DURABLE_DIR": str(run / "durable"),
             # The RAM tier: under the host monitor's checkpoint_root, so that it can copy
             # the saves to the partner node and restore the partner's copy here.
             "CHECKPOINT_RAM_DIR": str(Path(root) / node),
             "OUTPUT_DIR": str(run / "output"),
+            # torch.distributed's environment (RANK and LOCAL_RANK come from the host
+            # monitor): rank 0's node hosts the rendezvous store.
+            **self.rendezvous_env(job),
+        }
+
+    def rendezvous_env(self, job: JobSpec) -> dict[str, str]:
+        if job.master_port is None or not job.placement:
+            return {}
+        info = self.state.nodes.get(job.placement[0])
+        host = urllib.parse.urlsplit(info.address).hostname if info else None
+        return {
+            "MASTER_ADDR": host or "127.0.0.1",
+            "MASTER_PORT": str(job.master_port),
+            "LOCAL_WORLD_SIZE": "1",
         }
 
     async def restart_job(self, key: str) -> dict[str, Any]:
@@ -208,6 +236,7 @@ class LocalCluster:
             job.pending_release = []
             job.attempt += 1
             job.started_by = key
+            job.master_port = free_port()  # local mode: every node runs on this machine
             self.state.save()
         bodies = {}
         for rank, node in enumerate(job.placement):

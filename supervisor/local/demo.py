@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,10 +25,13 @@ from typing import IO, Any
 
 import httpx
 
-from supervisor.local.cluster import ClusterState, JobSpec, LocalCluster, NodeInfo
+from supervisor.local.cluster import ClusterState, JobSpec, LocalCluster, NodeInfo, free_port
 
 RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+WORKLOADS = {"numpy": "training.numpy_workload", "torch": "training.torch_workload"}
 
 
 @dataclass
@@ -50,6 +52,20 @@ class DemoOptions:
     node_repair_s: float = 20.0
     policy: str = "policies.default:DefaultPolicy"
     supervisor_env: dict[str, str] = field(default_factory=dict)
+    #: `numpy` (the NumPy workload, sharded over `nodes_per_dp` nodes) or `torch` (the
+    #: PyTorch workload: DDP, one node per replica).
+    workload: str = "numpy"
+    #: More environment for the workload (e.g. the torch model's size).
+    workload_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
+        if self.workload == "torch" and self.nodes_per_dp != 1:
+            raise ValueError(
+                "nodes_per_dp must be 1 with the torch workload: it is data parallel (DDP), "
+                "each node holds a whole replica"
+            )
 
     @property
     def nodes(self) -> list[str]:
@@ -59,13 +75,14 @@ class DemoOptions:
         """The demo training workload as a job of the local cluster, on `placement`."""
         return JobSpec(
             name=self.job,
-            command=[sys.executable, "-m", "training.numpy_workload"],
+            command=[sys.executable, "-m", WORKLOADS[self.workload]],
             env={
                 "SEED": str(self.seed),
                 "TOTAL_STEPS": str(self.total_steps),
                 "STEP_TIME_S": str(self.step_time_s),
                 "IN_MEMORY_CHECKPOINTING_FREQ": str(self.in_memory_checkpointing_freq),
                 "S3_CHECKPOINTING_FREQ": str(self.s3_checkpointing_freq),
+                **self.workload_env,
             },
             num_dp_replicas=self.replicas,
             num_nodes_per_dp=self.nodes_per_dp,
@@ -88,14 +105,6 @@ def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class LocalDemo:

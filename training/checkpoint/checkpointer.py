@@ -17,6 +17,22 @@ then the partner's copy fetched into RAM, then durable), verifying checksums fir
 source that fails verification is skipped, and a step some rank cannot load at all is
 dropped and the agreement runs again. Each save and load is reported to the node's host
 monitor (step, tier, bytes, seconds blocking, seconds in all) when one is configured.
+
+Emergency checkpoints: given an online worker client, the Checkpointer serves the host
+monitor's requests from the client's own thread (`WorkerClient.serve_emergency_
+checkpoints`), so a rank saves while its main thread is blocked in a collective whose
+peer is gone or frozen, and after that collective raised. `emergency_save` writes the
+state at the end of the last completed step and needs no collective: the parameters and
+optimizer state are read live (only `optimizer.step()` changes them, and it waits while
+the save reads them), the rest (RNG, scheduler, the user's objects, model buffers) comes
+from a copy taken at that step's `step_done`. A request that arrives between an
+`optimizer.step()` and its `step_done` waits for the `step_done`, and fails after
+`emergency_checkpoint_timeout_s` rather than save half a step.
+
+Replicated state (DDP: every rank holds the same model, optimizer and RNG): any rank's
+checkpoint restores any rank. Periodic durable saves are then written by rank 0 only,
+and a rank that has no checkpoint of its own at a step (a replacement node, a rank that
+crashed before the survivors' emergency checkpoint) loads another rank's durable copy.
 """
 
 from __future__ import annotations
@@ -32,13 +48,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.nn.parallel import DistributedDataParallel
 
 from training.checkpoint import format as fmt
 from training.checkpoint.peer import PeerTier
 from training.checkpoint.reader import DirectReader
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
 from training.checkpoint.settings import CheckpointSettings
-from training.checkpoint.state import StagingBuffers, Stateful, TrainingState
+from training.checkpoint.state import Snapshot, StagingBuffers, Stateful, TrainingState
 from training.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -47,6 +64,10 @@ Source = Literal["ram", "peer", "durable"]
 
 #: Restore rounds before giving up on agreeing (each drops steps some rank cannot load).
 MAX_RESTORE_ROUNDS = 16
+
+
+class EmergencyCheckpointError(RuntimeError):
+    """An emergency save could not be made (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +94,13 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         peer: PeerTier | None = None,
+        replicated: bool | None = None,
+        emergency: bool | None = None,
     ) -> None:
+        """`replicated`: every rank holds the same state (default: the model is a DDP
+        model); `emergency`: serve the host monitor's emergency checkpoint requests
+        (default: when `client` is online; needs the optimizer, and the call from the
+        main thread, after `client.register()`)."""
         self.settings = settings if settings is not None else CheckpointSettings.from_env()
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
@@ -83,6 +110,9 @@ class Checkpointer:
         self.job = job if job is not None else (client.job if client is not None else None)
         self.client = client
         self.state = TrainingState(model, optimizer, lr_scheduler=lr_scheduler, extra=extra)
+        self.replicated = (
+            replicated if replicated is not None else isinstance(model, DistributedDataParallel)
+        )
         s = self.settings
         self.ram_root: Path | None = (
             s.ram_root(self.job) if s.in_memory_checkpointing_freq else None
@@ -112,13 +142,28 @@ class Checkpointer:
         self._staged.set()
         self._staging_job: SaveJob | None = None
         self._staging_lock = threading.Lock()
+        self._stage_in_next_step = (
+            optimizer is not None and s.stage_during_next_step and s.enable_async_ckpt
+        )
+        # Emergency saves: the step gate between `optimizer.step()` and `step_done`.
+        self.emergency = (
+            emergency if emergency is not None else (client is not None and client.online)
+        )
+        if self.emergency and optimizer is None:
+            raise ValueError("emergency checkpoints need the optimizer (its steps are gated)")
+        self._gate = threading.Condition()
+        self._mid_step = False  # an optimizer.step() ran and its step_done has not
+        self._holder: int | None = None  # the thread of the emergency save reading the state
+        self._completed: Snapshot | None = None  # the last completed step
         self._hook: Any = None
-        if optimizer is not None and s.stage_during_next_step and s.enable_async_ckpt:
+        if optimizer is not None and (self._stage_in_next_step or self.emergency):
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         for root in (self.ram_root, self.durable_root):
             if root is not None:
                 root.mkdir(parents=True, exist_ok=True)
                 fmt.remove_temporaries(root, self.rank)
+        if self.emergency and client is not None:
+            client.serve_emergency_checkpoints(self.emergency_save)
 
     # --- saving -----------------------------------------------------------------------
 
@@ -128,15 +173,27 @@ class Checkpointer:
             self.settings.in_memory_checkpointing_freq,
             self.settings.s3_checkpointing_freq,
         )
+        if self.replicated and self.rank != 0:
+            durable = 0  # one copy is enough: rank 0's
         return (bool(ram) and step % ram == 0, bool(durable) and step % durable == 0)
 
     def step_done(self, step: int) -> bool:
         """Call after each completed step (optimizer stepped); saves when a tier is due."""
         to_ram, to_durable = self.due(step)
-        if not (to_ram or to_durable):
-            return False
-        self.save(step, to_ram=to_ram, to_durable=to_durable)
-        return True
+        due = to_ram or to_durable
+        if due:
+            self.save(step, to_ram=to_ram, to_durable=to_durable)
+        self._step_completed(step)
+        return due
+
+    def _step_completed(self, step: int) -> None:
+        if not self.emergency:
+            return
+        snapshot = self.state.snapshot(step)
+        with self._gate:
+            self._completed = snapshot
+            self._mid_step = False
+            self._gate.notify_all()
 
     def save(self, step: int, *, to_ram: bool = True, to_durable: bool = False) -> float:
         """Save the current state as `step`; returns the seconds the caller was blocked.
@@ -188,6 +245,12 @@ class Checkpointer:
             self._staged.set()
 
     def _before_optimizer_step(self, *_: Any) -> None:
+        if self.emergency:
+            if self._holder == threading.get_ident():
+                return  # the emergency save's own state_dict (DCP's lazy optimizer init)
+            with self._gate:
+                self._gate.wait_for(lambda: self._holder is None)
+                self._mid_step = True
         if self._staged.is_set():
             return
         started = time.monotonic()
@@ -203,6 +266,89 @@ class Checkpointer:
         """Until the save in flight is committed (or failed); False on timeout."""
         return self._saver.wait(timeout_s)
 
+    def emergency_save(self) -> int:
+        """Save the last completed step now, to RAM and durable storage; returns the step.
+
+        Callable from any thread, while the main thread trains, waits in a collective, or
+        after that collective raised; needs no collective. Raises EmergencyCheckpointError
+        when no step is complete yet, or when the step in flight does not reach its
+        `step_done` within `emergency_checkpoint_timeout_s`.
+        """
+        if not self.emergency:
+            raise EmergencyCheckpointError("emergency checkpoints are off for this Checkpointer")
+        started = time.monotonic()
+        deadline = started + self.settings.emergency_checkpoint_timeout_s
+        with self._gate:
+            if not self._gate.wait_for(
+                lambda: not self._mid_step and self._holder is None,
+                timeout=max(0.0, deadline - time.monotonic()),
+            ):
+                raise EmergencyCheckpointError(
+                    "the step in flight did not finish its optimizer step within "
+                    f"{self.settings.emergency_checkpoint_timeout_s:g}s: not saving half a step"
+                )
+            snapshot = self._completed
+            if snapshot is None:
+                raise EmergencyCheckpointError("no completed step yet (restore has not finished)")
+            self._holder = threading.get_ident()
+        try:
+            self._write_emergency(snapshot, started, deadline)
+        finally:
+            with self._gate:
+                self._holder = None
+                self._gate.notify_all()
+        log.warning(
+            "checkpoint: emergency checkpoint of step %d saved in %.3fs",
+            snapshot.step,
+            time.monotonic() - started,
+        )
+        return snapshot.step
+
+    def _write_emergency(self, snapshot: Snapshot, started: float, deadline: float) -> None:
+        step = snapshot.step
+        # A periodic save being written holds the staging buffers, and may be this step's.
+        if not self._saver.wait(max(0.0, deadline - time.monotonic())):
+            raise EmergencyCheckpointError("a periodic save still being written took too long")
+        ram, durable = self.ram_root, self.durable_root
+        if ram is None and durable is None:
+            raise EmergencyCheckpointError("no tier to save to (RAM and durable are both off)")
+        if ram is not None and step in fmt.committed_steps(ram, self.rank):
+            source = fmt.rank_dir(ram, step, self.rank)
+            if durable is not None and step not in fmt.committed_steps(durable, self.rank):
+                manifest = fmt.read_manifest(source, step=step, rank=self.rank)
+                fmt.copy_committed(
+                    source,
+                    manifest,
+                    durable,
+                    sync=self.settings.sync_files,
+                    threads=self.settings.ckpt_threads_per_rank,
+                )
+                fmt.retain(durable, self.rank, self.settings.topk_ckpt)
+            self._report_emergency(step, fmt.read_manifest(source).size, started)
+            return
+        if durable is not None and step in fmt.committed_steps(durable, self.rank):
+            self._report_emergency(
+                step, fmt.read_manifest(fmt.rank_dir(durable, step, self.rank)).size, started
+            )
+            return
+        # Straight from the live tensors: nothing changes them while this thread holds the
+        # gate, and the staging buffers may belong to the save that just finished.
+        state = self.state.state_at(snapshot)
+        job = SaveJob(
+            step, state, ram is not None, durable is not None, 0.0, started, emergency=True
+        )
+        self._saver.submit(job, background=False)
+        failed = [r for r in self._saver.results[-2:] if r.step == step and r.error]
+        if failed:
+            raise EmergencyCheckpointError(f"writing step {step} failed: {failed[-1].error}")
+
+    def _report_emergency(self, step: int, size: int, started: float) -> None:
+        if self.client is not None:
+            seconds = time.monotonic() - started
+            self.client.report_checkpoint_saved(
+                step, seconds, "emergency", size_bytes=size, total_s=seconds
+            )
+
     @property
     def save_results(self) -> list[SaveResult]:
         return self._saver.results
@@ -211,10 +357,12 @@ class Checkpointer:
         if result.tier == "ram" and result.path is not None and self.settings.enable_peer_ckpt:
             self.peer.replicate(result.step, result.path)
         if self.client is not None:
+            first = result.tier == "ram" or self.ram_root is None
+            emergency = result.emergency and first
             self.client.report_checkpoint_saved(
                 result.step,
-                result.blocking_s,
-                "ram" if result.tier == "ram" else "durable",
+                result.total_s if emergency else result.blocking_s,
+                "emergency" if emergency else ("ram" if result.tier == "ram" else "durable"),
                 size_bytes=result.size,
                 total_s=result.total_s,
             )
@@ -253,6 +401,7 @@ class Checkpointer:
             if not common:
                 self.last_restore = Restored(0, None, 0, time.monotonic() - started)
                 log.info("checkpoint: no step every rank can load; starting from step 0")
+                self._step_completed(0)
                 return 0
             step = max(common)
             loaded = self._load(step, candidates[step])
@@ -271,6 +420,7 @@ class Checkpointer:
                         total_s=seconds,
                     )
                 log.info("checkpoint: restored step %d from %s (%d bytes)", step, tier, size)
+                self._step_completed(step)
                 return step
             if loaded is None:
                 dropped.add(step)
@@ -278,9 +428,12 @@ class Checkpointer:
                 loaded_before = True
         raise RuntimeError(f"no checkpoint could be loaded after {MAX_RESTORE_ROUNDS} rounds")
 
-    def _candidates(self) -> dict[int, list[Source]]:
-        """Steps this rank can load, with their sources fastest first (no file read)."""
-        out: dict[int, list[Source]] = {}
+    def _candidates(self) -> dict[int, list[tuple[Source, Path | None]]]:
+        """Steps this rank can load, with their sources fastest first (no file read): a
+        tier and the rank directory to read (None for the peer's copy, fetched first).
+        With a replicated state, other ranks' durable directories count too, after this
+        rank's own."""
+        out: dict[int, list[tuple[Source, Path | None]]] = {}
         tiers: tuple[tuple[Source, Path | None], ...] = (
             ("ram", self.ram_root),
             ("durable", self.durable_root),
@@ -288,27 +441,33 @@ class Checkpointer:
         for tier, root in tiers:
             if root is None:
                 continue
-            for step in fmt.committed_steps(root, self.rank):
-                try:
-                    fmt.read_manifest(
-                        fmt.rank_dir(root, step, self.rank), step=step, rank=self.rank
-                    )
-                except fmt.CheckpointCorrupt as exc:
-                    log.warning("checkpoint: skipping %s", exc)
-                    continue
-                out.setdefault(step, []).append(tier)
+            ranks = [self.rank]
+            if tier == "durable" and self.replicated:
+                ranks += [r for r in fmt.committed_ranks(root) if r != self.rank]
+            for rank in ranks:
+                for step in fmt.committed_steps(root, rank):
+                    directory = fmt.rank_dir(root, step, rank)
+                    try:
+                        fmt.read_manifest(directory, step=step, rank=rank)
+                    except fmt.CheckpointCorrupt as exc:
+                        log.warning("checkpoint: skipping %s", exc)
+                        continue
+                    out.setdefault(step, []).append((tier, directory))
         if self.settings.enable_ckpt_load_replication and self.ram_root is not None:
             peer_step = self.peer.newest()
             if peer_step is not None:
                 sources = out.setdefault(peer_step, [])
-                sources.insert(1 if sources[:1] == ["ram"] else 0, "peer")
+                mine_in_ram = bool(sources) and sources[0][0] == "ram"
+                sources.insert(1 if mine_in_ram else 0, ("peer", None))
         return out
 
-    def _load(self, step: int, sources: list[Source]) -> tuple[Source, int] | None:
+    def _load(
+        self, step: int, sources: list[tuple[Source, Path | None]]
+    ) -> tuple[Source, int] | None:
         """Load `step` from the first source that verifies; (tier, bytes) or None."""
-        for tier in sources:
+        for tier, where in sources:
             verified = False
-            if tier == "peer":
+            if where is None:  # the partner's copy
                 assert self.ram_root is not None
                 fetched = self.peer.fetch(step, self.ram_root)
                 if fetched is None:
@@ -317,11 +476,9 @@ class Checkpointer:
                 # pass over the files.
                 directory, verified = fetched
             else:
-                root = self.ram_root if tier == "ram" else self.durable_root
-                assert root is not None
-                directory = fmt.rank_dir(root, step, self.rank)
+                directory = where
             try:
-                manifest = fmt.read_manifest(directory, step=step, rank=self.rank)
+                manifest = fmt.read_manifest(directory, step=step)
                 if not verified:
                     fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
                 target = self.state.state_dict(step)

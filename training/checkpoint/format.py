@@ -36,6 +36,7 @@ FORMAT = "resiliency-checkpoint/1"
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 1024 * 1024
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
+_RANK_RE = re.compile(r"^rank-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -264,6 +265,24 @@ def committed_steps(root: Path, rank: int) -> list[int]:
         if match and (Path(root) / name / f"rank-{rank}" / MANIFEST).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def committed_ranks(root: Path) -> list[int]:
+    """Ranks with at least one committed directory under `root`, ascending."""
+    ranks: set[int] = set()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        if not _STEP_RE.match(name):
+            continue
+        with contextlib.suppress(OSError):
+            for child in os.listdir(Path(root) / name):
+                match = _RANK_RE.match(child)
+                if match and (Path(root) / name / child / MANIFEST).is_file():
+                    ranks.add(int(match.group(1)))
+    return sorted(ranks)
 
 
 def remove_step(root: Path, step: int, rank: int) -> None:

@@ -51,6 +51,8 @@ class SaveJob:
     #: Copies what the loop left to copy during its next step (see Checkpointer.save);
     #: run first, in the save's thread.
     finish_staging: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    #: Asked for by the host monitor (reported as the `emergency` tier).
+    emergency: bool = False
 
 
 @dataclass
@@ -64,6 +66,7 @@ class SaveResult:
     blocking_s: float
     total_s: float
     error: str | None = None
+    emergency: bool = False
 
 
 class Saver:
@@ -133,6 +136,7 @@ class Saver:
                     job.blocking_s,
                     time.monotonic() - job.started,
                     repr(exc),
+                    job.emergency,
                 )
             )
         finally:
@@ -174,6 +178,7 @@ class Saver:
                 manifest.size,
                 job.blocking_s,
                 time.monotonic() - job.started,
+                emergency=job.emergency,
             )
         )
         if job.to_ram and job.to_durable and self.durable_root is not None:

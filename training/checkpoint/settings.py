@@ -12,6 +12,7 @@ whose message names the setting(s).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -51,6 +52,10 @@ class CheckpointSettings:
     enable_ckpt_load_replication: bool = True
     #: fsync files and directories on commit (off only for throw-away runs).
     sync_files: bool = True
+    #: The most an emergency save may take, waiting for the step in flight to finish its
+    #: `optimizer.step()` and for a periodic save being written included (the
+    #: supervisor's setting of the same name bounds the whole round).
+    emergency_checkpoint_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("ram_dir", "durable_dir"):
@@ -65,6 +70,13 @@ class CheckpointSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        timeout = self.emergency_checkpoint_timeout_s
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 0 < timeout < math.inf
+        ):
+            raise ValueError(f"emergency_checkpoint_timeout_s must be > 0, got {timeout!r}")
         ram, durable = self.in_memory_checkpointing_freq, self.s3_checkpointing_freq
         if ram and durable and durable % ram:
             raise ValueError(
@@ -117,6 +129,11 @@ class CheckpointSettings:
                 if raw.lower() not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
                     raise ValueError(f"{key} must be a boolean (true/false), got {raw!r}")
                 values[field.name] = raw.lower() in {"1", "true", "yes", "on"}
+            elif field.type in ("float", float):
+                try:
+                    values[field.name] = float(raw)
+                except ValueError:
+                    raise ValueError(f"{key} must be a number, got {raw!r}") from None
             else:
                 try:
                     values[field.name] = int(raw)

@@ -11,6 +11,7 @@ import copy
 import pickle
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +22,15 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The part of a training state a forward and backward can change, at one step."""
+
+    step: int
+    small: dict[str, Any]  # lr_scheduler, rng, extra
+    buffers: dict[int, torch.Tensor]  # the model's buffers by data_ptr, copied
 
 
 class TrainingState:
@@ -39,10 +49,16 @@ class TrainingState:
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The live state: its tensors are the model's and optimizer's own (not copies)."""
+        return {**self._weights(), **self._small(), "step": step}
+
+    def _weights(self) -> dict[str, Any]:
         if self.optimizer is not None:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         else:
             model_sd, optim_sd = self.model.state_dict(), {}
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _small(self) -> dict[str, Any]:
         rng: dict[str, Any] = {
             "torch": torch.get_rng_state(),
             "python": pickle.dumps(random.getstate()),
@@ -50,12 +66,40 @@ class TrainingState:
         if torch.cuda.is_available():
             rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
         return {
-            "model": model_sd,
-            "optim": optim_sd,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
             "rng": rng,
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
-            "step": step,
+        }
+
+    def snapshot(self, step: int) -> Snapshot:
+        """What changes outside `optimizer.step()` (RNG, scheduler, the user's objects,
+        model buffers), copied now: with the parameters and optimizer state, which only
+        `optimizer.step()` changes, it is the state at the end of `step` until the next
+        `optimizer.step()`, whatever the forward and backward in between do."""
+        buffers = {
+            buffer.data_ptr(): buffer.detach().clone()
+            for module in self.model.modules()
+            for name, buffer in module._buffers.items()
+            # Non-persistent buffers (masks, rotary caches) are not in the state dict.
+            if buffer is not None and name not in module._non_persistent_buffers_set
+        }
+        return Snapshot(step, copy.deepcopy(self._small()), buffers)
+
+    def state_at(self, snapshot: Snapshot) -> dict[str, Any]:
+        """The state of `snapshot`'s step: live parameters and optimizer state (unchanged
+        since, as long as no `optimizer.step()` ran), the rest from the snapshot."""
+        weights = self._weights()
+        model_sd = {
+            key: snapshot.buffers.get(value.data_ptr(), value)
+            if isinstance(value, torch.Tensor)
+            else value
+            for key, value in weights["model"].items()
+        }
+        return {
+            "model": model_sd,
+            "optim": weights["optim"],
+            **snapshot.small,
+            "step": snapshot.step,
         }
 
     def apply(self, loaded: dict[str, Any]) -> int:

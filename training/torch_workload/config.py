@@ -13,6 +13,7 @@
 | `STEP_TIME_S` | `0` | Extra seconds per step (to pace a demo). |
 | `OUTPUT_DIR` | unset | Rank 0 writes `weights.sha256` there at the end. |
 | `LOG_EVERY_STEPS` | `10` | One progress line every this many steps. |
+| `PEER_LOSS_WAIT_S` | `120` | After a failed collective: seconds to stay up (see train.py). |
 
 The checkpoint tiers read their own settings (`training.checkpoint.CheckpointSettings`:
 `IN_MEMORY_CHECKPOINTING_FREQ`, `S3_CHECKPOINTING_FREQ`, `CHECKPOINT_RAM_DIR`,
@@ -48,6 +49,7 @@ class TorchWorkloadConfig:
     step_time_s: float = 0.0
     output_dir: Path | None = None
     log_every_steps: int = 10
+    peer_loss_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -63,6 +65,8 @@ class TorchWorkloadConfig:
             raise ConfigError("BATCH_SIZE and LOG_EVERY_STEPS must be >= 1")
         if self.stop_after_step < 0 or self.step_time_s < 0 or self.learning_rate <= 0:
             raise ConfigError("STOP_AFTER_STEP, STEP_TIME_S must be >= 0, LEARNING_RATE > 0")
+        if self.peer_loss_wait_s < 0:
+            raise ConfigError("PEER_LOSS_WAIT_S must be >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:

@@ -1,7 +1,12 @@
 """The training loop of one rank.
 
-Exit codes: 0 done (or stopped after STOP_AFTER_STEP), 2 bad settings, 1 anything else
-(a collective that failed because a peer is gone included).
+Exit codes: 0 done (or stopped after STOP_AFTER_STEP), 2 bad settings, 3 a collective
+failed (a peer is gone) and no one stopped this rank within PEER_LOSS_WAIT_S, 1 anything
+else.
+
+A rank whose collective fails stays up for PEER_LOSS_WAIT_S: its state is still that of
+the last completed step, and the supervisor's emergency checkpoint (served by the worker
+client's thread) saves it before the job is restarted; exiting at once would lose it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from training.worker_client import WorkerClient
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
+EXIT_PEER_LOST = 3
 
 log = logging.getLogger("training.torch_workload")
 
@@ -68,35 +74,42 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         step = ckpt.restore()
         restored = ckpt.last_restore
         tier = restored.tier if restored is not None else None
-        say(cfg, f"start world_size={cfg.world_size} resumed step={step} tier={tier}")
+        if restored is not None and restored.step:
+            say(cfg, f"start world_size={cfg.world_size} resumed step={step} tier={tier}")
+        else:
+            say(cfg, f"start world_size={cfg.world_size} from step=0 (no checkpoint to resume)")
         client.report_step(step)
         parameters = sum(p.numel() for p in model.parameters())
         if step == 0:
             say(cfg, f"model: {parameters:,} parameters")
         while step < cfg.total_steps and not (cfg.stop_after_step and step >= cfg.stop_after_step):
-            step += 1
             inputs, targets = batch(
                 cfg.seed,
-                step,
+                step + 1,
                 cfg.rank,
                 batch_size=cfg.batch_size,
                 seq_len=cfg.seq_len,
                 vocab_size=cfg.vocab_size,
             )
-            logits = ddp(inputs)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
-            )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
+            try:
+                logits = ddp(inputs)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
+                )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
+            except RuntimeError as exc:  # torch.distributed's errors included
+                say(cfg, f"step {step + 1} failed in a collective: {first_line(exc)}")
+                return wait_for_stop(cfg, step, client)
             optimizer.step()
             scheduler.step()
+            step += 1
             client.report_step(step)
             ckpt.step_done(step)
             if step % cfg.log_every_steps == 0 or step == cfg.total_steps:
                 say(cfg, f"step={step}/{cfg.total_steps} loss={loss.item():.4f}")
-            if cfg.step_time_s:
-                time.sleep(cfg.step_time_s)
+            if cfg.step_time_s or client.slowdown_s:
+                time.sleep(cfg.step_time_s + client.slowdown_s)
     finally:
         ckpt.close()
     if step == cfg.total_steps and cfg.rank == 0 and cfg.output_dir is not None:
@@ -108,6 +121,21 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     return EXIT_OK
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def wait_for_stop(cfg: TorchWorkloadConfig, step: int, client: WorkerClient) -> int:
+    """Stay up, holding the state of `step`, so that an emergency checkpoint can still
+    save it; the supervisor stops this rank when it restarts the job."""
+    say(cfg, f"holding step={step} for an emergency checkpoint ({cfg.peer_loss_wait_s:g}s)")
+    time.sleep(cfg.peer_loss_wait_s)  # SIGTERM ends it (the worker client's handler)
+    say(cfg, "nobody stopped this rank: exiting")
+    client.close()
+    return EXIT_PEER_LOST
 
 
 def main() -> int:
