@@ -14,7 +14,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from bench import detection, failover, goodput, ingest, memory, mttr
+from bench import detection, failover, goodput, ingest, memory, mttr, torchrun_mttr
 from bench.loops import LOOP_NAME
 from bench.table import Row, render, verdict
 
@@ -155,6 +155,103 @@ def mttr_rows(config: mttr.MttrConfig) -> list[Row]:
     return rows
 
 
+# The torch workload of the MTTR rows: small enough for four ranks' worth of processes on
+# two cores, one log line per step (progress is read from them).
+TORCH_MTTR_ENV = (
+    ("D_MODEL", "64"),
+    ("N_LAYERS", "2"),
+    ("N_HEADS", "4"),
+    ("SEQ_LEN", "32"),
+    ("LOG_EVERY_STEPS", "1"),
+    ("OMP_NUM_THREADS", "1"),
+)
+TORCH_KINDS = ("node_down", "worker_crash", "worker_hang")
+
+
+def _recovered(faults: list[mttr.FaultResult]) -> list[mttr.FaultResult]:
+    return [f for f in faults if f.ok and f.mttr_s is not None]
+
+
+def _column(faults: list[mttr.FaultResult], n: int) -> str:
+    """detected k/n, detection p50, MTTR p50/max, steps lost mean/max, not recovered."""
+    detected = [f.detection_s for f in faults if f.detection_s is not None]
+    good = _recovered(faults)
+    lost = [f.steps_lost for f in good if f.steps_lost is not None]
+    lost_text = f"{sum(lost) / len(lost):.1f} / {max(lost)}" if lost else "-"
+    mttrs = [f.mttr_s for f in good if f.mttr_s is not None]
+    return (
+        f"detected {len(detected)}/{n} in {mttr.fmt_s(detected)}; MTTR {mttr.fmt_s(mttrs)}; "
+        f"steps lost {lost_text}; not recovered {n - len(good)}"
+    )
+
+
+def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
+    """The torch workload under the supervisor (default policy), beside the same faults
+    with periodic checkpoints only and beside torchrun's own elastic restart."""
+    config = mttr.MttrConfig(
+        faults_per_kind=faults_per_kind,
+        kinds=TORCH_KINDS,
+        replicas=2,
+        nodes_per_dp=1,
+        spares=2,
+        workload="torch",
+        workload_env=TORCH_MTTR_ENV,
+        keep_dir=keep,
+        policy_budget_s=300.0,
+    )
+    ours, periodic = mttr.run(config)
+    torchrun = torchrun_mttr.run(
+        torchrun_mttr.TorchrunConfig(
+            faults_per_kind=faults_per_kind,
+            kinds=TORCH_KINDS,
+            step_time_s=config.step_time_s,
+            node_repair_s=config.node_repair_s,
+            workload_env=TORCH_MTTR_ENV,
+            keep_dir=keep,
+        )
+    )
+    n = faults_per_kind
+    rows: list[Row] = []
+    torchrun_crash = [f.mttr_s for f in _recovered(torchrun.of("worker_crash")) if f.mttr_s]
+    for kind in TORCH_KINDS:
+        mine = ours.of(kind)
+        good = _recovered(mine)
+        lost = [f.steps_lost for f in good if f.steps_lost is not None]
+        detected = [f for f in mine if f.detection_s is not None]
+        mttrs = [f.mttr_s for f in good if f.mttr_s is not None]
+        ok = len(good) == n and bool(lost) and max(lost) <= 1 and len(detected) == n
+        target = "all recovered and detected, lost <= 1"
+        if kind == "worker_crash":
+            target += ", MTTR p50 < torchrun's"
+            ok = ok and bool(torchrun_crash) and mttr.median(mttrs) < mttr.median(torchrun_crash)
+        rows += [
+            Row(
+                f"torch MTTR {kind} (n={n}): supervisor",
+                _column(mine, n),
+                "periodic only: " + _column(periodic.of(kind), n),
+                target,
+                verdict(ok),
+            ),
+            Row(f"  torch {kind}: torchrun --max-restarts", "", _column(torchrun.of(kind), n)),
+        ]
+    for who, run in (("supervisor", ours), ("periodic only", periodic), ("torchrun", torchrun)):
+        rows += [
+            Row(f"  torch {who}: {f.kind} on {f.victim}", f.error or "", verdict="info")
+            for f in run.faults
+            if not f.ok
+        ]
+        if run.error is not None:
+            rows.append(Row(f"  torch {who}: run stopped early", run.error, verdict="FAIL"))
+    if torchrun.restarts_by_bench:
+        rows.append(
+            Row(
+                "  torchrun: whole-job restarts by the bench",
+                f"{torchrun.restarts_by_bench} (the job was lost or its rendezvous kept failing)",
+            )
+        )
+    return rows
+
+
 CHECKPOINT_TIER_TARGET = 0.70
 CHECKPOINT_BLOCKING_TARGET = 0.10
 
@@ -244,7 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
         "--only",
-        choices=("ingest", "detection", "memory", "goodput", "mttr", "failover", "checkpoint"),
+        choices=(
+            "ingest",
+            "detection",
+            "memory",
+            "goodput",
+            "mttr",
+            "mttr-torch",
+            "failover",
+            "checkpoint",
+        ),
         action="append",
         default=None,
     )
@@ -264,7 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     only = set(
-        args.only or ("ingest", "detection", "memory", "goodput", "mttr", "failover", "checkpoint")
+        args.only
+        or (
+            "ingest",
+            "detection",
+            "memory",
+            "goodput",
+            "mttr",
+            "mttr-torch",
+            "failover",
+            "checkpoint",
+        )
     )
     header = machine_line()
     started = time.monotonic()
@@ -288,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     if "mttr" in only:
         keep = args.mttr_keep.resolve() if args.mttr_keep else None
         rows += mttr_rows(mttr.MttrConfig(faults_per_kind=args.faults, keep_dir=keep))
+    if "mttr-torch" in only:
+        keep = args.mttr_keep.resolve() if args.mttr_keep else None
+        rows += torch_mttr_rows(args.faults, keep)
     if "failover" in only:
         rows += failover.rows()
     if "checkpoint" in only:

@@ -18,6 +18,12 @@ POST /api/v1/faults and each is followed to the end:
   when the restart stopped them: once a peer is gone they are stuck in the next step's
   all-reduce, so N is the step the job had completed when the fault hit.
 
+With the PyTorch workload (`workload="torch"`: DDP on gloo, one node per replica) the
+job's progress is read from its workers' log lines instead, one per step
+(`start attempt=A ...`, then `step=N/...`), tailed every 50 ms: a step logged by any rank
+of an attempt was all-reduced by every rank of it. The step at the fault is the newest
+step the old attempt logged.
+
 MTTR = resumed - injected; steps lost = step at the fault - resume step. Between faults:
 every action finished, every node back (repaired after `node_repair_s`, uncordoned), the
 job trained a few more steps (a seeded random number, the same in every run, so the
@@ -48,6 +54,7 @@ BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpoin
 KINDS = ("node_down", "worker_crash")
 
 START = re.compile(r"start attempt=(\d+) world_size=(\d+)")
+STEP_LINE = re.compile(r" step=(\d+)/\d+ ")
 RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
 FROM_ZERO = re.compile(r"starting from step=0")
 TERMINATED = re.compile(r"terminated by \w+ at step=(\d+)")
@@ -78,6 +85,8 @@ class MttrConfig:
     settle_steps: tuple[int, int] = (3, 22)  # extra steps before a fault: uniform in range
     seed: int = 7
     keep_dir: Path | None = None  # keep the run directories (logs) here
+    workload: str = "numpy"  # or "torch"
+    workload_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def target_s(self) -> float:
@@ -113,6 +122,7 @@ class PolicyRun:
     policy: str
     faults: list[FaultResult] = field(default_factory=list)
     error: str | None = None  # the run stopped early: why
+    restarts_by_bench: int = 0  # whole-job restarts the bench made (torchrun baseline)
 
     def of(self, kind: str) -> list[FaultResult]:
         return [f for f in self.faults if f.kind == kind]
@@ -177,6 +187,74 @@ def progressed_past(run_dir: Path, attempt: int, step: int, world: int) -> bool:
     return step in dirs and _ranks_in(dirs[step]) >= world
 
 
+class CollectiveProgress:
+    """The NumPy job's progress, from its all-reduce barrier files."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def current(self) -> tuple[int, int]:
+        return current_step(self.run_dir)
+
+    def progressed_past(self, attempt: int, step: int, world: int) -> bool:
+        return progressed_past(self.run_dir, attempt, step, world)
+
+    def newest_step(self, attempt: int) -> int | None:
+        return None  # read from the survivors' `terminated by` lines instead
+
+    def attempts(self) -> list[int]:
+        return _attempts(self.run_dir)
+
+
+class LogProgress:
+    """The torch job's progress, from its workers' log lines (one per step), tailed."""
+
+    def __init__(self, run_dir: Path, job: str) -> None:
+        self.run_dir = run_dir
+        self.pattern = f"*.{job}.rank*.log"
+        self.offsets: dict[Path, int] = {}
+        self.attempt_of: dict[Path, int] = {}
+        self.steps: dict[int, int] = {}  # attempt -> newest step any rank logged
+
+    def _read(self) -> None:
+        for path in sorted((self.run_dir / "nodes").glob(f"*/{self.pattern}")):
+            try:
+                with path.open("rb") as f:
+                    f.seek(self.offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + complete
+            for line in data[:complete].decode(errors="replace").splitlines():
+                if m := START.search(line):
+                    self.attempt_of[path] = int(m[1])
+                    self.steps.setdefault(int(m[1]), -1)
+                elif (m := STEP_LINE.search(line)) and path in self.attempt_of:
+                    attempt = self.attempt_of[path]
+                    self.steps[attempt] = max(self.steps[attempt], int(m[1]))
+
+    def current(self) -> tuple[int, int]:
+        self._read()
+        if not self.steps:
+            return -1, -1
+        attempt = max(self.steps)
+        return attempt, self.steps[attempt]
+
+    def progressed_past(self, attempt: int, step: int, world: int) -> bool:
+        self._read()
+        return self.steps.get(attempt, -1) > step
+
+    def newest_step(self, attempt: int) -> int | None:
+        self._read()
+        step = self.steps.get(attempt)
+        return None if step is None or step < 0 else step
+
+    def attempts(self) -> list[int]:
+        self._read()
+        return sorted(self.steps)
+
+
 # --- worker logs -----------------------------------------------------------------------------
 
 
@@ -220,7 +298,7 @@ class WorkerLogs:
             for line in lines:
                 if m := START.search(line):
                     attempt, world = int(m[1]), int(m[2])
-                elif (m := RESUMED.search(line)) and attempt is not None:
+                if (m := RESUMED.search(line)) and attempt is not None:
                     step, tier = int(m[1]), m[2]
                     # Ranks load the agreed step from whichever tier they hold it in
                     # (a fresh spare has no local tier): name every tier used.
@@ -247,6 +325,11 @@ class Runner:
         self.job = demo.options.job
         self.world = config.replicas * config.nodes_per_dp
         self.logs = WorkerLogs(demo.run_dir, self.job)
+        self.progress: CollectiveProgress | LogProgress = (
+            LogProgress(demo.run_dir, self.job)
+            if config.workload == "torch"
+            else CollectiveProgress(demo.run_dir)
+        )
 
     def _sleep(self) -> None:
         time.sleep(self.config.poll_s)
@@ -282,7 +365,7 @@ class Runner:
             elif len([n for n in nodes if n["job"] == self.job]) != self.world:
                 why = "job placement incomplete"
             else:
-                attempt, step = current_step(demo.run_dir)
+                attempt, step = self.progress.current()
                 if start is None or attempt != start[0]:
                     start = (attempt, step)
                 elif step >= start[1] + extra_steps:
@@ -316,7 +399,7 @@ class Runner:
         demo, cfg = self.demo, self.config
         node = self.victim(index)
         result = FaultResult(kind, node)
-        old_attempt, _ = current_step(demo.run_dir)
+        old_attempt, _ = self.progress.current()
         self.logs.mark()
         fault_id, t0, wall0 = self.inject(kind, node)
         deadline = t0 + cfg.fault_timeout_s
@@ -330,13 +413,13 @@ class Runner:
                 # uncordon now would wait for the hot-swap's lock and stall this loop).
                 demo.repair_nodes()
             resumes, _ = self.logs.parse()
-            newest = max(_attempts(demo.run_dir), default=old_attempt)
+            newest = max(self.progress.attempts(), default=old_attempt)
             now = time.monotonic()
             for attempt, (step, _tier, world) in resumes.items():
                 if (
                     attempt > old_attempt
                     and attempt not in resumed_at
-                    and progressed_past(demo.run_dir, attempt, step, world)
+                    and self.progress.progressed_past(attempt, step, world)
                 ):
                     resumed_at[attempt] = now
             if newest > old_attempt and newest in resumed_at:
@@ -351,6 +434,8 @@ class Runner:
             result.resumed_step, result.resumed_tier, _ = resumes[newest]
         if terminated:
             result.step_at_fault = max(terminated)
+        elif (newest_old := self.progress.newest_step(old_attempt)) is not None:
+            result.step_at_fault = newest_old
         if done:
             result.mttr_s = resumed_at[newest] - t0
         else:
@@ -399,6 +484,8 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         node_repair_s=config.node_repair_s,
         policy=policy,
+        workload=config.workload,
+        workload_env=dict(config.workload_env),
         supervisor_env={
             "SUPERVISOR_MAX_RESTARTS_IN_WINDOW": "1000",
             "SUPERVISOR_FLAP_MAX_LOSSES": "100",

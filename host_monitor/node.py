@@ -35,6 +35,8 @@ from host_monitor.protocol import (
     CheckpointReport,
     NodeStatus,
     ProgressReply,
+    RejoinRequest,
+    RejoinResult,
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
@@ -42,6 +44,7 @@ from host_monitor.protocol import (
     WorkerRegistration,
     WorkerStatus,
     WorkerStopping,
+    WorldAssignment,
 )
 from host_monitor.wire import Name, WorkerReport
 from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
@@ -106,6 +109,7 @@ class Node:
         self._delivered_version = 0
         self._idle_since: float | None = None  # monotonic: when its last worker went
         self._starts: OrderedDict[str, StartWorkersRequest] = OrderedDict()
+        self._rejoins: OrderedDict[str, tuple[RejoinRequest, RejoinResult]] = OrderedDict()
         self._lock = asyncio.Lock()
         # The partner of the peer checkpoint tier (peer_tier.py): from the start request,
         # or PUT /v1/checkpoint-peer. A relation of the job: a released node has none.
@@ -259,8 +263,47 @@ class Node:
         return self.registry.stopping(rank, report).status()
 
     def progress(self, rank: int, report: WorkerProgress) -> ProgressReply:
-        worker = self.registry.progress(rank, report.step)
+        worker = self.registry.progress(rank, report.step, report.attempt)
         return ProgressReply(slowdown_s=worker.slowdown_s)
+
+    def world(self, rank: int) -> WorldAssignment:
+        worker = self.registry.get(rank)
+        if worker.world is None:
+            return WorldAssignment(attempt=None)
+        attempt, env = worker.world
+        return WorldAssignment(attempt=attempt, env=env)
+
+    async def rejoin(self, req: RejoinRequest) -> RejoinResult:
+        """Give the job's live, registered workers a new world (in-process restart)."""
+        async with self._lock:
+            done = self._rejoins.get(req.request_id)
+            if done is not None:
+                if done[0] != req:
+                    raise WorkerConflict(
+                        f"request_id {req.request_id!r} was used for a different rejoin"
+                    )
+                return done[1]
+            if req.job != self.job:
+                raise WorkerConflict(f"job: this node runs job {self.job!r}, not {req.job!r}")
+            self._check_env(req.env)
+            live = [w for w in self.registry.live() if w.registered]
+            if not live:
+                raise WorkerConflict(
+                    f"no live worker of job {req.job!r} on this node to rejoin: start them"
+                )
+            for worker in live:
+                worker.world = (req.attempt, dict(req.env))
+            result = RejoinResult(
+                request_id=req.request_id,
+                attempt=req.attempt,
+                ranks=sorted(w.rank for w in live),
+            )
+            self._rejoins[req.request_id] = (req, result)
+            while len(self._rejoins) > KEEP_START_REQUESTS:
+                self._rejoins.popitem(last=False)
+            log.info("rejoin %s: ranks %s to attempt %s", req.request_id, result.ranks, req.attempt)
+            self._changed()
+            return result
 
     def checkpoint(self, rank: int, report: CheckpointReport) -> None:
         self.registry.get(rank)
@@ -355,9 +398,7 @@ class Node:
             raise InvalidRequest(
                 "job", "must be 1-253 letters, digits, '-', '_' or '.', starting alphanumeric"
             ) from None
-        for key, value in req.env.items():
-            if not key or "=" in key or "\0" in key or "\0" in value:
-                raise InvalidRequest(f"env.{key}", "not a valid environment variable")
+        self._check_env(req.env)
         ranks = [s.rank for s in req.workers]
         if len(ranks) != len(set(ranks)):
             raise InvalidRequest("workers", "ranks must be unique")
@@ -367,6 +408,12 @@ class Node:
         busy = sorted(w.rank for w in live if w.rank in set(ranks))
         if busy:
             raise WorkerConflict(f"ranks {busy} are still running: stop them first")
+
+    @staticmethod
+    def _check_env(env: dict[str, str]) -> None:
+        for key, value in env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise InvalidRequest(f"env.{key}", "not a valid environment variable")
 
     def _worker_env(self, req: StartWorkersRequest, rank: int, local_rank: int) -> dict[str, str]:
         return {

@@ -54,11 +54,30 @@ class WorkerStopping(BaseModel):
     signal: int | None = Field(None, ge=1, le=64, description="The signal received.")
 
 
+ATTEMPT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+
+
 class WorkerProgress(BaseModel):
     """POST /v1/workers/{rank}/progress: the newest finished step (also the worker heartbeat)."""
 
     model_config = ConfigDict(extra="forbid")
     step: int | None = Field(None, ge=0)
+    attempt: str | None = Field(
+        None,
+        pattern=ATTEMPT_PATTERN,
+        description="The torch.distributed world the worker trains in (WORKLOAD_ATTEMPT); "
+        "an in-process restart moves it to a new one.",
+    )
+
+
+class WorldAssignment(BaseModel):
+    """GET /v1/workers/{rank}/world: the world this worker is to join without restarting
+    (an in-process restart), or none (`attempt` null)."""
+
+    attempt: str | None
+    env: dict[str, str] = Field(
+        default_factory=dict, description="MASTER_ADDR, MASTER_PORT, WORLD_SIZE, ..."
+    )
 
 
 class ProgressReply(BaseModel):
@@ -166,6 +185,27 @@ class StartWorkersRequest(BaseModel):
     )
 
 
+class RejoinRequest(BaseModel):
+    """POST /v1/workers/rejoin: give the job's live workers on this node a new
+    torch.distributed world to join without restarting (an in-process restart).
+
+    Each worker reads it from GET /v1/workers/{rank}/world and reports `attempt` in its
+    progress once it trains in that world. Idempotent by `request_id`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=200)
+    job: str = Field(min_length=1)
+    attempt: str = Field(pattern=ATTEMPT_PATTERN)
+    env: dict[str, str] = Field(description="The new world: MASTER_ADDR, MASTER_PORT, ...")
+
+
+class RejoinResult(BaseModel):
+    request_id: str
+    attempt: str
+    ranks: list[int] = Field(description="The live workers given the new world.")
+
+
 class StopWorkersRequest(BaseModel):
     """POST /v1/workers/stop: SIGTERM, then SIGKILL after `grace_s`. `release` makes the
     node a spare again."""
@@ -204,6 +244,7 @@ class WorkerStatus(BaseModel):
     state: WorkerState
     step: int | None
     exit_code: int | None
+    attempt: str | None = Field(None, description="The world it reported training in.")
 
 
 class NodeStatus(BaseModel):

@@ -34,6 +34,8 @@ from host_monitor.protocol import (
     NodeStatus,
     ProcessFault,
     ProgressReply,
+    RejoinRequest,
+    RejoinResult,
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
@@ -41,6 +43,7 @@ from host_monitor.protocol import (
     WorkerRegistration,
     WorkerStatus,
     WorkerStopping,
+    WorldAssignment,
 )
 from host_monitor.workers import WorkerConflict, WorkerNotFound
 from supervisor.api.errors import validation_error
@@ -124,6 +127,14 @@ def create_app(
     async def progress(rank: Rank, body: WorkerProgress) -> ProgressReply:
         return node.progress(rank, body)
 
+    @workers.get(
+        "/{rank}/world",
+        response_model=WorldAssignment,
+        summary="The world to join without restarting (in-process restart), if any",
+    )
+    async def world(rank: Rank) -> WorldAssignment:
+        return node.world(rank)
+
     @workers.post(
         "/{rank}/checkpoints",
         status_code=status.HTTP_202_ACCEPTED,
@@ -168,6 +179,14 @@ def create_app(
     )
     async def start_workers(body: StartWorkersRequest) -> NodeStatus:
         return await node.start_workers(body)
+
+    @actuator.post(
+        "/workers/rejoin",
+        response_model=RejoinResult,
+        summary="Give the live workers a new world to join in-process (idempotent by request_id)",
+    )
+    async def rejoin_workers(body: RejoinRequest) -> RejoinResult:
+        return await node.rejoin(body)
 
     @actuator.post(
         "/workers/stop",

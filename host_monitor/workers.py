@@ -106,6 +106,9 @@ class Worker:
     slowdown_s: float = 0.0  # straggler fault: sent back in progress replies
     log_path: Path | None = None
     request_file: Path | None = None  # HOST_MONITOR_REQUEST_FILE of a launched worker
+    attempt: str | None = None  # the world it reported training in
+    # An in-process restart: (attempt, env) of the world to join, until it reports it.
+    world: tuple[str, dict[str, str]] | None = None
 
     @property
     def alive(self) -> bool:
@@ -124,6 +127,7 @@ class Worker:
             state=self.state,
             step=self.step,
             exit_code=self.exit_code,
+            attempt=self.attempt,
         )
 
     def signal(self, sig: signal.Signals, *, group: bool = True) -> bool:
@@ -290,13 +294,17 @@ class WorkerRegistry:
             log.warning("registration of rank %d refused: %s", reg.rank, exc)
             raise WorkerConflict(f"pid: {exc}") from None
 
-    def progress(self, rank: int, step: int | None) -> Worker:
+    def progress(self, rank: int, step: int | None, attempt: str | None = None) -> Worker:
         worker = self.get(rank)
         if not worker.alive:
             return worker  # a late report from a worker we already saw go
         worker.last_progress = self._clock()
         if step is not None:
             worker.step = step
+        if attempt is not None:
+            worker.attempt = attempt
+            if worker.world is not None and worker.world[0] == attempt:
+                worker.world = None  # joined
         worker.registered = True
         if worker.state is not WorkerState.RUNNING:
             self._set(worker, WorkerState.RUNNING)

@@ -132,6 +132,6 @@ def test_each_pod_command_forms_the_torch_world_and_trains(tmp_path: Path) -> No
         assert proc.returncode == 0, out
         outputs.append(out)
     for rank, out in enumerate(outputs):
-        assert f"torch workload rank={rank}: start world_size=2 " in out
+        assert f"torch workload rank={rank}: start attempt=0 world_size=2: " in out
         assert f"rank={rank}: step=10/12" in out
     assert (tmp_path / "output" / "weights.sha256").exists()

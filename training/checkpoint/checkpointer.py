@@ -431,8 +431,8 @@ class Checkpointer:
     def _candidates(self) -> dict[int, list[tuple[Source, Path | None]]]:
         """Steps this rank can load, with their sources fastest first (no file read): a
         tier and the rank directory to read (None for the peer's copy, fetched first).
-        With a replicated state, other ranks' durable directories count too, after this
-        rank's own."""
+        With a replicated state, other ranks' directories count too, after this rank's own
+        (in RAM: a launcher such as torchrun may give this node another rank this time)."""
         out: dict[int, list[tuple[Source, Path | None]]] = {}
         tiers: tuple[tuple[Source, Path | None], ...] = (
             ("ram", self.ram_root),
@@ -442,7 +442,7 @@ class Checkpointer:
             if root is None:
                 continue
             ranks = [self.rank]
-            if tier == "durable" and self.replicated:
+            if self.replicated:  # another rank's copy (e.g. a rank that moved nodes) serves
                 ranks += [r for r in fmt.committed_ranks(root) if r != self.rank]
             for rank in ranks:
                 for step in fmt.committed_steps(root, rank):

@@ -13,6 +13,7 @@
 | `STEP_TIME_S` | `0` | Extra seconds per step (to pace a demo). |
 | `OUTPUT_DIR` | unset | Rank 0 writes `weights.sha256` there at the end. |
 | `LOG_EVERY_STEPS` | `10` | One progress line every this many steps. |
+| `WORKLOAD_ATTEMPT` | torchrun's restart count, else `0` | Names the attempt in the log. |
 | `PEER_LOSS_WAIT_S` | `120` | After a failed collective: seconds to stay up (see train.py). |
 
 The checkpoint tiers read their own settings (`training.checkpoint.CheckpointSettings`:
@@ -50,6 +51,7 @@ class TorchWorkloadConfig:
     output_dir: Path | None = None
     log_every_steps: int = 10
     peer_loss_wait_s: float = 120.0
+    attempt: str = "0"
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -72,7 +74,11 @@ class TorchWorkloadConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:
         env = os.environ if env is None else env
         values: dict[str, object] = {}
+        attempt = env.get("WORKLOAD_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT") or "0"
+        values["attempt"] = attempt.strip()[:64]
         for field in fields(cls):
+            if field.name == "attempt":
+                continue
             raw = env.get(field.name.upper())
             if raw is None or raw == "":
                 if field.name in ("rank", "world_size"):

@@ -4,9 +4,10 @@ Exit codes: 0 done (or stopped after STOP_AFTER_STEP), 2 bad settings, 3 a colle
 failed (a peer is gone) and no one stopped this rank within PEER_LOSS_WAIT_S, 1 anything
 else.
 
-A rank whose collective fails stays up for PEER_LOSS_WAIT_S: its state is still that of
-the last completed step, and the supervisor's emergency checkpoint (served by the worker
-client's thread) saves it before the job is restarted; exiting at once would lose it.
+A rank whose collective fails stays up for PEER_LOSS_WAIT_S when a host monitor is there:
+its state is still that of the last completed step, and the supervisor's emergency
+checkpoint (served by the worker client's thread) saves it before the job is restarted;
+exiting at once would lose it. Without a host monitor it exits at once (code 3).
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         step = ckpt.restore()
         restored = ckpt.last_restore
         tier = restored.tier if restored is not None else None
+        started = f"start attempt={cfg.attempt} world_size={cfg.world_size}:"
         if restored is not None and restored.step:
-            say(cfg, f"start world_size={cfg.world_size} resumed step={step} tier={tier}")
+            say(cfg, f"{started} resumed step={step} tier={tier}")
         else:
-            say(cfg, f"start world_size={cfg.world_size} from step=0 (no checkpoint to resume)")
+            say(cfg, f"{started} starting from step=0 (no checkpoint every rank can load)")
         client.report_step(step)
         parameters = sum(p.numel() for p in model.parameters())
         if step == 0:
@@ -130,7 +132,12 @@ def first_line(exc: BaseException) -> str:
 
 def wait_for_stop(cfg: TorchWorkloadConfig, step: int, client: WorkerClient) -> int:
     """Stay up, holding the state of `step`, so that an emergency checkpoint can still
-    save it; the supervisor stops this rank when it restarts the job."""
+    save it; the supervisor stops this rank when it restarts the job. Without a host
+    monitor nobody will ask: exit at once (a launcher such as torchrun restarts the
+    group when a rank exits)."""
+    if not client.online:
+        client.close()
+        return EXIT_PEER_LOST
     say(cfg, f"holding step={step} for an emergency checkpoint ({cfg.peer_loss_wait_s:g}s)")
     time.sleep(cfg.peer_loss_wait_s)  # SIGTERM ends it (the worker client's handler)
     say(cfg, "nobody stopped this rank: exiting")
