@@ -107,6 +107,12 @@ class Settings(BaseSettings):
     local_stop_grace_s: float = Field(
         5.0, ge=0, description="Time local workers get between SIGTERM and SIGKILL."
     )
+    in_process_restart_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="An in-process restart (survivors keep their processes and join a new "
+        "world) not done in this long falls back to a full restart of every rank.",
+    )
     dry_run: bool = Field(
         False, description="Record what the policy decides without touching anything."
     )

@@ -156,9 +156,18 @@ class actions:
 
     @staticmethod
     def restart_in_place(
-        job: str | None, node: str | None = None, *, reason: str = ""
+        job: str | None,
+        node: str | None = None,
+        *,
+        reason: str = "",
+        in_process: bool | None = None,
     ) -> ActionRequest:
-        return ActionRequest(ActionType.RESTART_IN_PLACE, job=job, node=node, reason=reason)
+        """`in_process`: True asks the backend to heal in-process (the survivors keep their
+        processes), False for a full restart; None: the job's default."""
+        params = {} if in_process is None else {"in_process": in_process}
+        return ActionRequest(
+            ActionType.RESTART_IN_PLACE, job=job, node=node, params=params, reason=reason
+        )
 
     @staticmethod
     def restart_workload(job: str | None, *, reason: str = "") -> ActionRequest:
@@ -166,9 +175,17 @@ class actions:
 
     @staticmethod
     def hot_swap(
-        job: str | None, node: str | None, *, spare: str | None = None, reason: str = ""
+        job: str | None,
+        node: str | None,
+        *,
+        spare: str | None = None,
+        reason: str = "",
+        in_process: bool | None = None,
     ) -> ActionRequest:
-        params = {"spare": spare} if spare else {}
+        """`in_process` as for `restart_in_place`."""
+        params: dict[str, Any] = {"spare": spare} if spare else {}
+        if in_process is not None:
+            params["in_process"] = in_process
         return ActionRequest(ActionType.HOT_SWAP, job=job, node=node, params=params, reason=reason)
 
     @staticmethod

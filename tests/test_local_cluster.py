@@ -176,6 +176,15 @@ def output(demo: LocalDemo) -> Any:
     return final_weights(demo.run_dir / "output", o.workload, o.nodes_per_dp)
 
 
+def assert_healed_in_process(action: dict[str, Any], workload: str) -> None:
+    """The torch workload heals in-process: the survivors kept their processes."""
+    if workload == "torch":
+        assert action["result"]["path"] == "in_process", action["result"]
+        assert action["result"]["rejoined"] and action["result"]["started"]
+    else:
+        assert "path" not in action["result"]  # the NumPy workload restarts every rank
+
+
 def node_known(demo: LocalDemo, node: str) -> bool:
     response = httpx.get(
         f"{demo.url}/api/v1/nodes/{node}",
@@ -221,12 +230,15 @@ def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
     saved = actions[0]["result"]["step"]
     assert actions[1]["result"]["replaced"] == victim
     assert actions[1]["result"]["by"] == demo.options.nodes[2]
+    assert_healed_in_process(actions[1], workload)
 
     weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
     # Resumed at the emergency checkpoint's step: the step the healthy replica was at.
     # (Where that step also has a periodic checkpoint, ranks may load that same copy.)
     resumes = resumed_steps(demo)
     assert resumes and {step for step, _ in resumes} == {saved}, resumes
+    if workload == "torch":  # the survivor trained on from the state it held
+        assert "memory" in {tier for _, tier in resumes}, resumes
     # Nothing was lost beyond the step in flight: the survivors were blocked in that
     # step's all-reduce, so they saved the last step completed, not an older periodic one.
     assert saved >= step_before
@@ -271,6 +283,7 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     assert all(a["fault_id"] == injected["id"] for a in actions)
     saved = actions[0]["result"]["step"]
     assert saved >= step_before
+    assert_healed_in_process(actions[1], workload)
 
     weights = wait_for(lambda: output(demo), within=120, what="the job to finish")
     resumes = resumed_steps(demo)

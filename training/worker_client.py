@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import queue
+import re
 import signal
 import socket
 import threading
@@ -84,6 +85,8 @@ ENV_MONITOR_URL = "HOST_MONITOR_URL"
 ENV_TOKEN = "HOST_MONITOR_WORKER_TOKEN"
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
 ENV_JOB = "HOST_MONITOR_JOB"
+ENV_ATTEMPT = "WORKLOAD_ATTEMPT"
+_ATTEMPT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_REQUEST_ID = "signal"
 
 _REQUEST_TIMEOUT_S = 2.0
@@ -165,15 +168,19 @@ class WorkerClient:
         self._emergency_thread: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends
         self._term_grace_s = 1.0
+        #: The torch.distributed world this worker trains in (WORKLOAD_ATTEMPT), sent with
+        #: each progress report; an in-process restart moves it (see `new_world`).
+        self.attempt: str | None = None
+        self._report_now = False
 
     @classmethod
     def from_env(
         cls, env: Mapping[str, str] | None = None, *, report_interval_s: float = 0.5
     ) -> WorkerClient:
-        """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN and
-        HOST_MONITOR_JOB."""
+        """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN,
+        HOST_MONITOR_JOB and WORKLOAD_ATTEMPT."""
         env = os.environ if env is None else env
-        return cls(
+        client = cls(
             int(env.get(ENV_RANK, "0")),
             int(env.get(ENV_LOCAL_RANK, "0")),
             monitor_url=env.get(ENV_MONITOR_URL) or None,
@@ -181,6 +188,9 @@ class WorkerClient:
             report_interval_s=report_interval_s,
             job=env.get(ENV_JOB) or None,
         )
+        attempt = env.get(ENV_ATTEMPT, "")
+        client.attempt = attempt if _ATTEMPT_RE.match(attempt) else None
+        return client
 
     # --- state read by the training loop ---------------------------------------------
 
@@ -456,6 +466,57 @@ class WorkerClient:
                 if self._post(f"/v1/workers/{self.rank}/emergency-ack", body, "ack") is not None:
                     break
 
+    # --- in-process restart -------------------------------------------------------------
+
+    def new_world(
+        self, timeout_s: float, *, poll_s: float = 0.05
+    ) -> tuple[str, dict[str, str]] | None:
+        """Wait for the host monitor to hand this worker a new world to join without
+        restarting (an in-process restart): (attempt, its environment: MASTER_ADDR,
+        MASTER_PORT, WORLD_SIZE, ...), or None after `timeout_s` (or offline).
+
+        Call `joined(attempt)` once the worker trains in it: the host monitor then knows.
+        Emergency checkpoints are served meanwhile (by the client's thread, see
+        `serve_emergency_checkpoints`).
+        """
+        if self._http is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        path = f"/v1/workers/{self.rank}/world"
+        while True:
+            try:
+                response = self._http.get(path)
+                response.raise_for_status()
+                body = response.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                body = None
+                if "world" not in self._failing:
+                    self._failing.add("world")
+                    log.warning("worker client: asking for a new world failed: %s", exc)
+            if isinstance(body, dict):
+                self._failing.discard("world")
+                attempt, env = body.get("attempt"), body.get("env")
+                if (
+                    isinstance(attempt, str)
+                    and attempt != self.attempt
+                    and isinstance(env, dict)
+                    and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+                ):
+                    return attempt, dict(env)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(poll_s, left))
+
+    def joined(self, attempt: str) -> None:
+        """This worker now trains in world `attempt`: tell the host monitor at once."""
+        if not _ATTEMPT_RE.match(attempt):
+            raise ValueError(f"attempt must match {_ATTEMPT_RE.pattern}, got {attempt!r}")
+        self.attempt = attempt
+        self._report_now = True
+        self._ensure_thread()
+        self._wake.set()
+
     # --- SIGTERM: stopped on purpose --------------------------------------------------
 
     def _install_term_handler(self) -> None:
@@ -537,7 +598,8 @@ class WorkerClient:
             stopping = self._stop.is_set()
             self._drain()
             now = time.monotonic()
-            if now >= next_progress or stopping:
+            if now >= next_progress or stopping or self._report_now:
+                self._report_now = False
                 self._send_progress()
                 next_progress = max(next_progress + self.report_interval_s, now)
                 if self._unknown_to_monitor and not stopping:
@@ -566,9 +628,10 @@ class WorkerClient:
             log.info("worker client: registered with the host monitor again")
 
     def _send_progress(self) -> None:
-        reply = self._post(
-            f"/v1/workers/{self.rank}/progress", {"step": self._step}, kind="progress"
-        )
+        body: dict[str, Any] = {"step": self._step}
+        if self.attempt is not None:
+            body["attempt"] = self.attempt
+        reply = self._post(f"/v1/workers/{self.rank}/progress", body, kind="progress")
         if isinstance(reply, dict):
             value = reply.get("slowdown_s", 0.0)
             if isinstance(value, int | float) and value >= 0:

@@ -13,6 +13,7 @@ first, then restart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,15 @@ import httpx
 from supervisor.actuator.backend import ActionError, Backend
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType
-from supervisor.local.cluster import ClusterError, ClusterState, LocalCluster
+from supervisor.local.cluster import (
+    ClusterError,
+    ClusterState,
+    InProcessFailed,
+    JobSpec,
+    LocalCluster,
+)
+
+log = logging.getLogger(__name__)
 
 PROCESS_FAULTS = frozenset({"worker_crash", "worker_hang", "straggler", "xid", "ecc", "node_down"})
 
@@ -66,11 +75,19 @@ class LocalBackend(Backend):
                 budget = max(0.5, self.settings.emergency_checkpoint_timeout_s * 0.9)
                 exclude = [str(n) for n in params.get("exclude_nodes", ())]
                 return await self.cluster.emergency_checkpoint(key, action.job, exclude, budget)
-            case ActionType.RESTART_IN_PLACE | ActionType.RESTART_WORKLOAD:
+            case ActionType.RESTART_IN_PLACE:
+                job = self.cluster.job(action.job)
+                if self._in_process(action, job) and action.node in job.placement:
+                    return await self._restart(key, [action.node])
+                return await self.cluster.restart_job(key)
+            case ActionType.RESTART_WORKLOAD:
                 self.cluster.job(action.job)
                 return await self.cluster.restart_job(key)
             case ActionType.HOT_SWAP:
-                return await self._hot_swap(key, action.job, action.node, params.get("spare"))
+                job = self.cluster.job(action.job)
+                return await self._hot_swap(
+                    key, action.job, action.node, params.get("spare"), self._in_process(action, job)
+                )
             case ActionType.SCALE_DOWN:
                 return await self._scale(
                     key, action.job, int(params["to_replicas"]), params.get("exclude_node")
@@ -83,8 +100,33 @@ class LocalBackend(Backend):
 
     # --- actions ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _in_process(action: ActionRecord, job: JobSpec) -> bool:
+        """Whether to heal in-process: the policy's choice (params `in_process`), else the
+        job's default."""
+        wanted = action.params.get("in_process")
+        return bool(job.in_process_restart if wanted is None else wanted)
+
+    async def _restart(self, key: str, fresh: list[str]) -> dict[str, Any]:
+        """In-process restart of the survivors with new ranks on `fresh`; a full restart
+        when that fails or takes longer than `in_process_restart_timeout_s` (the result
+        says which path was taken, and why)."""
+        try:
+            return await self.cluster.restart_in_process(
+                key, fresh, timeout_s=self.settings.in_process_restart_timeout_s
+            )
+        except InProcessFailed as exc:
+            log.warning("in-process restart %s failed, restarting every rank: %s", key, exc)
+            result = await self.cluster.restart_job(f"{key}/full")
+            return {"path": "full_restart", "in_process_error": str(exc), **result}
+
     async def _hot_swap(
-        self, key: str, job_name: str | None, node: str | None, wanted: object
+        self,
+        key: str,
+        job_name: str | None,
+        node: str | None,
+        wanted: object,
+        in_process: bool = False,
     ) -> dict[str, Any]:
         state = self.cluster.state
         job = self.cluster.job(job_name)
@@ -95,10 +137,16 @@ class LocalBackend(Backend):
             spare = await self._pick_spare(spare or None)
             job.placement = [spare if n == node else n for n in job.placement]
             job.pending_release.append(node)
+            job.swapped_in = spare
             if node not in state.cordoned:
                 state.cordoned.append(node)
             state.save()
-        result = await self.cluster.restart_job(key)
+        elif not spare:
+            spare = job.swapped_in or ""  # resumed after a crash: the swap is recorded
+        if in_process and spare:
+            result = await self._restart(key, [spare])
+        else:
+            result = await self.cluster.restart_job(key)
         return {"replaced": node, "by": spare, **result}
 
     async def _pick_spare(self, wanted: str | None) -> str:

@@ -39,6 +39,10 @@ class ClusterError(Exception):
     """The cluster cannot do what was asked (no spare, no node answers, ...)."""
 
 
+class InProcessFailed(ClusterError):
+    """An in-process restart could not be done (the message says why): restart fully."""
+
+
 class NodeInfo(BaseModel):
     address: str
     # The `checkpoint_root` its host monitor runs with; None: the host monitor's default.
@@ -62,6 +66,11 @@ class JobSpec(BaseModel):
     # The torch.distributed rendezvous port of the current attempt (MASTER_PORT), on rank
     # 0's node: a fresh one per attempt, so that a new world never meets ranks of the old.
     master_port: int | None = None
+    # The workload can heal in-process (the torch workload): restart in place and hot-swap
+    # then keep the survivors' processes and start only the replaced ranks.
+    in_process_restart: bool = False
+    # The node the last hot-swap put in (a resumed hot-swap starts its rank anew).
+    swapped_in: str | None = None
 
 
 def checkpoint_partner(job: JobSpec, rank: int) -> str | None:
@@ -238,21 +247,9 @@ class LocalCluster:
             job.started_by = key
             job.master_port = free_port()  # local mode: every node runs on this machine
             self.state.save()
-        bodies = {}
-        for rank, node in enumerate(job.placement):
-            bodies[node] = {
-                "request_id": f"{key}-{node}",
-                "job": job.name,
-                "command": job.command,
-                "env": self.worker_env(job, node),
-                "workers": [{"rank": rank, "local_rank": 0}],
-            }
-            partner = checkpoint_partner(job, rank)
-            if partner is not None and partner in self.state.nodes:
-                bodies[node]["checkpoint_peer"] = {
-                    "node": partner,
-                    "url": self.state.nodes[partner].address,
-                }
+        bodies = {
+            node: self._start_body(key, job, rank, node) for rank, node in enumerate(job.placement)
+        }
         results = await asyncio.gather(
             *(self.call(node, "/v1/workers/start", body) for node, body in bodies.items()),
             return_exceptions=True,
@@ -265,6 +262,104 @@ class LocalCluster:
         if failed:
             raise ClusterError(f"could not start workers on {failed}")
         return {"attempt": job.attempt, "placement": list(job.placement), "stopped": stopped}
+
+    def _start_body(self, key: str, job: JobSpec, rank: int, node: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "request_id": f"{key}-{node}",
+            "job": job.name,
+            "command": job.command,
+            "env": self.worker_env(job, node),
+            "workers": [{"rank": rank, "local_rank": 0}],
+        }
+        partner = checkpoint_partner(job, rank)
+        if partner is not None and partner in self.state.nodes:
+            body["checkpoint_peer"] = {"node": partner, "url": self.state.nodes[partner].address}
+        return body
+
+    async def restart_in_process(
+        self, key: str, fresh: Sequence[str], *, timeout_s: float
+    ) -> dict[str, Any]:
+        """Heal without restarting the survivors: the ranks on `fresh` nodes (and the nodes
+        to release) are stopped and started anew, every other rank keeps its process and
+        is handed a new world to join (POST /v1/workers/rejoin); done once every rank
+        trains in it. Raises InProcessFailed when a node refuses, or when not every rank
+        joined within `timeout_s`: the caller then restarts fully.
+
+        Safe to call again with the same key after a crash, as `restart_job`.
+        """
+        job = self.job(None)
+        fresh_nodes = [n for n in dict.fromkeys(fresh) if n in job.placement]
+        stopped: dict[str, Any] = {}
+        if job.started_by != key:
+            release = list(job.pending_release)
+            to_stop = sorted(set(fresh_nodes) | set(release))
+            stopped = await self.stop_job(to_stop, grace_s=self.stop_grace_s, release=release)
+            job.pending_release = []
+            job.attempt += 1
+            job.started_by = key
+            job.master_port = free_port()
+            self.state.save()
+        attempt = str(job.attempt)
+        survivors = [n for n in dict.fromkeys(job.placement) if n not in fresh_nodes]
+        world = {
+            "WORKLOAD_ATTEMPT": attempt,
+            "WORLD_SIZE": str(len(job.placement)),
+            **self.rendezvous_env(job),
+        }
+        rejoin = {
+            node: {"request_id": f"{key}-{node}", "job": job.name, "attempt": attempt, "env": world}
+            for node in survivors
+        }
+        told = await self._each("/v1/workers/rejoin", rejoin)
+        refused = {n: str(r) for n, r in told.items() if isinstance(r, Exception)}
+        if refused:
+            raise InProcessFailed(f"survivors could not rejoin: {refused}")
+        starts = {
+            node: self._start_body(key, job, rank, node)
+            for rank, node in enumerate(job.placement)
+            if node in fresh_nodes
+        }
+        started = await self._each("/v1/workers/start", starts)
+        failed = {n: str(r) for n, r in started.items() if isinstance(r, Exception)}
+        if failed:
+            raise InProcessFailed(f"could not start the replaced ranks: {failed}")
+        await self._wait_joined(job, attempt, timeout_s)
+        return {
+            "path": "in_process",
+            "attempt": job.attempt,
+            "placement": list(job.placement),
+            "rejoined": survivors,
+            "started": fresh_nodes,
+            "stopped": stopped,
+        }
+
+    async def _wait_joined(self, job: JobSpec, attempt: str, timeout_s: float) -> None:
+        """Until every rank reports training in `attempt`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        waiting = dict(enumerate(job.placement))
+        while waiting:
+            for rank, node in list(waiting.items()):
+                try:
+                    status = await self.call(node, "/v1/status", timeout=2.0)
+                except (httpx.HTTPError, ClusterError):
+                    continue
+                joined = any(
+                    w.get("rank") == rank
+                    and w.get("attempt") == attempt
+                    and w.get("state") == "running"
+                    for w in status.get("workers", [])
+                )
+                if joined:
+                    del waiting[rank]
+            if not waiting:
+                return
+            if loop.time() >= deadline:
+                raise InProcessFailed(
+                    f"ranks {sorted(waiting)} did not join attempt {attempt} within "
+                    f"{timeout_s:g}s"
+                )
+            await asyncio.sleep(0.1)
 
     async def stop_job(
         self, nodes: Sequence[str], *, grace_s: float, release: Sequence[str] = ()

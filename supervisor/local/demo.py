@@ -57,6 +57,9 @@ class DemoOptions:
     workload: str = "numpy"
     #: More environment for the workload (e.g. the torch model's size).
     workload_env: dict[str, str] = field(default_factory=dict)
+    #: The torch workload heals in-process (restart in place, hot-swap): survivors keep
+    #: their processes. Off: every rank restarts.
+    in_process_restart: bool = True
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -87,6 +90,7 @@ class DemoOptions:
             num_dp_replicas=self.replicas,
             num_nodes_per_dp=self.nodes_per_dp,
             placement=placement,
+            in_process_restart=self.workload == "torch" and self.in_process_restart,
         )
 
 

@@ -60,7 +60,7 @@ from training.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
-Source = Literal["ram", "peer", "durable"]
+Source = Literal["memory", "ram", "peer", "durable"]
 
 #: Restore rounds before giving up on agreeing (each drops steps some rank cannot load).
 MAX_RESTORE_ROUNDS = 16
@@ -75,7 +75,7 @@ class Restored:
     """What `restore()` did on this rank."""
 
     step: int  # 0: nothing to restore, start fresh
-    tier: Source | None  # "ram", "peer" or "durable"; None when starting fresh
+    tier: Source | None  # "memory", "ram", "peer" or "durable"; None when starting fresh
     size: int
     seconds: float
 
@@ -369,13 +369,26 @@ class Checkpointer:
 
     # --- restoring --------------------------------------------------------------------
 
-    def restore(self) -> int:
+    def restore(self, *, in_memory: bool = False) -> int:
         """Load the newest step every rank can load; the step to continue after (0: none).
 
         Collective when torch.distributed is initialized: every rank must call it.
+        `in_memory`: this process still holds the state of its last completed step (it
+        stays after its process group failed, an in-process restart): that step needs no
+        load here, if the ranks agree on it (tier `memory`).
         """
         started = time.monotonic()
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_rank() != self.rank:
+                raise RuntimeError(
+                    f"this Checkpointer is rank {self.rank}'s; the process group says "
+                    f"rank {dist.get_rank()}"
+                )
+            self.world_size = self._saver.world_size = dist.get_world_size()
         candidates = self._candidates()
+        held = self._completed if in_memory else None
+        if held is not None:
+            candidates.setdefault(held.step, []).insert(0, ("memory", None))
         dropped: set[int] = set()
         loaded_before = False  # this rank's tensors hold a step the ranks then dropped
         for _ in range(MAX_RESTORE_ROUNDS):
@@ -411,7 +424,7 @@ class Checkpointer:
                 tier, size = loaded
                 seconds = time.monotonic() - started
                 self.last_restore = Restored(step, tier, size, seconds)
-                if self.client is not None:
+                if self.client is not None and tier != "memory":  # nothing was loaded
                     self.client.report_checkpoint_loaded(
                         step,
                         seconds,
@@ -467,6 +480,10 @@ class Checkpointer:
         """Load `step` from the first source that verifies; (tier, bytes) or None."""
         for tier, where in sources:
             verified = False
+            if tier == "memory":
+                assert self._completed is not None and self._completed.step == step
+                self.state.rewind(self._completed)
+                return tier, 0
             if where is None:  # the partner's copy
                 assert self.ram_root is not None
                 fetched = self.peer.fetch(step, self.ram_root)

@@ -85,6 +85,31 @@ class TrainingState:
         }
         return Snapshot(step, copy.deepcopy(self._small()), buffers)
 
+    def rewind(self, snapshot: Snapshot) -> None:
+        """Put back what a forward and backward since `snapshot` changed (RNG, scheduler,
+        the user's objects, buffers) and drop gradients: with the live parameters and
+        optimizer state (no `optimizer.step()` since), the state at its step again."""
+        small = copy.deepcopy(snapshot.small)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(small["lr_scheduler"])
+        self._set_rng(small["rng"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(small["extra"][name])
+        with torch.no_grad():
+            for buffer in self.model.buffers():
+                saved = snapshot.buffers.get(buffer.data_ptr())
+                if saved is not None:
+                    buffer.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _set_rng(rng: dict[str, Any]) -> None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(pickle.loads(rng["python"]))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(rng["cuda"]))
+
     def state_at(self, snapshot: Snapshot) -> dict[str, Any]:
         """The state of `snapshot`'s step: live parameters and optimizer state (unchanged
         since, as long as no `optimizer.step()` ran), the rest from the snapshot."""
@@ -115,11 +140,7 @@ class TrainingState:
             self.model.load_state_dict(loaded["model"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
-        rng = loaded["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(pickle.loads(rng["python"]))
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(rng["cuda"]))
+        self._set_rng(loaded["rng"])
         for name, obj in self.extra.items():
             obj.load_state_dict(loaded["extra"][name])
         return int(loaded["step"])

@@ -6,8 +6,12 @@ else.
 
 A rank whose collective fails stays up for PEER_LOSS_WAIT_S when a host monitor is there:
 its state is still that of the last completed step, and the supervisor's emergency
-checkpoint (served by the worker client's thread) saves it before the job is restarted;
-exiting at once would lose it. Without a host monitor it exits at once (code 3).
+checkpoint (served by the worker client's thread) saves it; exiting at once would lose
+it. When the supervisor heals the job in-process, the host monitor hands the rank a new
+world (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, WORKLOAD_ATTEMPT): it leaves the failed
+process group, joins the new one and trains on from the state it holds (tier `memory`),
+while the replacement rank loads that step from the tiers. Otherwise the supervisor
+restarts every rank. Without a host monitor it exits at once (code 3).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,64 +60,59 @@ def say(cfg: TorchWorkloadConfig, message: str) -> None:
 
 def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
     torch.set_num_threads(1)  # several ranks share a machine; and determinism
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
     if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
         raise ConfigError("RANK / WORLD_SIZE differ from the process group's")
     torch.manual_seed(cfg.seed)
     model = DecoderLM(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=cfg.learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.total_steps)
     client = WorkerClient.from_env()
     client.register(world_size=cfg.world_size)
+    # The Checkpointer gets the model itself, not its DDP wrapper: an in-process restart
+    # wraps it again for each new world. DDP's state is the same on every rank.
     ckpt = Checkpointer(
-        ddp,
+        model,
         optimizer,
         lr_scheduler=scheduler,
         settings=settings,
         client=client if client.online else None,
+        replicated=True,
     )
+    in_memory = False
     try:
-        step = ckpt.restore()
-        restored = ckpt.last_restore
-        tier = restored.tier if restored is not None else None
-        started = f"start attempt={cfg.attempt} world_size={cfg.world_size}:"
-        if restored is not None and restored.step:
-            say(cfg, f"{started} resumed step={step} tier={tier}")
-        else:
-            say(cfg, f"{started} starting from step=0 (no checkpoint every rank can load)")
-        client.report_step(step)
-        parameters = sum(p.numel() for p in model.parameters())
-        if step == 0:
-            say(cfg, f"model: {parameters:,} parameters")
-        while step < cfg.total_steps and not (cfg.stop_after_step and step >= cfg.stop_after_step):
-            inputs, targets = batch(
-                cfg.seed,
-                step + 1,
-                cfg.rank,
-                batch_size=cfg.batch_size,
-                seq_len=cfg.seq_len,
-                vocab_size=cfg.vocab_size,
-            )
-            try:
-                logits = ddp(inputs)
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
-                )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
-            except RuntimeError as exc:  # torch.distributed's errors included
-                say(cfg, f"step {step + 1} failed in a collective: {first_line(exc)}")
-                return wait_for_stop(cfg, step, client)
-            optimizer.step()
-            scheduler.step()
-            step += 1
+        while True:
+            # Restore before DDP wraps the model: DDP broadcasts rank 0's weights, which
+            # in a new world may be a fresh replacement's.
+            step = ckpt.restore(in_memory=in_memory)
+            restored = ckpt.last_restore
+            tier = restored.tier if restored is not None else None
+            started = f"start attempt={cfg.attempt} world_size={cfg.world_size}:"
+            if restored is not None and restored.step:
+                say(cfg, f"{started} resumed step={step} tier={tier}")
+            else:
+                say(cfg, f"{started} starting from step=0 (no checkpoint every rank can load)")
+                say(cfg, f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
             client.report_step(step)
-            ckpt.step_done(step)
-            if step % cfg.log_every_steps == 0 or step == cfg.total_steps:
-                say(cfg, f"step={step}/{cfg.total_steps} loss={loss.item():.4f}")
-            if cfg.step_time_s or client.slowdown_s:
-                time.sleep(cfg.step_time_s + client.slowdown_s)
+            ddp = DistributedDataParallel(model)
+            step, failure = train(cfg, ddp, optimizer, scheduler, ckpt, client, step)
+            del ddp  # its reducer's hooks on the parameters go with it
+            if failure is None:
+                break
+            say(cfg, f"step {step + 1} failed in a collective: {first_line(failure)}")
+            world = wait_for_new_world(cfg, step, client)
+            if world is None:
+                return EXIT_PEER_LOST
+            attempt, env = world
+            abandon_process_group()
+            os.environ.update(env)
+            cfg = replace(cfg, attempt=attempt, world_size=int(env.get("WORLD_SIZE", "0") or 0))
+            dist.init_process_group(backend)
+            if dist.get_rank() != cfg.rank or dist.get_world_size() != cfg.world_size:
+                raise ConfigError("the new world gives this process another RANK / WORLD_SIZE")
+            client.joined(attempt)
+            in_memory = True
     finally:
         ckpt.close()
     if step == cfg.total_steps and cfg.rank == 0 and cfg.output_dir is not None:
@@ -125,24 +126,79 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
     return EXIT_OK
 
 
+def train(
+    cfg: TorchWorkloadConfig,
+    ddp: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ckpt: Checkpointer,
+    client: WorkerClient,
+    step: int,
+) -> tuple[int, RuntimeError | None]:
+    """Train on from `step`: (the last step completed, the collective error that stopped
+    it, if one did). A failed step changed no parameter: its all-reduce runs in backward,
+    before `optimizer.step()`."""
+    while step < cfg.total_steps and not (cfg.stop_after_step and step >= cfg.stop_after_step):
+        inputs, targets = batch(
+            cfg.seed,
+            step + 1,
+            cfg.rank,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            vocab_size=cfg.vocab_size,
+        )
+        try:
+            logits = ddp(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
+        except RuntimeError as exc:  # torch.distributed's errors included
+            return step, exc
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        client.report_step(step)
+        ckpt.step_done(step)
+        if step % cfg.log_every_steps == 0 or step == cfg.total_steps:
+            say(cfg, f"step={step}/{cfg.total_steps} loss={loss.item():.4f}")
+        if cfg.step_time_s or client.slowdown_s:
+            time.sleep(cfg.step_time_s + client.slowdown_s)
+    return step, None
+
+
+def abandon_process_group() -> None:
+    """Leave a process group whose peer is gone (its collectives already failed)."""
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a broken group may fail to tear down: it is left behind
+        log.warning("leaving the failed process group: %s", first_line(exc))
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def wait_for_stop(cfg: TorchWorkloadConfig, step: int, client: WorkerClient) -> int:
-    """Stay up, holding the state of `step`, so that an emergency checkpoint can still
-    save it; the supervisor stops this rank when it restarts the job. Without a host
-    monitor nobody will ask: exit at once (a launcher such as torchrun restarts the
-    group when a rank exits)."""
+def wait_for_new_world(
+    cfg: TorchWorkloadConfig, step: int, client: WorkerClient
+) -> tuple[str, dict[str, str]] | None:
+    """Stay up holding the state of `step`, so that an emergency checkpoint can still save
+    it and, when the supervisor heals the job in-process, this rank joins the new world
+    with that state: (attempt, its environment), or None (exit: the supervisor restarts
+    the job with new processes, or stops this rank with SIGTERM meanwhile). Without a host
+    monitor nobody will ask: None at once (a launcher such as torchrun restarts the group
+    when a rank exits)."""
     if not client.online:
         client.close()
-        return EXIT_PEER_LOST
-    say(cfg, f"holding step={step} for an emergency checkpoint ({cfg.peer_loss_wait_s:g}s)")
-    time.sleep(cfg.peer_loss_wait_s)  # SIGTERM ends it (the worker client's handler)
-    say(cfg, "nobody stopped this rank: exiting")
-    client.close()
-    return EXIT_PEER_LOST
+        return None
+    say(cfg, f"holding step={step} for an emergency checkpoint or a new world")
+    world = client.new_world(cfg.peer_loss_wait_s)
+    if world is None:
+        say(cfg, f"no new world within PEER_LOSS_WAIT_S={cfg.peer_loss_wait_s:g}s: exiting")
+        client.close()
+    return world
 
 
 def main() -> int:

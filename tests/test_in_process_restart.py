@@ -1,0 +1,154 @@
+"""In-process recovery of the PyTorch workload on the local cluster, with real processes.
+
+The survivors of a fault keep their processes and their state: they leave the failed
+process group, join a new world with the replaced rank, and train on. Checked here: the
+path falls back to a full restart when it takes longer than its bound (and says why),
+and twenty recoveries in a row leave the surviving process with the same threads and
+file descriptors, every rank in the newest world, and weights bit-identical to a run
+without faults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.local.cluster import free_port
+from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
+from tests.test_local_cluster import (
+    SEED,
+    TORCH_ENV,
+    finished_actions,
+    inject,
+    job_step,
+    output,
+    reference_weights,
+    wait_for,
+)
+
+pytest.importorskip("torch")
+
+UNBOUNDED = {
+    "SUPERVISOR_MAX_RESTARTS_IN_WINDOW": "1000",
+    "SUPERVISOR_MAX_IN_JOB_RESTARTS": "1000",
+    "SUPERVISOR_FLAP_MAX_LOSSES": "1000",
+}
+
+
+@pytest.fixture
+def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
+    demos: list[LocalDemo] = []
+
+    def start(**overrides: Any) -> LocalDemo:
+        options = DemoOptions(
+            run_dir=tmp_path / "run",
+            port=free_port(),
+            replicas=2,
+            nodes_per_dp=1,
+            spares=1,
+            seed=SEED,
+            total_steps=150,
+            step_time_s=0.04,
+            heartbeat_polling_period_s=0.2,
+            heartbeat_timeout_s=1.0,
+            node_repair_s=3600,
+            workload="torch",
+            workload_env=dict(TORCH_ENV, OMP_NUM_THREADS="1"),
+        )
+        for key, value in overrides.items():
+            setattr(options, key, value)
+        demo = LocalDemo(options)
+        demos.append(demo)
+        demo.start()
+        return demo
+
+    yield start
+    for demo in demos:
+        demo.stop()
+        assert leftover_processes(demo.run_dir) == [], "processes left behind"
+
+
+def node_status(demo: LocalDemo, node: str) -> dict[str, Any]:
+    response = httpx.get(
+        f"http://127.0.0.1:{demo.node_ports[node]}/v1/status",
+        headers={"Authorization": f"Bearer {demo.actuator_token}"},
+        timeout=5,
+    )
+    response.raise_for_status()
+    status: dict[str, Any] = response.json()
+    return status
+
+
+def process_resources(pid: int) -> tuple[int, int]:
+    """(threads, open file descriptors) of a process."""
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return threads, fds
+
+
+def test_an_in_process_restart_past_its_bound_falls_back_to_a_full_restart(
+    start_demo: Callable[..., LocalDemo], tmp_path: Path
+) -> None:
+    demo = start_demo(supervisor_env={"SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "0.01"})
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, "torch")
+    wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    inject(demo, kind="worker_crash", node=demo.options.nodes[0])
+    actions = wait_for(lambda: finished_actions(demo, 2), what="the remediation")
+    assert [(a["type"], a["status"]) for a in actions] == [
+        ("emergency_checkpoint", "succeeded"),
+        ("restart_in_place", "succeeded"),
+    ], actions
+    result = actions[1]["result"]
+    assert result["path"] == "full_restart", result
+    assert "did not join" in result["in_process_error"]
+    weights = wait_for(lambda: output(demo), within=180, what="the job to finish")
+    assert weights == expected
+
+
+def test_twenty_recoveries_in_a_row_leak_nothing_and_lose_nothing(
+    start_demo: Callable[..., LocalDemo], tmp_path: Path
+) -> None:
+    faults = 20
+    demo = start_demo(total_steps=60 + faults * 14, supervisor_env=UNBOUNDED)
+    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, "torch")
+    survivor_node, victim_node = demo.options.nodes[1], demo.options.nodes[0]
+    wait_for(lambda: job_step(demo) >= 15, what="training to reach step 15")
+    (survivor,) = node_status(demo, survivor_node)["workers"]
+    pid = survivor["host_pid"]
+    before = process_resources(pid)
+    seen: list[tuple[int, int]] = []
+    for n in range(faults):
+        step = job_step(demo)
+        inject(demo, kind="worker_crash", node=victim_node)
+        wait_for(lambda n=n: finished_actions(demo, 2 * (n + 1)), what=f"recovery {n + 1}")
+        wait_for(lambda s=step: job_step(demo) > s + 3, what=f"training after recovery {n + 1}")
+        seen.append(process_resources(pid))
+    actions = demo.api("/api/v1/actions", limit=1000)["items"]
+    restarts = [a for a in actions if a["type"] == "restart_in_place"]
+    assert len(restarts) == faults
+    assert all(a["status"] == "succeeded" for a in actions)
+    assert {a["result"]["path"] for a in restarts} == {"in_process"}
+    # The survivor is the same process throughout, and in the newest world.
+    (survivor,) = node_status(demo, survivor_node)["workers"]
+    assert survivor["host_pid"] == pid
+    attempts = {
+        w["attempt"]
+        for node in (survivor_node, victim_node)
+        for w in node_status(demo, node)["workers"]
+        if w["state"] == "running"
+    }
+    assert len(attempts) == 1, attempts
+    # Threads and descriptors do not grow with the recoveries: the first one may open
+    # what later ones reuse (its new process group's), after that nothing accumulates. A
+    # sample may catch a checkpoint's writer thread for a moment: the quietest of the
+    # last five counts. (Seen here: 6 threads and 13 fds before, 9 and 19 after each.)
+    threads, fds = zip(*seen, strict=True)
+    assert min(threads[-5:]) <= threads[0], (before, seen)
+    assert min(fds[-5:]) <= fds[0], (before, seen)
+    weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
+    assert weights == expected
