@@ -113,7 +113,8 @@ def test_demo_runs_the_torch_workload(tmp_path: Path) -> None:
             time.sleep(0.5)
         logs = "".join(p.read_text() for p in (run_dir / "nodes").rglob("*.rank*.log"))
         for rank in (0, 1):
-            assert f"torch workload rank={rank}: start attempt=1 world_size=2: starting from" in logs
+            started = f"torch workload rank={rank}: start attempt=1 world_size=2: starting from"
+            assert started in logs
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         assert _gone(run_dir) == []

@@ -44,7 +44,8 @@ def test_an_interrupted_run_resumes_to_bit_identical_weights(tmp_path: Path) -> 
     second = torchrun(tmp_path / "cut", "out")
     assert second.returncode == 0, second.stdout + second.stderr
     for rank in (0, 1):
-        assert f"rank={rank}: start attempt=0 world_size=2: resumed step=15 tier=ram" in second.stdout
+        resumed = f"rank={rank}: start attempt=0 world_size=2: resumed step=15 tier=ram"
+        assert resumed in second.stdout
     assert (tmp_path / "cut" / "out" / "weights.sha256").read_text() == reference
 
 
