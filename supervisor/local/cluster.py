@@ -356,8 +356,7 @@ class LocalCluster:
                 return
             if loop.time() >= deadline:
                 raise InProcessFailed(
-                    f"ranks {sorted(waiting)} did not join attempt {attempt} within "
-                    f"{timeout_s:g}s"
+                    f"ranks {sorted(waiting)} did not join attempt {attempt} within {timeout_s:g}s"
                 )
             await asyncio.sleep(0.1)
 
