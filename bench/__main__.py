@@ -6,6 +6,7 @@ The exit code is 0 even when a target is missed: this is a report, read the verd
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -166,6 +167,7 @@ TORCH_MTTR_ENV = (
     ("OMP_NUM_THREADS", "1"),
 )
 TORCH_KINDS = ("node_down", "worker_crash", "worker_hang")
+IN_PROCESS_KINDS = ("node_down", "worker_crash")
 
 
 def _recovered(faults: list[mttr.FaultResult]) -> list[mttr.FaultResult]:
@@ -198,8 +200,16 @@ def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
         workload_env=TORCH_MTTR_ENV,
         keep_dir=keep,
         policy_budget_s=300.0,
+        # A repaired node needs a few seconds to be a warm spare again (its standby
+        # imports torch): faults come no faster than that, as on a real cluster.
+        settle_steps=(40, 60),
     )
     ours, periodic = mttr.run(config)
+    full = mttr.run_one(
+        mttr.DEFAULT_POLICY,
+        dataclasses.replace(config, in_process=False, kinds=IN_PROCESS_KINDS),
+        "full-restart",
+    )
     torchrun = torchrun_mttr.run(
         torchrun_mttr.TorchrunConfig(
             faults_per_kind=faults_per_kind,
@@ -234,7 +244,21 @@ def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
             ),
             Row(f"  torch {kind}: torchrun --max-restarts", "", _column(torchrun.of(kind), n)),
         ]
-    for who, run in (("supervisor", ours), ("periodic only", periodic), ("torchrun", torchrun)):
+        if kind in IN_PROCESS_KINDS:
+            restarted = [f.mttr_s for f in _recovered(full.of(kind)) if f.mttr_s is not None]
+            half = bool(mttrs) and bool(restarted)
+            half = half and mttr.median(mttrs) <= mttr.median(restarted) / 2
+            rows.append(
+                Row(
+                    f"  torch {kind}: in-process p50 vs full restart",
+                    f"in-process {mttr.fmt_s(mttrs)}",
+                    "full restart (every rank a new process): " + _column(full.of(kind), n),
+                    "<= half of the full restart's",
+                    verdict(half),
+                )
+            )
+    runs = (("supervisor", ours), ("periodic only", periodic), ("full restart", full))
+    for who, run in (*runs, ("torchrun", torchrun)):
         rows += [
             Row(f"  torch {who}: {f.kind} on {f.victim}", f.error or "", verdict="info")
             for f in run.faults

@@ -87,6 +87,7 @@ class MttrConfig:
     keep_dir: Path | None = None  # keep the run directories (logs) here
     workload: str = "numpy"  # or "torch"
     workload_env: tuple[tuple[str, str], ...] = ()
+    in_process: bool = True  # torch: heal in-process with warm standbys (else restart all)
 
     @property
     def target_s(self) -> float:
@@ -486,6 +487,8 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
         policy=policy,
         workload=config.workload,
         workload_env=dict(config.workload_env),
+        in_process_restart=config.in_process,
+        warm_standby=config.in_process,
         supervisor_env={
             "SUPERVISOR_MAX_RESTARTS_IN_WINDOW": "1000",
             "SUPERVISOR_FLAP_MAX_LOSSES": "100",
@@ -512,6 +515,16 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
     finally:
         demo.stop()
     return run
+
+
+def run_one(policy: str, config: MttrConfig, name: str) -> PolicyRun:
+    """One policy on a fresh cluster of its own (kept under `keep_dir/name` if set)."""
+    if config.keep_dir is not None:
+        config.keep_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=config.keep_dir))
+        return run_policy(policy, config, root)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        return run_policy(policy, config, Path(tmp))
 
 
 def run(config: MttrConfig) -> tuple[PolicyRun, PolicyRun]:

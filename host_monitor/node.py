@@ -37,6 +37,8 @@ from host_monitor.protocol import (
     ProgressReply,
     RejoinRequest,
     RejoinResult,
+    StandbyRequest,
+    StandbyResult,
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
@@ -46,6 +48,7 @@ from host_monitor.protocol import (
     WorkerStopping,
     WorldAssignment,
 )
+from host_monitor.standby import Standbys
 from host_monitor.wire import Name, WorkerReport
 from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
 from supervisor.domain import NodeState, utcnow
@@ -53,6 +56,7 @@ from supervisor.domain import NodeState, utcnow
 log = logging.getLogger(__name__)
 
 KEEP_START_REQUESTS = 64  # request ids remembered for idempotency
+STANDBY_DELAY_S = 5.0  # after a start, before its standby is started
 KEEP_CHECKPOINTS = 100
 # Env of launched workers naming the file that holds the current emergency request id
 # (read by training/worker_client.py after SIGUSR1, which carries no data).
@@ -96,6 +100,7 @@ class Node:
             settings.worker_heartbeat_timeout_s, on_change=self._worker_changed
         )
         self.rounds = EmergencyRounds(self.registry)
+        self.standbys = Standbys(self.run_dir, self.name)
         self.checkpoints: deque[CheckpointRecord] = deque(maxlen=KEEP_CHECKPOINTS)
         # Set by the agent to its heartbeat sender's trigger: a change goes out at once.
         self.on_change: Callable[[], None] = lambda: None
@@ -164,14 +169,21 @@ class Node:
                     request_file = self._request_file(req, spec.rank)
                     env = self._worker_env(req, spec.rank, spec.local_rank)
                     env[ENV_REQUEST_FILE] = str(request_file)
+                    log_path = self._log_path(req, spec.rank)
+                    standby = (
+                        self.standbys.take(req.job, req.command, env, log_path)
+                        if req.standby_preload
+                        else None
+                    )
                     launched.append(
                         self.registry.launch(
                             spec.rank,
                             spec.local_rank,
                             req.command,
                             env,
-                            self._log_path(req, spec.rank),
+                            log_path,
                             request_file,
+                            standby=standby,
                         )
                     )
             except (OSError, ValueError) as exc:  # ValueError: a NUL byte in an argument
@@ -182,6 +194,16 @@ class Node:
             self.state = NodeState.RUNNING
             self.job = req.job
             self.checkpoint_peer = req.checkpoint_peer
+            if req.standby_preload:  # the next start of this job here takes it
+                # Later, not now: importing torch would take CPU from the ranks starting.
+                asyncio.get_running_loop().call_later(
+                    STANDBY_DELAY_S,
+                    self.standbys.prepare,
+                    req.job,
+                    req.command,
+                    self._standby_env(req),
+                    req.standby_preload,
+                )
             self._starts[req.request_id] = req
             while len(self._starts) > KEEP_START_REQUESTS:
                 self._starts.popitem(last=False)
@@ -212,8 +234,22 @@ class Node:
             self._changed()
             return StopWorkersResult(exit_codes=codes)
 
+    def prepare_standby(self, req: StandbyRequest) -> StandbyResult:
+        """A warm standby of the job's command, for when this node takes one of its ranks."""
+        self._check_env(req.env)
+        env = {
+            **env_without_secrets(os.environ),
+            **req.env,
+            "NODE_NAME": self.name,
+            "HOST_MONITOR_URL": self.base_url,
+            "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
+            ENV_JOB: req.job,
+        }
+        return StandbyResult(ready=self.standbys.prepare(req.job, req.command, env, req.preload))
+
     async def shutdown(self, grace_s: float) -> None:
         """The agent is stopping: stop the workers we launched (not the adopted ones)."""
+        self.standbys.drop()
         async with self._lock:
             if any(w.launched for w in self.registry.live()):
                 log.info("stopping launched workers (grace %.1fs)", grace_s)
@@ -426,6 +462,14 @@ class Node:
             "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
             ENV_JOB: req.job,
         }
+
+    def _standby_env(self, req: StartWorkersRequest) -> dict[str, str]:
+        """What a standby starts with: a worker's environment without its rank's part (the
+        order it takes over with carries all of it)."""
+        env = self._worker_env(req, 0, 0)
+        for key in ("RANK", "LOCAL_RANK"):
+            env.pop(key, None)
+        return env
 
     def _log_path(self, req: StartWorkersRequest, rank: int) -> Path:
         # One file per node, job and rank, appended across restarts (easy to `tail -f`);

@@ -183,6 +183,28 @@ class StartWorkersRequest(BaseModel):
     checkpoint_peer: CheckpointPeer | None = Field(
         None, description="The node's partner for the peer checkpoint tier; None: none."
     )
+    standby_preload: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Keep a warm standby of `command` on this node, with these modules "
+        "imported, for the next start of the job's ranks here (`[python, -m, module]` "
+        "commands only); empty: none.",
+    )
+
+
+class StandbyRequest(BaseModel):
+    """POST /v1/standby: have a warm standby of the job's command ready on this node (a
+    spare that may take a rank of the job). Idempotent."""
+
+    model_config = ConfigDict(extra="forbid")
+    job: str = Field(min_length=1)
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    preload: list[str] = Field(min_length=1, max_length=32)
+
+
+class StandbyResult(BaseModel):
+    ready: bool = Field(description="False when the command cannot have a standby.")
 
 
 class RejoinRequest(BaseModel):

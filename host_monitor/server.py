@@ -36,6 +36,8 @@ from host_monitor.protocol import (
     ProgressReply,
     RejoinRequest,
     RejoinResult,
+    StandbyRequest,
+    StandbyResult,
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
@@ -187,6 +189,14 @@ def create_app(
     )
     async def rejoin_workers(body: RejoinRequest) -> RejoinResult:
         return await node.rejoin(body)
+
+    @actuator.post(
+        "/standby",
+        response_model=StandbyResult,
+        summary="Have a warm standby of the job's command ready on this node (idempotent)",
+    )
+    async def prepare_standby(body: StandbyRequest) -> StandbyResult:
+        return node.prepare_standby(body)
 
     @actuator.post(
         "/workers/stop",

@@ -203,8 +203,11 @@ class WorkerRegistry:
         env: dict[str, str],
         log_path: Path,
         request_file: Path | None = None,
+        *,
+        standby: subprocess.Popen[bytes] | None = None,
     ) -> Worker:
-        """Start one worker in its own session, output appended to `log_path`.
+        """Start one worker in its own session, output appended to `log_path`; or adopt
+        `standby`, a warm standby already told to run as this worker (standby.py).
 
         Raises OSError when the command cannot be run (nothing is registered then).
         """
@@ -212,16 +215,19 @@ class WorkerRegistry:
         if existing is not None and existing.alive:
             raise WorkerConflict(f"rank {rank} is already running (pid {existing.pid})")
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as out:
-            proc = subprocess.Popen(
-                list(command),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: signals reach its children
-                close_fds=True,
-            )
+        if standby is not None:
+            proc = standby
+        else:
+            with log_path.open("ab") as out:
+                proc = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: signals reach children
+                    close_fds=True,
+                )
         worker = Worker(
             rank=rank,
             local_rank=local_rank,
@@ -234,7 +240,8 @@ class WorkerRegistry:
             request_file=request_file,
         )
         self.workers[rank] = worker
-        log.info("launched rank %d (pid %d), log %s", rank, proc.pid, log_path)
+        how = "standby took over as" if standby is not None else "launched"
+        log.info("%s rank %d (pid %d), log %s", how, rank, proc.pid, log_path)
         return worker
 
     def register(self, reg: WorkerRegistration) -> Worker:

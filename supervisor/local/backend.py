@@ -94,7 +94,12 @@ class LocalBackend(Backend):
                 )
             case ActionType.SCALE_UP:
                 return await self._scale(key, action.job, int(params["to_replicas"]), None)
-            case ActionType.CORDON | ActionType.UNCORDON:
+            case ActionType.UNCORDON:
+                result = self._cordon(action.node, False)
+                if self.cluster.state.job is not None:  # a spare again: warm it up
+                    await self.cluster.prepare_spares(self.cluster.state.job)
+                return result
+            case ActionType.CORDON:
                 return self._cordon(action.node, action.type is ActionType.CORDON)
         raise ActionError(f"local backend cannot {action.type.value}")
 

@@ -10,6 +10,7 @@ over the running job where it was.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import urllib.parse
@@ -19,6 +20,8 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "cluster.json"
 MAX_REMEMBERED_KEYS = 1000
@@ -71,6 +74,9 @@ class JobSpec(BaseModel):
     in_process_restart: bool = False
     # The node the last hot-swap put in (a resumed hot-swap starts its rank anew).
     swapped_in: str | None = None
+    # Modules a warm standby of the command imports ahead of time on every node of the job
+    # and on the spares (host_monitor/standby.py): a rank started anew skips that import.
+    standby_preload: list[str] = Field(default_factory=list)
 
 
 def checkpoint_partner(job: JobSpec, rank: int) -> str | None:
@@ -261,6 +267,7 @@ class LocalCluster:
         }
         if failed:
             raise ClusterError(f"could not start workers on {failed}")
+        await self.prepare_spares(job)
         return {"attempt": job.attempt, "placement": list(job.placement), "stopped": stopped}
 
     def _start_body(self, key: str, job: JobSpec, rank: int, node: str) -> dict[str, Any]:
@@ -274,7 +281,27 @@ class LocalCluster:
         partner = checkpoint_partner(job, rank)
         if partner is not None and partner in self.state.nodes:
             body["checkpoint_peer"] = {"node": partner, "url": self.state.nodes[partner].address}
+        if job.standby_preload:
+            body["standby_preload"] = job.standby_preload
         return body
+
+    async def prepare_spares(self, job: JobSpec) -> None:
+        """Warm standbys of the job on the spares, which a hot-swap may give a rank (best
+        effort: a spare that cannot is simply slower to start)."""
+        if not job.standby_preload:
+            return
+        bodies = {
+            spare: {
+                "job": job.name,
+                "command": job.command,
+                "env": self.worker_env(job, spare),
+                "preload": job.standby_preload,
+            }
+            for spare in self.state.spares()
+        }
+        for spare, result in (await self._each("/v1/standby", bodies, timeout=5.0)).items():
+            if isinstance(result, Exception):
+                log.info("no standby on spare %s: %s", spare, result)
 
     async def restart_in_process(
         self, key: str, fresh: Sequence[str], *, timeout_s: float
@@ -324,6 +351,7 @@ class LocalCluster:
         if failed:
             raise InProcessFailed(f"could not start the replaced ranks: {failed}")
         await self._wait_joined(job, attempt, timeout_s)
+        await self.prepare_spares(job)
         return {
             "path": "in_process",
             "attempt": job.attempt,

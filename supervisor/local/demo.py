@@ -60,6 +60,9 @@ class DemoOptions:
     #: The torch workload heals in-process (restart in place, hot-swap): survivors keep
     #: their processes. Off: every rank restarts.
     in_process_restart: bool = True
+    #: Each node of the torch job, and each spare, keeps a warm standby process with torch
+    #: imported: a rank started anew (restart in place, hot-swap) skips that import.
+    warm_standby: bool = True
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -91,6 +94,11 @@ class DemoOptions:
             num_nodes_per_dp=self.nodes_per_dp,
             placement=placement,
             in_process_restart=self.workload == "torch" and self.in_process_restart,
+            standby_preload=(
+                ["training.torch_workload.train"]
+                if self.workload == "torch" and self.warm_standby
+                else []
+            ),
         )
 
 
