@@ -361,20 +361,23 @@ def goodput_rows(hours: float = 24.0) -> list[Row]:
     ]
 
 
+SECTIONS = (
+    "ingest",
+    "detection",
+    "memory",
+    "goodput",
+    "mttr",
+    "mttr-torch",
+    "failover",
+    "checkpoint",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
         "--only",
-        choices=(
-            "ingest",
-            "detection",
-            "memory",
-            "goodput",
-            "mttr",
-            "mttr-torch",
-            "failover",
-            "checkpoint",
-        ),
+        choices=SECTIONS,
         action="append",
         default=None,
     )
@@ -393,19 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mttr-keep", type=Path, default=None, help="mttr: keep the clusters' run dirs here"
     )
     args = parser.parse_args(argv)
-    only = set(
-        args.only
-        or (
-            "ingest",
-            "detection",
-            "memory",
-            "goodput",
-            "mttr",
-            "mttr-torch",
-            "failover",
-            "checkpoint",
-        )
-    )
+    only = set(args.only or SECTIONS)
     header = machine_line()
     started = time.monotonic()
     rows: list[Row] = []

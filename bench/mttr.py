@@ -188,6 +188,19 @@ def progressed_past(run_dir: Path, attempt: int, step: int, world: int) -> bool:
     return step in dirs and _ranks_in(dirs[step]) >= world
 
 
+def read_lines(path: Path, offset: int) -> tuple[int, list[str]] | None:
+    """The complete lines of `path` from `offset` on, and the offset after them; None
+    when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return None
+    complete = data.rfind(b"\n") + 1
+    return offset + complete, data[:complete].decode(errors="replace").splitlines()
+
+
 class CollectiveProgress:
     """The NumPy job's progress, from its all-reduce barrier files."""
 
@@ -219,15 +232,11 @@ class LogProgress:
 
     def _read(self) -> None:
         for path in sorted((self.run_dir / "nodes").glob(f"*/{self.pattern}")):
-            try:
-                with path.open("rb") as f:
-                    f.seek(self.offsets.get(path, 0))
-                    data = f.read()
-            except OSError:
+            lines = read_lines(path, self.offsets.get(path, 0))
+            if lines is None:
                 continue
-            complete = data.rfind(b"\n") + 1
-            self.offsets[path] = self.offsets.get(path, 0) + complete
-            for line in data[:complete].decode(errors="replace").splitlines():
+            self.offsets[path], text = lines
+            for line in text:
                 if m := START.search(line):
                     self.attempt_of[path] = int(m[1])
                     self.steps.setdefault(int(m[1]), -1)
@@ -278,15 +287,9 @@ class WorkerLogs:
 
     def since_mark(self) -> Iterator[list[str]]:
         for path in self._files():
-            try:
-                with path.open("rb") as f:
-                    f.seek(self.offsets.get(path, 0))
-                    data = f.read()
-            except OSError:
-                continue
-            text = data.decode(errors="replace")
-            lines = text.split("\n")
-            yield lines[:-1]  # complete lines only
+            lines = read_lines(path, self.offsets.get(path, 0))
+            if lines is not None:
+                yield lines[1]
 
     def parse(self) -> tuple[dict[int, tuple[int, str, int]], list[int]]:
         """({attempt: (resume step, tier, world size)}, steps the old attempt's workers

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.mttr import FaultResult, PolicyRun
+from bench.mttr import FaultResult, PolicyRun, read_lines
 from supervisor.local.cluster import free_port
 
 START = re.compile(
@@ -83,16 +83,12 @@ class LogTail:
     lines: list[tuple[float, str]] = field(default_factory=list)
 
     def read(self) -> list[tuple[float, str]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
+        got = read_lines(self.path, self.offset)
+        if got is None:
             return []
-        complete = data.rfind(b"\n") + 1
-        self.offset += complete
+        self.offset, lines = got
         now = time.monotonic()
-        new = [(now, line) for line in data[:complete].decode(errors="replace").splitlines()]
+        new = [(now, line) for line in lines]
         self.lines += new
         return new
 

@@ -60,6 +60,13 @@ def _read_banner(proc: subprocess.Popen[str]) -> str:
     raise AssertionError("no banner:\n" + "".join(lines))
 
 
+def _kill_everything(proc: subprocess.Popen[str], run_dir: Path) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    for pid in leftover_processes(run_dir.resolve()):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _gone(run_dir: Path, within: float = 20.0) -> list[int]:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -91,10 +98,7 @@ def test_demo_starts_and_leaves_nothing_behind(tmp_path: Path, how: signal.Signa
         assert code == (0 if how is signal.SIGINT else -9)
         assert _gone(run_dir) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in leftover_processes(run_dir.resolve()):
-            os.kill(pid, signal.SIGKILL)
+        _kill_everything(proc, run_dir)
 
 
 def test_demo_runs_the_torch_workload(tmp_path: Path) -> None:
@@ -119,10 +123,7 @@ def test_demo_runs_the_torch_workload(tmp_path: Path) -> None:
         assert proc.wait(60) == 0
         assert _gone(run_dir) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in leftover_processes(run_dir.resolve()):
-            os.kill(pid, signal.SIGKILL)
+        _kill_everything(proc, run_dir)
 
 
 def test_demo_refuses_a_torch_job_sharded_over_nodes(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def test_a_standby_becomes_the_worker_and_another_one_follows(agent: tuple[Agent
 
 
 def test_a_command_that_is_not_a_module_has_no_standby(agent: tuple[Agent, Path]) -> None:
-    monitor, out = agent
+    monitor, _ = agent
     body = {"job": "j1", "command": [sys.executable, "x.py"], "preload": PRELOAD}
     r = monitor.api.post("/v1/standby", json=body)
     assert r.status_code == 200 and r.json() == {"ready": False}

@@ -18,11 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.local.cluster import free_port
-from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
+from supervisor.local.demo import LocalDemo
 from tests.test_local_cluster import (
-    SEED,
-    TORCH_ENV,
+    demos,
     finished_actions,
     inject,
     job_step,
@@ -42,35 +40,7 @@ UNBOUNDED = {
 
 @pytest.fixture
 def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
-    demos: list[LocalDemo] = []
-
-    def start(**overrides: Any) -> LocalDemo:
-        options = DemoOptions(
-            run_dir=tmp_path / "run",
-            port=free_port(),
-            replicas=2,
-            nodes_per_dp=1,
-            spares=1,
-            seed=SEED,
-            total_steps=150,
-            step_time_s=0.04,
-            heartbeat_polling_period_s=0.2,
-            heartbeat_timeout_s=1.0,
-            node_repair_s=3600,
-            workload="torch",
-            workload_env=dict(TORCH_ENV, OMP_NUM_THREADS="1"),
-        )
-        for key, value in overrides.items():
-            setattr(options, key, value)
-        demo = LocalDemo(options)
-        demos.append(demo)
-        demo.start()
-        return demo
-
-    yield start
-    for demo in demos:
-        demo.stop()
-        assert leftover_processes(demo.run_dir) == [], "processes left behind"
+    yield from demos(tmp_path, "torch")
 
 
 def node_status(demo: LocalDemo, node: str) -> dict[str, Any]:

@@ -109,6 +109,12 @@ def assert_same_weights(got: Any, want: Any) -> None:
 
 @pytest.fixture
 def start_demo(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
+    yield from demos(tmp_path, workload)
+
+
+def demos(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
+    """A fixture's body: a function that starts a local cluster (2 replicas of one node, a
+    spare, 150 steps), and stops every cluster it started at the end."""
     demos: list[LocalDemo] = []
 
     def start(**overrides: Any) -> LocalDemo:

@@ -5,10 +5,15 @@ cluster state, and each step checks the state it leaves behind (a node already s
 out is not swapped again; a job already started under this key is not started again),
 so an action resumed after a supervisor crash finishes what the first run began.
 
-"Restart in place" and "restart workload" both restart every worker of the job on the
-nodes it runs on: the job is synchronous, so one rank cannot rejoin the others' step
-alone (torchrun does the same). Hot-swap, scale down and scale up change the placement
-first, then restart.
+"Restart in place" and "restart workload" restart every worker of the job on the nodes
+it runs on: the job is synchronous, so one rank cannot rejoin the others' step alone
+(torchrun does the same). Hot-swap, scale down and scale up change the placement first,
+then restart. A job that can heal in-process (`JobSpec.in_process_restart`, the torch
+workload; a policy may ask for either path with the action's `in_process` param) is
+healed that way on restart in place and hot-swap: only the failed node's rank starts anew
+(from a warm standby when there is one), the survivors keep their processes and join a
+new world; past `in_process_restart_timeout_s`, or when a node refuses, every rank is
+restarted, and the action's result says which path was taken and why.
 """
 
 from __future__ import annotations

@@ -132,6 +132,7 @@ class LocalDemo:
         self.monitors: dict[str, subprocess.Popen[bytes]] = {}
         self.supervisor: subprocess.Popen[bytes] | None = None
         self._down_since: dict[str, float] = {}
+        self._booted: dict[str, float] = {}  # repaired, not yet back in the pool: since
         self._logs: list[IO[bytes]] = []
 
     # --- processes ----------------------------------------------------------------------
@@ -281,25 +282,31 @@ class LocalDemo:
 
     def repair_nodes(self) -> list[str]:
         """Bring back nodes that died more than node_repair_s ago, as a technician would:
-        return the node to the pool (uncordon, through the operator API), then boot it
-        (its host monitor starts again, as a spare)."""
+        boot it (its host monitor starts again, as a spare), then return it to the pool
+        (uncordon, through the operator API: the backend then readies the spare, e.g. its
+        warm standby)."""
         repaired = []
         now = time.monotonic()
         for node, proc in list(self.monitors.items()):
-            if proc.poll() is None:
+            if proc.poll() is None and node not in self._booted:
                 self._down_since.pop(node, None)
                 continue
-            since = self._down_since.setdefault(node, now)
-            if now - since < self.options.node_repair_s:
-                continue
+            if node not in self._booted:
+                since = self._down_since.setdefault(node, now)
+                if now - since < self.options.node_repair_s:
+                    continue
+                self.start_monitor(node)
+                self._booted[node] = since
+                with contextlib.suppress(RuntimeError):
+                    self.wait_ready(f"{self._node_url(node)}/healthz", timeout_s=15.0)
             try:
                 self.operator_action(
                     {"type": "uncordon", "node": node, "reason": "repaired"},
-                    key=f"repair-{node}-{int(since)}",
+                    key=f"repair-{node}-{int(self._booted[node])}",
                 )
             except httpx.HTTPError:
                 continue  # the supervisor is not answering: try again on the next pass
-            self.start_monitor(node)
+            del self._booted[node]
             self._down_since.pop(node, None)
             repaired.append(node)
         return repaired

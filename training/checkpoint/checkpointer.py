@@ -386,7 +386,8 @@ class Checkpointer:
                 )
             self.world_size = self._saver.world_size = dist.get_world_size()
         candidates = self._candidates()
-        held = self._completed if in_memory else None
+        # Not when the failure came inside an optimizer step: half of it may be applied.
+        held = self._completed if in_memory and not self._mid_step else None
         if held is not None:
             candidates.setdefault(held.step, []).insert(0, ("memory", None))
         dropped: set[int] = set()
