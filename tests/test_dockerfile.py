@@ -70,7 +70,11 @@ def test_multi_stage_build_on_a_pinned_base() -> None:
     assert values(runtime, "FROM") == ["${PYTHON_IMAGE} AS runtime"]
     # The base: an exact Python release (major.minor.patch), slim, on a named Debian,
     # the project's minimum Python.
-    (arg,) = [i["value"] for i in INSTRUCTIONS if i["instruction"] == "ARG"]
+    (arg,) = [
+        i["value"]
+        for i in INSTRUCTIONS
+        if i["instruction"] == "ARG" and i["value"].startswith("PYTHON_IMAGE=")
+    ]
     name, _, image = arg.partition("=")
     assert name == "PYTHON_IMAGE"
     match = re.fullmatch(

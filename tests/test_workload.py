@@ -337,7 +337,8 @@ def test_reports_to_the_host_monitor(tmp_path: Path, jobs: list[Job]) -> None:
     registered = sorted(b["rank"] for b in server.bodies("/v1/workers/register"))
     assert registered == [0, 1]
     assert all(b["world_size"] == N for b in server.bodies("/register"))
-    assert server.bodies("/v1/workers/0/progress")[-1] == {"step": 10}
+    # The newest step, and the world it was trained in (WORKLOAD_ATTEMPT).
+    assert server.bodies("/v1/workers/0/progress")[-1] == {"step": 10, "attempt": "0"}
     saved = server.bodies("/v1/workers/1/checkpoints")
     assert {(b["event"], b["step"], b["tier"]) for b in saved} == {
         ("saved", 5, "local"),

@@ -132,7 +132,6 @@ class LocalDemo:
         self.monitors: dict[str, subprocess.Popen[bytes]] = {}
         self.supervisor: subprocess.Popen[bytes] | None = None
         self._down_since: dict[str, float] = {}
-        self._booted: dict[str, float] = {}  # repaired, not yet back in the pool: since
         self._logs: list[IO[bytes]] = []
 
     # --- processes ----------------------------------------------------------------------
@@ -282,34 +281,58 @@ class LocalDemo:
 
     def repair_nodes(self) -> list[str]:
         """Bring back nodes that died more than node_repair_s ago, as a technician would:
-        boot it (its host monitor starts again, as a spare), then return it to the pool
-        (uncordon, through the operator API: the backend then readies the spare, e.g. its
-        warm standby)."""
+        return the node to the pool (uncordon, through the operator API), then boot it
+        (its host monitor starts again, as a spare) and ready it for the job (its warm
+        standby, see `warm_spare`)."""
         repaired = []
         now = time.monotonic()
         for node, proc in list(self.monitors.items()):
-            if proc.poll() is None and node not in self._booted:
+            if proc.poll() is None:
                 self._down_since.pop(node, None)
                 continue
-            if node not in self._booted:
-                since = self._down_since.setdefault(node, now)
-                if now - since < self.options.node_repair_s:
-                    continue
-                self.start_monitor(node)
-                self._booted[node] = since
-                with contextlib.suppress(RuntimeError):
-                    self.wait_ready(f"{self._node_url(node)}/healthz", timeout_s=15.0)
+            since = self._down_since.setdefault(node, now)
+            if now - since < self.options.node_repair_s:
+                continue
             try:
                 self.operator_action(
                     {"type": "uncordon", "node": node, "reason": "repaired"},
-                    key=f"repair-{node}-{int(self._booted[node])}",
+                    key=f"repair-{node}-{int(since)}",
                 )
             except httpx.HTTPError:
                 continue  # the supervisor is not answering: try again on the next pass
-            del self._booted[node]
+            self.start_monitor(node)
             self._down_since.pop(node, None)
+            self.warm_spare(node)
             repaired.append(node)
         return repaired
+
+    def warm_spare(self, node: str) -> bool:
+        """Once the node answers, have it keep a warm standby of the job (a spare the job
+        may get: host_monitor/standby.py); the backend does the same for the spares it
+        sees after each restart. False when the job has none or the node did not answer."""
+        try:
+            state = ClusterState.load(self.run_dir)
+        except (OSError, ValueError):
+            return False
+        job = state.job
+        if job is None or not job.standby_preload:
+            return False
+        try:
+            self.wait_ready(f"{self._node_url(node)}/healthz", timeout_s=15.0)
+            response = httpx.post(
+                f"{self._node_url(node)}/v1/standby",
+                json={
+                    "job": job.name,
+                    "command": job.command,
+                    "env": job.env,
+                    "preload": job.standby_preload,
+                },
+                headers={"Authorization": f"Bearer {self.actuator_token}"},
+                timeout=5,
+            )
+        except (RuntimeError, httpx.HTTPError):
+            return False
+        return response.status_code == 200
 
     def operator_action(self, body: dict[str, Any], key: str) -> dict[str, Any]:
         """Ask for an action through the API and wait until it finished."""
