@@ -32,7 +32,13 @@ from a copy taken at that step's `step_done`. A request that arrives between an
 Replicated state (DDP: every rank holds the same model, optimizer and RNG): any rank's
 checkpoint restores any rank. Periodic durable saves are then written by rank 0 only,
 and a rank that has no checkpoint of its own at a step (a replacement node, a rank that
-crashed before the survivors' emergency checkpoint) loads another rank's durable copy.
+crashed before the survivors' emergency checkpoint, a rank torchrun moved to another node)
+loads another rank's copy, durable or in this node's RAM.
+
+In-process restarts: `restore(in_memory=True)` after joining a new process group lets a
+rank that still holds its last completed step keep it (tier `memory`: RNG, scheduler,
+the user's objects and buffers are rewound to that step's `step_done` snapshot) when the
+ranks agree on that step.
 """
 
 from __future__ import annotations
