@@ -27,6 +27,7 @@ from supervisor.local.cluster import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
 
 SEED = 3
+STEPS = 150  # of the job, unless a test says otherwise
 RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
 
 
@@ -125,7 +126,7 @@ def demos(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
             nodes_per_dp=1,
             spares=1,
             seed=SEED,
-            total_steps=150,
+            total_steps=STEPS,
             step_time_s=0.04,
             heartbeat_polling_period_s=0.2,
             heartbeat_timeout_s=1.0,
@@ -219,8 +220,10 @@ def inject(demo: LocalDemo, **body: Any) -> dict[str, Any]:
 def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
     start_demo: Callable[..., LocalDemo], tmp_path: Path, workload: str
 ) -> None:
+    # The reference first: run beside the job, it could let the job finish before the
+    # fault on a loaded machine.
+    expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
     demo = start_demo()
-    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, workload)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     victim = demo.options.nodes[0]
     step_before = job_step(demo)
@@ -268,8 +271,10 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     remedy: str,
     workload: str,
 ) -> None:
+    # The reference first: run beside the job, it could let the job finish before the
+    # fault on a loaded machine.
+    expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
     demo = start_demo()
-    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, workload)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     victim = demo.options.nodes[0]
     step_before = job_step(demo)
@@ -343,8 +348,10 @@ def test_no_spare_scales_down_then_back_up_when_the_node_returns(
 def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(
     start_demo: Callable[..., LocalDemo], tmp_path: Path, workload: str
 ) -> None:
+    # The reference first: run beside the job, it could let the job finish before the
+    # fault on a loaded machine.
+    expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
     demo = start_demo()
-    expected = reference_weights(tmp_path, 2, 1, demo.options.total_steps, workload)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     injected = inject(demo, kind="worker_crash", node=demo.options.nodes[1])
     # Kill the supervisor as soon as the policy's decision is recorded.
