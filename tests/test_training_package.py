@@ -20,6 +20,7 @@ def test_the_training_side_imports_nothing_of_the_service_or_the_agent() -> None
     done = run(
         "import sys, training.worker_client, training.numpy_workload.train\n"
         "from training.checkpoint import Checkpointer\n"
+        "from training.checkpoint.lightning import TieredCheckpointing\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('supervisor', 'host_monitor')]\n"
         "assert not bad, bad\n"
     )
@@ -45,5 +46,17 @@ def test_the_service_and_the_agent_need_no_numpy_and_no_torch() -> None:
         "import sys\n"
         "sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
         "import supervisor.api.app, supervisor.cli, supervisor.local.demo, host_monitor.agent\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_checkpoint_tiers_need_no_lightning(tmp_path: Path) -> None:
+    done = run(
+        "import sys\n"
+        "sys.modules['lightning'] = None; sys.modules['pytorch_lightning'] = None\n"
+        "import torch\n"
+        "from training.checkpoint import Checkpointer, CheckpointSettings\n"
+        f"settings = CheckpointSettings(ram_dir={str(tmp_path)!r}, s3_checkpointing_freq=0)\n"
+        "Checkpointer(torch.nn.Linear(2, 2), settings=settings).close()\n"
     )
     assert done.returncode == 0, done.stderr

@@ -102,11 +102,16 @@ class Checkpointer:
         peer: PeerTier | None = None,
         replicated: bool | None = None,
         emergency: bool | None = None,
+        hook_optimizer: bool = True,
     ) -> None:
         """`replicated`: every rank holds the same state (default: the model is a DDP
         model); `emergency`: serve the host monitor's emergency checkpoint requests
         (default: when `client` is online; needs the optimizer, and the call from the
-        main thread, after `client.register()`)."""
+        main thread, after `client.register()`); `hook_optimizer`: mark the start of each
+        parameter update with a pre-hook on `optimizer.step()`. Pass False where
+        `optimizer.step()` runs the forward and backward itself, in a closure (Lightning's
+        automatic optimization), and call `optimizer_step_starts()` right before the
+        update instead: the pre-hook would hold emergency saves during the backward."""
         self.settings = settings if settings is not None else CheckpointSettings.from_env()
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
@@ -162,8 +167,10 @@ class Checkpointer:
         self._holder: int | None = None  # the thread of the emergency save reading the state
         self._completed: Snapshot | None = None  # the last completed step
         self._hook: Any = None
-        if optimizer is not None and (self._stage_in_next_step or self.emergency):
+        marked = self._stage_in_next_step or self.emergency
+        if hook_optimizer and optimizer is not None and marked:
             self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._marks_updates = self._hook is not None or not hook_optimizer
         for root in (self.ram_root, self.durable_root):
             if root is not None:
                 root.mkdir(parents=True, exist_ok=True)
@@ -218,7 +225,7 @@ class Checkpointer:
         state = self.state.state_dict(step)
         background = self.settings.enable_async_ckpt
         finish = None
-        if background and self._hook is not None:
+        if background and self._marks_updates and self._stage_in_next_step:
             # Parameters and optimizer state change only in optimizer.step(): they are
             # copied in the save's thread while the next step's forward and backward run,
             # and the next optimizer.step() waits for that copy (`_before_optimizer_step`).
@@ -249,6 +256,12 @@ class Checkpointer:
             return self._buffers.stage(state)
         finally:
             self._staged.set()
+
+    def optimizer_step_starts(self) -> None:
+        """The parameters and optimizer state are about to change (see `hook_optimizer`):
+        waits while an emergency save reads them, and for the previous save's copy of
+        them to host memory."""
+        self._before_optimizer_step()
 
     def _before_optimizer_step(self, *_: Any) -> None:
         if self.emergency:

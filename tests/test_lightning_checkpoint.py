@@ -1,0 +1,219 @@
+"""The checkpoint tiers in a PyTorch Lightning job (training.checkpoint.lightning).
+
+Real Lightning Trainers (CPU; DDP on gloo under torchrun), killed with SIGKILL mid-step,
+then run again: each must resume from the newest step the tiers hold and end with weights
+bit-identical to a run without the fault. An emergency save taken from another thread
+while Lightning runs the backward inside `optimizer.step()` saves the last completed step
+at once (no wait for the step in flight).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from tests.test_worker_client import free_port
+from training.checkpoint import CheckpointSettings
+from training.checkpoint import format as fmt
+from training.checkpoint.lightning import TieredCheckpointing
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB_SCRIPT = ROOT / "tests" / "fixtures" / "lightning_job.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+RESUMED = re.compile(r"rank=(\d+) resumed step=(\d+) tier=(\w+)")
+TOTAL = 40
+
+
+def run_job(
+    tmp: Path, ranks: int, output: str | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    full = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CHECKPOINT_RAM_DIR": str(tmp / "ram"),
+        "CHECKPOINT_DURABLE_DIR": str(tmp / "durable"),
+        "IN_MEMORY_CHECKPOINTING_FREQ": "5",
+        "S3_CHECKPOINTING_FREQ": "10",
+        "TOTAL_STEPS": str(TOTAL),
+        "BATCHES_PER_EPOCH": "8",
+        **({"OUTPUT": str(tmp / output)} if output else {}),
+        **env,
+    }
+    if ranks == 1:
+        command = [sys.executable, str(JOB_SCRIPT)]
+    else:
+        command = [
+            str(TORCHRUN),
+            f"--nproc-per-node={ranks}",
+            f"--master-port={free_port()}",
+            str(JOB_SCRIPT),
+        ]
+    return subprocess.run(
+        command, env=full, cwd=tmp, capture_output=True, text=True, timeout=240, check=False
+    )
+
+
+def resumed(result: subprocess.CompletedProcess[str]) -> dict[int, tuple[int, str]]:
+    return {int(rank): (int(step), tier) for rank, step, tier in RESUMED.findall(result.stdout)}
+
+
+@pytest.mark.parametrize(
+    ("ranks", "data", "kill_at"),
+    [
+        # A plain DataLoader: the tiers' step 16 is an epoch's end (8 batches an epoch).
+        pytest.param(1, "plain", 17, id="one-process-epoch-end"),
+        # A loader that saves its position: exact in the middle of an epoch.
+        pytest.param(1, "stateful", 22, id="one-process-mid-epoch"),
+        pytest.param(2, "stateful", 22, id="ddp-two-ranks-mid-epoch"),
+    ],
+)
+def test_a_killed_lightning_job_resumes_to_the_same_weights(
+    tmp_path: Path, ranks: int, data: str, kill_at: int
+) -> None:
+    freq = {"IN_MEMORY_CHECKPOINTING_FREQ": "8", "S3_CHECKPOINTING_FREQ": "16"}
+    tiers = freq if data == "plain" else {}
+    reference_dir, job_dir = tmp_path / "reference", tmp_path / "job"
+    reference_dir.mkdir()
+    job_dir.mkdir()
+    reference = run_job(reference_dir, ranks, "weights", DATA=data, **tiers)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert resumed(reference) == dict.fromkeys(range(ranks), (0, "None"))
+
+    killed = run_job(
+        job_dir, ranks, DATA=data, KILL_AT_STEP=str(kill_at), KILL_RANK=str(ranks - 1), **tiers
+    )
+    assert killed.returncode != 0, "the job was meant to be killed"
+    rerun = run_job(job_dir, ranks, "weights", DATA=data, **tiers)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    where = resumed(rerun)
+    assert set(where) == set(range(ranks))
+    steps = {step for step, _ in where.values()}
+    assert len(steps) == 1, where  # the ranks agreed
+    (step,) = steps
+    assert 0 < step <= kill_at
+    assert {tier for _, tier in where.values()} <= {"ram", "durable"}
+    assert (job_dir / "weights").read_text() == (reference_dir / "weights").read_text()
+    assert (job_dir / "weights").read_text().startswith(f"{TOTAL} ")
+
+
+def test_with_its_ram_tier_lost_the_job_resumes_from_durable(tmp_path: Path) -> None:
+    (tmp_path / "reference").mkdir()
+    reference = run_job(tmp_path / "reference", 1, "weights", DATA="stateful")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    killed = run_job(tmp_path, 1, DATA="stateful", KILL_AT_STEP="27")
+    assert killed.returncode != 0
+    shutil.rmtree(tmp_path / "ram")  # the node's RAM is gone (a reboot, a new node)
+    rerun = run_job(tmp_path, 1, "weights", DATA="stateful")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    ((step, tier),) = resumed(rerun).values()
+    assert tier == "durable" and step in (10, 20)
+    assert (tmp_path / "weights").read_text() == (tmp_path / "reference" / "weights").read_text()
+
+
+class _Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4
+        )
+
+
+class _EmergencyDuringBackward(Callback):
+    """At step `at`, after the backward and before the parameter update (inside Lightning's
+    `optimizer.step()`), asks for an emergency save from another thread and waits for it:
+    with the update marked at `optimizer.step()`'s start it would wait for this step to
+    finish, which waits for it."""
+
+    def __init__(self, tiers: TieredCheckpointing, at: int) -> None:
+        self.tiers, self.at = tiers, at
+        self.saved: list[Any] = []
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step != self.at:
+            return
+        checkpointer = self.tiers.checkpointer
+        assert checkpointer is not None
+
+        def save() -> None:
+            try:
+                self.saved.append(checkpointer.emergency_save())
+            except Exception as exc:  # reported below
+                self.saved.append(exc)
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the emergency save waited for the step in flight"
+
+
+def test_an_emergency_save_during_lightnings_backward_saves_the_last_step(
+    tmp_path: Path,
+) -> None:
+    settings = CheckpointSettings(
+        ram_dir=str(tmp_path / "ram"),
+        durable_dir=str(tmp_path / "durable"),
+        in_memory_checkpointing_freq=100,
+        s3_checkpointing_freq=100,
+        emergency_checkpoint_timeout_s=60,
+    )
+    tiers = TieredCheckpointing(settings=settings, emergency=True)
+    probe = _EmergencyDuringBackward(tiers, at=7)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=10,
+        callbacks=[tiers, probe],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_Tiny())
+    assert probe.saved == [7]
+    assert 7 in fmt.committed_steps(tmp_path / "ram", 0)
+    assert 7 in fmt.committed_steps(tmp_path / "durable", 0)
+
+
+def test_more_than_one_optimizer_is_refused_by_name(tmp_path: Path) -> None:
+    class TwoOptimizers(_Tiny):
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.parameters(), lr=0.1)] * 2
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            return None
+
+    settings = CheckpointSettings(ram_dir=str(tmp_path / "ram"), durable_dir=str(tmp_path / "d"))
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[TieredCheckpointing(settings=settings)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    model = TwoOptimizers()
+    model.automatic_optimization = False
+    with pytest.raises(ValueError, match="one optimizer; the module configures 2"):
+        trainer.fit(model)
