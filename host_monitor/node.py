@@ -31,6 +31,8 @@ from host_monitor.config import HostMonitorSettings, env_without_secrets
 from host_monitor.emergency import EmergencyRounds
 from host_monitor.heartbeat import NodeSnapshot
 from host_monitor.protocol import (
+    AssignWorldRequest,
+    AssignWorldResult,
     CheckpointPeer,
     CheckpointReport,
     NodeStatus,
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 KEEP_START_REQUESTS = 64  # request ids remembered for idempotency
 STANDBY_DELAY_S = 5.0  # after a start, before its standby is started
 KEEP_CHECKPOINTS = 100
+KEEP_WORLDS = 256  # worlds assigned per (job, rank), newest kept
 # Env of launched workers naming the file that holds the current emergency request id
 # (read by training/worker_client.py after SIGUSR1, which carries no data).
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
@@ -115,6 +118,11 @@ class Node:
         self._idle_since: float | None = None  # monotonic: when its last worker went
         self._starts: OrderedDict[str, StartWorkersRequest] = OrderedDict()
         self._rejoins: OrderedDict[str, tuple[RejoinRequest, RejoinResult]] = OrderedDict()
+        # POST /v1/workers/world: the newest world of each (job, rank), for its instance.
+        self._worlds: OrderedDict[tuple[str, int], AssignWorldRequest] = OrderedDict()
+        self._assigned: OrderedDict[str, tuple[AssignWorldRequest, AssignWorldResult]] = (
+            OrderedDict()
+        )
         self._lock = asyncio.Lock()
         # The partner of the peer checkpoint tier (peer_tier.py): from the start request,
         # or PUT /v1/checkpoint-peer. A relation of the job: a released node has none.
@@ -292,6 +300,7 @@ class Node:
                     joining,
                     previous,
                 )
+        self._deliver_world(worker)
         self._changed()
         return worker.status()
 
@@ -340,6 +349,51 @@ class Node:
             log.info("rejoin %s: ranks %s to attempt %s", req.request_id, result.ranks, req.attempt)
             self._changed()
             return result
+
+    def assign_world(self, req: AssignWorldRequest) -> AssignWorldResult:
+        """Keep the world of `req.rank` for its instance; hand it to that worker now if it
+        is registered here, else when it registers."""
+        done = self._assigned.get(req.request_id)
+        if done is not None:
+            if done[0] != req:
+                raise WorkerConflict(
+                    f"request_id {req.request_id!r} was used for a different world"
+                )
+            return done[1]
+        key = (req.job, req.rank)
+        self._worlds.pop(key, None)
+        self._worlds[key] = req
+        while len(self._worlds) > KEEP_WORLDS:
+            self._worlds.popitem(last=False)
+        worker = self.registry.workers.get(req.rank)
+        delivered = worker is not None and self._deliver_world(worker)
+        result = AssignWorldResult(
+            request_id=req.request_id, rank=req.rank, attempt=req.attempt, delivered=delivered
+        )
+        self._assigned[req.request_id] = (req, result)
+        while len(self._assigned) > KEEP_START_REQUESTS:
+            self._assigned.popitem(last=False)
+        log.info(
+            "world %s of job %s for rank %d (instance %s)%s",
+            req.attempt,
+            req.job,
+            req.rank,
+            req.instance,
+            "" if delivered else ": kept until it registers",
+        )
+        return result
+
+    def _deliver_world(self, worker: Worker) -> bool:
+        """Give a registered worker the world assigned to its instance, if there is one."""
+        if self.job is None or worker.instance is None or not worker.registered:
+            return False
+        req = self._worlds.get((self.job, worker.rank))
+        if req is None or req.instance != worker.instance or not worker.alive:
+            return False
+        if worker.world != (req.attempt, req.env):
+            worker.world = (req.attempt, dict(req.env))
+            self._changed()
+        return True
 
     def checkpoint(self, rank: int, report: CheckpointReport) -> None:
         self.registry.get(rank)

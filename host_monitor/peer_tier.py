@@ -261,6 +261,7 @@ class PeerTier:
     def start(self) -> None:
         if self.store is not None:
             self.store.start()
+            self._open_checkpoint_root()
             log.info(
                 "peer checkpoint tier on: copies in %s, workers' checkpoints under %s",
                 self.store_dir,
@@ -268,6 +269,19 @@ class PeerTier:
             )
         else:
             log.info("peer checkpoint tier off (peer_token not set)")
+
+    def _open_checkpoint_root(self) -> None:
+        """Make `checkpoint_root` writable by workers of any user, sticky (as /dev/shm and
+        /tmp are: none removes another's files), when it is ours: on Kubernetes it is a
+        hostPath the kubelet creates as root 0755, and the workers' pods run as others."""
+        root = self.checkpoint_root
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            st = root.stat()
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o1777:
+                root.chmod(0o1777)
+        except OSError as exc:
+            log.warning("checkpoint_root %s: cannot open it to the workers: %s", root, exc)
 
     async def close(self) -> None:
         tasks = [p.task for p in self._pushes.values() if p.task is not None]

@@ -39,6 +39,13 @@ class WorkerRegistration(BaseModel):
     job: Name | None = Field(
         None, description="The job this worker belongs to (on Kubernetes: the JobSet name)."
     )
+    instance: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="What this process runs in, once (on Kubernetes its pod's UID, env "
+        "POD_UID): a world assigned to that instance (POST /v1/workers/world) reaches it.",
+    )
 
 
 class WorkerStopping(BaseModel):
@@ -220,6 +227,35 @@ class RejoinRequest(BaseModel):
     job: str = Field(min_length=1)
     attempt: str = Field(pattern=ATTEMPT_PATTERN)
     env: dict[str, str] = Field(description="The new world: MASTER_ADDR, MASTER_PORT, ...")
+
+
+class AssignWorldRequest(BaseModel):
+    """POST /v1/workers/world: the torch.distributed world that the worker of `rank` running
+    in `instance` (on Kubernetes: a pod's UID) is to train in, whether it is registered yet
+    or not (a replacement pod still starting, or one a JobSet that heals in-process keeps).
+
+    The worker reads it from GET /v1/workers/{rank}/world, at its start and after its
+    collective failed. A later assignment for the same job and rank replaces an earlier
+    one. Idempotent by `request_id`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(min_length=1, max_length=200)
+    job: Name
+    rank: int = Field(ge=0)
+    instance: str = Field(min_length=1, max_length=128)
+    attempt: str = Field(pattern=ATTEMPT_PATTERN)
+    env: dict[str, str] = Field(description="The world: MASTER_PORT, WORLD_SIZE, ...")
+
+
+class AssignWorldResult(BaseModel):
+    request_id: str
+    rank: int
+    attempt: str
+    delivered: bool = Field(
+        description="The worker of that instance is registered here and now has the world; "
+        "false: it gets it when it registers."
+    )
 
 
 class RejoinResult(BaseModel):

@@ -27,6 +27,8 @@ from host_monitor.peer_routes import peer_router
 from host_monitor.peer_tier import PeerTier
 from host_monitor.peer_worker_routes import peer_actuator_router, peer_worker_router
 from host_monitor.protocol import (
+    AssignWorldRequest,
+    AssignWorldResult,
     CheckpointReport,
     EmergencyAck,
     EmergencyCheckpointRequest,
@@ -189,6 +191,15 @@ def create_app(
     )
     async def rejoin_workers(body: RejoinRequest) -> RejoinResult:
         return await node.rejoin(body)
+
+    @actuator.post(
+        "/workers/world",
+        response_model=AssignWorldResult,
+        summary="The world of one rank's instance, registered yet or not (idempotent by "
+        "request_id)",
+    )
+    async def assign_world(body: AssignWorldRequest) -> AssignWorldResult:
+        return node.assign_world(body)
 
     @actuator.post(
         "/standby",

@@ -109,6 +109,7 @@ class Worker:
     attempt: str | None = None  # the world it reported training in
     # An in-process restart: (attempt, env) of the world to join, until it reports it.
     world: tuple[str, dict[str, str]] | None = None
+    instance: str | None = None  # as registered (a pod's UID): see AssignWorldRequest
 
     @property
     def alive(self) -> bool:
@@ -269,6 +270,7 @@ class WorkerRegistry:
             )
             self.workers[reg.rank] = worker
         worker.registered = True
+        worker.instance = reg.instance
         worker.last_progress = now
         self._set(worker, WorkerState.RUNNING)
         if host_pid == reg.pid:

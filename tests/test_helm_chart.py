@@ -792,7 +792,8 @@ def test_host_monitor_runs_on_gpu_nodes_and_reaches_the_supervisor() -> None:
 
 @pytest.mark.parametrize("source", ["kmsg", "file", "off"])
 def test_host_monitor_has_only_the_privileges_its_kernel_log_needs(source: str) -> None:
-    docs = render(merged(POSTGRES, {"hostMonitor": {"kernelLog": {"source": source}}}))
+    host_monitor = {"kernelLog": {"source": source}, "peerTier": {"enabled": False}}
+    docs = render(merged(POSTGRES, {"hostMonitor": host_monitor}))
     pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
     # Always: the host's PID namespace (poll and signal workers of other pods); never the
     # host network or IPC; no Kubernetes API token.
@@ -824,9 +825,38 @@ def test_host_monitor_has_only_the_privileges_its_kernel_log_needs(source: str) 
         assert kernel_log == "none"
 
 
+def test_the_peer_tier_adds_its_directories_its_token_and_two_capabilities() -> None:
+    docs = render(merged(POSTGRES, {"hostMonitor": {"kernelLog": {"source": "off"}}}))
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    c = container(docs, "DaemonSet")
+    # Write a fetched copy into a worker's RAM directory, as that worker's user.
+    assert c["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["KILL", "DAC_OVERRIDE", "CHOWN"],
+    }
+    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        "ram-checkpoints": {"path": "/dev/shm/resiliency-checkpoints", "type": "DirectoryOrCreate"},
+        "peer-store": {"path": "/dev/shm/resiliency-peer", "type": "DirectoryOrCreate"},
+    }
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["ram-checkpoints"] == "/dev/shm/resiliency-checkpoints"
+    env = {e["name"]: e for e in c["env"]}
+    token = env["HOST_MONITOR_PEER_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token["key"] == "peer-token" and token["optional"] is True
+    settings = host_monitor_settings(docs)
+    assert str(settings.checkpoint_root) == "/dev/shm/resiliency-checkpoints"
+    # The token is generated with the others, and differs from them.
+    secret = next(
+        d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-tokens")
+    )
+    assert "peer-token" in secret["data"]
+    assert len(set(secret["data"].values())) == len(secret["data"])
+
+
 def test_every_host_monitor_privilege_is_justified_in_a_comment() -> None:
     lines = (CHART / "templates" / "host-monitor.yaml").read_text().splitlines()
-    for marker in ("hostPID: true", "privileged: true", 'add: ["KILL"', "runAsUser: 0"):
+    for marker in ("hostPID: true", "privileged: true", "add: ", "DAC_OVERRIDE", "runAsUser: 0"):
         index = next(i for i, line in enumerate(lines) if marker in line)
         before = [line.strip() for line in lines[max(0, index - 6) : index]]
         assert any(line.startswith("#") for line in before), marker
@@ -935,6 +965,8 @@ MUTATIONS: dict[str, Any] = {
     "hostMonitor.tolerations": [],
     "hostMonitor.kernelLog.source": "off",
     "hostMonitor.kernelLog.path": "/var/log/other/kern.log",
+    "hostMonitor.peerTier.checkpointRoot": "/dev/shm/other-checkpoints",
+    "hostMonitor.peerTier.storeDir": "/dev/shm/other-peer",
     "hostMonitor.nvidiaSmi": "/usr/local/nvidia/bin/nvidia-smi",
     "hostMonitor.runtimeClassName": "nvidia",
     "hostMonitor.maxUnavailable": "10%",

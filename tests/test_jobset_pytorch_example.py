@@ -19,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from supervisor.kube import failure_policy
 from supervisor.kube import objects as kube_objects
 from supervisor.local.cluster import free_port
 from tests.test_helm_chart import CHART, K8S_VERSION
@@ -41,15 +42,24 @@ def trainer_of(jobset: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
-def test_the_pytorch_jobset_is_a_valid_supervised_jobset() -> None:
+def test_the_pytorch_jobset_is_a_valid_supervised_jobset_that_heals_in_process() -> None:
     jobset, numpy_jobset = load(EXAMPLE), load(CHART / "examples" / "jobset.yaml")
-    # The same failure policy and Job failure rules as the supervised JobSet of the chart.
-    assert jobset["spec"]["failurePolicy"] == numpy_jobset["spec"]["failurePolicy"]
+    # In-process: annotated, and a lost or crashed pod is replaced by its Job alone,
+    # which is what the backend checks before it heals in-process.
+    assert kube_objects.in_process_enabled(jobset)
+    assert failure_policy.in_process_refusal(jobset) is None
+    # Its full restarts therefore go by deleting the Jobs, not by evicting pods.
+    refusal = failure_policy.eviction_restart_refusal(jobset)
+    assert refusal is not None and "exit codes" in refusal
     (replicated,) = jobset["spec"]["replicatedJobs"]
     job_spec = replicated["template"]["spec"]
     (numpy_replicated,) = numpy_jobset["spec"]["replicatedJobs"]
-    for key in ("backoffLimit", "podFailurePolicy", "completionMode"):
-        assert job_spec[key] == numpy_replicated["template"]["spec"][key], key
+    assert job_spec["completionMode"] == numpy_replicated["template"]["spec"]["completionMode"]
+    rules = job_spec["podFailurePolicy"]["rules"]
+    assert [r["action"] for r in rules] == ["FailJob", "Ignore", "Ignore"]
+    assert rules[0]["onExitCodes"]["values"] == [2]  # bad settings: retrying cannot help
+    # The numpy JobSet (not in-process) is refused, naming why.
+    assert "DisruptionTarget with FailJob" in str(failure_policy.in_process_refusal(numpy_jobset))
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "w"}, "spec": job_spec}
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
     # DDP: one node per replica, and the shape the Kubernetes backend reads says so.
@@ -62,6 +72,9 @@ def test_the_pytorch_jobset_is_a_valid_supervised_jobset() -> None:
         assert env[name] == numpy_env[name], name
     assert env[kube_objects.ENV_NUM_DP_REPLICAS]["value"] == str(replicated["replicas"])
     assert "WORLD_SIZE" not in env  # follows NUM_DP_REPLICAS, which scaling rewrites
+    # The supervisor assigns each pod its world, by the pod's UID.
+    assert float(env["WORLD_WAIT_S"]["value"]) > 0
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
     # MASTER_ADDR names rank 0's pod under the JobSet's headless Service.
     name = jobset["metadata"]["name"]
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True
@@ -78,6 +91,9 @@ def resolve_env(trainer: dict[str, Any], labels: dict[str, str]) -> dict[str, st
         source = var["valueFrom"]
         if "fieldRef" in source:
             path = source["fieldRef"]["fieldPath"]
+            if path == "metadata.uid":
+                env[var["name"]] = "0b6c8f52-5a1e-4c1f-9a52-000000000000"
+                continue
             key = path.removeprefix("metadata.labels['").removesuffix("']")
             env[var["name"]] = labels[key]
     return env

@@ -86,6 +86,7 @@ ENV_TOKEN = "HOST_MONITOR_WORKER_TOKEN"
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
 ENV_JOB = "HOST_MONITOR_JOB"
 ENV_ATTEMPT = "WORKLOAD_ATTEMPT"
+ENV_INSTANCE = "POD_UID"  # on Kubernetes, from the downward API (metadata.uid)
 _ATTEMPT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_REQUEST_ID = "signal"
 
@@ -121,7 +122,10 @@ class WorkerClient:
         token: str | None = None,
         report_interval_s: float = 0.5,
         job: str | None = None,
+        instance: str | None = None,
     ) -> None:
+        """`instance`: what this process runs in, once (its pod's UID on Kubernetes): the
+        supervisor assigns worlds to it (`new_world`)."""
         if rank < 0 or local_rank < 0:
             raise ValueError("rank and local_rank must be >= 0")
         if report_interval_s <= 0:
@@ -131,6 +135,7 @@ class WorkerClient:
         self.monitor_url = monitor_url.rstrip("/") if monitor_url else None
         self.report_interval_s = report_interval_s
         self.job = job or None
+        self.instance = instance or None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http: httpx.Client | None = None
         if self.monitor_url is not None:
@@ -178,7 +183,7 @@ class WorkerClient:
         cls, env: Mapping[str, str] | None = None, *, report_interval_s: float = 0.5
     ) -> WorkerClient:
         """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN,
-        HOST_MONITOR_JOB and WORKLOAD_ATTEMPT."""
+        HOST_MONITOR_JOB, WORKLOAD_ATTEMPT and POD_UID."""
         env = os.environ if env is None else env
         client = cls(
             int(env.get(ENV_RANK, "0")),
@@ -187,6 +192,7 @@ class WorkerClient:
             token=env.get(ENV_TOKEN) or None,
             report_interval_s=report_interval_s,
             job=env.get(ENV_JOB) or None,
+            instance=env.get(ENV_INSTANCE) or None,
         )
         attempt = env.get(ENV_ATTEMPT, "")
         client.attempt = attempt if _ATTEMPT_RE.match(attempt) else None
@@ -231,6 +237,8 @@ class WorkerClient:
         body: dict[str, Any] = {"rank": self.rank, "local_rank": self.local_rank}
         if self.job is not None:
             body["job"] = self.job
+        if self.instance is not None:
+            body["instance"] = self.instance
         me = self_identity()
         body["pid"] = me.pid
         if me.pid_namespace is not None:
@@ -469,11 +477,15 @@ class WorkerClient:
     # --- in-process restart -------------------------------------------------------------
 
     def new_world(
-        self, timeout_s: float, *, poll_s: float = 0.05
+        self, timeout_s: float, *, poll_s: float = 0.05, first: bool = False
     ) -> tuple[str, dict[str, str]] | None:
         """Wait for the host monitor to hand this worker a new world to join without
         restarting (an in-process restart): (attempt, its environment: MASTER_ADDR,
         MASTER_PORT, WORLD_SIZE, ...), or None after `timeout_s` (or offline).
+
+        `first`: the world to start in, whatever its attempt (a worker whose supervisor
+        assigns every world, such as a pod of a JobSet that heals in-process: a
+        replacement pod cannot know from its environment which world the others are in).
 
         Call `joined(attempt)` once the worker trains in it: the host monitor then knows.
         Emergency checkpoints are served meanwhile (by the client's thread, see
@@ -498,7 +510,7 @@ class WorkerClient:
                 attempt, env = body.get("attempt"), body.get("env")
                 if (
                     isinstance(attempt, str)
-                    and attempt != self.attempt
+                    and (first or attempt != self.attempt)
                     and isinstance(env, dict)
                     and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
                 ):

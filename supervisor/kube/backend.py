@@ -46,14 +46,15 @@ from supervisor.kube.generations import (
     pods_to_restart,
     reference_time,
 )
+from supervisor.kube.in_process import InProcessHealing
+from supervisor.kube.journal import journal_of, set_journal
 from supervisor.kube.objects import Obj
+from supervisor.kube.pod_links import PodLinks
 from supervisor.kube.recovery import NodeRecovery
 from supervisor.kube.sensing import KubeSensing
 
 log = logging.getLogger(__name__)
 
-#: Journal entries kept per object (the newest).
-JOURNAL_SIZE = 20
 #: Attempts at a read-modify-write that keeps hitting 409 Conflict.
 CONFLICT_ATTEMPTS = 8
 #: Reason of the Event recorded before a JobSet is deleted to be recreated (scaling).
@@ -66,19 +67,6 @@ ALREADY_RESTARTED = "AlreadyRestarted"
 
 class _Unsettled(Exception):
     """A restart's generation is still being replaced by a controller: wait on."""
-
-
-def _journal(obj: Obj) -> dict[str, Any]:
-    try:
-        value = json.loads(o.annotations_of(obj).get(o.JOURNAL, "{}"))
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _set_journal(obj: Obj, journal: dict[str, Any]) -> None:
-    keep = dict(list(journal.items())[-JOURNAL_SIZE:])
-    o.meta(obj).setdefault("annotations", {})[o.JOURNAL] = json.dumps(keep, sort_keys=True)
 
 
 def merge_patch(old: Any, new: Any) -> Any:
@@ -152,6 +140,11 @@ class KubeBackend(Backend):
         # Bodies of JobSets being recreated (scale), by action key: a copy of what is
         # also kept in the old JobSet's annotation while it is being deleted.
         self._recreating: dict[str, Obj] = {}
+        #: What the host monitors must know of the pods: worlds, checkpoint partners.
+        self.links = PodLinks(
+            self.discovery, self._http, self._host_monitor_url, lambda: self.calls.fence()
+        )
+        self.in_process = InProcessHealing(self)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -169,6 +162,7 @@ class KubeBackend(Backend):
             hooks.raise_events,
         )
         self.recovery.start()
+        self.links.start()
         if not await self.discovery.synced(SYNC_TIMEOUT_S):
             log.warning("kubernetes watches not synced after %.0fs; going on", SYNC_TIMEOUT_S)
 
@@ -178,6 +172,7 @@ class KubeBackend(Backend):
             self.discovery.start()
 
     async def close(self) -> None:
+        await self.links.close()
         if self.recovery is not None:
             await self.recovery.close()
         if self.sensing is not None:
@@ -317,24 +312,24 @@ class KubeBackend(Backend):
 
         def change(obj: Obj) -> bool:
             changed = also(obj) if also is not None else False
-            journal = _journal(obj)
+            journal = journal_of(obj)
             if key not in journal:
                 journal[key] = {**plan(obj), "done": False}
-                _set_journal(obj, journal)
+                set_journal(obj, journal)
                 changed = True
             return changed
 
         obj = await self._modify(kind, name, change)
-        return obj, _journal(obj)[key]
+        return obj, journal_of(obj)[key]
 
     async def _finish(self, kind: str, name: str, key: str, result: dict[str, Any]) -> None:
         def change(obj: Obj) -> bool:
-            journal = _journal(obj)
+            journal = journal_of(obj)
             entry = journal.get(key, {})
             if entry.get("done"):
                 return False
             journal[key] = {**entry, "done": True, "result": result}
-            _set_journal(obj, journal)
+            set_journal(obj, journal)
             return True
 
         # NotFound: e.g. the JobSet was deleted meanwhile; nothing left to remember it on.
@@ -411,7 +406,7 @@ class KubeBackend(Backend):
 
         def settled() -> bool:
             js = self.discovery.jobset(jobset)
-            return js is None or key in _journal(js) or not decide(js).wait
+            return js is None or key in journal_of(js) or not decide(js).wait
 
         def plan(js: Obj) -> dict[str, Any]:
             verdict = decide(js)
@@ -594,6 +589,8 @@ class KubeBackend(Backend):
     # --- restart in place: evict the pods of one node ---------------------------------------
 
     async def _restart_in_place(self, action: ActionRecord) -> dict[str, Any]:
+        if action.node and (healed := await self.in_process.heal(action, swap=False)):
+            return healed
         jobset, key = self._jobset_name(action), action.idempotency_key
         when = await self._reference_time(action)
 
@@ -784,6 +781,8 @@ class KubeBackend(Backend):
         return result
 
     async def _hot_swap(self, action: ActionRecord) -> dict[str, Any]:
+        if healed := await self.in_process.heal(action, swap=True):
+            return healed
         name, key = self._node_name(action), action.idempotency_key
         jobset = action.job
         when = await self._reference_time(action)
@@ -915,13 +914,13 @@ class KubeBackend(Backend):
         }
         if m.get("ownerReferences"):
             body["metadata"]["ownerReferences"] = m["ownerReferences"]
-        journal = _journal(js)
+        journal = journal_of(js)
         journal[action.idempotency_key] = {
             "type": action.type.value,
             "done": True,
             "result": {"num_dp_replicas": to, "from_replicas": shape.num_dp_replicas},
         }
-        _set_journal(body, journal)
+        set_journal(body, journal)
         return body
 
     async def _body_from_event(self, jobset: str, key: str) -> Obj | None:
@@ -945,7 +944,7 @@ class KubeBackend(Backend):
             js = None
         body = self._recreating.get(key)
         if js is not None and not o.terminating(js):
-            entry = _journal(js).get(key)
+            entry = journal_of(js).get(key)
             if entry and entry.get("done"):
                 return {"repeated": True, **entry.get("result", {})}
             shape = self.discovery.shape(js)
@@ -1036,13 +1035,13 @@ class KubeBackend(Backend):
             created: Obj = json.loads(response.data)
         except Conflict:
             created = await self._read("JobSet", jobset)
-            entry = _journal(created).get(key)
+            entry = journal_of(created).get(key)
             if not (entry and entry.get("done")):
                 raise ActionError(
                     f"JobSet {jobset} exists again but not from this action", retryable=True
                 ) from None
         self._recreating.pop(key, None)
-        result: dict[str, Any] = _journal(body)[key]["result"]
+        result: dict[str, Any] = journal_of(body)[key]["result"]
         await self._event(
             created,
             "JobSet",

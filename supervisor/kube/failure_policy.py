@@ -77,3 +77,31 @@ def eviction_restart_refusal(js: Obj) -> str | None:
                 f"not {IGNORE_MAX_RESTARTS}"
             )
     return None
+
+
+def in_process_refusal(js: Obj) -> str | None:
+    """None when a lost pod of the JobSet is replaced by its Job alone, the others left
+    running (what an in-process heal needs): each Job answers an evicted pod
+    (DisruptionTarget) with `Ignore`. Else why not, in words."""
+    spec: dict[str, Any] = js.get("spec") or {}
+    for rjob in spec.get("replicatedJobs") or []:
+        name = str(rjob.get("name"))
+        job_spec = (rjob.get("template") or {}).get("spec") or {}
+        for i, rule in enumerate((job_spec.get("podFailurePolicy") or {}).get("rules") or []):
+            conditions = rule.get("onPodConditions") or []
+            if any(
+                c.get("type") == DISRUPTION_TARGET and c.get("status", "True") == "True"
+                for c in conditions
+            ):
+                if rule.get("action") == "Ignore":
+                    break
+                return (
+                    f"replicatedJob {name}: podFailurePolicy rule {i} answers"
+                    f" {DISRUPTION_TARGET} with {rule.get('action')}, not Ignore"
+                )
+        else:
+            return (
+                f"replicatedJob {name}: no podFailurePolicy rule answers"
+                f" {DISRUPTION_TARGET} with Ignore"
+            )
+    return None

@@ -30,6 +30,7 @@ from supervisor.domain import Event, EventType
 from supervisor.kube import objects as o
 from supervisor.kube.discovery import Discovery
 from supervisor.kube.objects import Obj
+from supervisor.kube.worlds import current_world, healed_since
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,9 @@ def jobs_to_restart(discovery: Discovery, js: Obj, when: datetime) -> Verdict:
         return Verdict(gen, error=f"JobSet {name} has finished; it cannot be restarted")
     if gen.restarted:
         return Verdict(gen, skipped=gen.skipped)
+    if o.in_process_enabled(js) and healed_since(js, when):
+        world = current_world(js, []).attempt
+        return Verdict(gen, skipped=f"healed in-process since the event (world {world})")
     jobs = discovery.child_jobs(name)
     old = [j for j in jobs if not discovery.created_after(j, when)]
     if not old and jobs:

@@ -34,6 +34,12 @@ NUM_DP_REPLICAS = OURS + "num-dp-replicas"
 ORIGINAL_SPEC = OURS + "original-spec"
 RECREATE = OURS + "recreate"
 JOURNAL = OURS + "actions"
+# A JobSet that heals in-process (users set it), and its current torch.distributed world.
+IN_PROCESS = OURS + "in-process-restart"
+WORLD = OURS + "world"
+
+# The Job controller's index of a pod of an Indexed Job (label and annotation).
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 
 # Environment variables set on the workers of a rescaled JobSet.
 ENV_NUM_DP_REPLICAS = "NUM_DP_REPLICAS"
@@ -229,6 +235,34 @@ def expected_pods(js: Obj) -> int:
         int(r.get("replicas", 1)) * pods_per_job(r)
         for r in js.get("spec", {}).get("replicatedJobs") or []
     )
+
+
+def pod_rank(pod: Obj, nodes_per_dp: int) -> int | None:
+    """The node rank of a pod of the data-parallel replicated Job: its Job's index times
+    the nodes per replica, plus its completion index (as the example JobSets compute
+    RANK); None when a label is missing."""
+    labels, annotations = labels_of(pod), annotations_of(pod)
+    job_index = labels.get(JOB_INDEX)
+    completion = labels.get(COMPLETION_INDEX) or annotations.get(COMPLETION_INDEX)
+    if job_index is None or completion is None:
+        return None
+    try:
+        return int(job_index) * nodes_per_dp + int(completion)
+    except ValueError:
+        return None
+
+
+def container_env(pod: Obj, name: str) -> str | None:
+    """The literal value of an environment variable of the pod's first container."""
+    containers = (pod.get("spec") or {}).get("containers") or [{}]
+    for var in containers[0].get("env") or []:
+        if var.get("name") == name and isinstance(var.get("value"), str):
+            return str(var["value"])
+    return None
+
+
+def in_process_enabled(js: Obj) -> bool:
+    return annotations_of(js).get(IN_PROCESS, "").lower() == "true"
 
 
 def dp_replicated_job(js: Obj) -> Obj | None:

@@ -15,6 +15,10 @@
 | `LOG_EVERY_STEPS` | `10` | One progress line every this many steps. |
 | `WORKLOAD_ATTEMPT` | torchrun's restart count, else `0` | Names the attempt in the log. |
 | `PEER_LOSS_WAIT_S` | `120` | After a failed collective: seconds to stay up (see train.py). |
+| `WORLD_WAIT_S` | `0` | See below. |
+
+`WORLD_WAIT_S` above 0, with a host monitor: the supervisor assigns the world to start in
+(a JobSet that heals in-process); wait this long for it, and exit 4 without one.
 
 The checkpoint tiers read their own settings (`training.checkpoint.CheckpointSettings`:
 `IN_MEMORY_CHECKPOINTING_FREQ`, `S3_CHECKPOINTING_FREQ`, `CHECKPOINT_RAM_DIR`,
@@ -51,6 +55,7 @@ class TorchWorkloadConfig:
     output_dir: Path | None = None
     log_every_steps: int = 10
     peer_loss_wait_s: float = 120.0
+    world_wait_s: float = 0.0
     attempt: str = "0"
 
     def __post_init__(self) -> None:
@@ -67,8 +72,8 @@ class TorchWorkloadConfig:
             raise ConfigError("BATCH_SIZE and LOG_EVERY_STEPS must be >= 1")
         if self.stop_after_step < 0 or self.step_time_s < 0 or self.learning_rate <= 0:
             raise ConfigError("STOP_AFTER_STEP, STEP_TIME_S must be >= 0, LEARNING_RATE > 0")
-        if self.peer_loss_wait_s < 0:
-            raise ConfigError("PEER_LOSS_WAIT_S must be >= 0")
+        if self.peer_loss_wait_s < 0 or self.world_wait_s < 0:
+            raise ConfigError("PEER_LOSS_WAIT_S and WORLD_WAIT_S must be >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:

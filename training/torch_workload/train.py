@@ -1,8 +1,8 @@
 """The training loop of one rank.
 
 Exit codes: 0 done (or stopped after STOP_AFTER_STEP), 2 bad settings, 3 a collective
-failed (a peer is gone) and no one stopped this rank within PEER_LOSS_WAIT_S, 1 anything
-else.
+failed (a peer is gone) and no one stopped this rank within PEER_LOSS_WAIT_S, 4 no world
+assigned within WORLD_WAIT_S, 1 anything else.
 
 A rank whose collective fails stays up for PEER_LOSS_WAIT_S when a host monitor is there:
 its state is still that of the last completed step, and the supervisor's emergency
@@ -12,6 +12,10 @@ world (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, WORKLOAD_ATTEMPT): it leaves the fa
 process group, joins the new one and trains on from the state it holds (tier `memory`),
 while the replacement rank loads that step from the tiers. Otherwise the supervisor
 restarts every rank. Without a host monitor it exits at once (code 3).
+
+With WORLD_WAIT_S set (the pods of a JobSet that heals in-process), even the first world
+comes from the supervisor, through the host monitor: a replacement pod, started by its
+Job as any other, cannot tell from its environment which world the survivors are in.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -38,6 +43,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_PEER_LOST = 3
+EXIT_NO_WORLD = 4
 
 log = logging.getLogger("training.torch_workload")
 
@@ -61,15 +67,26 @@ def say(cfg: TorchWorkloadConfig, message: str) -> None:
 def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
     torch.set_num_threads(1)  # several ranks share a machine; and determinism
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    client = WorkerClient.from_env()
+    client.register(world_size=cfg.world_size)
+    assigned = bool(cfg.world_wait_s) and client.online  # offline: nobody assigns one
+    if assigned:
+        world = client.new_world(cfg.world_wait_s, first=True)
+        if world is None:
+            say(cfg, f"no world assigned within WORLD_WAIT_S={cfg.world_wait_s:g}s: exiting")
+            client.close()
+            return EXIT_NO_WORLD
+        cfg = enter_world(cfg, *world)
+        wait_for_master(cfg, cfg.world_wait_s)
     dist.init_process_group(backend)
     if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
         raise ConfigError("RANK / WORLD_SIZE differ from the process group's")
+    if assigned:
+        client.joined(cfg.attempt)
     torch.manual_seed(cfg.seed)
     model = DecoderLM(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.total_steps)
-    client = WorkerClient.from_env()
-    client.register(world_size=cfg.world_size)
     # The Checkpointer gets the model itself, not its DDP wrapper: an in-process restart
     # wraps it again for each new world. DDP's state is the same on every rank.
     ckpt = Checkpointer(
@@ -104,14 +121,13 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
             world = wait_for_new_world(cfg, step, client)
             if world is None:
                 return EXIT_PEER_LOST
-            attempt, env = world
             abandon_process_group()
-            os.environ.update(env)
-            cfg = replace(cfg, attempt=attempt, world_size=int(env.get("WORLD_SIZE", "0") or 0))
+            cfg = enter_world(cfg, *world)
+            wait_for_master(cfg, cfg.peer_loss_wait_s)
             dist.init_process_group(backend)
             if dist.get_rank() != cfg.rank or dist.get_world_size() != cfg.world_size:
                 raise ConfigError("the new world gives this process another RANK / WORLD_SIZE")
-            client.joined(attempt)
+            client.joined(cfg.attempt)
             in_memory = True
     finally:
         ckpt.close()
@@ -166,6 +182,32 @@ def train(
         if cfg.step_time_s or client.slowdown_s:
             time.sleep(cfg.step_time_s + client.slowdown_s)
     return step, None
+
+
+def enter_world(cfg: TorchWorkloadConfig, attempt: str, env: dict[str, str]) -> TorchWorkloadConfig:
+    """Take the world's environment (read by `init_process_group`) and its attempt."""
+    os.environ.update(env)
+    world_size = int(env.get("WORLD_SIZE", "") or cfg.world_size)
+    return replace(cfg, attempt=attempt, world_size=world_size)
+
+
+def wait_for_master(cfg: TorchWorkloadConfig, timeout_s: float) -> None:
+    """Until rank 0's rendezvous store accepts connections (rank 0 itself opens it).
+
+    In a new world the ranks are told at once but start unevenly (a replacement imports
+    torch first). A rank that reaches the store before it listens is sent by
+    torch.distributed into a randomised retry delay that reached 40 s here: probing with
+    a plain connection first keeps the join to the moment rank 0 is up."""
+    if cfg.rank == 0:
+        return
+    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.02)
 
 
 def abandon_process_group() -> None:

@@ -1,0 +1,235 @@
+"""In-process healing of a JobSet: `restart_in_place` and `hot_swap` replace only the pods
+of the bad node, and the surviving pods keep their processes and their state.
+
+The JobSet has to allow it (README, "In-process recovery on Kubernetes"): annotated
+`resiliency.supervisor.io/in-process-restart: "true"`, each Job answering an evicted pod
+(DisruptionTarget) with `Ignore` (the Job replaces that pod alone, the JobSet is not
+restarted), its workers waiting for their world (WORLD_WAIT_S). Then:
+
+1. The action's journal entry on the JobSet decides the pods to replace (those of the
+   node that existed at the event) and the JobSet's next world (attempt + 1, a new
+   rendezvous port); the world annotation is then moved to it. A retry decides nothing
+   again.
+2. For `hot_swap`, the node is cordoned and tainted, as a plain hot swap does.
+3. Those pods are evicted (on a node that is down they are then deleted at once: its
+   kubelet would never confirm); their Jobs create replacements.
+4. `pod_links.PodLinks` tells every pod the new world through its node's host monitor:
+   the survivors at once, each replacement when it is scheduled.
+5. Done when every rank trains in the new world. When that takes longer than
+   `in_process_restart_timeout_s`, or the JobSet does not allow it, or the policy asks for
+   it (`in_process: false`), the JobSet is restarted whole instead (its child Jobs deleted
+   and recreated, as a workload restart does; its new pods meet in the current world once
+   every old one is gone); the result says which path was taken (`path`) and why
+   (`in_process_error`).
+
+A later action for a failure seen before a heal completed is skipped ("healed in-process
+since the event"), as one after a JobSet restart is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from kubernetes import client
+
+from supervisor.actuator.backend import ActionError
+from supervisor.domain import ActionRecord, ActionType
+from supervisor.kube import objects as o
+from supervisor.kube.calls import Conflict, NotFound
+from supervisor.kube.failure_policy import in_process_refusal
+from supervisor.kube.journal import journal_of, set_journal
+from supervisor.kube.objects import Obj
+from supervisor.kube.pod_links import live_pods
+from supervisor.kube.worlds import World, current_world, healed, healed_since, next_world, set_world
+
+if TYPE_CHECKING:
+    from supervisor.kube.backend import KubeBackend
+
+log = logging.getLogger(__name__)
+
+Path = Literal["in_process", "full_restart", "plain"]
+
+
+def choose_path(action: ActionRecord, js: Obj) -> tuple[Path, str]:
+    """How to heal: in-process; a full restart (a JobSet that heals in-process, when it
+    cannot this time: why); or the plain way of a JobSet that does not (why, when the
+    policy asked for in-process)."""
+    wanted = action.params.get("in_process")
+    if not o.in_process_enabled(js):
+        why = f"JobSet {o.name_of(js)} is not annotated {o.IN_PROCESS}: true" if wanted else ""
+        return "plain", why
+    if wanted is False:
+        return "full_restart", "the policy asked for a full restart (in_process: false)"
+    refusal = in_process_refusal(js)
+    if refusal is not None:
+        return "full_restart", refusal
+    return "in_process", ""
+
+
+class InProcessHealing:
+    def __init__(self, backend: KubeBackend) -> None:
+        self.backend = backend
+
+    async def heal(self, action: ActionRecord, *, swap: bool) -> dict[str, Any] | None:
+        """Heal the JobSet of `action` (restart_in_place, or hot_swap with `swap`) when it
+        heals in-process; None: a JobSet of the plain kind (the caller acts)."""
+        b = self.backend
+        jobset, node = action.job, b._node_name(action)
+        js = b.discovery.jobset(jobset) if jobset else None
+        if js is None:
+            return None
+        path, why = choose_path(action, js)
+        entry = journal_of(js).get(action.idempotency_key)
+        if entry is not None and entry.get("done"):
+            return {"repeated": True, **entry.get("result", {})}
+        if path == "plain":
+            if why:
+                log.warning("%s: not healed in-process: %s", action.idempotency_key, why)
+            return None
+        if path == "full_restart" or (entry is not None and entry.get("fallback")):
+            why = why or str((entry or {}).get("fallback"))
+            return await self._full_restart(action, node, swap, why)
+        return await self._in_process(action, node, swap)
+
+    async def _in_process(self, action: ActionRecord, node: str, swap: bool) -> dict[str, Any]:
+        b = self.backend
+        jobset, key = action.job or "", action.idempotency_key
+        when = await b._reference_time(action)
+
+        def plan(js: Obj) -> dict[str, Any]:
+            pods = live_pods(b.discovery, jobset)
+            targets = sorted(
+                [o.name_of(p), o.uid_of(p)]
+                for p in pods
+                if o.node_of(p) == node and not b.discovery.created_after(p, when)
+            )
+            entry: dict[str, Any] = {"type": action.type.value, "since": when.isoformat()}
+            if not targets and healed_since(js, when):
+                now = current_world(js, pods).attempt
+                return {**entry, "skipped": f"healed in-process since the event (world {now})"}
+            world = next_world(js, pods, [uid for _, uid in targets])
+            return {
+                **entry,
+                "path": "in_process",
+                "targets": targets,
+                "world": dataclasses.asdict(world),
+            }
+
+        js, entry = await b._plan("JobSet", jobset, key, plan)
+        if "skipped" in entry:
+            return await b._skip(js, action, entry)
+        world = World(**{**entry["world"], "replaced": tuple(entry["world"]["replaced"])})
+
+        def move_to_world(js: Obj) -> bool:
+            if current_world(js, []).attempt >= world.attempt:
+                return False
+            set_world(js, world)
+            return True
+
+        js = await b._modify("JobSet", jobset, move_to_world)
+        if swap:
+            await b._modify("Node", node, b._swap_out_node)
+        what = f"replacing the pods of {node} in-process (world {world.attempt})"
+        outcome = await b._evict_targets(action, entry["targets"], "InProcessRestart", what)
+        if not self._node_up(node):
+            await self._delete_now(entry["targets"])
+        timeout = b.settings.in_process_restart_timeout_s
+        deadline = time.monotonic() + timeout
+        while waiting := await b.links.joined(jobset, world.attempt):
+            if time.monotonic() >= deadline:
+                why = (
+                    f"ranks {waiting} did not join world {world.attempt} within"
+                    f" in_process_restart_timeout_s={timeout:g}s"
+                )
+                await self._mark_fallback(jobset, key, why)
+                return await self._full_restart(action, node, swap, why)
+            await asyncio.sleep(0.1)
+        result: dict[str, Any] = {
+            "path": "in_process",
+            "world": world.attempt,
+            "pods": outcome,
+            "survivors": sorted(
+                o.name_of(p)
+                for p in live_pods(b.discovery, jobset)
+                if [o.name_of(p), o.uid_of(p)] not in entry["targets"]
+                and not b.discovery.created_after(p, when)
+            ),
+        }
+        if swap:
+            result.update(node=node, spare=action.params.get("spare"))
+        what = (
+            f"pods {outcome} of {node} replaced; every rank trains in world {world.attempt},"
+            f" the survivors in the same processes"
+        )
+        await b._event(js, "JobSet", action, "InProcessRestart", what)
+        if swap and (node_obj := b.discovery.node(node)) is not None:
+            await b._event(node_obj, "Node", action, "HotSwap", what)
+
+        def mark_healed(js: Obj) -> bool:
+            now = current_world(js, [])
+            if now.attempt != world.attempt or now.at:
+                return False
+            set_world(js, healed(now))
+            return True
+
+        await b._modify("JobSet", jobset, mark_healed)
+        await b._finish("JobSet", jobset, key, result)
+        return result
+
+    def _node_up(self, node: str) -> bool:
+        b = self.backend
+        obj = b.discovery.node(node)
+        heartbeating = b._hooks.node_heartbeating(node) if b._hooks is not None else None
+        return obj is not None and o.node_ready(obj) and heartbeating is not False
+
+    async def _delete_now(self, targets: list[list[str]]) -> None:
+        """Delete pods of a node that is down (grace 0): their eviction marked them
+        DisruptionTarget; no kubelet will ever confirm their graceful end."""
+        b = self.backend
+        for name, uid in targets:
+            options = client.V1DeleteOptions(
+                grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
+            )
+            with contextlib.suppress(NotFound, Conflict):
+                await b.calls.run(
+                    f"delete pod {name}", b.core.delete_namespaced_pod, name, b.ns, body=options
+                )
+
+    async def _mark_fallback(self, jobset: str, key: str, why: str) -> None:
+        def change(js: Obj) -> bool:
+            journal = journal_of(js)
+            entry = journal.get(key)
+            if entry is None or entry.get("fallback"):
+                return False
+            journal[key] = {**entry, "fallback": why}
+            set_journal(js, journal)
+            return True
+
+        await self.backend._modify("JobSet", jobset, change)
+
+    async def _full_restart(
+        self, action: ActionRecord, node: str, swap: bool, why: str
+    ) -> dict[str, Any]:
+        """Restart the whole JobSet in a new world (its child Jobs recreated)."""
+        b = self.backend
+        jobset, key = action.job or "", action.idempotency_key
+        log.warning("JobSet %s: %s not healed in-process (%s): restarting it", jobset, key, why)
+        if swap:
+            await b._modify("Node", node, b._swap_out_node)
+        full = dataclasses.replace(
+            action, type=ActionType.RESTART_WORKLOAD, idempotency_key=f"{key}/full"
+        )
+        restarted = await b._restart_workload(full)
+        result: dict[str, Any] = {"path": "full_restart", "in_process_error": why, **restarted}
+        if swap:
+            result.update(node=node, spare=action.params.get("spare"))
+        # The Journal entry of the action itself (the full restart has its own): done.
+        with contextlib.suppress(ActionError):
+            await b._plan("JobSet", jobset, key, lambda _: {"type": action.type.value})
+            await b._finish("JobSet", jobset, key, result)
+        return result

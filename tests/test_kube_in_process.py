@@ -1,0 +1,391 @@
+"""A PyTorch JobSet that heals in-process, end to end on the Kubernetes backend, with real
+processes: `supervisor serve` (the Kubernetes backend against the fake API server of
+tests/kube, the default policy, SQLite), a real host monitor per node with the peer
+checkpoint tier on, and the chart's example PyTorch JobSet (helm/.../jobset-pytorch.yaml:
+annotated to heal in-process, its Jobs replacing a lost pod alone) whose pods the kubelet
+bridge runs as `python -m training.torch_workload` (DDP on gloo, 2 ranks).
+
+A node dies, or a worker crashes: only that pod is replaced; the surviving pod keeps its
+process and its state and meets the replacement in a new world that the supervisor hands
+both through their host monitors; the JobSet is never restarted, and the final weights
+are bit-identical to a run without the fault. The host monitors are told their
+checkpoint partners from the pods' placement, so a replacement restores from the peer
+copy when no emergency checkpoint was taken.
+
+Still a fake where there is no choice (see tests/test_kube_e2e.py): the API server and
+the controllers are FakeKube's models; MASTER_ADDR is 127.0.0.1 (no cluster DNS here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from bench.failover import write_kubeconfig
+from supervisor.local.cluster import free_port
+from tests.kube import FakeKube
+from tests.kube.kubelet_bridge import KubeletBridge
+from tests.test_host_monitor import ACTUATOR_TOKEN, WORKER_TOKEN, Agent, Cluster, Supervisor
+from tests.test_kube_e2e import wait_for
+
+pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "helm" / "resiliency-supervisor" / "examples" / "jobset-pytorch.yaml"
+JOB = "pretrain-torch"
+NODES = [f"gpu-{i}" for i in range(4)]
+JS = "jobset.sigs.k8s.io/"
+KUBE_TOKEN = "in-process-kube-token"
+PEER_TOKEN = "in-process-peer-token"
+HEARTBEAT_PERIOD_S = 0.3
+HEARTBEAT_TIMEOUT_S = 1.5
+TOTAL_STEPS = 160
+SMALL = {"D_MODEL": "64", "N_LAYERS": "2", "N_HEADS": "4", "SEQ_LEN": "32"}
+RESUMED = re.compile(r"rank=(\d+): start attempt=(\d+) world_size=2: resumed step=(\d+) tier=(\w+)")
+
+NO_EMERGENCY_POLICY = """
+from policies.default import DefaultPolicy
+
+
+class WithoutEmergencyCheckpoints(DefaultPolicy):
+    emergency_checkpoints = False
+"""
+
+
+def reference_weights(tmp: Path) -> str:
+    """The weights of the same training without a fault (two local ranks, no host
+    monitor)."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "CHECKPOINT_RAM_DIR": str(tmp / f"ram-{rank}"),
+            "S3_CHECKPOINTING_FREQ": "0",
+            "TOTAL_STEPS": str(TOTAL_STEPS),
+            "OUTPUT_DIR": str(tmp / "out"),
+            **SMALL,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "training.torch_workload"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+    return (tmp / "out" / "weights.sha256").read_text()
+
+
+def jobset(tmp: Path, master_port: int) -> dict[str, Any]:
+    """The chart's example PyTorch JobSet, with host paths (the RAM tier one directory per
+    node, under its host monitor's checkpoint_root), a small model and short steps."""
+    body: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    pod = body["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    overrides = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "CHECKPOINT_RAM_DIR": str(tmp / "nodes" / "$(NODE_NAME)" / "ram" / JOB),
+        "CHECKPOINT_DURABLE_DIR": str(tmp / "shared" / "durable"),
+        "OUTPUT_DIR": str(tmp / "shared" / "output"),
+        "TOTAL_STEPS": str(TOTAL_STEPS),
+        "IN_MEMORY_CHECKPOINTING_FREQ": "10",
+        "S3_CHECKPOINTING_FREQ": "50",
+        "STEP_TIME_S": "0.05",
+        "LOG_EVERY_STEPS": "10",
+        "PEER_LOSS_WAIT_S": "60",
+        "WORLD_WAIT_S": "60",
+        "EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
+        "SYNC_FILES": "false",
+        "OMP_NUM_THREADS": "1",
+        **SMALL,
+    }
+    for var in container["env"]:
+        if var["name"] in overrides:
+            var["value"] = overrides.pop(var["name"])
+    node_name = {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    container["env"] = [node_name, *container["env"]]
+    container["env"] += [{"name": k, "value": v} for k, v in overrides.items()]
+    return body
+
+
+class Env:
+    """FakeKube with four GPU nodes, the supervisor, a host monitor per node, the bridge."""
+
+    def __init__(self, tmp: Path, policy: str | None = None) -> None:
+        self.tmp = tmp
+        self.kube = FakeKube(token=KUBE_TOKEN, time_scale=0.05, bookmark_interval=0.1, tick=0.02)
+        self.supervisor = Supervisor(tmp)
+        self.cluster = Cluster(tmp)
+        self.agents: dict[str, Agent] = {}
+        self.bridge = KubeletBridge(
+            self.kube,
+            tmp / "pods",
+            secrets={("RELEASE-resiliency-supervisor-worker-token", "token"): WORKER_TOKEN},
+        )
+        self.policy = policy
+
+    def start(self) -> None:
+        self.kube.start()
+        for name in NODES:
+            self.kube.add_node(name, gpus=8, labels={"gpu": "true"})
+        kubeconfig = write_kubeconfig(self.tmp / "kubeconfig", self.kube.url, KUBE_TOKEN)
+        self.supervisor.env.update(
+            {
+                "SUPERVISOR_BACKEND": "kubernetes",
+                "SUPERVISOR_KUBE_CONFIG": str(kubeconfig),
+                "SUPERVISOR_KUBE_NAMESPACE": "default",
+                "SUPERVISOR_KUBE_GPU_NODE_SELECTOR": "gpu=true",
+                "SUPERVISOR_HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
+                "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": str(HEARTBEAT_PERIOD_S),
+                "SUPERVISOR_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+                "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
+                "SUPERVISOR_ACTION_TIMEOUT_S": "60",
+                "SUPERVISOR_ACTION_RETRY_BACKOFF_S": "0.2",
+                "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": "2",
+                "SUPERVISOR_JOBSET_DOWNTIME_THRESHOLD_S": "120",
+                "SUPERVISOR_NODE_RECOVERY_HEALTHY_S": "3600",
+                "SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "40",
+                "SUPERVISOR_NUM_DP_REPLICAS": "2",
+                "SUPERVISOR_NUM_NODES_PER_DP": "1",
+                "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
+                "SUPERVISOR_MAX_NUM_DP_REPLICAS": "2",
+            }
+        )
+        if self.policy is not None:
+            path = self.tmp / "policy.py"
+            path.write_text(self.policy)
+            self.supervisor.env["SUPERVISOR_POLICY"] = f"{path}:WithoutEmergencyCheckpoints"
+        self.supervisor.start()
+
+        def start_agent(name: str) -> Agent:
+            return self.cluster.start_agent(
+                self.supervisor.url,
+                node=name,
+                heartbeat_polling_period_s=HEARTBEAT_PERIOD_S,
+                worker_heartbeat_timeout_s=5.0,
+                idle_release_s=2.0,
+                checkpoint_root=self.tmp / "nodes" / name / "ram",
+                peer_store_dir=self.tmp / "nodes" / name / "peer",
+                env={"HOST_MONITOR_PEER_TOKEN": PEER_TOKEN},
+            )
+
+        with ThreadPoolExecutor(len(NODES)) as pool:
+            for name, agent in zip(NODES, pool.map(start_agent, NODES), strict=True):
+                self.agents[name] = agent
+                self.bridge.add_node(name, agent.url)
+        self.bridge.start()
+        wait_for(
+            lambda: all((self.supervisor.node(n) or {}).get("state") == "spare" for n in NODES),
+            30,
+            "four spares",
+        )
+        self.kube.create(jobset(self.tmp, master_port=free_port()))
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+        self.bridge.stop()
+        self.cluster.teardown()
+        self.kube.stop()
+        assert not self.bridge.errors, self.bridge.errors
+
+    # --- what a user looks at -------------------------------------------------------------
+
+    def api(self, path: str, **params: Any) -> Any:
+        r = self.supervisor.http.get(path, params=params)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def step(self) -> int:
+        r = self.supervisor.http.get(f"/api/v1/jobs/{JOB}")
+        step = r.json()["last_step"] if r.status_code == 200 else None
+        return -1 if step is None else int(step)
+
+    def actions(self) -> list[dict[str, Any]]:
+        return list(self.api("/api/v1/actions", limit=200)["items"][::-1])
+
+    def settled(self) -> list[dict[str, Any]]:
+        items = self.actions()
+        return items if all(a["status"] in ("succeeded", "failed") for a in items) else []
+
+    def pods(self) -> dict[int, dict[str, Any]]:
+        """Running pods of the JobSet by rank (job index: one node per replica)."""
+        out = {}
+        for p in self.kube.objects("Pod", "default", label_selector=f"{JS}jobset-name={JOB}"):
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp"):
+                out[int(p["metadata"]["labels"][f"{JS}job-index"])] = p
+        return out
+
+    def process(self, pod: dict[str, Any]) -> int | None:
+        container = self.bridge.containers.get(pod["metadata"]["uid"])
+        return container.proc.pid if container is not None else None
+
+    def log_of(self, pod: dict[str, Any]) -> str:
+        path = self.tmp / "pods" / f"{pod['metadata']['name']}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in (self.tmp / "pods").glob("*.log"))
+
+    def weights(self) -> str | None:
+        path = self.tmp / "shared" / "output" / "weights.sha256"
+        return path.read_text() if path.exists() else None
+
+    def partner(self, node: str) -> str | None:
+        agent = self.agents[node]
+        r = httpx.get(
+            f"{agent.url}/v1/checkpoint-peer",
+            headers={"Authorization": f"Bearer {ACTUATOR_TOKEN}"},
+            timeout=5,
+        )
+        r.raise_for_status()
+        peer = r.json().get("peer")
+        return peer["node"] if peer else None
+
+    def node_dies(self, node: str) -> None:
+        agent = self.agents[node]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.proc.pid, signal.SIGKILL)
+        agent.proc.wait(5)
+        self.bridge.node_down(node)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return reference_weights(tmp_path_factory.mktemp("reference"))
+
+
+@contextlib.contextmanager
+def running(tmp: Path, policy: str | None = None) -> Iterator[Env]:
+    env = Env(tmp, policy)
+    try:
+        env.start()
+        yield env
+    finally:
+        env.stop()
+
+
+def training(env: Env, past: int) -> dict[int, dict[str, Any]]:
+    """Both ranks run, partners are told, and the job is past step `past`."""
+    pods = wait_for(lambda: len(env.pods()) == 2 and env.pods(), 60, "two pods running")
+    wait_for(lambda: env.step() >= past, 90, f"step {past}")
+    return pods
+
+
+def test_a_lost_node_is_replaced_alone_and_the_survivor_keeps_its_process(
+    tmp_path: Path, reference: str
+) -> None:
+    """gpu of rank 0 dies. The supervisor saves the survivor's step (emergency
+    checkpoint) and hot-swaps the node in-process: its pod alone is replaced, on a spare;
+    the survivor's pod and process stay, and it trains on from the step it holds (tier
+    memory) while the replacement loads it; the JobSet never restarts."""
+    with running(tmp_path) as env:
+        pods = training(env, past=30)
+        lost, survivor = pods[0], pods[1]
+        lost_node, survivor_node = lost["spec"]["nodeName"], survivor["spec"]["nodeName"]
+        survivor_pid = env.process(survivor)
+        assert survivor_pid is not None
+        # Partners from the placement: each node keeps the other's copies.
+        wait_for(lambda: env.partner(lost_node) == survivor_node, 20, "partners told")
+        assert env.partner(survivor_node) == lost_node
+
+        env.node_dies(lost_node)
+        weights = wait_for(env.weights, 180, "the job to finish")
+        assert weights == reference
+
+        actions = wait_for(env.settled, 30, "actions settled")
+        swaps = [a for a in actions if a["type"] == "hot_swap"]
+        assert len(swaps) == 1, actions
+        (swap,) = swaps
+        assert swap["status"] == "succeeded", swap
+        assert swap["result"]["path"] == "in_process", swap["result"]
+        assert swap["result"]["world"] == 1
+        assert [a["type"] for a in actions if a["type"].startswith("restart")] == [], actions
+
+        # The survivor: the same pod, the same process, in world 1 from memory.
+        log = env.log_of(survivor)
+        starts = RESUMED.findall(log)
+        assert [(r, a, t) for r, a, _, t in starts] == [("1", "1", "memory")], log[-3000:]
+        assert "rank=1: start attempt=0 world_size=2: starting from step=0" in log
+        js = env.kube.get("JobSet", JOB)
+        assert js is not None and js["status"].get("restarts", 0) == 0
+        replacement = [
+            p
+            for p in env.kube.objects("Pod", "default", label_selector=f"{JS}jobset-name={JOB}")
+            if p["metadata"]["labels"][f"{JS}job-index"] == "0"
+            and p["metadata"]["uid"] != lost["metadata"]["uid"]
+        ]
+        assert len(replacement) == 1, replacement
+        assert replacement[0]["spec"]["nodeName"] not in (lost_node, survivor_node)
+        resumed = RESUMED.findall(env.log_of(replacement[0]))
+        ((rank, attempt, step, tier),) = resumed
+        assert (rank, attempt) == ("0", "1") and tier in ("durable", "peer", "ram")
+        assert int(step) == int(starts[0][2])
+        # The survivor's copies now go to the replacement's node.
+        assert env.partner(survivor_node) == replacement[0]["spec"]["nodeName"]
+
+
+def test_a_crashed_worker_is_replaced_alone(tmp_path: Path, reference: str) -> None:
+    """Rank 1's worker process is SIGKILLed: its Job replaces the pod on the same node
+    (podFailurePolicy Ignore), and the supervisor's restart in place heals in-process."""
+    with running(tmp_path) as env:
+        pods = training(env, past=30)
+        survivor_pid = env.process(pods[0])
+        crashed = env.process(pods[1])
+        assert crashed is not None and survivor_pid is not None
+        os.kill(crashed, signal.SIGKILL)
+        weights = wait_for(env.weights, 180, "the job to finish")
+        assert weights == reference
+        actions = wait_for(env.settled, 30, "actions settled")
+        restarts = [a for a in actions if a["type"] == "restart_in_place"]
+        assert len(restarts) == 1, actions
+        assert restarts[0]["result"]["path"] == "in_process", restarts[0]["result"]
+        starts = RESUMED.findall(env.log_of(pods[0]))
+        assert [(r, a, t) for r, a, _, t in starts] == [("0", "1", "memory")]
+        js = env.kube.get("JobSet", JOB)
+        assert js is not None and js["status"].get("restarts", 0) == 0
+
+
+def test_without_an_emergency_checkpoint_the_replacement_restores_from_its_peer_copy(
+    tmp_path: Path, reference: str
+) -> None:
+    """No emergency checkpoint (a policy without them): the newest step both ranks can
+    load is the last RAM save; the replacement on a spare, with an empty RAM tier, takes
+    its rank's copy from its partner's host monitor (the survivor's node), not from
+    durable storage."""
+    with running(tmp_path, NO_EMERGENCY_POLICY) as env:
+        pods = training(env, past=65)  # past a durable save (50) and later RAM saves
+        lost_node = pods[0]["spec"]["nodeName"]
+        wait_for(lambda: env.partner(pods[1]["spec"]["nodeName"]) == lost_node, 20, "partners")
+        env.node_dies(lost_node)
+        weights = wait_for(env.weights, 180, "the job to finish")
+        assert weights == reference
+        resumed = {
+            (rank, tier): int(step) for rank, attempt, step, tier in RESUMED.findall(env.logs())
+        }
+        peer_steps = [s for (rank, tier), s in resumed.items() if rank == "0" and tier == "peer"]
+        assert peer_steps and peer_steps[0] > 50 and peer_steps[0] % 10 == 0, resumed
