@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -56,6 +57,9 @@ from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
 from supervisor.domain import NodeState, utcnow
 
 log = logging.getLogger(__name__)
+
+_Request = TypeVar("_Request")
+_Result = TypeVar("_Result")
 
 KEEP_START_REQUESTS = 64  # request ids remembered for idempotency
 STANDBY_DELAY_S = 5.0  # after a start, before its standby is started
@@ -321,13 +325,8 @@ class Node:
     async def rejoin(self, req: RejoinRequest) -> RejoinResult:
         """Give the job's live, registered workers a new world (in-process restart)."""
         async with self._lock:
-            done = self._rejoins.get(req.request_id)
-            if done is not None:
-                if done[0] != req:
-                    raise WorkerConflict(
-                        f"request_id {req.request_id!r} was used for a different rejoin"
-                    )
-                return done[1]
+            if (done := _answered(self._rejoins, req.request_id, req, "rejoin")) is not None:
+                return done
             if req.job != self.job:
                 raise WorkerConflict(f"job: this node runs job {self.job!r}, not {req.job!r}")
             self._check_env(req.env)
@@ -343,9 +342,7 @@ class Node:
                 attempt=req.attempt,
                 ranks=sorted(w.rank for w in live),
             )
-            self._rejoins[req.request_id] = (req, result)
-            while len(self._rejoins) > KEEP_START_REQUESTS:
-                self._rejoins.popitem(last=False)
+            _remember(self._rejoins, req.request_id, req, result)
             log.info("rejoin %s: ranks %s to attempt %s", req.request_id, result.ranks, req.attempt)
             self._changed()
             return result
@@ -353,13 +350,9 @@ class Node:
     def assign_world(self, req: AssignWorldRequest) -> AssignWorldResult:
         """Keep the world of `req.rank` for its instance; hand it to that worker now if it
         is registered here, else when it registers."""
-        done = self._assigned.get(req.request_id)
-        if done is not None:
-            if done[0] != req:
-                raise WorkerConflict(
-                    f"request_id {req.request_id!r} was used for a different world"
-                )
-            return done[1]
+        if (done := _answered(self._assigned, req.request_id, req, "world")) is not None:
+            return done
+        self._check_env(req.env)
         key = (req.job, req.rank)
         self._worlds.pop(key, None)
         self._worlds[key] = req
@@ -370,9 +363,7 @@ class Node:
         result = AssignWorldResult(
             request_id=req.request_id, rank=req.rank, attempt=req.attempt, delivered=delivered
         )
-        self._assigned[req.request_id] = (req, result)
-        while len(self._assigned) > KEEP_START_REQUESTS:
-            self._assigned.popitem(last=False)
+        _remember(self._assigned, req.request_id, req, result)
         log.info(
             "world %s of job %s for rank %d (instance %s)%s",
             req.attempt,
@@ -543,3 +534,27 @@ class Node:
 
     def _worker_changed(self, worker: Worker) -> None:
         self._changed()
+
+
+def _answered(
+    done: OrderedDict[str, tuple[_Request, _Result]], request_id: str, req: _Request, what: str
+) -> _Result | None:
+    """The answer already given to `request_id` (idempotency), or None; the same id with
+    another request is a conflict."""
+    seen = done.get(request_id)
+    if seen is None:
+        return None
+    if seen[0] != req:
+        raise WorkerConflict(f"request_id {request_id!r} was used for a different {what}")
+    return seen[1]
+
+
+def _remember(
+    done: OrderedDict[str, tuple[_Request, _Result]],
+    request_id: str,
+    req: _Request,
+    result: _Result,
+) -> None:
+    done[request_id] = (req, result)
+    while len(done) > KEEP_START_REQUESTS:
+        done.popitem(last=False)

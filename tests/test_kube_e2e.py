@@ -91,7 +91,10 @@ def jobset(tmp: Path) -> dict[str, Any]:
 
 
 class E2E:
-    """FakeKube with six GPU nodes, the supervisor, a host monitor per node, the bridge."""
+    """FakeKube with six GPU nodes, the supervisor, a host monitor per node, the bridge.
+    Subclasses change the nodes, the supervisor's settings, the agents' and the JobSet."""
+
+    nodes = NODES
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -105,56 +108,64 @@ class E2E:
             secrets={("RELEASE-resiliency-supervisor-worker-token", "token"): WORKER_TOKEN},
         )
 
+    def supervisor_env(self) -> dict[str, str]:
+        return {
+            "SUPERVISOR_BACKEND": "kubernetes",
+            "SUPERVISOR_KUBE_NAMESPACE": "default",
+            "SUPERVISOR_KUBE_GPU_NODE_SELECTOR": "gpu=true",
+            "SUPERVISOR_HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
+            "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": str(HEARTBEAT_PERIOD_S),
+            "SUPERVISOR_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+            "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
+            "SUPERVISOR_ACTION_TIMEOUT_S": "30",
+            "SUPERVISOR_ACTION_RETRY_BACKOFF_S": "0.2",
+            # Pods of a dead node stay terminating (its kubelet is gone): force-delete
+            # them soon.
+            "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": "2",
+            "SUPERVISOR_JOBSET_DOWNTIME_THRESHOLD_S": "120",
+            "SUPERVISOR_NODE_RECOVERY_HEALTHY_S": "3600",
+            "SUPERVISOR_NUM_DP_REPLICAS": "2",
+            "SUPERVISOR_NUM_NODES_PER_DP": "2",
+            "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
+            "SUPERVISOR_MAX_NUM_DP_REPLICAS": "2",
+        }
+
+    def agent_flags(self, node: str) -> dict[str, Any]:
+        return {
+            "heartbeat_polling_period_s": HEARTBEAT_PERIOD_S,
+            "worker_heartbeat_timeout_s": 5.0,
+            "idle_release_s": 2.0,
+        }
+
+    def jobset(self) -> dict[str, Any]:
+        return jobset(self.tmp)
+
     def start(self) -> None:
         self.kube.start()
-        for name in NODES:
+        for name in self.nodes:
             self.kube.add_node(name, gpus=8, labels={"gpu": "true"})
         kubeconfig = write_kubeconfig(self.tmp / "kubeconfig", self.kube.url, KUBE_TOKEN)
         self.supervisor.env.update(
-            {
-                "SUPERVISOR_BACKEND": "kubernetes",
-                "SUPERVISOR_KUBE_CONFIG": str(kubeconfig),
-                "SUPERVISOR_KUBE_NAMESPACE": "default",
-                "SUPERVISOR_KUBE_GPU_NODE_SELECTOR": "gpu=true",
-                "SUPERVISOR_HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
-                "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": str(HEARTBEAT_PERIOD_S),
-                "SUPERVISOR_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
-                "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
-                "SUPERVISOR_ACTION_TIMEOUT_S": "30",
-                "SUPERVISOR_ACTION_RETRY_BACKOFF_S": "0.2",
-                # Pods of a dead node stay terminating (its kubelet is gone): force-delete
-                # them soon.
-                "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": "2",
-                "SUPERVISOR_JOBSET_DOWNTIME_THRESHOLD_S": "120",
-                "SUPERVISOR_NODE_RECOVERY_HEALTHY_S": "3600",
-                "SUPERVISOR_NUM_DP_REPLICAS": "2",
-                "SUPERVISOR_NUM_NODES_PER_DP": "2",
-                "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
-                "SUPERVISOR_MAX_NUM_DP_REPLICAS": "2",
-            }
+            {**self.supervisor_env(), "SUPERVISOR_KUBE_CONFIG": str(kubeconfig)}
         )
         self.supervisor.start()
 
         def start_agent(name: str) -> Agent:
             return self.cluster.start_agent(
-                self.supervisor.url,
-                node=name,
-                heartbeat_polling_period_s=HEARTBEAT_PERIOD_S,
-                worker_heartbeat_timeout_s=5.0,
-                idle_release_s=2.0,
+                self.supervisor.url, node=name, **self.agent_flags(name)
             )
 
-        with ThreadPoolExecutor(len(NODES)) as pool:  # each waits for its agent's first line
-            for name, agent in zip(NODES, pool.map(start_agent, NODES), strict=True):
+        with ThreadPoolExecutor(len(self.nodes)) as pool:  # each waits for its first line
+            for name, agent in zip(self.nodes, pool.map(start_agent, self.nodes), strict=True):
                 self.agents[name] = agent
                 self.bridge.add_node(name, agent.url)
         self.bridge.start()
         wait_for(
-            lambda: all((self.node(n) or {}).get("state") == "spare" for n in NODES),
+            lambda: all((self.node(n) or {}).get("state") == "spare" for n in self.nodes),
             30,
-            "six spares",
+            f"{len(self.nodes)} spares",
         )
-        self.kube.create(jobset(self.tmp))
+        self.kube.create(self.jobset())
 
     def stop(self) -> None:
         # The supervisor first: the rest going away is not a failure for it to remedy.

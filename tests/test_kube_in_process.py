@@ -22,10 +22,7 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +30,10 @@ import httpx
 import pytest
 import yaml
 
-from bench.failover import write_kubeconfig
 from supervisor.local.cluster import free_port
-from tests.kube import FakeKube
-from tests.kube.kubelet_bridge import KubeletBridge
-from tests.test_host_monitor import ACTUATOR_TOKEN, WORKER_TOKEN, Agent, Cluster, Supervisor
-from tests.test_kube_e2e import wait_for
+from tests.test_host_monitor import ACTUATOR_TOKEN
+from tests.test_kube_e2e import E2E, wait_for
+from tests.test_torch_emergency import SMALL, fault_free_weights
 
 pytest.importorskip("torch")
 
@@ -52,7 +47,6 @@ PEER_TOKEN = "in-process-peer-token"
 HEARTBEAT_PERIOD_S = 0.3
 HEARTBEAT_TIMEOUT_S = 1.5
 TOTAL_STEPS = 160
-SMALL = {"D_MODEL": "64", "N_LAYERS": "2", "N_HEADS": "4", "SEQ_LEN": "32"}
 RESUMED = re.compile(r"rank=(\d+): start attempt=(\d+) world_size=2: resumed step=(\d+) tier=(\w+)")
 
 NO_EMERGENCY_POLICY = """
@@ -62,42 +56,6 @@ from policies.default import DefaultPolicy
 class WithoutEmergencyCheckpoints(DefaultPolicy):
     emergency_checkpoints = False
 """
-
-
-def reference_weights(tmp: Path) -> str:
-    """The weights of the same training without a fault (two local ranks, no host
-    monitor)."""
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
-            "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1",
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "CHECKPOINT_RAM_DIR": str(tmp / f"ram-{rank}"),
-            "S3_CHECKPOINTING_FREQ": "0",
-            "TOTAL_STEPS": str(TOTAL_STEPS),
-            "OUTPUT_DIR": str(tmp / "out"),
-            **SMALL,
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "training.torch_workload"],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
-    return (tmp / "out" / "weights.sha256").read_text()
 
 
 def jobset(tmp: Path, master_port: int) -> dict[str, Any]:
@@ -114,6 +72,8 @@ def jobset(tmp: Path, master_port: int) -> dict[str, Any]:
         "OUTPUT_DIR": str(tmp / "shared" / "output"),
         "TOTAL_STEPS": str(TOTAL_STEPS),
         "IN_MEMORY_CHECKPOINTING_FREQ": "10",
+        # Two RAM copies: the partner's newest copy may lag one save behind a node's own.
+        "RAM_TOPK_CKPT": "2",
         "S3_CHECKPOINTING_FREQ": "50",
         "STEP_TIME_S": "0.05",
         "LOG_EVERY_STEPS": "10",
@@ -133,106 +93,48 @@ def jobset(tmp: Path, master_port: int) -> dict[str, Any]:
     return body
 
 
-class Env:
-    """FakeKube with four GPU nodes, the supervisor, a host monitor per node, the bridge."""
+class Env(E2E):
+    """tests/test_kube_e2e.py's cluster with four nodes, one node per replica, the peer
+    tier on, and the PyTorch JobSet."""
+
+    nodes = NODES
 
     def __init__(self, tmp: Path, policy: str | None = None) -> None:
-        self.tmp = tmp
-        self.kube = FakeKube(token=KUBE_TOKEN, time_scale=0.05, bookmark_interval=0.1, tick=0.02)
-        self.supervisor = Supervisor(tmp)
-        self.cluster = Cluster(tmp)
-        self.agents: dict[str, Agent] = {}
-        self.bridge = KubeletBridge(
-            self.kube,
-            tmp / "pods",
-            secrets={("RELEASE-resiliency-supervisor-worker-token", "token"): WORKER_TOKEN},
-        )
+        super().__init__(tmp)
         self.policy = policy
 
-    def start(self) -> None:
-        self.kube.start()
-        for name in NODES:
-            self.kube.add_node(name, gpus=8, labels={"gpu": "true"})
-        kubeconfig = write_kubeconfig(self.tmp / "kubeconfig", self.kube.url, KUBE_TOKEN)
-        self.supervisor.env.update(
-            {
-                "SUPERVISOR_BACKEND": "kubernetes",
-                "SUPERVISOR_KUBE_CONFIG": str(kubeconfig),
-                "SUPERVISOR_KUBE_NAMESPACE": "default",
-                "SUPERVISOR_KUBE_GPU_NODE_SELECTOR": "gpu=true",
-                "SUPERVISOR_HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
-                "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": str(HEARTBEAT_PERIOD_S),
-                "SUPERVISOR_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
-                "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
-                "SUPERVISOR_ACTION_TIMEOUT_S": "60",
-                "SUPERVISOR_ACTION_RETRY_BACKOFF_S": "0.2",
-                "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": "2",
-                "SUPERVISOR_JOBSET_DOWNTIME_THRESHOLD_S": "120",
-                "SUPERVISOR_NODE_RECOVERY_HEALTHY_S": "3600",
-                "SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "40",
-                "SUPERVISOR_NUM_DP_REPLICAS": "2",
-                "SUPERVISOR_NUM_NODES_PER_DP": "1",
-                "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
-                "SUPERVISOR_MAX_NUM_DP_REPLICAS": "2",
-            }
-        )
+    def supervisor_env(self) -> dict[str, str]:
+        env = {
+            **super().supervisor_env(),
+            "SUPERVISOR_ACTION_TIMEOUT_S": "60",
+            "SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "40",
+            "SUPERVISOR_NUM_NODES_PER_DP": "1",
+        }
         if self.policy is not None:
             path = self.tmp / "policy.py"
             path.write_text(self.policy)
-            self.supervisor.env["SUPERVISOR_POLICY"] = f"{path}:WithoutEmergencyCheckpoints"
-        self.supervisor.start()
+            env["SUPERVISOR_POLICY"] = f"{path}:WithoutEmergencyCheckpoints"
+        return env
 
-        def start_agent(name: str) -> Agent:
-            return self.cluster.start_agent(
-                self.supervisor.url,
-                node=name,
-                heartbeat_polling_period_s=HEARTBEAT_PERIOD_S,
-                worker_heartbeat_timeout_s=5.0,
-                idle_release_s=2.0,
-                checkpoint_root=self.tmp / "nodes" / name / "ram",
-                peer_store_dir=self.tmp / "nodes" / name / "peer",
-                env={"HOST_MONITOR_PEER_TOKEN": PEER_TOKEN},
-            )
+    def agent_flags(self, node: str) -> dict[str, Any]:
+        return {
+            **super().agent_flags(node),
+            "checkpoint_root": self.tmp / "nodes" / node / "ram",
+            "peer_store_dir": self.tmp / "nodes" / node / "peer",
+            "env": {"HOST_MONITOR_PEER_TOKEN": PEER_TOKEN},
+        }
 
-        with ThreadPoolExecutor(len(NODES)) as pool:
-            for name, agent in zip(NODES, pool.map(start_agent, NODES), strict=True):
-                self.agents[name] = agent
-                self.bridge.add_node(name, agent.url)
-        self.bridge.start()
-        wait_for(
-            lambda: all((self.supervisor.node(n) or {}).get("state") == "spare" for n in NODES),
-            30,
-            "four spares",
-        )
-        self.kube.create(jobset(self.tmp, master_port=free_port()))
-
-    def stop(self) -> None:
-        self.supervisor.stop()
-        self.bridge.stop()
-        self.cluster.teardown()
-        self.kube.stop()
-        assert not self.bridge.errors, self.bridge.errors
+    def jobset(self) -> dict[str, Any]:
+        return jobset(self.tmp, master_port=free_port())
 
     # --- what a user looks at -------------------------------------------------------------
-
-    def api(self, path: str, **params: Any) -> Any:
-        r = self.supervisor.http.get(path, params=params)
-        assert r.status_code == 200, r.text
-        return r.json()
 
     def step(self) -> int:
         r = self.supervisor.http.get(f"/api/v1/jobs/{JOB}")
         step = r.json()["last_step"] if r.status_code == 200 else None
         return -1 if step is None else int(step)
 
-    def actions(self) -> list[dict[str, Any]]:
-        return list(self.api("/api/v1/actions", limit=200)["items"][::-1])
-
-    def settled(self) -> list[dict[str, Any]]:
-        items = self.actions()
-        return items if all(a["status"] in ("succeeded", "failed") for a in items) else []
-
-    def pods(self) -> dict[int, dict[str, Any]]:
+    def ranks(self) -> dict[int, dict[str, Any]]:
         """Running pods of the JobSet by rank (job index: one node per replica)."""
         out = {}
         for p in self.kube.objects("Pod", "default", label_selector=f"{JS}jobset-name={JOB}"):
@@ -247,9 +149,6 @@ class Env:
     def log_of(self, pod: dict[str, Any]) -> str:
         path = self.tmp / "pods" / f"{pod['metadata']['name']}.log"
         return path.read_text(errors="replace") if path.exists() else ""
-
-    def logs(self) -> str:
-        return "".join(p.read_text(errors="replace") for p in (self.tmp / "pods").glob("*.log"))
 
     def weights(self) -> str | None:
         path = self.tmp / "shared" / "output" / "weights.sha256"
@@ -266,17 +165,10 @@ class Env:
         peer = r.json().get("peer")
         return peer["node"] if peer else None
 
-    def node_dies(self, node: str) -> None:
-        agent = self.agents[node]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.proc.pid, signal.SIGKILL)
-        agent.proc.wait(5)
-        self.bridge.node_down(node)
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return reference_weights(tmp_path_factory.mktemp("reference"))
+    return fault_free_weights(tmp_path_factory.mktemp("reference"), TOTAL_STEPS)
 
 
 @contextlib.contextmanager
@@ -291,7 +183,7 @@ def running(tmp: Path, policy: str | None = None) -> Iterator[Env]:
 
 def training(env: Env, past: int) -> dict[int, dict[str, Any]]:
     """Both ranks run, partners are told, and the job is past step `past`."""
-    pods = wait_for(lambda: len(env.pods()) == 2 and env.pods(), 60, "two pods running")
+    pods = wait_for(lambda: len(env.ranks()) == 2 and env.ranks(), 60, "two pods running")
     wait_for(lambda: env.step() >= past, 90, f"step {past}")
     return pods
 

@@ -120,10 +120,9 @@ def finish(procs: dict[int, subprocess.Popen[str]], tmp: Path, name: str) -> Non
         assert code == 0, f"rank {rank} exited {code}:\n{output(tmp, name, rank)}"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The weights of a run without a fault (same seed, same steps)."""
-    tmp = tmp_path_factory.mktemp("reference")
+def fault_free_weights(tmp: Path, total_steps: int) -> str:
+    """The weights of a run without a fault (same seed, same steps): two local ranks, no
+    host monitor."""
     port = free_port()
     procs = {}
     for rank in (0, 1):
@@ -137,7 +136,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
             "MASTER_PORT": str(port),
             "CHECKPOINT_RAM_DIR": str(tmp / f"ram-{rank}"),
             "S3_CHECKPOINTING_FREQ": "0",
-            "TOTAL_STEPS": str(TOTAL),
+            "TOTAL_STEPS": str(total_steps),
             "OUTPUT_DIR": str(tmp / "out"),
             **SMALL,
         }
@@ -150,9 +149,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
             text=True,
         )
     for proc in procs.values():
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out
     return (tmp / "out" / "weights.sha256").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return fault_free_weights(tmp_path_factory.mktemp("reference"), TOTAL)
 
 
 def registered(agent: Agent, rank: int) -> bool:

@@ -560,7 +560,17 @@ class WorkerClient:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
-    def _report_stopping(self, signum: int) -> None:
+    def finished(self) -> None:
+        """Training is done and this process is about to exit on its own: tell the host
+        monitor now, so that its exit counts as stopped on purpose, not as a failure. A
+        host monitor that did not launch this process (a pod on Kubernetes) cannot learn
+        its exit code: without this, the end of a job looks like a crash."""
+        if self._stopping_reported:
+            return
+        self._stopping_reported = True
+        self._report_stopping(None)
+
+    def _report_stopping(self, signum: int | None) -> None:
         """POST /v1/workers/{rank}/stopping on a connection of its own: the interrupted
         main thread may be inside a request of `self._http` and hold its pool's lock."""
         if self.monitor_url is None or self._registered is None:
@@ -571,7 +581,9 @@ class WorkerClient:
         connection = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
             host, port or (443 if https else 80), timeout=_STOPPING_TIMEOUT_S
         )
-        body = json.dumps({**self._registered, "signal": signum})
+        body = json.dumps(
+            {**self._registered, **({"signal": signum} if signum is not None else {})}
+        )
         headers = {
             **self._headers,
             "Host": url.netloc,

@@ -146,6 +146,7 @@ class Checkpointer:
             on_committed=self._on_committed,
         )
         self.last_restore: Restored | None = None
+        self._state_loaded = False  # the restore under way has loaded a step into the state
         #: Seconds the loop was blocked by each save, in order (for benchmarks and tests).
         self.blocking: list[float] = []
         # Staging during the next step: set once the deferred copy is done.
@@ -409,6 +410,20 @@ class Checkpointer:
         held = self._completed if in_memory and not self._mid_step else None
         if held is not None:
             candidates.setdefault(held.step, []).insert(0, ("memory", None))
+        try:
+            return self._agree_and_load(candidates, started)
+        except RuntimeError:
+            # A collective failed (another fault): what this rank holds may now be a
+            # loaded step rather than its last completed one, so a later in-memory
+            # restore must not offer the latter.
+            if self._state_loaded:
+                self._completed = None
+            raise
+
+    def _agree_and_load(
+        self, candidates: dict[int, list[tuple[Source, Path | None]]], started: float
+    ) -> int:
+        self._state_loaded = False
         dropped: set[int] = set()
         loaded_before = False  # this rank's tensors hold a step the ranks then dropped
         for _ in range(MAX_RESTORE_ROUNDS):
@@ -438,6 +453,9 @@ class Checkpointer:
                 return 0
             step = max(common)
             loaded = self._load(step, candidates[step])
+            self._state_loaded = self._state_loaded or (
+                loaded is not None and loaded[0] != "memory"
+            )
             oks = self._all_gather(loaded is not None)
             if all(oks):
                 assert loaded is not None
@@ -520,6 +538,7 @@ class Checkpointer:
                     fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
                 target = self.state.state_dict(step)
                 reader = DirectReader(directory, thread_count=self.settings.ckpt_threads_per_rank)
+                self._state_loaded = True  # from here the live tensors may change
                 dcp_load(target, storage_reader=reader, no_dist=True)
                 if self.state.apply(target) != step:
                     raise fmt.CheckpointCorrupt(f"{directory}: holds another step")

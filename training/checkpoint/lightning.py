@@ -164,6 +164,8 @@ class TieredCheckpointing(Callback):
         self.checkpointer.step_done(step)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._owns_client and self._client is not None:
+            self._client.finished()  # the exit that follows is no failure
         self._close()
 
     def on_exception(

@@ -167,6 +167,7 @@ class Trainer:
             self.say(f"done step={state.step} output={path}")
         else:
             self.say(f"done step={state.step}")
+        self.client.finished()  # the exit that follows is no failure
         return EXIT_OK
 
     def resume(self) -> ShardState:

@@ -68,9 +68,10 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
     torch.set_num_threads(1)  # several ranks share a machine; and determinism
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     client = WorkerClient.from_env()
-    client.register(world_size=cfg.world_size)
     assigned = bool(cfg.world_wait_s) and client.online  # offline: nobody assigns one
     if assigned:
+        # Registered first: the host monitor hands the world to a registered worker.
+        client.register(world_size=cfg.world_size)
         world = client.new_world(cfg.world_wait_s, first=True)
         if world is None:
             say(cfg, f"no world assigned within WORLD_WAIT_S={cfg.world_wait_s:g}s: exiting")
@@ -83,6 +84,10 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         raise ConfigError("RANK / WORLD_SIZE differ from the process group's")
     if assigned:
         client.joined(cfg.attempt)
+    else:
+        # Registered once in the process group: a registration in an attempt then means
+        # this rank has joined that attempt's world (the supervisor waits for it).
+        client.register(world_size=cfg.world_size)
     torch.manual_seed(cfg.seed)
     model = DecoderLM(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
@@ -98,26 +103,37 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         replicated=True,
     )
     in_memory = False
+    step = 0
     try:
         while True:
             # Restore before DDP wraps the model: DDP broadcasts rank 0's weights, which
             # in a new world may be a fresh replacement's.
-            step = ckpt.restore(in_memory=in_memory)
-            restored = ckpt.last_restore
-            tier = restored.tier if restored is not None else None
-            started = f"start attempt={cfg.attempt} world_size={cfg.world_size}:"
-            if restored is not None and restored.step:
-                say(cfg, f"{started} resumed step={step} tier={tier}")
+            try:
+                step = ckpt.restore(in_memory=in_memory)
+                failure = None
+            except RuntimeError as exc:  # the new world broke too (another fault)
+                if not in_memory:
+                    raise
+                failure = exc
+            if failure is not None:
+                say(cfg, f"restoring in world {cfg.attempt} failed: {first_line(failure)}")
             else:
-                say(cfg, f"{started} starting from step=0 (no checkpoint every rank can load)")
-                say(cfg, f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
-            client.report_step(step)
-            ddp = DistributedDataParallel(model)
-            step, failure = train(cfg, ddp, optimizer, scheduler, ckpt, client, step)
-            del ddp  # its reducer's hooks on the parameters go with it
-            if failure is None:
-                break
-            say(cfg, f"step {step + 1} failed in a collective: {first_line(failure)}")
+                restored = ckpt.last_restore
+                tier = restored.tier if restored is not None else None
+                started = f"start attempt={cfg.attempt} world_size={cfg.world_size}:"
+                if restored is not None and restored.step:
+                    say(cfg, f"{started} resumed step={step} tier={tier}")
+                else:
+                    say(cfg, f"{started} starting from step=0 (no checkpoint every rank can load)")
+                    n = sum(p.numel() for p in model.parameters())
+                    say(cfg, f"model: {n:,} parameters")
+                client.report_step(step)
+                ddp = DistributedDataParallel(model)
+                step, failure = train(cfg, ddp, optimizer, scheduler, ckpt, client, step)
+                del ddp  # its reducer's hooks on the parameters go with it
+                if failure is None:
+                    break
+                say(cfg, f"step {step + 1} failed in a collective: {first_line(failure)}")
             world = wait_for_new_world(cfg, step, client)
             if world is None:
                 return EXIT_PEER_LOST
@@ -136,6 +152,8 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         out = Path(cfg.output_dir) / "weights.sha256"
         out.write_text(weights_sha256(model) + "\n")
         say(cfg, f"done step={step} weights={out}")
+    if step == cfg.total_steps:
+        client.finished()  # the exit that follows is no failure
     client.close()  # flushes its reports
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
