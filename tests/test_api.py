@@ -235,11 +235,20 @@ async def test_bad_query_parameters(api: Api) -> None:
         ("/api/v1/jobs/ghost", {}, 404, "ghost"),
         ("/api/v1/events/999", {}, 404, "999"),
         ("/api/v1/actions/999", {}, 404, "999"),
+        # Ids are SQL BIGINTs: one past the largest is refused by name, not a 500.
+        ("/api/v1/events/9223372036854775808", {}, 422, "event_id"),
+        ("/api/v1/actions/9223372036854775808", {}, 422, "action_id"),
+        ("/api/v1/faults/9223372036854775808", {}, 422, "fault_id"),
+        ("/api/v1/actions", {"event_id": 2**63}, 422, "event_id"),
+        ("/api/v1/events/0", {}, 422, "event_id"),
+        ("/api/v1/events/9223372036854775807", {}, 404, "9223372036854775807"),
     ]
     for path, params, status, needle in bad:
         response = await api.client.get(path, params=params, headers=OPERATOR)
         assert response.status_code == status, (path, params, response.text)
         assert needle in response.text
+    response = await api.client.delete("/api/v1/faults/9223372036854775808", headers=OPERATOR)
+    assert response.status_code == 422 and "fault_id" in response.text
 
 
 # --- reads --------------------------------------------------------------------------------

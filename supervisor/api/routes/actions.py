@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from supervisor.api.deps import Operator, Reader, SupervisorDep
-from supervisor.api.routes.common import as_utc, check_known, page_of
+from supervisor.api.routes.common import RecordId, RecordIdFilter, as_utc, check_known, page_of
 from supervisor.api.schemas import ActionIn, ActionOut, Page
 from supervisor.domain import ActionRequest, ActionStatus, ActionType
 from supervisor.runtime import UnknownTarget
@@ -26,7 +26,7 @@ async def list_actions(
     status: ActionStatus | None = None,
     node: str | None = None,
     job: str | None = None,
-    event_id: int | None = None,
+    event_id: RecordIdFilter = None,
     since: datetime | None = None,
     until: datetime | None = None,
     cursor: str | None = None,
@@ -49,7 +49,7 @@ async def list_actions(
 
 
 @router.get("/{action_id}", response_model=ActionOut, dependencies=[Reader], summary="One action")
-async def get_action(supervisor: SupervisorDep, action_id: int) -> ActionOut:
+async def get_action(supervisor: SupervisorDep, action_id: RecordId) -> ActionOut:
     action = await asyncio.to_thread(supervisor.store.get_action, action_id)
     if action is None:
         raise HTTPException(404, f"action {action_id} not found")

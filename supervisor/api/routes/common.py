@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Path, Query
 
 from supervisor.runtime import Supervisor
 from supervisor.store import InvalidCursor, Page
+
+#: Ids of stored records are SQL BIGINTs: a larger one is refused with a 422 naming the
+#: parameter, not passed on to the database driver (which fails with a 500).
+MAX_RECORD_ID = 2**63 - 1
+RecordId = Annotated[int, Path(ge=1, le=MAX_RECORD_ID)]
+RecordIdFilter = Annotated[int | None, Query(ge=1, le=MAX_RECORD_ID)]
 
 T = TypeVar("T")
 F = TypeVar("F")

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 
 from supervisor.api.deps import Reader, SupervisorDep
-from supervisor.api.routes.common import as_utc, check_known, page_of
+from supervisor.api.routes.common import RecordId, as_utc, check_known, page_of
 from supervisor.api.schemas import EventOut, Page
 from supervisor.domain import EventType
 from supervisor.store import EventFilter
@@ -35,7 +35,7 @@ async def list_events(
 
 
 @router.get("/{event_id}", response_model=EventOut, summary="One event")
-async def get_event(supervisor: SupervisorDep, event_id: int) -> EventOut:
+async def get_event(supervisor: SupervisorDep, event_id: RecordId) -> EventOut:
     event = await asyncio.to_thread(supervisor.store.get_event, event_id)
     if event is None:
         raise HTTPException(404, f"event {event_id} not found")

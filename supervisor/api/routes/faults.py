@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, HTTPException, status
 
 from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
+from supervisor.api.routes.common import RecordId
 from supervisor.api.schemas import FaultIn, FaultOut
 from supervisor.runtime import FaultNotSupported, FaultSpec, UnknownTarget
 
@@ -48,7 +49,7 @@ async def list_faults(supervisor: SupervisorDep, active: bool | None = None) -> 
 
 
 @router.get("/{fault_id}", response_model=FaultOut, summary="A fault and what it caused")
-async def get_fault(supervisor: SupervisorDep, fault_id: int) -> FaultOut:
+async def get_fault(supervisor: SupervisorDep, fault_id: RecordId) -> FaultOut:
     fault = await asyncio.to_thread(supervisor.store.get_fault, fault_id)
     if fault is None:
         raise HTTPException(404, f"fault {fault_id} not found")
@@ -57,7 +58,7 @@ async def get_fault(supervisor: SupervisorDep, fault_id: int) -> FaultOut:
 
 
 @router.delete("/{fault_id}", response_model=FaultOut, summary="End a fault")
-async def end_fault(supervisor: SupervisorDep, fault_id: int) -> FaultOut:
+async def end_fault(supervisor: SupervisorDep, fault_id: RecordId) -> FaultOut:
     fault = await supervisor.end_fault(fault_id)
     if fault is None:
         raise HTTPException(404, f"fault {fault_id} not found")
