@@ -100,7 +100,8 @@ class HeartbeatError(ValueError):
 
 
 _decoder = msgspec.json.Decoder(HostHeartbeat)
-_name_match = re.compile(NAME_PATTERN).match
+# fullmatch: with match, `$` also matches before a trailing newline ("n1\n").
+_name_match = re.compile(NAME_PATTERN).fullmatch
 #: Names already checked against NAME_PATTERN. Bounded: emptied if it ever grows past this.
 _VALID_NAMES_MAX = 200_000
 _valid_names: set[str] = set()
