@@ -93,6 +93,33 @@ class LogTail:
         return new
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (from /proc), children first."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *descendants(child)]
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`'s process group and every process under it, stopped ones included."""
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(target, signal.SIGCONT)
+            os.killpg(target, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+
+
 class TorchrunJob:
     """The two agents, their logs, and what their workers logged."""
 
@@ -169,8 +196,10 @@ class TorchrunJob:
         return int(children[0])
 
     def kill_node(self, node: str) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.agents[node].pid, signal.SIGKILL)
+        """The machine goes: its agent and every process under it. torchrun starts its
+        workers in sessions of their own, so the agent's process group alone would leave
+        them running (holding their peers in a collective, and their memory)."""
+        kill_tree(self.agents[node].pid)
         self.agents[node].wait(10)
         self.down_since[node] = time.monotonic()
 
@@ -187,9 +216,7 @@ class TorchrunJob:
 
     def stop(self) -> None:
         for proc in self.agents.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
         for log in self.logs:
