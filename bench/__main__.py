@@ -317,6 +317,12 @@ def checkpoint_rows() -> list[Row]:
                 verdict(mine >= CHECKPOINT_TIER_TARGET * raw),
             )
         )
+    rows.append(
+        Row(
+            "  ram save, with the copy to host memory before it (MiB/s)",
+            f"{res.tier['ram save with staging']:,.0f}",
+        )
+    )
     durable_load = res.tier["durable load"]
     if res.peer_load is not None and res.peer_push is not None:
         rows += [

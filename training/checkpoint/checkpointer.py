@@ -53,6 +53,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.nn.parallel import DistributedDataParallel
 
@@ -70,6 +71,9 @@ Source = Literal["memory", "ram", "peer", "durable"]
 
 #: Restore rounds before giving up on agreeing (each drops steps some rank cannot load).
 MAX_RESTORE_ROUNDS = 16
+#: Files up to this size (DCP's metadata) are verified before a load reads them; larger
+#: ones (the shards) as the load reads them.
+_VERIFY_FIRST_BYTES = 1 << 20
 
 
 class EmergencyCheckpointError(RuntimeError):
@@ -534,14 +538,7 @@ class Checkpointer:
                 directory = where
             try:
                 manifest = fmt.read_manifest(directory, step=step)
-                if not verified:
-                    fmt.verify(directory, manifest, threads=self.settings.ckpt_threads_per_rank)
-                target = self.state.state_dict(step)
-                reader = DirectReader(directory, thread_count=self.settings.ckpt_threads_per_rank)
-                self._state_loaded = True  # from here the live tensors may change
-                dcp_load(target, storage_reader=reader, no_dist=True)
-                if self.state.apply(target) != step:
-                    raise fmt.CheckpointCorrupt(f"{directory}: holds another step")
+                self._load_verified(step, directory, manifest, verified=verified)
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
                 log.warning("checkpoint: step %d from %s not loadable: %s", step, tier, exc)
                 if tier in ("ram", "peer"):
@@ -549,6 +546,37 @@ class Checkpointer:
                 continue
             return tier, manifest.size
         return None
+
+    def _load_verified(
+        self, step: int, directory: Path, manifest: fmt.Manifest, *, verified: bool
+    ) -> None:
+        """Load `directory` into the live state, each file checked against the manifest
+        (unless `verified` already): the small ones before (DCP's metadata), the shards as
+        they are read (one pass over the bytes, not two), any file the load left unread
+        after. Raises CheckpointCorrupt when a sum disagrees: the live tensors then hold a
+        part of it, which the next source's load overwrites whole."""
+        threads = self.settings.ckpt_threads_per_rank
+        small = [n for n, e in manifest.files.items() if e.size <= _VERIFY_FIRST_BYTES]
+        if not verified:
+            fmt.verify(directory, manifest, threads=threads, names=small)
+        sums = {} if verified else {n: (e.size, e.crc32) for n, e in manifest.files.items()}
+        reader = DirectReader(directory, thread_count=threads, crc32s=sums)
+        target = self.state.state_dict(step)
+        self._state_loaded = True  # from here the live tensors may change
+        try:
+            dcp_load(target, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException):
+            # A damaged shard can fail the load itself rather than its sum: say which.
+            if not verified:
+                fmt.verify(directory, manifest, threads=threads)
+            raise
+        if reader.corrupt:
+            raise fmt.CheckpointCorrupt("; ".join(reader.corrupt))
+        if not verified:
+            unread = [n for n in manifest.files if n not in reader.summed and n not in small]
+            fmt.verify(directory, manifest, threads=threads, names=unread)
+        if self.state.apply(target) != step:
+            raise fmt.CheckpointCorrupt(f"{directory}: holds another step")
 
     def _all_gather(self, mine: Any) -> list[Any]:
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):

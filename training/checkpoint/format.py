@@ -27,7 +27,7 @@ import secrets
 import shutil
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,21 +129,35 @@ def file_crc32(path: Path) -> int:
 
 
 def build_manifest(
-    directory: Path, *, step: int, rank: int, world_size: int, job: str | None, threads: int = 1
+    directory: Path,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    job: str | None,
+    threads: int = 1,
+    known: Mapping[str, tuple[int, int]] | None = None,
 ) -> Manifest:
     """Checksum every file of `directory` (the manifest itself excluded), `threads` files
-    at a time (zlib releases the GIL while it sums a large buffer)."""
+    at a time (zlib releases the GIL while it sums a large buffer). `known`: (size,
+    crc32) by name, summed as the files were written; taken where the size on disk
+    agrees, so those files are not read again."""
     names = [
         name
         for name in sorted(os.listdir(directory))
         if name != MANIFEST and (directory / name).is_file()
     ]
-    with ThreadPoolExecutor(max(1, min(threads, len(names) or 1))) as pool:
-        crcs = list(pool.map(file_crc32, (directory / name for name in names)))
-    files = {
-        name: FileEntry((directory / name).stat().st_size, crc)
-        for name, crc in zip(names, crcs, strict=True)
+    sizes = {name: (directory / name).stat().st_size for name in names}
+    summed = {
+        name: entry[1]
+        for name, entry in (known or {}).items()
+        if name in sizes and entry[0] == sizes[name]
     }
+    left = [name for name in names if name not in summed]
+    with ThreadPoolExecutor(max(1, min(threads, len(left) or 1))) as pool:
+        crcs = list(pool.map(file_crc32, (directory / name for name in left)))
+    summed.update(zip(left, crcs, strict=True))
+    files = {name: FileEntry(sizes[name], summed[name]) for name in names}
     return Manifest(step, rank, world_size, job, files, time.time())
 
 
@@ -170,10 +184,16 @@ def read_manifest(directory: Path, *, step: int | None = None, rank: int | None 
     return manifest
 
 
-def verify(directory: Path, manifest: Manifest, *, threads: int = 1) -> None:
-    """Stream every file through crc32 (`threads` files at a time) and compare with the
-    manifest."""
-    names = list(manifest.files)
+def verify(
+    directory: Path,
+    manifest: Manifest,
+    *,
+    threads: int = 1,
+    names: Iterable[str] | None = None,
+) -> None:
+    """Stream every file (or those of `names`) through crc32, `threads` files at a time,
+    and compare with the manifest."""
+    names = list(manifest.files if names is None else names)
 
     def crc_of(name: str) -> int | OSError:
         try:

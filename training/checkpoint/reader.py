@@ -9,6 +9,13 @@ contiguous layout, read from the archive's pickle without touching the data), th
 reader reads the record's bytes from the file directly into the target. Anything else
 (narrowed reads of resharded tensors, other layouts, a torch whose reader differs) takes
 DCP's own path, item by item.
+
+Given the manifest, the reader also checks each file's crc32 as it reads it: the bytes
+read into a tensor are summed while they are still in the CPU's cache, and the bytes
+between them (archive headers, items left to DCP's path) are read and summed in file
+order, so a file is read once rather than once to verify and once to load. A file whose
+sum disagrees is listed in `corrupt` (the caller drops what was loaded); files the load
+never opened are left out of `summed`, for the caller to verify on their own.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import io
 import os
 import struct
 import sys
+import threading
 import zipfile
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
@@ -28,6 +37,35 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, 30 bytes
+#: Bytes read into a tensor at a time, then summed while still in the CPU's cache.
+_CHUNK = 4 * 1024 * 1024
+
+
+class _FileSum:
+    """The crc32 of one file, fed in file order: bytes already read by the loader are
+    summed from memory, the gaps between them read here."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pos, self.crc = fd, 0, 0
+        self.in_order = True
+
+    def upto(self, offset: int) -> None:
+        while self.pos < offset:
+            chunk = os.pread(self.fd, min(_CHUNK, offset - self.pos), self.pos)
+            if not chunk:
+                return  # the file is shorter: the size check says so
+            self.crc = zlib.crc32(chunk, self.crc)
+            self.pos += len(chunk)
+
+    def add(self, offset: int, data: memoryview) -> None:
+        if not self.in_order:
+            return
+        self.upto(offset)
+        if offset != self.pos:  # overlapping reads: summed again from disk at the end
+            self.in_order = False
+            return
+        self.crc = zlib.crc32(data, self.crc)
+        self.pos += len(data)
 
 
 class _Window(io.RawIOBase):
@@ -66,9 +104,21 @@ class DirectReader(FileSystemReader):
     direct = 0
     fallback = 0
 
-    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int = 1,
+        crc32s: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """`crc32s`: (size, crc32) by file name, to check each file as it is read."""
         super().__init__(path)
         self.thread_count = thread_count
+        self.crc32s = crc32s or {}
+        #: Files checked as they were read, and those of them whose sum disagreed.
+        self.summed: set[str] = set()
+        self.corrupt: list[str] = []
+        self._lock = threading.Lock()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = getattr(self, "storage_data", None)
@@ -81,16 +131,20 @@ class DirectReader(FileSystemReader):
         def read_file(relative_path: str, items: list[Any]) -> list[Any]:
             """This file's items read straight into their targets; the others."""
             left = []
+            expected = self.crc32s.get(os.path.basename(relative_path))
             with open(os.path.join(self.path, relative_path), "rb") as f:
+                summer = _FileSum(f.fileno()) if expected is not None else None
                 for item in sorted(items, key=lambda i: storage[i.storage_index].offset):
                     info = storage[item.storage_index]
                     if (
                         item.type != LoadItemType.BYTE_IO
                         and not getattr(info, "transform_descriptors", None)
-                        and self._read_into(f, info.offset, info.length, item, planner)
+                        and self._read_into(f, info.offset, info.length, item, planner, summer)
                     ):
                         continue
                     left.append(item)
+                if summer is not None and expected is not None:
+                    self._check(relative_path, summer, expected)
             return left
 
         # The files at once (DCP writes one per writer thread): readinto releases the GIL.
@@ -105,9 +159,28 @@ class DirectReader(FileSystemReader):
         done.set_result(None)
         return done
 
+    def _check(self, relative_path: str, summer: _FileSum, expected: tuple[int, int]) -> None:
+        size, crc = expected
+        summer.upto(size)
+        if not summer.in_order:
+            return  # not summed: the caller verifies this file from disk
+        name = os.path.basename(relative_path)
+        with self._lock:
+            self.summed.add(name)
+            if (summer.pos, summer.crc) != (size, crc) or os.fstat(summer.fd).st_size != size:
+                self.corrupt.append(
+                    f"{os.path.join(self.path, relative_path)}: checksum {summer.crc:#010x} of "
+                    f"{summer.pos} bytes, manifest says {crc:#010x} of {size}"
+                )
+
     @staticmethod
     def _read_into(
-        f: io.BufferedReader, offset: int, length: int, item: Any, planner: LoadPlanner
+        f: io.BufferedReader,
+        offset: int,
+        length: int,
+        item: Any,
+        planner: LoadPlanner,
+        summer: _FileSum | None = None,
     ) -> bool:
         target = planner.resolve_tensor(item).detach()
         if (
@@ -124,7 +197,7 @@ class DirectReader(FileSystemReader):
             window.seek(0)
             with zipfile.ZipFile(window) as archive:
                 records = [i for i in archive.infolist() if "/data/" in i.filename]
-        except (RuntimeError, ValueError, zipfile.BadZipFile, OSError, EOFError):
+        except Exception:  # a damaged or foreign header: DCP's own path reports it
             return False
         nbytes = target.numel() * target.element_size()
         if (
@@ -154,9 +227,11 @@ class DirectReader(FileSystemReader):
         f.seek(data)
         done = 0
         while done < nbytes:
-            got = f.readinto(view[done:])
+            got = f.readinto(view[done : done + _CHUNK])
             if not got:
                 raise OSError(f"{f.name}: ends inside a tensor record")
+            if summer is not None:
+                summer.add(data + done, view[done : done + got])
             done += got
         planner.commit_tensor(item, target)
         return True

@@ -2,10 +2,10 @@
 
 A save job: `torch.distributed.checkpoint` writes the staged state into a temporary
 directory of the first tier due (RAM, else durable) with `ckpt_threads_per_rank` writer
-threads; the files are checksummed into the manifest and the directory committed by
-rename; the host monitor is asked to copy it to the partner node (peer tier); a durable
-save then copies the committed RAM directory (the same files and manifest); retention
-keeps the newest checkpoints of each tier.
+threads, each file checksummed as it is written (writer.py); the sums go into the
+manifest and the directory is committed by rename; the host monitor is asked to copy it
+to the partner node (peer tier); a durable save then copies the committed RAM directory
+(the same files and manifest); retention keeps the newest checkpoints of each tier.
 
 A save due while the previous one is still being written waits for it: the staging
 buffers are the previous save's until it is on disk, and skipping a save would silently
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from training.checkpoint import format as fmt
+from training.checkpoint.writer import SummingFileSystemWriter
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class SaveResult:
     total_s: float
     error: str | None = None
     emergency: bool = False
+    #: Of `total_s`, the seconds spent writing to this tier (after the copy to host
+    #: memory): what the tier's throughput is measured on.
+    write_s: float | None = None
 
 
 class Saver:
@@ -145,18 +148,16 @@ class Saver:
     def _save(self, job: SaveJob) -> None:
         if job.finish_staging is not None:
             job.state = job.finish_staging(job.state)
+        writing = time.monotonic()
         first_root = self.ram_root if job.to_ram else self.durable_root
         assert first_root is not None
         first_tier = "ram" if job.to_ram else "durable"
         temp = fmt.new_temp_dir(first_root, job.step, self.rank)
         try:
-            dcp_save(
-                job.state,
-                storage_writer=FileSystemWriter(
-                    temp, thread_count=self.threads, sync_files=self.sync_files
-                ),
-                no_dist=True,
+            writer = SummingFileSystemWriter(
+                temp, thread_count=self.threads, sync_files=self.sync_files
             )
+            dcp_save(job.state, storage_writer=writer, no_dist=True)
             manifest = fmt.build_manifest(
                 temp,
                 step=job.step,
@@ -164,6 +165,7 @@ class Saver:
                 world_size=self.world_size,
                 job=self.job,
                 threads=self.threads,
+                known=writer.sums,
             )
             final = fmt.rank_dir(first_root, job.step, self.rank)
             fmt.commit(temp, manifest, final, sync=self.sync_files)
@@ -179,6 +181,7 @@ class Saver:
                 job.blocking_s,
                 time.monotonic() - job.started,
                 emergency=job.emergency,
+                write_s=time.monotonic() - writing,
             )
         )
         if job.to_ram and job.to_durable and self.durable_root is not None:
@@ -187,10 +190,9 @@ class Saver:
                 final, manifest, self.durable_root, sync=self.sync_files, threads=self.threads
             )
             # The loop blocked once, for the RAM save: the durable copy adds no blocking.
+            seconds = time.monotonic() - copied_at
             self._committed(
-                SaveResult(
-                    job.step, "durable", path, manifest.size, 0.0, time.monotonic() - copied_at
-                )
+                SaveResult(job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds)
             )
         if job.to_ram and self.ram_root is not None:
             fmt.retain(self.ram_root, self.rank, self.ram_keep)
