@@ -166,6 +166,9 @@ class JobView:
     num_nodes_per_dp: int
     nodes: tuple[str, ...] = ()
     last_step: int | None = None
+    #: The longest step interval seen past the warm-up, which the learned hang timeout
+    #: is computed from; None during the warm-up.
+    step_interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,3 +286,38 @@ def test_bad_policy_stops_startup_with_one_line(tmp_path: Path, policy: str) -> 
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("supervisor: policy")
+
+
+async def test_the_learned_hang_timeout_survives_a_restart_of_the_supervisor(
+    tmp_path: Path,
+) -> None:
+    settings = {"hang_min_timeout_s": 0.1, "hang_safety_factor": 2.0, "hang_warmup_intervals": 2}
+
+    async def job(client: httpx.AsyncClient) -> dict[str, Any]:
+        r = await client.get("/api/v1/jobs/j1", headers=OPERATOR)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    server = Server(tmp_path, **settings)
+    server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            # Two warm-up intervals, then steps 0.05 s apart and one of 0.5 s.
+            for step, pause in enumerate([0.05, 0.05, 0.05, 0.5, 0.05, 0.0], start=1):
+                r = await client.post(
+                    "/api/v1/heartbeats", json=heartbeat("n1", step=step), headers=AGENT
+                )
+                assert r.status_code in (202, 204), r.text
+                await asyncio.sleep(pause)
+            learned = (await job(client))["hang_timeout_s"]
+            assert learned >= 2.0 * 0.5  # the long interval, times the safety factor
+        server.kill()  # no chance to write anything on the way out
+        server.start()
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            r = await client.post("/api/v1/heartbeats", json=heartbeat("n1", step=7), headers=AGENT)
+            assert r.status_code in (202, 204), r.text
+            # Watching again at once, with what was learned: not from the 0.1 s floor.
+            assert (await job(client))["hang_timeout_s"] == learned
+    finally:
+        server.stop()

@@ -287,12 +287,19 @@ async def test_a_steady_node_is_lost_one_timeout_after_its_last_heartbeat(
     sensor, emitted = make_sensor(heartbeat_timeout_s=0.2)
     sensor.ingest(stepping("n1", 1))
     step, stop = 1, now() + 0.6  # three timeouts of steady heartbeats
+    learned = 0
     while now() < stop:
         step += 1
-        assert sensor.ingest(stepping("n1", step)) is UNCHANGED
+        changes = sensor.ingest(stepping("n1", step))
+        if changes is not UNCHANGED:  # only the job's learned step interval, to persist
+            assert changes.events == [] and changes.nodes == []
+            [job] = changes.jobs
+            assert job.step_interval_s == sensor.jobs["j1"].progress.longest_interval_s
+            learned += 1
         last, last_wall = now(), datetime.now(UTC)
         await asyncio.sleep(0.02)
     assert emitted.events == []
+    assert learned < (step - 1) / 2  # a new longest interval now and then, not every step
 
     await until(lambda: bool(emitted.events))
     lost_at = now()
@@ -540,7 +547,10 @@ async def test_hang_reported_again_after_progress_resumes_and_stalls(
     make_sensor: SensorFactory,
 ) -> None:
     sensor, emitted = make_sensor(
-        heartbeat_timeout_s=5.0, hang_timeout_s=0.1, hang_warmup_intervals=0
+        heartbeat_timeout_s=5.0,
+        heartbeat_polling_period_s=1.0,
+        hang_timeout_s=0.1,
+        hang_warmup_intervals=0,
     )
     sensor.ingest(stepping("n1", 1))
     await until(lambda: len(emitted.events) == 1)
@@ -556,6 +566,7 @@ async def test_hang_reported_again_after_progress_resumes_and_stalls(
 async def test_hang_learned_timeout(make_sensor: SensorFactory) -> None:
     sensor, _ = make_sensor(
         heartbeat_timeout_s=5.0,
+        heartbeat_polling_period_s=1.0,
         hang_timeout_s=None,
         hang_min_timeout_s=0.05,
         hang_safety_factor=3.0,
@@ -590,6 +601,7 @@ async def test_hang_learned_timeout(make_sensor: SensorFactory) -> None:
 async def test_hang_learned_timeout_never_below_the_floor(make_sensor: SensorFactory) -> None:
     sensor, _ = make_sensor(
         heartbeat_timeout_s=5.0,
+        heartbeat_polling_period_s=1.0,
         hang_timeout_s=None,
         hang_min_timeout_s=30.0,
         hang_safety_factor=3.0,
@@ -604,6 +616,7 @@ async def test_hang_learned_timeout_never_below_the_floor(make_sensor: SensorFac
 async def test_hang_with_learned_timeout_fires(make_sensor: SensorFactory) -> None:
     sensor, emitted = make_sensor(
         heartbeat_timeout_s=5.0,
+        heartbeat_polling_period_s=1.0,
         hang_timeout_s=None,
         hang_min_timeout_s=0.1,
         hang_safety_factor=2.0,
@@ -622,7 +635,10 @@ async def test_hang_with_learned_timeout_fires(make_sensor: SensorFactory) -> No
 
 async def test_restart_from_checkpoint_is_not_a_hang(make_sensor: SensorFactory) -> None:
     sensor, emitted = make_sensor(
-        heartbeat_timeout_s=5.0, hang_timeout_s=0.2, hang_warmup_intervals=0
+        heartbeat_timeout_s=5.0,
+        heartbeat_polling_period_s=1.0,
+        hang_timeout_s=0.2,
+        hang_warmup_intervals=0,
     )
     sensor.ingest(stepping("n1", 100))
     await asyncio.sleep(0.05)
@@ -654,6 +670,95 @@ async def test_lost_node_disarms_the_jobs_hang_check(make_sensor: SensorFactory)
         await pump.stop()
     assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST]
     assert emitted.events[0].node == "n2"
+
+
+@pytest.mark.parametrize(
+    "end", [{"state": "exited", "exit_code": 0}, {"state": "stopped"}], ids=["exited", "stopped"]
+)
+async def test_a_job_whose_workers_finished_does_not_hang(
+    make_sensor: SensorFactory, end: dict[str, Any]
+) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_timeout_s=0.5, hang_timeout_s=0.1, hang_warmup_intervals=0
+    )
+    done_at = 5
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        if tick < done_at:
+            return [stepping("n1", 10 + tick, (0, 1))]
+        # The host monitor stays up and keeps beating; its workers are done.
+        return [hb("n1", workers=[worker(r, 10 + done_at - 1, **end) for r in (0, 1)])]
+
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.02 * done_at + 0.5)  # five hang timeouts after the end
+    finally:
+        await pump.stop()
+    assert emitted.events == []
+    if end["state"] == "exited":  # each exit is an event of its own, as it came in
+        assert types(pump.events) == [E.WORKER_EXITED, E.WORKER_EXITED]
+    else:
+        assert pump.events == []
+
+
+async def test_a_stall_while_a_node_is_silent_is_that_nodes_loss_not_a_hang(
+    make_sensor: SensorFactory,
+) -> None:
+    """The hang timeout is shorter than the heartbeat timeout: the job stalls because a
+    node died, and the stall is noticed first. One event, the node's loss, follows."""
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.02,
+        heartbeat_timeout_s=0.6,
+        hang_timeout_s=0.1,
+        hang_warmup_intervals=0,
+    )
+    steps = {"n1": 10}
+    n2_alive = True
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        if n2_alive:
+            steps["n1"] = 10 + tick
+            return [stepping("n1", steps["n1"], (0,)), stepping("n2", steps["n1"], (1,))]
+        return [stepping("n1", steps["n1"], (0,))]  # n1 waits for n2 in a collective
+
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.2)
+        n2_alive = False
+        await until(lambda: bool(emitted.events))
+        await asyncio.sleep(0.3)  # room for a (wrong) hang after the loss
+    finally:
+        await pump.stop()
+    assert types(emitted.events) == [E.HOST_HEARTBEAT_LOST]
+    assert emitted.events[0].node == "n2"
+
+
+async def test_a_stall_after_a_node_came_back_is_still_a_hang(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.02,
+        heartbeat_timeout_s=0.6,
+        hang_timeout_s=0.1,
+        hang_warmup_intervals=0,
+    )
+    quiet = False
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        beats = [stepping("n1", 10, (0,))]
+        if not quiet:
+            beats.append(stepping("n2", 10, (1,)))
+        return beats
+
+    sensor.ingest(stepping("n1", 9, (0,)))
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.05)
+        quiet = True  # n2 misses a few heartbeats as the job stalls, then is back
+        await asyncio.sleep(0.2)
+        quiet = False
+        await until(lambda: bool(emitted.events))
+    finally:
+        await pump.stop()
+    assert types(emitted.events) == [E.HANG]
 
 
 # --- fault injection ----------------------------------------------------------------------

@@ -32,9 +32,28 @@ class JobProgress:
         return self.params.fixed_timeout_s is None
 
     @property
+    def warmed_up(self) -> bool:
+        return self.intervals_seen >= self.params.warmup_intervals
+
+    @property
     def watching(self) -> bool:
         """Whether hangs are detected yet (past the warm-up)."""
-        return self.max_step >= 0 and self.intervals_seen >= self.params.warmup_intervals
+        return self.max_step >= 0 and self.warmed_up
+
+    @property
+    def learned_interval_s(self) -> float | None:
+        """What was learned, to persist: the longest interval (None during the warm-up,
+        and with a fixed timeout, which learns nothing)."""
+        if self.params.fixed_timeout_s is not None or not self.warmed_up:
+            return None
+        return self.longest_interval_s
+
+    def relearn(self, interval_s: float | None) -> None:
+        """Take back what an earlier run of the supervisor learned (`learned_interval_s`):
+        past the warm-up, the timeout no lower than it was."""
+        if interval_s is not None:
+            self.intervals_seen = max(self.intervals_seen, self.params.warmup_intervals)
+            self.longest_interval_s = max(self.longest_interval_s, interval_s)
 
     @property
     def timeout_s(self) -> float:

@@ -185,6 +185,7 @@ class JobRecord:
             num_nodes_per_dp=self.num_nodes_per_dp,
             nodes=tuple(sorted(self.nodes)),
             last_step=self.progress.max_step if self.progress.max_step >= 0 else None,
+            step_interval_s=self.progress.learned_interval_s,
         )
 
 
@@ -287,12 +288,12 @@ class Sensor:
                 except TypeError:  # some worker has reported no step yet
                     step = None
                 if step is None:
-                    self._progress(node, workers, now)
+                    learned = self._progress(node, workers, now)
                 else:
-                    job = self.jobs[node.job]
-                    if job.progress.observe(node.name, step, now):
-                        self._advanced(job, now)
-                return UNCHANGED
+                    learned = self._observe(self.jobs[node.job], node.name, step, now)
+                # What the job learned of its step intervals is kept across restarts:
+                # it changes only a few times in a run (a new longest interval).
+                return Changes(jobs=[learned]) if learned is not None else UNCHANGED
         check_heartbeat(hb)
         now = self._clock()
         self.metrics.heartbeats_received += 1
@@ -310,7 +311,9 @@ class Sensor:
             for report in hb.gpu_reports:
                 self._gpu_report(node, report, now, None, changes)
         if node.job is not None and hb.workers:
-            self._progress(node, hb.workers, now)
+            learned = self._progress(node, hb.workers, now)
+            if learned is not None:
+                changes.jobs.append(learned)
         for event in changes.events:
             self.metrics.events.labels(event.type.value).inc()
         return changes
@@ -372,6 +375,7 @@ class Sensor:
             job.min_num_dp_replicas = jv.min_num_dp_replicas
             job.max_num_dp_replicas = jv.max_num_dp_replicas
             job.num_nodes_per_dp = jv.num_nodes_per_dp
+            job.progress.relearn(jv.step_interval_s)
         for nv in nodes:
             seen = nv.last_heartbeat.timestamp() if nv.last_heartbeat else time.time()
             record = NodeRecord(
@@ -592,20 +596,27 @@ class Sensor:
                 )
             )
 
-    def _progress(self, node: NodeRecord, workers: list[WorkerReport], now: float) -> None:
-        """Take the node's newest step: the highest of its running workers' steps."""
+    def _progress(
+        self, node: NodeRecord, workers: list[WorkerReport], now: float
+    ) -> JobView | None:
+        """Take the node's newest step: the highest of its running workers' steps. The
+        job's view when what it learned of its step intervals changed (to persist)."""
         assert node.job is not None
         running = WorkerState.RUNNING
         step = max(
             [w.step for w in workers if w.state is running and w.step is not None], default=-1
         )
         if step >= 0:
-            self._observe_step(node.job, node.name, step, now)
+            return self._observe(self.jobs[node.job], node.name, step, now)
+        return None
 
-    def _observe_step(self, job_name: str, node_name: str, step: int, now: float) -> None:
-        job = self.jobs[job_name]
-        if job.progress.observe(node_name, step, now):
-            self._advanced(job, now)
+    def _observe(self, job: JobRecord, node_name: str, step: int, now: float) -> JobView | None:
+        progress = job.progress
+        learned = progress.learned_interval_s
+        if not progress.observe(node_name, step, now):
+            return None
+        self._advanced(job, now)
+        return job.view() if progress.learned_interval_s != learned else None
 
     def _advanced(self, job: JobRecord, now: float) -> None:
         """The job made progress: watch it for a hang again from now."""
@@ -732,8 +743,23 @@ class Sensor:
         alive = [self.nodes[n] for n in job.nodes if n in self.nodes and self.nodes[n].alive]
         if not alive:
             return  # every node is gone: the heartbeat-lost events already tell
-        job.hang_reported = True
+        if not any(w.state in _MAY_HANG for node in alive for w in node.workers):
+            # Finished, stopped on purpose, or exited (an exit is an event of its own):
+            # nothing is left to hang. Progress arms the check again.
+            return
         now = self._deadlines.time()
+        silent = [
+            node.last_seen + self._timeout_s
+            for node in alive
+            if now - node.last_seen > _SILENT_PERIODS * self.settings.heartbeat_polling_period_s
+        ]
+        if silent:
+            # A node of the job has missed its heartbeats: the job stalls because of it,
+            # most likely. Its heartbeat deadline decides first (a lost node disarms this
+            # check and is remediated once, as a node loss); then look again.
+            self._deadlines.arm((HANG, name), max(silent) + _AFTER_NODE_DEADLINE_S)
+            return
+        job.hang_reported = True
         suspect = job.progress.laggard()
         node = self.nodes.get(suspect[0]) if suspect else None
         rank = None
@@ -789,6 +815,14 @@ class Sensor:
 _rank = operator.attrgetter("rank")
 _state = operator.attrgetter("state")
 _step = operator.attrgetter("step")
+
+
+#: Worker states in which a job can hang: with none of them left, a stall is the end.
+_MAY_HANG = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
+#: A node this many polling periods past its last heartbeat counts as silent.
+_SILENT_PERIODS = 1.5
+#: A deferred hang check runs this long after the silent node's heartbeat deadline.
+_AFTER_NODE_DEADLINE_S = 0.01
 
 
 def _ranks(workers: list[WorkerReport]) -> tuple[int, ...]:

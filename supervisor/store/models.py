@@ -84,6 +84,10 @@ class JobRow(Base):
     min_num_dp_replicas: Mapped[int]
     max_num_dp_replicas: Mapped[int]
     num_nodes_per_dp: Mapped[int]
+    # The longest step interval seen past the warm-up (the learned hang timeout is this
+    # times the safety factor), so that a restarted supervisor does not learn again from
+    # the floor. Null while the job is in its warm-up.
+    step_interval_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 

@@ -202,6 +202,7 @@ class Store:
         row.min_num_dp_replicas = job.min_num_dp_replicas
         row.max_num_dp_replicas = job.max_num_dp_replicas
         row.num_nodes_per_dp = job.num_nodes_per_dp
+        row.step_interval_s = job.step_interval_s
         row.updated_at = now
 
     def _bump(self, session: Session, scope: str, key: str, name: str, now: datetime) -> None:
@@ -698,6 +699,7 @@ def _job(row: JobRow) -> JobView:
         min_num_dp_replicas=row.min_num_dp_replicas,
         max_num_dp_replicas=row.max_num_dp_replicas,
         num_nodes_per_dp=row.num_nodes_per_dp,
+        step_interval_s=row.step_interval_s,
     )
 
 
