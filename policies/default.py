@@ -8,7 +8,11 @@ Ladder, per event (see `DefaultPolicy`):
   workload while the node has failed at most `max_workload_restarts` times, then hot-swap it
   for a spare, else scale the job down by one data-parallel replica (when scaling is enabled
   and the job is above its minimum), else restart the workload as a last resort. A flapping
-  node skips the restart rung. A failing node that serves no job is cordoned;
+  node, and an XID that says the GPU needs a reset or service, skip the restart rung. A
+  failing node that serves no job is cordoned;
+* an XID of the application's own (or a driver transient; see `supervisor.xid`): restart
+  the workload; the node stays in service and the XID does not count against it. An XID
+  whose response is `ignore` is only recorded;
 * spare available / node recovered: scale jobs below their maximum back up, one replica each,
   as long as there are enough spares;
 * workload down: restart the workload, or scale it down by one replica when its pods are
@@ -34,6 +38,7 @@ from supervisor.domain import (
     EventType,
 )
 from supervisor.policy import Policy, PolicyContext, actions, handles
+from supervisor.xid import XidResponse, response_of
 
 #: Node failures that say the hardware itself is bad: such a node is cordoned when no job
 #: can be remedied (spare node, or restart budget spent). A lost heartbeat or a NotReady
@@ -159,6 +164,10 @@ class DefaultPolicy(Policy):
         failures, limit = ctx.failures_of(node), ctx.limits.max_workload_restarts
         if event.type is EventType.NODE_FLAPPING:
             return self._evict(event, ctx, job, node, "a flapping node must go")
+        hardware = event.details.get("origin") == "hardware"
+        if response_of(event) is XidResponse.REPLACE_NODE and hardware:
+            meaning = event.details.get("meaning", "")
+            return self._evict(event, ctx, job, node, f"{meaning}: the GPU needs service")
         if failures <= limit:
             action = actions.restart_workload(
                 job,
@@ -195,6 +204,11 @@ class DefaultPolicy(Policy):
             return []
         view = ctx.node(node)
         job = event.job or (view.job if view else None)
+        response = response_of(event)
+        if response is XidResponse.IGNORE:
+            return []
+        if response is XidResponse.RESTART_WORKLOAD:
+            return self._restart_for_application_xid(event, ctx, job, node)
         bad_hardware = event.type in HARDWARE_FAULTS and not (view and view.cordoned)
         job_view = ctx.job(job)
         if view is not None and view.cordoned and job_view and node not in job_view.nodes:
@@ -216,6 +230,19 @@ class DefaultPolicy(Policy):
             )
             return [actions.cordon(node, reason=reason)]
         return self._node_failure_in_job(event, ctx, job, node)
+
+    def _restart_for_application_xid(
+        self, event: Event, ctx: PolicyContext, job: str | None, node: str
+    ) -> list[ActionRequest]:
+        """The program (or a driver transient) failed, not the GPU: run the job again on
+        the same nodes; no cordon, and it does not count against the node."""
+        if job is None or self.budget_exhausted(ctx, job):
+            return []
+        origin, meaning = event.details.get("origin"), event.details.get("meaning")
+        action = actions.restart_workload(
+            job, reason=f"{describe(event)}: {meaning} ({origin}), the node stays in service"
+        )
+        return self._remedy(ctx, action, failed_node=node)
 
     @handles(EventType.SPARE_AVAILABLE, EventType.NODE_RECOVERED)
     def on_capacity(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:

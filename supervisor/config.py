@@ -19,6 +19,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from supervisor.xid import XidResponse
+
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
 
 BackendName = Literal["dry_run", "local", "kubernetes"]
@@ -60,6 +62,11 @@ class Settings(BaseSettings):
     )
     gpu_report_cooldown_s: float = Field(
         60.0, ge=0, description="Repeats of the same GPU error on a node within this are dropped."
+    )
+    xid_responses: dict[int, XidResponse] = Field(
+        {},
+        description="Per XID code, a response instead of the XID table's: restart_workload, "
+        'replace_node or ignore (for example {"94": "restart_workload"}).',
     )
 
     # --- Kubernetes-side thresholds (used by the Kubernetes backend) ------------------

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -387,6 +388,54 @@ async def test_xid_fault_runs_the_policy_and_links_everything(
         ]
         # The hot-swapped node is now cordoned in the live picture.
         assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is True
+
+
+async def test_an_application_xid_restarts_the_job_and_leaves_the_node_in_service(
+    make_settings: SettingsFactory,
+) -> None:
+    """XID 31 (a page fault of the program's own) on a node past its restart rung and
+    with a spare at hand: the job is restarted, the node stays uncordoned, and the XID is
+    not counted against it. With XID 94 set to `ignore` in settings, it is only recorded."""
+    backend = DryRunBackend()
+    settings = make_settings(
+        heartbeat_timeout_s=30,
+        heartbeat_polling_period_s=5,
+        max_workload_restarts=0,
+        xid_responses={"94": "ignore"},
+    )
+    async with running(settings, backend) as api:
+        for name, job in (("n1", "j1"), ("n2", "j1"), ("s1", None)):
+            await api.beat(heartbeat(name, job=job))
+        response = await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 31}, headers=OPERATOR
+        )
+        assert response.status_code == 201, response.text
+        await api.settle()
+        [event] = (await api.get("/api/v1/events", type="gpu_xid"))["items"]
+        assert {k: event["details"][k] for k in ("code", "origin", "response")} == {
+            "code": 31,
+            "origin": "application",
+            "response": "restart_workload",
+        }
+        assert event["details"]["meaning"] == "GPU memory page fault"
+        actions = (await api.get("/api/v1/actions", event_id=event["id"]))["items"][::-1]
+        assert [a["type"] for a in actions] == ["emergency_checkpoint", "restart_workload"]
+        assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is False
+        counts = api.supervisor.store.policy_counts(datetime.now(UTC) - timedelta(days=1))
+        assert counts.node_failures.get("n1", 0) == 0
+
+        response = await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n2", "code": 94}, headers=OPERATOR
+        )
+        assert response.status_code == 201, response.text
+        await api.settle()
+        ignored = (await api.get("/api/v1/events", type="gpu_xid"))["items"][0]
+        assert ignored["details"]["code"] == 94 and ignored["details"]["response"] == "ignore"
+        assert (await api.get("/api/v1/actions", event_id=ignored["id"]))["items"] == []
+        assert [c.type for c in backend.calls] == [
+            ActionType.EMERGENCY_CHECKPOINT,
+            ActionType.RESTART_WORKLOAD,
+        ]
 
 
 async def test_bad_faults_change_nothing(api: Api) -> None:

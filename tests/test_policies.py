@@ -559,10 +559,68 @@ def test_never_scale_below_passes_other_decisions_through() -> None:
     assert decide(ev(E.WORKER_EXITED, "n3", "j", exit_code=0), c, policy) == []
 
 
+# --- XIDs by meaning ---------------------------------------------------------------------
+
+
+def xid_event(
+    code: int,
+    node_name: str = "n3",
+    job_name: str | None = "j",
+    overrides: Mapping[Any, Any] | None = None,
+) -> Event:
+    """A `gpu_xid` event as the sensor raises it: with the XID table's class."""
+    from supervisor.xid import classify
+
+    return ev(E.GPU_XID, node_name, job_name, code=code, **classify(code, overrides).details())
+
+
+@pytest.mark.parametrize("code", [13, 31, 43, 45])
+def test_an_application_xid_restarts_the_workload_and_keeps_the_node(code: int) -> None:
+    # Spares at hand and no restart left on the node: still a restart, never a swap.
+    c = ctx([node("n3"), spare("s1")], [job()], failures={"n3": 5}, max_workload_restarts=0)
+    result = DefaultPolicy().event_policy(xid_event(code), c)
+    assert shape(result) == [cp("j", "n3"), restart_workload()]
+    assert "the node stays in service" in result[1].reason
+
+
+def test_an_application_xid_on_a_node_without_job_cordons_nothing() -> None:
+    assert decide(xid_event(13, "s1", None), ctx([spare("s1")], [job()])) == []
+
+
+@pytest.mark.parametrize("code", [48, 63, 64, 74, 79, 92, 94, 95, 119, 120])
+def test_a_hardware_xid_hot_swaps_at_once(code: int) -> None:
+    # A restart on the same GPU cannot help, whatever max_workload_restarts allows.
+    c = ctx([node("n3"), spare("s1")], [job()], failures={"n3": 1}, max_workload_restarts=5)
+    assert decide(xid_event(code), c) == [cp("j", "n3"), hot_swap("n3", "s1")]
+
+
+def test_an_xid_not_in_the_table_takes_the_node_failure_ladder() -> None:
+    c = ctx([node("n3"), spare("s1")], [job()], failures={"n3": 1}, max_workload_restarts=1)
+    assert decide(xid_event(999), c) == [cp("j", "n3"), restart_workload()]
+    c = ctx([node("n3"), spare("s1")], [job()], failures={"n3": 2}, max_workload_restarts=1)
+    assert decide(xid_event(999), c) == [cp("j", "n3"), hot_swap("n3", "s1")]
+
+
+def test_xid_responses_overridden_in_settings_are_followed() -> None:
+    from supervisor.xid import XidResponse
+
+    c = ctx([node("n3"), spare("s1")], [job()], failures={"n3": 1}, max_workload_restarts=0)
+    keep = xid_event(94, overrides={94: XidResponse.RESTART_WORKLOAD})
+    assert decide(keep, c) == [cp("j", "n3"), restart_workload()]
+    assert decide(xid_event(63, overrides={63: XidResponse.IGNORE}), c) == []
+
+
 # --- purity -----------------------------------------------------------------------------
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"
-ALLOWED = {"supervisor.domain", "supervisor.policy", "policies.default", "__future__"}
+# The domain (with its XID table), the policy API, the default policy to build on.
+ALLOWED = {
+    "supervisor.domain",
+    "supervisor.xid",
+    "supervisor.policy",
+    "policies.default",
+    "__future__",
+}
 
 
 @pytest.mark.parametrize(

@@ -455,6 +455,9 @@ async def test_gpu_xid_reported_and_repeats_suppressed(make_sensor: SensorFactor
     assert event.details["gpu"] == 3
     assert event.details["message"] == "Xid 79"
     assert "observed_at" in event.details
+    # Classified by the XID table: what it means, what it points at, what to do.
+    assert event.details["meaning"] == "GPU has fallen off the bus"
+    assert (event.details["origin"], event.details["response"]) == ("hardware", "replace_node")
 
     assert sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=3)])).events == []
     assert sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=3)])).events == []

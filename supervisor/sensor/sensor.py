@@ -36,6 +36,7 @@ from supervisor.sensor.heartbeat import (
     parse_heartbeat,
 )
 from supervisor.sensor.progress import HangParams, JobProgress
+from supervisor.xid import classify
 
 NODE = "node"
 HANG = "hang"
@@ -565,6 +566,7 @@ class Sensor:
                 self.metrics.events_suppressed.labels(EventType.GPU_XID.value).inc()
                 return
             node.gpu_seen[key] = now
+            xid = classify(report.code, self.settings.xid_responses)
             changes.events.append(
                 self._event(
                     EventType.GPU_XID,
@@ -574,6 +576,7 @@ class Sensor:
                     gpu=report.gpu,
                     message=report.message,
                     observed_at=observed,
+                    **xid.details(),
                 )
             )
             return

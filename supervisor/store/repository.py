@@ -42,6 +42,7 @@ from supervisor.store.models import (
     NodeRow,
     ProgressSampleRow,
 )
+from supervisor.xid import blames_node
 
 NODE_SCOPE = "node"
 JOB_SCOPE = "job"
@@ -164,7 +165,8 @@ class Store:
             session.add_all(rows)
             session.flush()
             for event in events:
-                if event.node and event.type in NODE_FAILURE_EVENTS:
+                # An XID of the application's own is not the node's failure.
+                if event.node and event.type in NODE_FAILURE_EVENTS and blames_node(event):
                     self._bump(session, NODE_SCOPE, event.node, FAILURES, now)
             return [_event(row) for row in rows]
 
