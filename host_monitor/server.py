@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from host_monitor.emergency import UnknownRound
 from host_monitor.faults import NODE_DOWN_EXIT_CODE, FaultActor, FaultOutcome
@@ -50,7 +51,7 @@ from host_monitor.protocol import (
     WorldAssignment,
 )
 from host_monitor.workers import WorkerConflict, WorkerNotFound
-from supervisor.api.errors import validation_error
+from supervisor.api.errors import http_error, validation_error
 
 Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
 
@@ -255,6 +256,7 @@ def create_app(
         app.include_router(peer_actuator_router(peer), dependencies=[_require(actuator_token)])
         app.include_router(peer_router(peer))
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(InvalidRequest, _invalid_request)
     app.add_exception_handler(WorkerNotFound, _not_found)
     app.add_exception_handler(UnknownRound, _unknown_round)

@@ -55,6 +55,11 @@ class FaultNotSupported(ValueError):
     """The fault cannot be acted out with this backend."""
 
 
+class RequestRefused(ValueError):
+    """An operator's request that is well formed but cannot be taken as it stands (its
+    message starts with the field it is about)."""
+
+
 #: Faults the sensor can act out by itself, with any backend.
 SENSOR_FAULTS = frozenset({"heartbeat_loss", "xid", "ecc"})
 #: What a `random` schedule draws from (Google's rank_killed, rank_hung, plus nodes).
@@ -353,9 +358,27 @@ class Supervisor:
             raise UnknownTarget(f"node {request.node!r} is not known")
         if request.job and request.job not in self.sensor.jobs:
             raise UnknownTarget(f"job {request.job!r} is not known")
+        view = self.sensor.job_view(request.job) if request.job else None
+        to = request.params.get("to_replicas")
+        scaling = request.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP)
+        if scaling and view is not None and isinstance(to, int):
+            low, high = view.min_num_dp_replicas, view.max_num_dp_replicas
+            if not low <= to <= high:
+                raise RequestRefused(
+                    f"params.to_replicas: {to} is outside job {view.name!r}'s bounds "
+                    f"[{low}, {high}] (min_num_dp_replicas, max_num_dp_replicas)"
+                )
         action, created = await asyncio.to_thread(
             lambda: self.store.create_action(request, key=f"operator-{key}", source="operator")
         )
+        asked = (request.type, request.job, request.node, dict(request.params), request.reason)
+        if (
+            not created
+            and (action.type, action.job, action.node, dict(action.params), action.reason) != asked
+        ):
+            raise RequestRefused(
+                f"Idempotency-Key: already used for another request (action {action.id})"
+            )
         if created:
             self.hub.action(action)
             self.controller.submit_actions([action])
@@ -387,8 +410,11 @@ class Supervisor:
             # Expect the consequences within a detection period or two, plus slack.
             window = 2 * self.settings.heartbeat_timeout_s + 30
             self.sensor.expect_fault(spec.node, fault.id, window)
+            # `schedule` links the fault record to its schedule; the node is told only
+            # what the kind itself takes (its host monitor refuses anything else).
+            own = {k: v for k, v in spec.params.items() if k != "schedule"}
             try:
-                await self.backend.inject_fault(spec.kind, spec.node, spec.params)
+                await self.backend.inject_fault(spec.kind, spec.node, own)
             except ActionError as exc:
                 await self.end_fault(fault.id)
                 raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None

@@ -163,6 +163,29 @@ async def test_agent_token_cannot_inject_faults_or_act(api: Api) -> None:
         ),
         ({"node": "n1", "state": "running"}, "job: required when state is running"),
         ({"node": "n1", "state": "running", "job": "j1", "colour": "red"}, "colour"),
+        # A value of a mapping has no index to name: the mapping is named.
+        ({"node": "n1", "state": "spare", "topology": {"rack": 1}}, "topology"),
+        # Accepted, a step past SQL's BIGINT stopped goodput sampling for every job.
+        (
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [
+                    {"rank": 0, "local_rank": 0, "state": "running", "step": 2**63},
+                ],
+            },
+            "workers.0.step",
+        ),
+        (
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [{"rank": 0, "local_rank": 0, "state": "exited", "exit_code": -(2**64)}],
+            },
+            "workers.0.exit_code",
+        ),
     ],
 )
 async def test_bad_heartbeats_get_422_naming_the_field(
@@ -220,6 +243,38 @@ async def test_malformed_json_is_422(api: Api) -> None:
     assert api.supervisor.sensor.nodes == {}
 
 
+async def test_heartbeats_take_a_lowercase_bearer_and_refuse_other_content_types(
+    api: Api,
+) -> None:
+    body = json.dumps(heartbeat("n1")).encode()
+    lower = {"Authorization": AGENT["Authorization"].replace("Bearer", "bearer")}
+    ok = await api.client.post(
+        "/api/v1/heartbeats", content=body, headers={**lower, "Content-Type": "application/json"}
+    )
+    assert ok.status_code == 204, ok.text
+    form = await api.client.post(
+        "/api/v1/heartbeats",
+        content=body,
+        headers={**AGENT, "Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert form.status_code == 415 and "content-type" in form.json()["message"]
+    wrong = await api.client.post(
+        "/api/v1/heartbeats", content=body, headers={"Authorization": "bearer nope"}
+    )
+    assert wrong.status_code == 401 and wrong.json()["message"]
+
+
+async def test_a_heartbeat_that_is_not_utf8_is_422(api: Api) -> None:
+    response = await api.client.post(
+        "/api/v1/heartbeats",
+        content=b'{"node": "n1\xff", "state": "spare"}',
+        headers={**AGENT, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 422, response.text
+    assert "invalid UTF-8" in response.json()["message"]
+    assert api.supervisor.sensor.nodes == {}
+
+
 async def test_bad_query_parameters(api: Api) -> None:
     await api.beat(heartbeat("n1"))
     bad = [
@@ -232,6 +287,9 @@ async def test_bad_query_parameters(api: Api) -> None:
             422,
             "since",
         ),
+        # Valid with its zone, before year 1 in UTC: a 500 before.
+        ("/api/v1/events", {"since": "0001-01-01T00:00:00+14:00"}, 422, "since"),
+        ("/api/v1/actions", {"until": "9999-12-31T23:59:59-14:00"}, 422, "until"),
         ("/api/v1/events", {"node": "ghost"}, 404, "ghost"),
         ("/api/v1/actions", {"job": "ghost"}, 404, "ghost"),
         ("/api/v1/nodes/ghost", {}, 404, "ghost"),
@@ -249,7 +307,7 @@ async def test_bad_query_parameters(api: Api) -> None:
     for path, params, status, needle in bad:
         response = await api.client.get(path, params=params, headers=OPERATOR)
         assert response.status_code == status, (path, params, response.text)
-        assert needle in response.text
+        assert needle in response.json()["message"], (path, params, response.text)
     response = await api.client.delete("/api/v1/faults/9223372036854775808", headers=OPERATOR)
     assert response.status_code == 422 and "fault_id" in response.text
 
@@ -537,12 +595,41 @@ async def test_bad_manual_actions(api: Api) -> None:
         ({"type": "explode", "job": "j1"}, 422, "type"),
         ({"type": "restart_workload", "job": "ghost"}, 404, "ghost"),
         ({"type": "cordon", "node": "ghost"}, 404, "ghost"),
+        # The job's replica bounds are [2, 4]; 2**63 overflowed in the controller.
+        ({"type": "scale_up", "job": "j1", "params": {"to_replicas": 7}}, 422, "bounds [2, 4]"),
+        ({"type": "scale_down", "job": "j1", "params": {"to_replicas": 1}}, 422, "bounds [2, 4]"),
+        ({"type": "scale_up", "job": "j1", "params": {"to_replicas": 2**63}}, 422, "to_replicas"),
+        # PostgreSQL cannot store a NUL; SQLite stored a non-finite number as null.
+        ({"type": "cordon", "node": "n1", "reason": "bad\x00fan"}, 422, "reason"),
+        ({"type": "cordon", "node": "n1", "params": {"why": ["a\x00"]}}, 422, "params.why.0"),
+        ({"type": "cordon", "node": "n1", "params": {"x": "y" * 20_000}}, 422, "params"),
     ]
     for body, status, needle in cases:
         response = await api.client.post("/api/v1/actions", json=body, headers=OPERATOR)
         assert response.status_code == status, (body, response.text)
         assert needle in response.text
+    for number in ("NaN", "Infinity", "1e400"):
+        response = await api.client.post(
+            "/api/v1/actions",
+            content='{"type": "cordon", "node": "n1", "params": {"x": ' + number + "}}",
+            headers={**OPERATOR, "Content-Type": "application/json"},
+        )
+        assert response.status_code == 422, (number, response.text)
+        assert "params.x" in response.text and "finite" in response.text
     assert (await api.get("/api/v1/actions"))["items"] == []
+
+
+async def test_an_idempotency_key_reused_for_another_request_is_refused(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    headers = {**OPERATOR, "Idempotency-Key": "ticket-42"}
+    body = {"type": "cordon", "node": "n1", "reason": "bad fan"}
+    first = await api.client.post("/api/v1/actions", json=body, headers=headers)
+    assert first.status_code == 202, first.text
+    other = {**body, "type": "uncordon"}
+    response = await api.client.post("/api/v1/actions", json=other, headers=headers)
+    assert response.status_code == 422, response.text
+    assert "Idempotency-Key" in response.json()["message"]
+    assert [a["type"] for a in (await api.get("/api/v1/actions"))["items"]] == ["cordon"]
 
 
 # --- actuator behaviour seen through the API ---------------------------------------------------

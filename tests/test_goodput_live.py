@@ -261,6 +261,10 @@ async def test_checkpoint_batches_need_the_agent_token(api: Api) -> None:
         ({"step": -1}, "reports.1.step"),
         ({"duration_s": -0.1}, "reports.1.duration_s"),
         ({"time": "2026-01-05T12:00:00"}, "reports.1.time"),  # no zone
+        # Valid with their zone, out of range once in UTC: a 500 before.
+        ({"time": "9999-12-31T23:59:59-14:00"}, "reports.1.time"),
+        ({"time": "0001-01-01T00:00:00+14:00"}, "reports.1.time"),
+        ({"step": 2**63}, "reports.1.step"),
         ({"id": ""}, "reports.1.id"),
         ({"node": "bad name"}, "reports.1.node"),
         ({"surprise": 1}, "reports.1.surprise"),

@@ -158,7 +158,8 @@ def test_error_raised_while_importing_file(tmp_path: Path) -> None:
     [
         ("NotAPolicy", "not a subclass of supervisor.policy.Policy"),
         ("not_a_class", "not a subclass of supervisor.policy.Policy"),
-        ("Missing", "not a subclass of supervisor.policy.Policy"),
+        # Named for what it is, with the policies the file does define.
+        ("Missing", "has no Missing (its policies: CordonOnXid, NeedsArguments, Stricter)"),
         ("NeedsArguments", "NeedsArguments() failed"),
     ],
 )

@@ -372,3 +372,35 @@ def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(
     # One decision, carried out once: the job was restarted a single time.
     state = json.loads((demo.run_dir / "cluster.json").read_text())
     assert state["job"]["attempt"] == 2  # the boot, then the one restart
+
+
+def test_a_fault_schedule_injects_on_the_local_cluster(tmp_path: Path) -> None:
+    """`{"schedule": "worker_crash,1"}` on the local backend: its faults reach the host
+    monitors (which refused them before, for the `schedule` link in their params) and
+    each one's consequence is linked to it."""
+    starting = demos(tmp_path, "numpy")
+    start = next(starting)
+    try:
+        demo = start(total_steps=100_000)
+        wait_for(lambda: job_step(demo) >= 10, what="training to reach step 10")
+        schedule = inject(demo, schedule="worker_crash,1", job=demo.options.job)
+
+        def linked_exit() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+            children = {
+                f["id"]: f
+                for f in demo.api("/api/v1/faults")
+                if f["params"].get("schedule") == schedule["id"]
+            }
+            exits = demo.api("/api/v1/events", type="worker_exited")["items"]
+            return [(children[e["fault_id"]], e) for e in exits if e["fault_id"] in children]
+
+        [(child, event), *_] = wait_for(linked_exit, what="a scheduled crash and its exit")
+        assert child["kind"] == "worker_crash" and event["node"] == child["node"]
+        response = httpx.delete(
+            f"{demo.url}/api/v1/faults/{schedule['id']}",
+            headers={"Authorization": f"Bearer {demo.operator_token}"},
+            timeout=10,
+        )
+        assert response.status_code == 200 and response.json()["active"] is False
+    finally:
+        next(starting, None)

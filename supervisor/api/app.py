@@ -14,10 +14,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import SecretStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from supervisor import dashboard
-from supervisor.api.errors import validation_error
+from supervisor.api.errors import http_error, validation_error
 from supervisor.api.routes import (
     actions,
     checkpoints,
@@ -127,6 +128,7 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     dashboard.mount(app)
     app.heartbeats = HeartbeatEndpoint(runtime)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

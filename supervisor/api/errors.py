@@ -7,6 +7,7 @@ import httpx
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -19,6 +20,14 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
     detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
     return JSONResponse({"message": "; ".join(parts), "detail": detail}, status_code=422)
+
+
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """An error raised in route code, in the same shape as a validation error: `message`
+    (one line, naming the field where there is one), and `detail` as FastAPI gives it."""
+    assert isinstance(exc, StarletteHTTPException)
+    body = {"message": str(exc.detail), "detail": exc.detail}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 def error_message(response: httpx.Response) -> str:

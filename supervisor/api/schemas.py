@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import json
+import math
+from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from supervisor.domain import (
     NAME_PATTERN,
@@ -24,6 +33,23 @@ from supervisor.domain import (
 T = TypeVar("T")
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=NAME_PATTERN)]
+
+
+def in_utc(value: datetime | None) -> datetime | None:
+    """A time in UTC (a time without a zone is taken as UTC). A zone that moves it out of
+    the years 1-9999 (0001-01-01T00:00:00+14:00) is refused here, not a 500 later."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("out of range once in UTC (years 1 to 9999)") from None
+
+
+#: A time as stored and compared: in UTC, and representable there.
+UtcTime = Annotated[datetime, AfterValidator(in_utc)]
 
 
 class Page(BaseModel, Generic[T]):
@@ -109,6 +135,30 @@ class ActionOut(BaseModel):
         )
 
 
+#: An action's params as JSON: the actions take a few small values, never a document.
+MAX_PARAMS_BYTES = 16 * 1024
+#: Replicas an operator may ask for: far above any job, far below what overflows.
+MAX_REPLICAS = 100_000
+
+
+def _storable(value: Any, where: str) -> None:
+    """Refuse what JSON in SQL cannot hold the same way on SQLite and PostgreSQL: a NUL
+    character (PostgreSQL refuses it), a float that is not finite (SQLite stores null)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where}: a NUL character cannot be stored")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value} is not a finite number")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _storable(key, where)
+            _storable(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _storable(item, f"{where}.{i}")
+
+
 class ActionIn(BaseModel):
     """An action an operator asks for by hand."""
 
@@ -121,6 +171,14 @@ class ActionIn(BaseModel):
     reason: str = Field("requested by operator", max_length=1000)
 
     @model_validator(mode="after")
+    def _check_storable(self) -> Self:
+        _storable(self.reason, "reason")
+        _storable(self.params, "params")
+        if len(json.dumps(self.params)) > MAX_PARAMS_BYTES:
+            raise ValueError(f"params: larger than {MAX_PARAMS_BYTES} bytes as JSON")
+        return self
+
+    @model_validator(mode="after")
     def _check_target(self) -> Self:
         node_actions = {ActionType.CORDON, ActionType.UNCORDON, ActionType.HOT_SWAP}
         if self.type in node_actions and self.node is None:
@@ -129,8 +187,10 @@ class ActionIn(BaseModel):
             raise ValueError(f"job is required for {self.type.value}")
         if self.type in {ActionType.SCALE_DOWN, ActionType.SCALE_UP}:
             to = self.params.get("to_replicas")
-            if not isinstance(to, int) or isinstance(to, bool) or to < 1:
-                raise ValueError("params.to_replicas must be a positive integer")
+            if not isinstance(to, int) or isinstance(to, bool) or not 1 <= to <= MAX_REPLICAS:
+                raise ValueError(
+                    f"params.to_replicas must be a positive integer (at most {MAX_REPLICAS})"
+                )
         if self.type is ActionType.FORCE_DELETE_POD:
             pod = self.params.get("pod")
             if not isinstance(pod, str) or not pod:

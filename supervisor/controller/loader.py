@@ -34,6 +34,16 @@ def load_policy(spec: str) -> Policy:
         except Exception as exc:  # a syntax error or a crash at import time
             raise PolicyLoadError(f"policy {spec!r}: {type(exc).__name__}: {exc}") from None
     cls = getattr(module, class_name, None)
+    if cls is None:
+        found = sorted(
+            name
+            for name, value in vars(module).items()
+            if isinstance(value, type) and issubclass(value, Policy) and value is not Policy
+        )
+        raise PolicyLoadError(
+            f"policy {spec!r}: {target} has no {class_name}"
+            + (f" (its policies: {', '.join(found)})" if found else "")
+        )
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise PolicyLoadError(
             f"policy {spec!r}: {class_name} is not a subclass of supervisor.policy.Policy"

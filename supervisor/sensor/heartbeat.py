@@ -34,7 +34,11 @@ from supervisor.domain import NAME_PATTERN, NodeState, WorkerState
 # rather than by msgspec: a regex match on every heartbeat cost more than the rest of the
 # validation together, and the same few thousand names come back every period.
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# Integers are bounded to a signed 64-bit value: steps, ranks and codes are stored in SQL
+# BIGINT columns and JSON, and a larger one would be accepted here and fail there.
+_INT64_MAX = 2**63 - 1
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
+Int64 = Annotated[int, msgspec.Meta(ge=-_INT64_MAX - 1, le=_INT64_MAX)]
 
 
 class WorkerReport(
@@ -50,10 +54,10 @@ class WorkerReport(
     # fastest. (kw_only lets the optional pid come before the required state.)
     rank: NonNegative
     local_rank: NonNegative
-    pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    pid: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
     state: WorkerState
     step: NonNegative | None = None
-    exit_code: int | None = None
+    exit_code: Int64 | None = None
 
 
 class GpuReport(
@@ -122,6 +126,8 @@ def parse_heartbeat(body: bytes) -> HostHeartbeat:
         raise HeartbeatError(*_split(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HeartbeatError((), f"invalid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec decodes str fields as it meets them
+        raise HeartbeatError((), f"invalid UTF-8: {exc.reason} at byte {exc.start}") from None
 
 
 def check_heartbeat(hb: HostHeartbeat) -> None:
@@ -166,7 +172,11 @@ def _split(text: str) -> tuple[tuple[str | int, ...], str]:
     for part in path.replace("[", ".[").split("."):
         if not part:
             continue
-        loc.append(int(part[1:-1]) if part.startswith("[") else part)
+        if part.startswith("["):  # a list index, or "[...]": some key of a mapping
+            inner = part[1:-1]
+            loc.append(int(inner) if inner.isdigit() else inner)
+        else:
+            loc.append(part)
     unknown = "Object contains unknown field `"
     if message.startswith(unknown):
         loc.append(message[len(unknown) :].rstrip("`"))

@@ -2,16 +2,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from supervisor.api.deps import Operator, Reader, SupervisorDep
 from supervisor.api.routes.common import RecordId, RecordIdFilter, as_utc, check_known, page_of
-from supervisor.api.schemas import ActionIn, ActionOut, Page
+from supervisor.api.schemas import ActionIn, ActionOut, Page, UtcTime
 from supervisor.domain import ActionRequest, ActionStatus, ActionType
-from supervisor.runtime import UnknownTarget
+from supervisor.runtime import RequestRefused, UnknownTarget
 from supervisor.store import ActionFilter
 
 router = APIRouter(prefix="/api/v1/actions", tags=["actions"])
@@ -27,8 +26,8 @@ async def list_actions(
     node: str | None = None,
     job: str | None = None,
     event_id: RecordIdFilter = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: UtcTime | None = None,
+    until: UtcTime | None = None,
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[ActionOut]:
@@ -82,6 +81,8 @@ async def post_action(
         )
     except UnknownTarget as exc:
         raise HTTPException(404, str(exc)) from None
+    except RequestRefused as exc:
+        raise HTTPException(422, str(exc)) from None
     if not created:
         response.status_code = status.HTTP_200_OK
     return ActionOut.of(action)

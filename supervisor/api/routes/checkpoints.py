@@ -13,11 +13,11 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
 
 from supervisor.api.deps import Agent, Reader, SupervisorDep
 from supervisor.api.routes.common import check_known
-from supervisor.api.schemas import Name
+from supervisor.api.schemas import Name, in_utc
 from supervisor.domain import CheckpointReport
 
 router = APIRouter(prefix="/api/v1/checkpoints", tags=["goodput"])
@@ -55,7 +55,9 @@ class CheckpointReportIn(BaseModel):
         description="Seconds the save or load blocked the training loop.",
     )
     tier: CheckpointTier = Field(description="For a load: the tier that served it.")
-    time: AwareDatetime = Field(description="When the save or load finished (with a zone).")
+    time: Annotated[AwareDatetime, AfterValidator(in_utc)] = Field(
+        description="When the save or load finished (with a zone)."
+    )
     bytes: int | None = Field(
         None, ge=0, le=MAX_BYTES, description="Size of this rank's checkpoint, when known."
     )

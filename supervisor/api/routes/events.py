@@ -1,14 +1,13 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 
 from supervisor.api.deps import Reader, SupervisorDep
 from supervisor.api.routes.common import RecordId, as_utc, check_known, page_of
-from supervisor.api.schemas import EventOut, Page
+from supervisor.api.schemas import EventOut, Page, UtcTime
 from supervisor.domain import EventType
 from supervisor.store import EventFilter
 
@@ -21,8 +20,8 @@ async def list_events(
     type: Annotated[list[EventType] | None, Query(description="Repeat to match several.")] = None,
     node: str | None = None,
     job: str | None = None,
-    since: Annotated[datetime | None, Query(description="Events at or after (ISO 8601).")] = None,
-    until: Annotated[datetime | None, Query(description="Events before (ISO 8601).")] = None,
+    since: Annotated[UtcTime | None, Query(description="Events at or after (ISO 8601).")] = None,
+    until: Annotated[UtcTime | None, Query(description="Events before (ISO 8601).")] = None,
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[EventOut]:

@@ -43,32 +43,39 @@ class HeartbeatEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         supervisor = self.supervisor
         if scope["method"] != "POST":
-            await _reply(send, 405, {"detail": "Method Not Allowed"}, [(b"allow", b"POST")])
+            await _reply(send, 405, _error("Method Not Allowed"), [(b"allow", b"POST")])
             return
         if not supervisor.ready:  # a standby, or starting: the sender retries
             await _reply(send, 503, supervisor.readiness, RETRY_AFTER)
             return
         authorized = False
+        content_type = None
         expected = self._expected or self._expected_header()
-        if expected is not None:
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    authorized = compare_digest(value, expected)
-                    break
+        for name, value in scope["headers"]:
+            if name == b"authorization" and expected is not None:
+                # The scheme is case-insensitive (RFC 9110): "bearer" as other routes take.
+                authorized = compare_digest(value, expected) or (
+                    value[:7].lower() == b"bearer " and compare_digest(value[7:], expected[7:])
+                )
+            elif name == b"content-type":
+                content_type = value
         if not authorized:
             await _reply(
                 send,
                 401,
-                {"detail": "missing or invalid bearer token"},
+                _error("missing or invalid bearer token"),
                 [(b"www-authenticate", b"Bearer")],
             )
+            return
+        if content_type is not None and not _is_json(content_type):
+            await _reply(send, 415, _error("content-type: a heartbeat is application/json"))
             return
         message = await receive()
         body: bytes | None = message.get("body", b"")
         if message.get("more_body", False):  # rare: heartbeats fit in one read
             body = await _read_rest(receive, message)
         if body is None:
-            await _reply(send, 413, {"detail": f"body larger than {MAX_BODY} bytes"})
+            await _reply(send, 413, _error(f"body larger than {MAX_BODY} bytes"))
             return
         try:
             # Inline, not deferred: queuing the heartbeats of one loop turn to parse and apply
@@ -104,6 +111,16 @@ class HeartbeatEndpoint:
         if token is not None:
             self._expected = b"Bearer " + token.get_secret_value().encode()
         return self._expected
+
+
+def _error(message: str) -> dict[str, Any]:
+    """The error shape of every other route: `message`, and `detail` as FastAPI's."""
+    return {"message": message, "detail": message}
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or media.endswith(b"+json")
 
 
 async def _read_rest(receive: Receive, first: Message) -> bytes | None:
@@ -174,6 +191,7 @@ def openapi_operation(schema_ref: str) -> dict[str, Any]:
                 },
                 "401": {**error, "description": "Missing or wrong agent token."},
                 "413": {**error, "description": "Body too large."},
+                "415": {**error, "description": "A Content-Type other than JSON."},
                 "503": {
                     **error,
                     "description": "Not ready: a standby replica (`detail` names the leader), "
