@@ -35,6 +35,7 @@ from host_monitor.server import create_app
 from host_monitor.watchdogs import GpuReporter
 from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
 from host_monitor.watchdogs.nvidia_smi import GpuTopology
+from host_monitor.watchdogs.nvml import NvmlWatchdog
 from host_monitor.watchdogs.xid import XidWatchdog, open_kernel_log
 from host_monitor.wire import GpuReport
 
@@ -91,6 +92,7 @@ class Agent:
         self.actuator_token = self._token("actuator_token", log_it=True)
         self.worker_token = self._token("worker_token", log_it=False)
         self._stopping = asyncio.Event()
+        self._nvml: NvmlWatchdog | None = None
 
     def _token(self, name: str, *, log_it: bool) -> str:
         value = getattr(self.settings, name)
@@ -156,6 +158,8 @@ class Agent:
             asyncio.create_task(xid.run(), name="xid-watchdog"),
             asyncio.create_task(ecc.run(), name="ecc-watchdog"),
         ]
+        if self._nvml is not None:
+            tasks.append(asyncio.create_task(self._nvml.run(), name="nvml-watchdog"))
         if sender is not None:
             tasks.append(asyncio.create_task(sender.run(), name="heartbeat"))
         if forwarder is not None:
@@ -183,6 +187,8 @@ class Agent:
             await asyncio.gather(*tasks, stopping, serving, return_exceptions=True)
             await peer.close()
             xid.close()
+            if self._nvml is not None:
+                self._nvml.close()
             sock.close()
         log.info("host monitor of %s stopped", s.node)
         return 0 if clean else 1
@@ -250,7 +256,18 @@ class Agent:
 
         reporter = GpuReporter(s.gpu_report_cooldown_s, deliver)
         nvidia_smi = shutil.which(s.nvidia_smi)
-        if nvidia_smi is None:
+        self._nvml, line = (
+            NvmlWatchdog.open(reporter, s.watchdog_period_s)
+            if s.nvml
+            else (None, "nvml watchdog off (nvml: false)")
+        )
+        (log.info if self._nvml is not None else log.warning)("%s", line)
+        ecc_smi = nvidia_smi
+        if self._nvml is not None:
+            self._nvml.start_events(asyncio.get_running_loop())
+            ecc_smi = None  # NVML reads the ECC counts; injected ones still go through
+            log.info("ecc watchdog: injected errors only (NVML reads the GPUs' counts)")
+        elif nvidia_smi is None:
             log.warning(
                 "ecc watchdog disabled: %s not found on PATH (injected ECC faults are still "
                 "reported)",
@@ -263,7 +280,7 @@ class Agent:
         topology = await GpuTopology.discover(nvidia_smi)
         xid = XidWatchdog(source, topology, reporter, s.watchdog_period_s)
         synthetic = SyntheticEcc()
-        ecc = EccWatchdog(nvidia_smi, synthetic, reporter, s.watchdog_period_s)
+        ecc = EccWatchdog(ecc_smi, synthetic, reporter, s.watchdog_period_s)
         silence = sender.silence if sender is not None else lambda: None
         return xid, ecc, FaultActor(node, xid, ecc, synthetic, silence)
 

@@ -84,6 +84,12 @@ class HostMonitorSettings(BaseSettings):
         min_length=1,
         description="nvidia-smi command for the ECC watchdog; not found = nvidia-smi unused.",
     )
+    nvml: bool = Field(
+        True,
+        description="Read GPU health through NVML (ECC, row remapping, NVLink errors, "
+        "clock slowdowns, XID events) where the NVIDIA driver is; false: kernel log and "
+        "nvidia-smi only.",
+    )
     watchdog_period_s: float = Field(
         10.0, gt=0, description="How often the GPU watchdogs look at their sources."
     )

@@ -46,6 +46,8 @@ class EventType(StrEnum):
     HANG = "hang"
     GPU_XID = "gpu_xid"
     GPU_ECC = "gpu_ecc"
+    # NVML's other health signals: row remapping, NVLink errors, clock slowdowns.
+    GPU_HEALTH = "gpu_health"
     SPARE_AVAILABLE = "spare_available"
     NODE_RECOVERED = "node_recovered"
     NODE_FLAPPING = "node_flapping"
@@ -61,6 +63,7 @@ NODE_FAILURE_EVENTS = frozenset(
         EventType.HOST_HEARTBEAT_LOST,
         EventType.GPU_XID,
         EventType.GPU_ECC,
+        EventType.GPU_HEALTH,
         EventType.NODE_FLAPPING,
         EventType.NODE_NOT_READY,
     }

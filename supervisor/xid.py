@@ -78,6 +78,18 @@ CATALOG: Mapping[int, XidClass] = {
 }
 
 
+#: NVML's other health signals (`gpu_health` events), by report kind: (meaning, response).
+HEALTH: Mapping[str, XidClass] = {
+    "row_remap": XidClass(None, "row remapping pending a GPU reset, or failed", _H, _REPLACE),
+    "nvlink": XidClass(None, "NVLink errors counted", _H, _REPLACE),
+    # A slow GPU slows the whole job; it is not broken: recorded, and the straggler it
+    # makes is what gets acted on.
+    "throttle": XidClass(
+        None, "clocks slowed by the hardware for heat or power", _H, XidResponse.IGNORE
+    ),
+}
+
+
 def classify(code: int | None, overrides: Mapping[int, XidResponse] | None = None) -> XidClass:
     """The code's class, with the response `overrides` sets for it if any."""
     known = CATALOG.get(code) if code is not None else None
@@ -89,9 +101,10 @@ def classify(code: int | None, overrides: Mapping[int, XidResponse] | None = Non
 
 
 def response_of(event: Event) -> XidResponse | None:
-    """The response a `gpu_xid` event carries (None for other events). An event recorded
-    before events carried one counts as the hardware's, as it was handled then."""
-    if event.type is not EventType.GPU_XID:
+    """The response a `gpu_xid` or `gpu_health` event carries (None for other events).
+    An event recorded before events carried one counts as the hardware's, as it was
+    handled then."""
+    if event.type not in (EventType.GPU_XID, EventType.GPU_HEALTH):
         return None
     try:
         return XidResponse(event.details.get("response", _REPLACE))

@@ -496,6 +496,32 @@ async def test_an_application_xid_restarts_the_job_and_leaves_the_node_in_servic
         ]
 
 
+async def test_nvml_health_reports_become_events_and_a_remap_moves_the_job(
+    make_settings: SettingsFactory,
+) -> None:
+    backend = DryRunBackend()
+    async with running(
+        make_settings(heartbeat_timeout_s=30, heartbeat_polling_period_s=5), backend
+    ) as api:
+        for name, job in (("n1", "j1"), ("n2", "j1"), ("s1", None)):
+            await api.beat(heartbeat(name, job=job))
+        throttle = {"kind": "throttle", "gpu": 2, "message": "hardware thermal slowdown"}
+        remap = {"kind": "row_remap", "gpu": 5, "count": 1, "message": "row remapping failed"}
+        await api.beat(heartbeat("n2", gpu_reports=[throttle]))
+        await api.beat(heartbeat("n1", gpu_reports=[remap]))
+        await api.settle()
+        events = (await api.get("/api/v1/events", type="gpu_health"))["items"][::-1]
+        assert [(e["node"], e["details"]["kind"], e["details"]["response"]) for e in events] == [
+            ("n2", "throttle", "ignore"),
+            ("n1", "row_remap", "replace_node"),
+        ]
+        assert events[1]["details"]["gpu"] == 5 and events[1]["details"]["origin"] == "hardware"
+        assert (await api.get("/api/v1/actions", event_id=events[0]["id"]))["items"] == []
+        moved = (await api.get("/api/v1/actions", event_id=events[1]["id"]))["items"][::-1]
+        assert [a["type"] for a in moved] == ["emergency_checkpoint", "hot_swap"]
+        assert moved[1]["node"] == "n1" and moved[1]["params"] == {"spare": "s1"}
+
+
 async def test_bad_faults_change_nothing(api: Api) -> None:
     await api.beat(heartbeat("n1"))
     cases = [

@@ -63,9 +63,14 @@ class WorkerReport(
 class GpuReport(
     msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False, omit_defaults=True
 ):
-    """A GPU error seen by the host's watchdogs (kernel log XID, nvidia-smi ECC)."""
+    """A GPU error seen by the host's watchdogs: an XID (kernel log or NVML), uncorrected
+    ECC errors (`count`: the GPU's total), and NVML's other health signals: `row_remap`
+    (rows waiting for a reset to be remapped, or a remapping that failed; `count`: rows
+    remapped for uncorrectable errors), `nvlink` (`count`: the GPU's total NVLink error
+    counters), `throttle` (a hardware clock slowdown for heat or power; the reasons in
+    `message`)."""
 
-    kind: Literal["xid", "ecc"]
+    kind: Literal["xid", "ecc", "row_remap", "nvlink", "throttle"]
     gpu: NonNegative | None = None
     code: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None
     count: NonNegative | None = None

@@ -36,7 +36,7 @@ from supervisor.sensor.heartbeat import (
     parse_heartbeat,
 )
 from supervisor.sensor.progress import HangParams, JobProgress
-from supervisor.xid import classify
+from supervisor.xid import HEALTH, classify
 
 NODE = "node"
 HANG = "hang"
@@ -577,6 +577,29 @@ class Sensor:
                     message=report.message,
                     observed_at=observed,
                     **xid.details(),
+                )
+            )
+            return
+        if report.kind in HEALTH:
+            key = (report.kind, report.gpu, None)
+            if node.gpu_seen is None:
+                node.gpu_seen = {}
+            last = node.gpu_seen.get(key)
+            if last is not None and now - last < self.settings.gpu_report_cooldown_s:
+                self.metrics.events_suppressed.labels(EventType.GPU_HEALTH.value).inc()
+                return
+            node.gpu_seen[key] = now
+            changes.events.append(
+                self._event(
+                    EventType.GPU_HEALTH,
+                    node,
+                    fault_id=fault_id,
+                    kind=report.kind,
+                    gpu=report.gpu,
+                    count=report.count,
+                    message=report.message,
+                    observed_at=observed,
+                    **HEALTH[report.kind].details(),
                 )
             )
             return

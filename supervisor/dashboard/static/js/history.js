@@ -12,7 +12,8 @@ const MAX_ROWS = 1000;
 
 const FAILURES = new Set([
   "host_heartbeat_lost", "worker_heartbeat_lost", "worker_exited", "hang", "gpu_xid",
-  "gpu_ecc", "node_flapping", "pod_stuck_terminating", "workload_down", "node_not_ready",
+  "gpu_ecc", "gpu_health", "node_flapping", "pod_stuck_terminating", "workload_down",
+  "node_not_ready",
 ]);
 const RECOVERIES = new Set(["node_recovered", "spare_available"]);
 

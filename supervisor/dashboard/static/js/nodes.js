@@ -34,7 +34,7 @@ export class Nodes {
       try {
         const [nodes, gpuEvents] = await Promise.all([
           api("/api/v1/nodes"),
-          api(`/api/v1/events${query({ type: ["gpu_xid", "gpu_ecc"], limit: 500 })}`),
+          api(`/api/v1/events${query({ type: GPU_EVENTS, limit: 500 })}`),
         ]);
         this.nodes = nodes;
         this.fetchedAt = performance.now();
@@ -54,7 +54,7 @@ export class Nodes {
   }
 
   noteGpu(event) {
-    if (event.node && (event.type === "gpu_xid" || event.type === "gpu_ecc")) {
+    if (event.node && GPU_EVENTS.includes(event.type)) {
       this.gpu.set(event.node, event);
     }
   }
@@ -123,11 +123,18 @@ function notes(node, state) {
   return out;
 }
 
+const GPU_EVENTS = ["gpu_xid", "gpu_ecc", "gpu_health"];
+
 function gpuHealth(event) {
   if (!event) return h("span", { class: "badge ok" }, "no errors");
   const d = event.details ?? {};
   const gpu = d.gpu !== undefined && d.gpu !== null ? ` on GPU ${d.gpu}` : "";
-  const what = event.type === "gpu_xid" ? `XID ${d.code ?? "?"}` : `ECC ×${d.count ?? "?"}`;
+  const what =
+    event.type === "gpu_xid"
+      ? `XID ${d.code ?? "?"}`
+      : event.type === "gpu_ecc"
+        ? `ECC ×${d.count ?? "?"}`
+        : (d.meaning ?? d.kind ?? "GPU health");
   const age = (Date.now() - Date.parse(event.time)) / 1000;
   return [h("span", { class: "badge failed" }, `${what}${gpu}`), ` ${duration(age)} ago`];
 }
