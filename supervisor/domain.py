@@ -119,6 +119,8 @@ class Event:
     details: Mapping[str, Any] = field(default_factory=dict)
     fault_id: int | None = None
     id: int | None = None
+    #: Set when the policy raised on this event, and so decided nothing.
+    policy_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

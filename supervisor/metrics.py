@@ -28,6 +28,13 @@ class Metrics:
             ["type"],
             registry=self.registry,
         )
+        self.policy_errors = Counter(
+            "supervisor_policy_errors",
+            "Events on which the policy raised or returned something that is not an action "
+            "(the event's policy_error says what), by event type.",
+            ["type"],
+            registry=self.registry,
+        )
         self.actions = Counter(
             "supervisor_actions",
             "Actions finished, by type and outcome.",

@@ -147,7 +147,7 @@ class Supervisor:
             fence=self.fence,
         )
         self._controller = Controller(
-            self.settings, self.policy, self.store, self._actuator, self._snapshot
+            self.settings, self.policy, self.store, self._actuator, self._snapshot, self.metrics
         )
         nodes, jobs = await asyncio.gather(
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)

@@ -735,9 +735,13 @@ async def test_a_raising_policy_decides_nothing_and_the_event_is_kept(
             "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=OPERATOR
         )
         await api.settle()
-        assert len((await api.get("/api/v1/events"))["items"]) == 1
+        [event] = (await api.get("/api/v1/events"))["items"]
         assert (await api.get("/api/v1/actions"))["items"] == []
         assert api.supervisor.store.unhandled_events() == []
+        # Seen beyond the log: on the event (API, dashboard) and in the metrics.
+        assert event["policy_error"].startswith("RuntimeError: ")
+        metrics = (await api.client.get("/metrics")).text
+        assert 'supervisor_policy_errors_total{type="gpu_xid"} 1.0' in metrics
 
 
 async def test_policy_from_a_file(make_settings: SettingsFactory, tmp_path: Any) -> None:

@@ -72,6 +72,9 @@ class EventOut(BaseModel):
     rank: int | None
     details: dict[str, Any]
     fault_id: int | None
+    policy_error: str | None = Field(
+        None, description="What the policy raised on this event; it then decided nothing."
+    )
 
     @classmethod
     def of(cls, e: Event) -> EventOut:
@@ -85,6 +88,7 @@ class EventOut(BaseModel):
             rank=e.rank,
             details=dict(e.details),
             fault_id=e.fault_id,
+            policy_error=e.policy_error,
         )
 
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 from supervisor.actuator import Actuator, Fenced
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
+from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext, PolicyLimits
 from supervisor.store import Store
 
@@ -46,8 +47,10 @@ class Controller:
         store: Store,
         actuator: Actuator,
         snapshot: Snapshot,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or Metrics()
         self.policy = policy
         self.store = store
         self.actuator = actuator
@@ -138,23 +141,36 @@ class Controller:
 
     def decide(self, event: Event, context: PolicyContext) -> list[ActionRequest]:
         """Run the policy; a policy that raises or returns garbage decides nothing."""
+        return self._decide(event, context)[0]
+
+    def _decide(
+        self, event: Event, context: PolicyContext
+    ) -> tuple[list[ActionRequest], str | None]:
+        """The actions, and what the policy raised or returned that was not an action
+        (recorded with the event, and counted, so that it is seen beyond the log)."""
         try:
             decided = self.policy.event_policy(event, context)
-        except Exception:
+        except Exception as exc:
             log.exception("policy %s raised on event %s", self.policy.name, event.id)
-            return []
+            self.metrics.policy_errors.labels(event.type.value).inc()
+            return [], f"{type(exc).__name__}: {exc}"
         requests = [r for r in decided if isinstance(r, ActionRequest)]
         if len(requests) != len(decided):
             log.error("policy %s returned non-actions for event %s", self.policy.name, event.id)
-        return requests
+            self.metrics.policy_errors.labels(event.type.value).inc()
+            wrong = next(r for r in decided if not isinstance(r, ActionRequest))
+            return requests, f"returned {type(wrong).__name__}, not an ActionRequest"
+        return requests, None
 
     async def handle(self, event: Event) -> list[ActionRecord]:
         """Decide on one persisted event, record the decision, then carry it out."""
         if event.id is None:
             raise ValueError("only persisted events can be handled")
-        requests = self.decide(event, await self.context())
+        requests, error = self._decide(event, await self.context())
         self.actuator.fence()  # only the leader records decisions (a policy may be slow)
-        actions = await asyncio.to_thread(self.store.handle_event, event.id, requests)
+        actions = await asyncio.to_thread(
+            lambda: self.store.handle_event(event.id or 0, requests, policy_error=error)
+        )
         for action in actions:
             self.actuator.changed(action)
         log.info(

@@ -119,6 +119,8 @@ class EventRow(Base):
     fault_id: Mapped[int | None] = mapped_column(ForeignKey("faults.id"), index=True)
     # Set in the same transaction that records the actions the policy chose.
     handled_at: Mapped[datetime | None]
+    # The policy raised on this event (it then decided nothing): what it raised.
+    policy_error: Mapped[str | None] = mapped_column(String(2000))
 
 
 class ActionRow(Base):

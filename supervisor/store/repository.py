@@ -259,8 +259,15 @@ class Store:
         with self._sessions() as session:
             return [_event(r) for r in session.scalars(query)]
 
-    def handle_event(self, event_id: int, requests: Sequence[ActionRequest]) -> list[ActionRecord]:
-        """Record the actions chosen for an event and mark it handled, atomically.
+    def handle_event(
+        self,
+        event_id: int,
+        requests: Sequence[ActionRequest],
+        *,
+        policy_error: str | None = None,
+    ) -> list[ActionRecord]:
+        """Record the actions chosen for an event and mark it handled, atomically; with
+        `policy_error`, what the policy raised instead of deciding.
 
         Handling the same event again returns the actions recorded the first time.
         """
@@ -285,6 +292,8 @@ class Store:
                 for index, request in enumerate(requests)
             ]
             event.handled_at = now
+            if policy_error is not None:
+                event.policy_error = policy_error[:2000]
             session.flush()
             return [_action(r) for r in rows]
 
@@ -646,6 +655,7 @@ def _event(row: EventRow) -> Event:
         rank=row.rank,
         details=row.details or {},
         fault_id=row.fault_id,
+        policy_error=row.policy_error,
     )
 
 

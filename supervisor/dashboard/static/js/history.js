@@ -556,6 +556,7 @@ function newer(a, b) {
 function details(e) {
   const entries = Object.entries(e.details ?? {});
   const parts = [];
+  if (e.policy_error) parts.push(`policy failed: ${e.policy_error.slice(0, 120)}`);
   if (e.rank !== null && e.rank !== undefined) parts.push(`rank ${e.rank}`);
   for (const [key, value] of entries) {
     let text = typeof value === "object" ? JSON.stringify(value) : String(value);
