@@ -17,7 +17,10 @@ Ladder, per event (see `DefaultPolicy`):
   as long as there are enough spares;
 * workload down: restart the workload, or scale it down by one replica when its pods are
   pending for lack of nodes (scaling enabled, above the minimum);
-* pod stuck terminating: force-delete that pod (grace period 0).
+* pod stuck terminating: force-delete that pod (grace period 0);
+* straggler (a rank slow for `straggler_window_s`): hot-swap its node when a spare exists
+  (emergency checkpoint first); without a spare it is only recorded: a slow node still
+  trains, and restarting the job would not make it faster.
 
 A node failure on a node already cordoned and no longer among its job's nodes was handled
 when the node first failed (a dead node is both silent and NotReady): nothing more is done.
@@ -293,6 +296,27 @@ class DefaultPolicy(Policy):
             return self._remedy(ctx, action)
         action = actions.restart_workload(event.job, reason=f"{describe(event)}: restarting")
         return self._remedy(ctx, action)
+
+    @handles(EventType.STRAGGLER)
+    def on_straggler(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        node, job = event.node, event.job
+        if node is None or job is None or self.budget_exhausted(ctx, job):
+            return []
+        view = ctx.node(node)
+        if view is None or view.cordoned or view.job != job:
+            return []  # already moved off, or no longer in that job
+        spares = [s for s in ctx.spares if s != node]
+        if not spares:
+            return []
+        slowdown = event.details.get("slowdown_pct")
+        action = actions.hot_swap(
+            job,
+            node,
+            spare=spares[0],
+            reason=f"{describe(event)}: {slowdown}% slower than its job for"
+            f" {event.details.get('for_s')}s, spare {spares[0]} available",
+        )
+        return self._remedy(ctx, action, failed_node=node)
 
     @handles(EventType.POD_STUCK_TERMINATING)
     def on_pod_stuck(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:

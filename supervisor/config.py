@@ -63,6 +63,18 @@ class Settings(BaseSettings):
     gpu_report_cooldown_s: float = Field(
         60.0, ge=0, description="Repeats of the same GPU error on a node within this are dropped."
     )
+    straggler_threshold: float = Field(
+        1.2,
+        gt=1,
+        description="A rank whose compute time per step is this many times its job's median "
+        "is slow (1.2: 20% slower).",
+    )
+    straggler_window_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a rank must stay slow (or fast again) before straggler (or "
+        "straggler_recovered) is raised; also the window its compute times are scored over.",
+    )
     xid_responses: dict[int, XidResponse] = Field(
         {},
         description="Per XID code, a response instead of the XID table's: restart_workload, "

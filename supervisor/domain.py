@@ -48,6 +48,8 @@ class EventType(StrEnum):
     GPU_ECC = "gpu_ecc"
     # NVML's other health signals: row remapping, NVLink errors, clock slowdowns.
     GPU_HEALTH = "gpu_health"
+    STRAGGLER = "straggler"
+    STRAGGLER_RECOVERED = "straggler_recovered"
     SPARE_AVAILABLE = "spare_available"
     NODE_RECOVERED = "node_recovered"
     NODE_FLAPPING = "node_flapping"

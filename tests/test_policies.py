@@ -610,6 +610,30 @@ def test_xid_responses_overridden_in_settings_are_followed() -> None:
     assert decide(xid_event(63, overrides={63: XidResponse.IGNORE}), c) == []
 
 
+# --- stragglers ---------------------------------------------------------------------------
+
+
+def straggler(node_name: str = "n3") -> Event:
+    return ev(E.STRAGGLER, node_name, "j", slowdown_pct=50.0, for_s=30.0, score=1.5)
+
+
+def test_a_straggler_is_hot_swapped_when_a_spare_exists() -> None:
+    c = ctx([node("n3"), spare("s1")], [job()])
+    result = DefaultPolicy().event_policy(straggler(), c)
+    assert shape(result) == [cp("j", "n3"), hot_swap("n3", "s1")]
+    assert "50.0% slower than its job for 30.0s, spare s1 available" in result[1].reason
+
+
+def test_a_straggler_without_a_spare_is_only_recorded() -> None:
+    assert decide(straggler(), ctx([node("n3")], [job()])) == []
+    assert decide(ev(E.STRAGGLER_RECOVERED, "n3", "j"), ctx([node("n3")], [job()])) == []
+
+
+def test_a_straggler_already_moved_off_is_left_alone() -> None:
+    c = ctx([node("n3", None, cordoned=True), spare("s1")], [job()])
+    assert decide(straggler(), c) == []
+
+
 # --- purity -----------------------------------------------------------------------------
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -762,6 +763,93 @@ async def test_a_stall_after_a_node_came_back_is_still_a_hang(make_sensor: Senso
     finally:
         await pump.stop()
     assert types(emitted.events) == [E.HANG]
+
+
+def computing(node: str, rank: int, compute_s: float, step: int = 10) -> HostHeartbeat:
+    """A node of one rank whose worker reports its compute time per step."""
+    report = WorkerReport(
+        rank=rank,
+        local_rank=0,
+        pid=1000 + rank,
+        state=WorkerState.RUNNING,
+        step=step,
+        compute_s=compute_s,
+    )
+    return hb(node, workers=[report])
+
+
+async def test_a_rank_that_stays_slow_is_a_straggler_until_it_is_fast_again(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.02,
+        heartbeat_timeout_s=5.0,
+        straggler_window_s=0.2,
+        straggler_threshold=1.2,
+    )
+    rng = random.Random(0)
+    slow = {"n2": 1.0}
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        # 5% jitter on every rank: no sample alone says anything.
+        return [
+            computing(f"n{r}", r, 0.1 * slow.get(f"n{r}", 1.0) * rng.uniform(0.95, 1.05), tick)
+            for r in range(4)
+        ]
+
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.6)  # three windows of a healthy job
+        assert emitted.events == []
+        slow["n2"] = 1.5
+        slowed_at = now()
+        await until(lambda: bool(emitted.events))
+        detected_after = now() - slowed_at
+        slow["n2"] = 1.0
+        await until(lambda: len(emitted.events) == 2)
+    finally:
+        await pump.stop()
+    straggler, recovered = emitted.events
+    assert (straggler.type, straggler.node, straggler.rank) == (E.STRAGGLER, "n2", 2)
+    assert straggler.details["score"] == pytest.approx(1.5, abs=0.1)
+    assert straggler.details["slowdown_pct"] == pytest.approx(50, abs=10)
+    assert straggler.details["typical_s"] == pytest.approx(0.1, rel=0.06)
+    assert straggler.details["for_s"] >= 0.2
+    assert detected_after >= 0.2  # it stayed slow for the window first
+    assert (recovered.type, recovered.node, recovered.rank) == (E.STRAGGLER_RECOVERED, "n2", 2)
+
+
+async def test_a_whole_job_slowing_down_has_no_straggler(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.02, heartbeat_timeout_s=5.0, straggler_window_s=0.1
+    )
+    pace = {"factor": 1.0}
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        return [computing(f"n{r}", r, 0.1 * pace["factor"], tick) for r in range(4)]
+
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.3)
+        pace["factor"] = 2.0  # a slow data loader: every rank at once
+        await asyncio.sleep(0.5)
+    finally:
+        await pump.stop()
+    assert emitted.events == []
+    assert set(sensor.stragglers.scores("j1", now()).values()) == {1.0}
+
+
+async def test_two_ranks_are_too_few_to_tell_a_straggler(make_sensor: SensorFactory) -> None:
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.02, heartbeat_timeout_s=5.0, straggler_window_s=0.1
+    )
+    pump = Pump(sensor, lambda t: [computing("n0", 0, 0.1, t), computing("n1", 1, 0.3, t)])
+    pump.start()
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        await pump.stop()
+    assert emitted.events == []
 
 
 # --- fault injection ----------------------------------------------------------------------

@@ -58,6 +58,9 @@ class WorkerReport(
     state: WorkerState
     step: NonNegative | None = None
     exit_code: Int64 | None = None
+    # Seconds per step in the worker's own work, before it waits for the other ranks (a
+    # mean over its last steps): what stragglers are scored on.
+    compute_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] | None = None
 
 
 class GpuReport(

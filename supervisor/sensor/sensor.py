@@ -36,10 +36,12 @@ from supervisor.sensor.heartbeat import (
     parse_heartbeat,
 )
 from supervisor.sensor.progress import HangParams, JobProgress
+from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
 from supervisor.xid import HEALTH, classify
 
 NODE = "node"
 HANG = "hang"
+STRAGGLERS = "stragglers"  # the periodic straggler check (one key, name "")
 WALL_OFFSET_TOLERANCE_S = 0.001
 DeadlineKey = tuple[str, str]
 
@@ -214,6 +216,9 @@ class Sensor:
             min_timeout_s=settings.hang_min_timeout_s,
             safety_factor=settings.hang_safety_factor,
             warmup_intervals=settings.hang_warmup_intervals,
+        )
+        self.stragglers = StragglerScorer(
+            StragglerParams(settings.straggler_threshold, settings.straggler_window_s)
         )
         # Counted when scraped: cheaper than keeping counts right on every transition.
         self.metrics.nodes.labels("true").set_function(
@@ -680,6 +685,9 @@ class Sensor:
         node.job = job_name
         if new:
             changes.jobs.append(job.view())
+        if (STRAGGLERS, "") not in self._deadlines:
+            period = self.settings.heartbeat_polling_period_s
+            self._deadlines.arm((STRAGGLERS, ""), self._deadlines.time() + period)
 
     def _leave(self, node: NodeRecord) -> None:
         if node.job is None:
@@ -712,6 +720,8 @@ class Sensor:
         changes = Changes()
         if kind == NODE:
             self._node_lost(name, deadline, changes)
+        elif kind == STRAGGLERS:
+            self._check_stragglers(changes)
         else:
             self._job_hung(name, changes)
         if changes:
@@ -761,6 +771,44 @@ class Sensor:
                 )
             )
         changes.nodes.append(node.view(self._wall_offset()))
+
+    def _check_stragglers(self, changes: Changes) -> None:
+        """Every heartbeat period: one sample per running rank that reports its compute
+        time, then the stragglers and recoveries that became due (see stragglers.py)."""
+        now = self._deadlines.time()
+        self._deadlines.arm((STRAGGLERS, ""), now + self.settings.heartbeat_polling_period_s)
+        for node in self.nodes.values():
+            if not node.alive or node.job is None:
+                continue
+            # Most nodes' newest heartbeat is kept as its bytes: decoded only if it has
+            # compute times at all.
+            if node.body is not None and b'"compute_s"' not in node.body:
+                continue
+            for worker in node.workers:
+                if worker.state is WorkerState.RUNNING and worker.compute_s is not None:
+                    self.stragglers.observe(node.job, worker.rank, node.name, worker.compute_s, now)
+        params = self.stragglers.params
+        for verdict in self.stragglers.evaluate(now):
+            if verdict.node not in self.nodes:
+                continue
+            changes.events.append(
+                Event(
+                    type=EventType.STRAGGLER if verdict.slow else EventType.STRAGGLER_RECOVERED,
+                    time=utcnow(),
+                    node=verdict.node,
+                    job=verdict.job,
+                    rank=verdict.rank,
+                    details={
+                        "score": round(verdict.score, 3),
+                        "slowdown_pct": round((verdict.score - 1) * 100, 1),
+                        "compute_s": round(verdict.compute_s, 6),
+                        "typical_s": round(verdict.typical_s, 6),
+                        "for_s": round(now - verdict.since, 3),
+                        "threshold": params.threshold,
+                        "window_s": params.window_s,
+                    },
+                )
+            )
 
     def _job_hung(self, name: str, changes: Changes) -> None:
         job = self.jobs.get(name)
