@@ -187,6 +187,7 @@ class Agent:
             await asyncio.gather(*tasks, stopping, serving, return_exceptions=True)
             await peer.close()
             xid.close()
+            faults.close()
             if self._nvml is not None:
                 self._nvml.close()
             sock.close()

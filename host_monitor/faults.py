@@ -5,7 +5,10 @@ detection:
 
 - worker_crash: SIGKILL the worker's process group; the process monitor sees the exit.
 - worker_hang: SIGSTOP it; it stops reporting progress and turns `lost`.
-- straggler: its progress replies carry `slowdown_s` (the worker sleeps that much).
+- straggler: the worker's process group is stopped and continued (SIGSTOP, SIGCONT) ten
+  times a second, so that it runs `1 + slowdown` times slower with no help from it: any
+  workload, the torch one included. Until `duration_s` ends, the worker exits, or another
+  straggler fault on it replaces this one.
 - xid: a kernel line in the driver's format is appended to the kernel log file, which
   the XID watchdog tails (when the source is /dev/kmsg or nothing, the report goes to
   the watchdog's reporter directly: we do not write into the real kernel log).
@@ -17,6 +20,7 @@ detection:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 from collections.abc import Callable
@@ -28,11 +32,14 @@ from host_monitor.node import InvalidRequest, Node
 from host_monitor.protocol import ProcessFault, ProcessFaultKind
 from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
 from host_monitor.watchdogs.xid import XidWatchdog, format_xid_line, parse_xid_line
-from host_monitor.workers import WorkerConflict
+from host_monitor.workers import Worker, WorkerConflict
 
 log = logging.getLogger(__name__)
 
 NODE_DOWN_EXIT_CODE = 137  # what a shell reports for a SIGKILLed process
+#: A straggler's stop-and-continue cycle, and how much slower it runs by default.
+DUTY_PERIOD_S = 0.1
+DEFAULT_SLOWDOWN = 0.5
 
 
 class FaultOutcome(BaseModel):
@@ -53,6 +60,24 @@ def _comm(pid: int) -> str:
         return "python"
 
 
+async def _duty_cycle(worker: Worker, slowdown: float, duration_s: float | None) -> None:
+    """Run `worker` 1/(1 + slowdown) of the time, stopped the rest, until the end."""
+    running_s = DUTY_PERIOD_S / (1 + slowdown)
+    stopped_s = DUTY_PERIOD_S - running_s
+    loop = asyncio.get_running_loop()
+    ends = None if duration_s is None else loop.time() + duration_s
+    try:
+        while worker.alive and (ends is None or loop.time() < ends):
+            if not worker.signal(signal.SIGSTOP):
+                return
+            await asyncio.sleep(stopped_s)
+            worker.signal(signal.SIGCONT)
+            await asyncio.sleep(running_s)
+    finally:
+        worker.signal(signal.SIGCONT)  # never left stopped: that would be a hang instead
+        log.info("straggler fault on rank %d ended", worker.rank)
+
+
 class FaultActor:
     def __init__(
         self,
@@ -67,6 +92,7 @@ class FaultActor:
         self.ecc = ecc
         self.synthetic_ecc = synthetic_ecc
         self._silence = silence
+        self._stragglers: dict[int, asyncio.Task[None]] = {}
 
     def apply(self, fault: ProcessFault) -> FaultOutcome:
         log.warning("injected fault: %s", fault.model_dump(exclude_none=True))
@@ -95,17 +121,30 @@ class FaultActor:
         )
 
     def _straggler(self, fault: ProcessFault) -> FaultOutcome:
-        if fault.slowdown_s is None:
-            raise InvalidRequest("slowdown_s", "required for a straggler fault")
         worker = self.node.registry.target(fault.rank)
-        worker.slowdown_s = fault.slowdown_s
+        if not worker.alive:
+            raise WorkerConflict(f"rank {worker.rank} is not running ({worker.state.value})")
+        slowdown = fault.slowdown if fault.slowdown is not None else DEFAULT_SLOWDOWN
+        previous = self._stragglers.pop(worker.rank, None)
+        if previous is not None:
+            previous.cancel()
+        self._stragglers[worker.rank] = asyncio.get_running_loop().create_task(
+            _duty_cycle(worker, slowdown, fault.duration_s), name=f"straggler-{worker.rank}"
+        )
         return FaultOutcome(
             kind=fault.kind,
             rank=worker.rank,
             pid=worker.pid,
-            detail=f"progress replies to rank {worker.rank} now carry "
-            f"slowdown_s={fault.slowdown_s}",
+            detail=f"rank {worker.rank} stopped {slowdown / (1 + slowdown):.0%} of every "
+            f"{DUTY_PERIOD_S:g}s (SIGSTOP, SIGCONT): {1 + slowdown:g} times slower"
+            + (f" for {fault.duration_s:g}s" if fault.duration_s else ""),
         )
+
+    def close(self) -> None:
+        """End the stragglers (each continues its worker as it ends)."""
+        for task in self._stragglers.values():
+            task.cancel()
+        self._stragglers.clear()
 
     def _xid(self, fault: ProcessFault) -> FaultOutcome:
         if fault.code is None:

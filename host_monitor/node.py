@@ -151,6 +151,7 @@ class Node:
                     state=s.state,
                     step=s.step,
                     exit_code=s.exit_code,
+                    compute_s=s.compute_s,
                 )
                 for s in self.registry.statuses()
             ],
@@ -312,8 +313,8 @@ class Node:
         return self.registry.stopping(rank, report).status()
 
     def progress(self, rank: int, report: WorkerProgress) -> ProgressReply:
-        worker = self.registry.progress(rank, report.step, report.attempt)
-        return ProgressReply(slowdown_s=worker.slowdown_s)
+        self.registry.progress(rank, report.step, report.attempt, report.compute_s)
+        return ProgressReply()
 
     def world(self, rank: int) -> WorldAssignment:
         worker = self.registry.get(rank)

@@ -68,7 +68,14 @@ class WorkerProgress(BaseModel):
     """POST /v1/workers/{rank}/progress: the newest finished step (also the worker heartbeat)."""
 
     model_config = ConfigDict(extra="forbid")
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, le=2**63 - 1)
+    compute_s: float | None = Field(
+        None,
+        ge=0,
+        le=86400,
+        description="Seconds per step in the worker's own work, before it waits for the "
+        "other ranks (mean over its steps since its last report): stragglers are scored on it.",
+    )
     attempt: str | None = Field(
         None,
         pattern=ATTEMPT_PATTERN,
@@ -88,9 +95,7 @@ class WorldAssignment(BaseModel):
 
 
 class ProgressReply(BaseModel):
-    """What the host monitor answers to a progress report."""
-
-    slowdown_s: float = Field(0.0, ge=0, description="Extra seconds per step (straggler fault).")
+    """What the host monitor answers to a progress report (nothing yet: room to grow)."""
 
 
 # `local`: the NumPy demo's node-local files; `ram`: tmpfs on the node; `peer`: a copy held
@@ -289,7 +294,17 @@ class ProcessFault(BaseModel):
     code: int | None = Field(None, ge=0, le=1000, description="XID code (xid).")
     gpu: int = Field(0, ge=0, le=255)
     count: int | None = Field(None, ge=1, description="Uncorrected ECC errors to add (ecc).")
-    slowdown_s: float | None = Field(None, gt=0, le=60, description="Per step (straggler).")
+    slowdown: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="straggler: how much slower the worker runs (0.5: its steps take 1.5 "
+        "times as long), by stopping and continuing it (SIGSTOP, SIGCONT) ten times a "
+        "second; default 0.5.",
+    )
+    duration_s: float | None = Field(
+        None, gt=0, le=86400, description="straggler: for how long; unset: until it exits."
+    )
 
 
 class WorkerStatus(BaseModel):
@@ -303,6 +318,7 @@ class WorkerStatus(BaseModel):
     step: int | None
     exit_code: int | None
     attempt: str | None = Field(None, description="The world it reported training in.")
+    compute_s: float | None = Field(None, description="As last reported (see WorkerProgress).")
 
 
 class NodeStatus(BaseModel):

@@ -97,13 +97,13 @@ class Worker:
     proc: subprocess.Popen[bytes] | None = None  # set when we launched it
     start_time: str | None = None  # of a registered-only host_pid, see _proc_start_time
     step: int | None = None
+    compute_s: float | None = None
     exit_code: int | None = None
     registered: bool = False
     last_progress: float = 0.0  # monotonic; registration counts as progress
     # Stopped on purpose (by us, or it reported a SIGTERM from kubelet): its exit is
     # `stopped`, not `exited`.
     stopping: bool = False
-    slowdown_s: float = 0.0  # straggler fault: sent back in progress replies
     log_path: Path | None = None
     request_file: Path | None = None  # HOST_MONITOR_REQUEST_FILE of a launched worker
     attempt: str | None = None  # the world it reported training in
@@ -129,6 +129,7 @@ class Worker:
             step=self.step,
             exit_code=self.exit_code,
             attempt=self.attempt,
+            compute_s=self.compute_s,
         )
 
     def signal(self, sig: signal.Signals, *, group: bool = True) -> bool:
@@ -303,13 +304,21 @@ class WorkerRegistry:
             log.warning("registration of rank %d refused: %s", reg.rank, exc)
             raise WorkerConflict(f"pid: {exc}") from None
 
-    def progress(self, rank: int, step: int | None, attempt: str | None = None) -> Worker:
+    def progress(
+        self,
+        rank: int,
+        step: int | None,
+        attempt: str | None = None,
+        compute_s: float | None = None,
+    ) -> Worker:
         worker = self.get(rank)
         if not worker.alive:
             return worker  # a late report from a worker we already saw go
         worker.last_progress = self._clock()
         if step is not None:
             worker.step = step
+        if compute_s is not None:
+            worker.compute_s = compute_s
         if attempt is not None:
             worker.attempt = attempt
             if worker.world is not None and worker.world[0] == attempt:

@@ -233,7 +233,7 @@ supervisor at {url}   (run directory: {demo.run_dir})
 Kill a node of the job and watch: detection, emergency checkpoint, hot-swap, resume.
   curl -s -X POST {url}/api/v1/faults {auth} -H 'Content-Type: application/json' \\
     -d '{{"kind":"node_down","node":"{job_node}"}}'
-Other faults: worker_crash, worker_hang, straggler (slowdown_s), xid (code), ecc (count),
+Other faults: worker_crash, worker_hang, straggler (slowdown, duration_s), xid (code), ecc (count),
 heartbeat_loss, or a schedule: -d '{{"schedule":"random,60"}}'
 See what happened:
   curl -s {url}/api/v1/events {auth}

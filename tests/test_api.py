@@ -809,7 +809,7 @@ async def test_process_faults_need_a_process_backend(api: Api) -> None:
     for body in (
         {"kind": "node_down", "node": "n1"},
         {"kind": "worker_crash", "node": "n1", "rank": 2},
-        {"kind": "straggler", "node": "n1", "slowdown_s": 0.5},
+        {"kind": "straggler", "node": "n1", "slowdown": 0.5},
         {"schedule": "random,60"},
     ):
         response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
@@ -819,7 +819,8 @@ async def test_process_faults_need_a_process_backend(api: Api) -> None:
         ({"schedule": "random,0"}, "positive"),
         ({"schedule": "often"}, "schedule"),
         ({"kind": "xid", "schedule": "xid,5", "node": "n1", "code": 1}, "exactly one"),
-        ({"kind": "straggler", "node": "n1"}, "slowdown_s"),
+        ({"kind": "straggler", "node": "n1", "slowdown": 0}, "slowdown"),
+        ({"kind": "xid", "node": "n1", "code": 79, "slowdown": 1}, "slowdown applies"),
     ):
         response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
         assert response.status_code == 422 and needle in response.text, response.text

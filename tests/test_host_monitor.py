@@ -36,10 +36,10 @@ ACTUATOR = {"Authorization": f"Bearer {ACTUATOR_TOKEN}"}
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 
-# A worker: registers, reports a step every 50 ms (sleeping the straggler slowdown on
-# top), acks emergency checkpoints with the id from HOST_MONITOR_REQUEST_FILE, and exits
-# when its host monitor has been unreachable for 3 s. Per-rank behaviour from env:
-# NO_ACK_RANKS never ack, IGNORE_TERM_RANKS ignore SIGTERM, USR1_DIR counts SIGUSR1s.
+# A worker: registers, reports a step every 50 ms, acks emergency checkpoints with the
+# id from HOST_MONITOR_REQUEST_FILE, and exits when its host monitor has been
+# unreachable for 3 s. Per-rank behaviour from env: NO_ACK_RANKS never ack,
+# IGNORE_TERM_RANKS ignore SIGTERM, USR1_DIR counts SIGUSR1s.
 WORKER_SCRIPT = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -62,7 +62,7 @@ if rank in ranks("IGNORE_TERM_RANKS"):
 client.post(
     "/v1/workers/register", json={"rank": rank, "local_rank": local_rank, "pid": os.getpid()}
 ).raise_for_status()
-step, slowdown, last_ok, usr1 = 0, 0.0, time.monotonic(), 0
+step, last_ok, usr1 = 0, time.monotonic(), 0
 while True:
     if signals:
         signals.clear()
@@ -74,14 +74,13 @@ while True:
             body = {"request_id": request_id, "ok": True, "step": step, "duration_s": 0.01}
             client.post(f"/v1/workers/{rank}/emergency-ack", json=body)
     try:
-        r = client.post(f"/v1/workers/{rank}/progress", json={"step": step})
-        slowdown = r.json().get("slowdown_s", 0.0)
+        client.post(f"/v1/workers/{rank}/progress", json={"step": step, "compute_s": 0.05})
         last_ok = time.monotonic()
     except httpx.HTTPError:
         if time.monotonic() - last_ok > 3:
             sys.exit(3)
     step += 1
-    time.sleep(0.05 + slowdown)
+    time.sleep(0.05)
 """
 
 
@@ -694,6 +693,11 @@ def test_tokens_validation_and_startup_lines(supervisor: Supervisor, cluster: Cl
         assert log.count("xid watchdog disabled: /dev/kmsg not readable") == 1, log
 
 
+def process_state(pid: int) -> str:
+    """R, S, T (stopped)... as /proc/<pid>/stat says."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Cluster) -> None:
     """A worker we did not launch (as in a Kubernetes pod) registers itself."""
     agent = cluster.start_agent(supervisor.url, initial_state="running", job="j2")
@@ -702,15 +706,25 @@ def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Clus
         body = {"rank": 4, "local_rank": 0, "pid": sleeper.pid, "world_size": 8}
         r = agent.worker_api.post("/v1/workers/register", json=body)
         assert r.status_code == 200 and r.json()["state"] == "running"
-        progress = agent.worker_api.post("/v1/workers/4/progress", json={"step": 7})
-        assert progress.json() == {"slowdown_s": 0.0}
+        progress = agent.worker_api.post(
+            "/v1/workers/4/progress", json={"step": 7, "compute_s": 0.125}
+        )
+        assert progress.status_code == 200 and progress.json() == {}
+        [status] = [w for w in agent.api.get("/v1/status").json()["workers"] if w["rank"] == 4]
+        assert status["compute_s"] == 0.125  # passed on in the heartbeats
 
-        outcome = agent.fault(kind="straggler", rank=4, slowdown_s=0.25)
-        assert outcome["rank"] == 4
-        progress = agent.worker_api.post("/v1/workers/4/progress", json={"step": 8})
-        assert progress.json() == {"slowdown_s": 0.25}
-        r = agent.api.post("/v1/faults", json={"kind": "straggler", "rank": 4})
-        assert r.status_code == 422 and r.json()["message"].startswith("slowdown_s:")
+        # The straggler needs no help from the worker: it is stopped and continued.
+        outcome = agent.fault(kind="straggler", rank=4, slowdown=1.0, duration_s=1.0)
+        assert outcome["rank"] == 4 and "2 times slower" in outcome["detail"]
+        wait_for(lambda: process_state(sleeper.pid) == "T", what="the sleeper stopped")
+        wait_for(lambda: process_state(sleeper.pid) == "S", what="and continued")
+        time.sleep(1.2)  # past duration_s: continued for good
+        for _ in range(20):
+            assert process_state(sleeper.pid) == "S"
+            time.sleep(0.02)
+        r = agent.api.post("/v1/faults", json={"kind": "straggler", "rank": 4, "slowdown": 0})
+        assert r.status_code == 422 and r.json()["message"].startswith("slowdown:")
+        agent.worker_api.post("/v1/workers/4/progress", json={"step": 8}).raise_for_status()
         report = {"event": "saved", "step": 8, "duration_s": 0.5, "tier": "local"}
         r = agent.worker_api.post("/v1/workers/4/checkpoints", json=report)
         assert r.status_code == 202

@@ -26,12 +26,10 @@ from training.worker_client import WorkerClient
 
 
 class RecordingServer:
-    """Records every request as (path, body, Authorization header); answers progress
-    reports with the current `slowdown_s`."""
+    """Records every request as (path, body, Authorization header)."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, Any, str | None]] = []
-        self.slowdown_s = 0.0
         self.lock = threading.Lock()
         server = self
 
@@ -41,10 +39,7 @@ class RecordingServer:
                 body = json.loads(self.rfile.read(length) or b"null")
                 with server.lock:
                     server.requests.append((self.path, body, self.headers.get("Authorization")))
-                reply: dict[str, Any] = {}
-                if self.path.endswith("/progress"):
-                    reply = {"slowdown_s": server.slowdown_s}
-                data = json.dumps(reply).encode()
+                data = json.dumps({}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -158,15 +153,20 @@ def test_progress_doubles_as_heartbeat(server: RecordingServer) -> None:
         client.close()
 
 
-def test_slowdown_is_read_back(server: RecordingServer) -> None:
-    client = WorkerClient(0, 0, monitor_url=server.url, report_interval_s=0.02)
+def test_compute_times_are_sent_as_their_mean_since_the_last_report(
+    server: RecordingServer,
+) -> None:
+    client = WorkerClient(0, 0, monitor_url=server.url, report_interval_s=3600)
     client.register()
     try:
-        assert client.slowdown_s == 0.0
-        server.slowdown_s = 0.25
-        assert wait_for(lambda: client.slowdown_s == 0.25)
-        server.slowdown_s = 0.0
-        assert wait_for(lambda: client.slowdown_s == 0.0)
+        client.report_step(5, compute_s=0.2)
+        client.report_step(6, compute_s=0.4)
+        client._send_progress()  # what the reporting thread does every interval
+        client.report_step(7)  # a step without a time: nothing to average
+        client._send_progress()
+        progress = server.bodies("/progress")
+        assert {"step": 6, "compute_s": pytest.approx(0.3)} in progress
+        assert progress[-1] == {"step": 7}
     finally:
         client.close()
 

@@ -11,9 +11,8 @@ Typical use::
     client.on_emergency_checkpoint(save_now)  # save_now() -> the step it saved
     for step in ...:
         client.at_safe_point()                # serves a pending emergency checkpoint
-        train_one_step()
-        client.report_step(step)              # cheap: reported by a background thread
-        time.sleep(client.slowdown_s)         # straggler fault, set by the host monitor
+        compute_s = train_one_step()          # its own work, before it waits for the others
+        client.report_step(step, compute_s=compute_s)  # cheap: sent by a background thread
     client.close()
 
 `register()` sends the job from `HOST_MONITOR_JOB` (a host monitor that is a spare, as
@@ -108,9 +107,10 @@ class WorkerClient:
 
     `report_step` and the checkpoint reports only hand data to a daemon thread, which
     POSTs the newest step every `report_interval_s` (that POST is also the worker's
-    heartbeat, so it is sent even when the step did not change) and reads back the
-    straggler slowdown. Nothing here raises because the host monitor is down or slow:
-    failures are logged (once per kind of failure until one succeeds again) and dropped.
+    heartbeat, so it is sent even when the step did not change), with the mean compute
+    time of the steps since the last one. Nothing here raises because the host monitor is
+    down or slow: failures are logged (once per kind of failure until one succeeds again)
+    and dropped.
     """
 
     def __init__(
@@ -147,7 +147,9 @@ class WorkerClient:
             )
         self._lock = threading.Lock()
         self._step: int | None = None
-        self._slowdown_s = 0.0
+        self._compute_lock = threading.Lock()
+        self._compute_sum = 0.0
+        self._compute_count = 0
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(_MAX_QUEUED_REPORTS)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -205,11 +207,6 @@ class WorkerClient:
         return self._http is not None
 
     @property
-    def slowdown_s(self) -> float:
-        """Extra seconds per step the host monitor asks for (straggler fault); 0 offline."""
-        return self._slowdown_s
-
-    @property
     def checkpoint_requested(self) -> bool:
         """True from a SIGUSR1 until `at_safe_point` serves it."""
         return self._requested
@@ -262,9 +259,18 @@ class WorkerClient:
         self._ensure_thread()
         return ok
 
-    def report_step(self, step: int) -> None:
-        """Record `step` as the newest finished step. Cheap: call it every step."""
+    def report_step(self, step: int, *, compute_s: float | None = None) -> None:
+        """Record `step` as the newest finished step. Cheap: call it every step.
+
+        `compute_s`: the seconds this step spent in the rank's own work (data, forward,
+        backward) before it waited for the other ranks in a collective. Sent as a mean
+        over the steps between two reports; the supervisor scores stragglers on it.
+        """
         self._step = step  # one attribute store: atomic under the GIL
+        if compute_s is not None and compute_s >= 0:
+            with self._compute_lock:
+                self._compute_sum += compute_s
+                self._compute_count += 1
         if self._thread is None and self._http is not None:
             self._ensure_thread()
 
@@ -655,11 +661,11 @@ class WorkerClient:
         body: dict[str, Any] = {"step": self._step}
         if self.attempt is not None:
             body["attempt"] = self.attempt
-        reply = self._post(f"/v1/workers/{self.rank}/progress", body, kind="progress")
-        if isinstance(reply, dict):
-            value = reply.get("slowdown_s", 0.0)
-            if isinstance(value, int | float) and value >= 0:
-                self._slowdown_s = float(value)
+        with self._compute_lock:
+            if self._compute_count:
+                body["compute_s"] = min(86400.0, self._compute_sum / self._compute_count)
+            self._compute_sum, self._compute_count = 0.0, 0
+        self._post(f"/v1/workers/{self.rank}/progress", body, kind="progress")
 
     def _post(self, path: str, body: dict[str, Any], kind: str) -> Any | None:
         """POST; the decoded reply (or {}), or None on any failure (logged once)."""

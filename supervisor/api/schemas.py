@@ -290,7 +290,8 @@ class FaultIn(BaseModel):
     - `xid`, `ecc`: a GPU error with `code` / `count`; through the node's real watchdog
       when the backend runs processes, else reported straight to the sensor.
     - `node_down` (agent and workers die), `worker_crash` (SIGKILL), `worker_hang`
-      (SIGSTOP), `straggler` (a worker slows by `slowdown_s` per step): real processes,
+      (SIGSTOP), `straggler` (a worker runs `1 + slowdown` times slower, stopped and
+      continued ten times a second, for `duration_s` or until it exits): real processes,
       local backend only.
     - `schedule`: `"<kind>,<mean_interval_s>"`, e.g. `"random,120"`: faults at random
       with that mean interval on nodes of `job` (or any job) until the fault is deleted.
@@ -309,7 +310,9 @@ class FaultIn(BaseModel):
         None, description="Uncorrected ECC count to report."
     )
     duration_s: Annotated[float, Field(gt=0, le=86400)] | None = None
-    slowdown_s: Annotated[float, Field(gt=0, le=60)] | None = None
+    slowdown: Annotated[float, Field(gt=0, le=10)] | None = Field(
+        None, description="straggler: 0.5 runs the worker 1.5 times slower (the default)."
+    )
 
     @model_validator(mode="after")
     def _check_kind(self) -> Self:
@@ -325,10 +328,10 @@ class FaultIn(BaseModel):
             raise ValueError("code is required for an xid fault")
         if self.kind == "ecc" and self.count is None:
             raise ValueError("count is required for an ecc fault")
-        if self.kind == "straggler" and self.slowdown_s is None:
-            raise ValueError("slowdown_s is required for a straggler fault")
-        if self.kind != "heartbeat_loss" and self.duration_s is not None:
-            raise ValueError("duration_s applies to heartbeat_loss only")
+        if self.kind != "straggler" and self.slowdown is not None:
+            raise ValueError("slowdown applies to straggler only")
+        if self.kind not in ("heartbeat_loss", "straggler") and self.duration_s is not None:
+            raise ValueError("duration_s applies to heartbeat_loss and straggler only")
         return self
 
     def params(self) -> dict[str, Any]:

@@ -144,6 +144,7 @@ class Trainer:
         state = self.state
         while state.step < cfg.total_steps:
             self.safe_point()
+            computing = time.monotonic()
             grad, loss = local_gradient(
                 state,
                 truth,
@@ -152,10 +153,12 @@ class Trainer:
                 shard=cfg.shard,
                 batch_size=cfg.batch_size,
             )
-            self.sleep(cfg.step_time_s + self.client.slowdown_s)
+            self.sleep(cfg.step_time_s)
+            # Its own work, before it waits for the other ranks: what stragglers show in.
+            compute_s = time.monotonic() - computing
             mean = self.collective.all_reduce_mean(state.step, grad, group)
             apply_update(state, mean, learning_rate=cfg.learning_rate, momentum=cfg.momentum)
-            self.client.report_step(state.step)
+            self.client.report_step(state.step, compute_s=compute_s)
             if state.step % cfg.log_every == 0 or state.step == cfg.total_steps:
                 self.say(f"step={state.step}/{cfg.total_steps} loss={loss:.6g}")
             if cfg.local_freq and state.step % cfg.local_freq == 0:

@@ -182,10 +182,15 @@ def train(
             vocab_size=cfg.vocab_size,
         )
         try:
+            computing = time.monotonic()
             logits = ddp(inputs)
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
             )
+            # The forward pass holds no collective (DDP all-reduces in backward): its time
+            # is this rank's own, what a straggler shows in. (On a GPU this would need the
+            # kernels' time: CUDA events around it.)
+            compute_s = time.monotonic() - computing
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
         except RuntimeError as exc:  # torch.distributed's errors included
@@ -193,12 +198,12 @@ def train(
         optimizer.step()
         scheduler.step()
         step += 1
-        client.report_step(step)
+        client.report_step(step, compute_s=compute_s)
         ckpt.step_done(step)
         if step % cfg.log_every_steps == 0 or step == cfg.total_steps:
             say(cfg, f"step={step}/{cfg.total_steps} loss={loss.item():.4f}")
-        if cfg.step_time_s or client.slowdown_s:
-            time.sleep(cfg.step_time_s + client.slowdown_s)
+        if cfg.step_time_s:
+            time.sleep(cfg.step_time_s)
     return step, None
 
 
