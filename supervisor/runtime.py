@@ -409,6 +409,8 @@ class Supervisor:
         if through_backend:
             # Expect the consequences within a detection period or two, plus slack.
             window = 2 * self.settings.heartbeat_timeout_s + 30
+            if spec.kind == "straggler":  # seen once it stayed slow for a window or so
+                window += 2 * self.settings.straggler_window_s
             self.sensor.expect_fault(spec.node, fault.id, window)
             # `schedule` links the fault record to its schedule; the node is told only
             # what the kind itself takes (its host monitor refuses anything else).

@@ -404,3 +404,39 @@ def test_a_fault_schedule_injects_on_the_local_cluster(tmp_path: Path) -> None:
         assert response.status_code == 200 and response.json()["active"] is False
     finally:
         next(starting, None)
+
+
+def test_a_straggler_is_detected_and_its_node_swapped_for_the_spare(tmp_path: Path) -> None:
+    """A worker slowed without its cooperation (SIGSTOP, SIGCONT ten times a second) among
+    three ranks: its compute time per step stands out, `straggler` is raised after the
+    window, and the default policy moves the job off its node to the spare."""
+    starting = demos(tmp_path, "numpy")
+    start = next(starting)
+    try:
+        demo = start(
+            replicas=3,
+            total_steps=100_000,
+            supervisor_env={"SUPERVISOR_STRAGGLER_WINDOW_S": "2"},
+        )
+        wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+        victim = demo.options.nodes[1]
+        fault = inject(demo, node=victim, kind="straggler", slowdown=1.0)
+
+        def straggler() -> list[dict[str, Any]]:
+            items: list[dict[str, Any]] = demo.api("/api/v1/events", type="straggler")["items"]
+            return items
+
+        [event] = wait_for(straggler, within=60, what="the straggler event")
+        assert event["node"] == victim and event["job"] == demo.options.job
+        assert event["details"]["score"] >= 1.2, event
+        assert event["fault_id"] == fault["id"]
+        actions = wait_for(lambda: finished_actions(demo, 2), within=60, what="the swap")
+        assert [(a["type"], a["status"]) for a in actions] == [
+            ("emergency_checkpoint", "succeeded"),
+            ("hot_swap", "succeeded"),
+        ], actions
+        assert actions[1]["node"] == victim and actions[1]["event_id"] == event["id"]
+        resumed = job_step(demo)
+        wait_for(lambda: job_step(demo) >= resumed + 20, what="training to go on")
+    finally:
+        next(starting, None)

@@ -789,24 +789,21 @@ class Sensor:
                     self.stragglers.observe(node.job, worker.rank, node.name, worker.compute_s, now)
         params = self.stragglers.params
         for verdict in self.stragglers.evaluate(now):
-            if verdict.node not in self.nodes:
+            record = self.nodes.get(verdict.node)
+            if record is None or record.job != verdict.job:
                 continue
             changes.events.append(
-                Event(
-                    type=EventType.STRAGGLER if verdict.slow else EventType.STRAGGLER_RECOVERED,
-                    time=utcnow(),
-                    node=verdict.node,
-                    job=verdict.job,
+                self._event(
+                    EventType.STRAGGLER if verdict.slow else EventType.STRAGGLER_RECOVERED,
+                    record,
                     rank=verdict.rank,
-                    details={
-                        "score": round(verdict.score, 3),
-                        "slowdown_pct": round((verdict.score - 1) * 100, 1),
-                        "compute_s": round(verdict.compute_s, 6),
-                        "typical_s": round(verdict.typical_s, 6),
-                        "for_s": round(now - verdict.since, 3),
-                        "threshold": params.threshold,
-                        "window_s": params.window_s,
-                    },
+                    score=round(verdict.score, 3),
+                    slowdown_pct=round((verdict.score - 1) * 100, 1),
+                    compute_s=round(verdict.compute_s, 6),
+                    typical_s=round(verdict.typical_s, 6),
+                    for_s=round(now - verdict.since, 3),
+                    threshold=params.threshold,
+                    window_s=params.window_s,
                 )
             )
 

@@ -29,7 +29,10 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_COLLECTIVE_TIMEOUT = 3
-SLEEP_SLICE_S = 0.05
+#: The step's simulated work runs in slices this short: a slice cut short by a stop of
+#: the process still counts whole, so short slices make a stop cost what it would cost
+#: real work.
+COMPUTE_SLICE_S = 0.005
 
 log = logging.getLogger("training.numpy_workload")
 
@@ -97,14 +100,16 @@ class Trainer:
         if self.stop.signum is not None:
             raise Terminated(self.stop.signum)
 
-    def sleep(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while True:
+    def compute(self, seconds: float) -> None:
+        """The step's work (what a GPU would do), as `seconds` of running time in slices
+        of sleep: like real work, and unlike one sleep to a deadline, it takes longer
+        while the process is stopped (the straggler fault stops it)."""
+        left = seconds
+        while left > 0:
             self.safe_point()
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            time.sleep(min(left, SLEEP_SLICE_S))
+            part = min(left, COMPUTE_SLICE_S)
+            time.sleep(part)
+            left -= part
 
     def emergency_checkpoint(self) -> int:
         state = self.state
@@ -153,7 +158,7 @@ class Trainer:
                 shard=cfg.shard,
                 batch_size=cfg.batch_size,
             )
-            self.sleep(cfg.step_time_s)
+            self.compute(cfg.step_time_s)
             # Its own work, before it waits for the other ranks: what stragglers show in.
             compute_s = time.monotonic() - computing
             mean = self.collective.all_reduce_mean(state.step, grad, group)
