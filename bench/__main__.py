@@ -15,7 +15,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from bench import detection, failover, goodput, ingest, memory, mttr, torchrun_mttr
+from bench import detection, failover, goodput, ingest, memory, mttr, stragglers, torchrun_mttr
 from bench.loops import LOOP_NAME
 from bench.table import Row, render, verdict
 
@@ -93,6 +93,41 @@ def detection_rows(node_counts: list[int]) -> list[Row]:
                 f"polling: {polling.gc_full}, {polling.gc_full_max_ms:.0f} ms",
             )
         )
+    return rows
+
+
+def straggler_rows() -> list[Row]:
+    rows = []
+    for ranks in (8, 64):
+        config = stragglers.StragglerConfig(ranks=ranks)
+        for factor in (1.2, 1.5):
+            times = stragglers.time_to_detect(config, factor)
+            found = [t / config.window_s for t in times if t is not None]
+            worst = max(found) if len(found) == len(times) else None
+            rows.append(
+                Row(
+                    f"Straggler detection, one rank {factor - 1:.0%} slower among {ranks} "
+                    f"({config.jitter:.0%} jitter), worst of {len(times)}",
+                    f"{worst:.2f} windows"
+                    if worst is not None
+                    else f"missed {len(times) - len(found)}",
+                    f"straggler_window_s = {config.window_s:g} s (the least by design)",
+                    "<= 2 windows",
+                    verdict(worst is not None and worst <= 2.0),
+                )
+            )
+    config = stragglers.StragglerConfig(ranks=64)
+    false = stragglers.false_reports(config)
+    rows.append(
+        Row(
+            f"  stragglers reported over 60 fault-free windows, 64 ranks ({config.jitter:.0%} "
+            "jitter, the whole job 50% slower half-way)",
+            str(false),
+            "-",
+            "0",
+            verdict(false == 0),
+        )
+    )
     return rows
 
 
@@ -370,6 +405,7 @@ def goodput_rows(hours: float = 24.0) -> list[Row]:
 SECTIONS = (
     "ingest",
     "detection",
+    "stragglers",
     "memory",
     "goodput",
     "mttr",
@@ -418,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += ingest_rows(config)
     if "detection" in only:
         rows += detection_rows([1_000, 10_000])
+    if "stragglers" in only:
+        rows += straggler_rows()
     if "memory" in only:
         rows += memory_rows(10_000)
     if "goodput" in only:

@@ -64,10 +64,10 @@ class Settings(BaseSettings):
         60.0, ge=0, description="Repeats of the same GPU error on a node within this are dropped."
     )
     straggler_threshold: float = Field(
-        1.2,
+        1.1,
         gt=1,
         description="A rank whose compute time per step is this many times its job's median "
-        "is slow (1.2: 20% slower).",
+        "is slow (1.1: 10% slower).",
     )
     straggler_window_s: float = Field(
         30.0,
