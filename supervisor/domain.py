@@ -144,6 +144,7 @@ class WorkerView:
     state: WorkerState
     step: int | None
     exit_code: int | None = None
+    compute_s: float | None = None  # as last reported; not persisted
 
 
 @dataclass(frozen=True, slots=True)

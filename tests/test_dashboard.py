@@ -57,9 +57,12 @@ class Beater:
     """Host monitors as the supervisor sees them: a heartbeat per node every 0.1 s, with
     the job's step advancing. Connection errors (a server being restarted) are ignored."""
 
-    def __init__(self, url: str, nodes: dict[str, str | None]) -> None:
+    def __init__(
+        self, url: str, nodes: dict[str, str | None], compute: dict[str, float] | None = None
+    ) -> None:
         self.url = url
         self.nodes = nodes
+        self.compute = compute or {}  # node -> its workers' compute time per step
         self.step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="beater", daemon=True)
@@ -70,6 +73,9 @@ class Beater:
                 self.step += 1
                 for node, job in self.nodes.items():
                     body = heartbeat(node, job=job, step=self.step)
+                    if node in self.compute:
+                        for worker in body["workers"]:
+                            worker["compute_s"] = self.compute[node]
                     with suppress(httpx.TransportError):
                         client.post("/api/v1/heartbeats", json=body, headers=AGENT)
                 self._stop.wait(0.1)
@@ -209,6 +215,26 @@ def test_page_asks_for_the_token_and_shows_the_cluster(browser: Browser, tmp_pat
         expect(page.locator("#events-table tbody tr[data-type='spare_available']")).to_have_count(1)
         expect(page.locator("#faults-section")).to_be_visible()
         shot(page, "loaded")
+
+
+def test_node_cards_show_compute_times_and_mark_a_straggler(
+    browser: Browser, tmp_path: Path
+) -> None:
+    # Three nodes of two ranks each, no spare: the straggler is only recorded.
+    server = Server(tmp_path, heartbeat_timeout_s="3.0", straggler_window_s="0.5")
+    server.start()
+    compute = {"n1": 0.1, "n2": 0.1, "n3": 0.2}
+    try:
+        nodes = {"n1": "j1", "n2": "j1", "n3": "j1"}
+        with Beater(server.url, nodes, compute), dashboard(browser, server) as page:
+            n1 = page.locator("#nodes li[data-node='n1']")
+            expect(n1.locator(".compute")).to_have_text("100.0 ms")
+            slow = page.locator("#nodes li[data-node='n3'] .compute")
+            expect(slow).to_have_text(re.compile(r"^200\.0 ms straggler \+100%$"))
+            expect(n1.locator(".compute .badge")).to_have_count(0)
+            shot(page, "straggler")
+    finally:
+        server.stop()
 
 
 def test_fault_injected_through_the_api_appears_live_with_its_actions(

@@ -209,6 +209,11 @@ class WorkerOut(BaseModel):
     state: WorkerState
     step: int | None
     exit_code: int | None
+    compute_s: float | None = Field(
+        None,
+        description="Seconds per step in the worker's own work, as it last reported them "
+        "(what stragglers are scored on).",
+    )
 
 
 class NodeOut(BaseModel):
@@ -241,6 +246,7 @@ class NodeOut(BaseModel):
                     state=w.state,
                     step=w.step,
                     exit_code=w.exit_code,
+                    compute_s=w.compute_s,
                 )
                 for w in n.workers
             ],

@@ -160,6 +160,7 @@ class NodeRecord:
                     state=w.state,
                     step=w.step,
                     exit_code=w.exit_code,
+                    compute_s=w.compute_s,
                 )
                 for w in self.workers
             ),

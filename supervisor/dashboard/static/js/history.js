@@ -13,9 +13,9 @@ const MAX_ROWS = 1000;
 const FAILURES = new Set([
   "host_heartbeat_lost", "worker_heartbeat_lost", "worker_exited", "hang", "gpu_xid",
   "gpu_ecc", "gpu_health", "node_flapping", "pod_stuck_terminating", "workload_down",
-  "node_not_ready",
+  "node_not_ready", "straggler",
 ]);
-const RECOVERIES = new Set(["node_recovered", "spare_available"]);
+const RECOVERIES = new Set(["node_recovered", "spare_available", "straggler_recovered"]);
 
 export function eventCategory(type) {
   if (FAILURES.has(type)) return "failure";

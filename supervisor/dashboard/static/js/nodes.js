@@ -23,6 +23,7 @@ export class Nodes {
     this.nodes = [];
     this.fetchedAt = 0;
     this.gpu = new Map(); // node -> newest GPU error event
+    this.stragglers = new Map(); // node -> newest straggler or straggler_recovered event
     this.timer = null;
     this.loading = null;
     setInterval(() => this.render(), 1000); // heartbeat ages tick between refreshes
@@ -32,14 +33,17 @@ export class Nodes {
     if (this.loading) return this.loading;
     this.loading = (async () => {
       try {
-        const [nodes, gpuEvents] = await Promise.all([
+        const [nodes, gpuEvents, stragglerEvents] = await Promise.all([
           api("/api/v1/nodes"),
           api(`/api/v1/events${query({ type: GPU_EVENTS, limit: 500 })}`),
+          api(`/api/v1/events${query({ type: STRAGGLER_EVENTS, limit: 500 })}`),
         ]);
         this.nodes = nodes;
         this.fetchedAt = performance.now();
         this.gpu.clear();
         for (const event of gpuEvents.items.slice().reverse()) this.noteGpu(event);
+        this.stragglers.clear();
+        for (const event of stragglerEvents.items.slice().reverse()) this.noteStraggler(event);
         this.render();
         this.onChange(nodes);
       } catch (err) {
@@ -59,9 +63,15 @@ export class Nodes {
     }
   }
 
+  /** The newest straggler event of each node: marked while it is not recovered. */
+  noteStraggler(event) {
+    if (event.node && STRAGGLER_EVENTS.includes(event.type)) this.stragglers.set(event.node, event);
+  }
+
   /** A live event: GPU errors count at once; anything else may change a node's state. */
   onEvent(event) {
     this.noteGpu(event);
+    this.noteStraggler(event);
     this.render();
   }
 
@@ -81,6 +91,9 @@ export class Nodes {
         node.heartbeat_age_s === null ? null : node.heartbeat_age_s + (node.alive ? 0 : elapsed);
       const gpu = this.gpu.get(node.name);
       const steps = node.workers.map((w) => w.step).filter((x) => x !== null);
+      const computes = node.workers.map((w) => w.compute_s).filter((x) => x !== null && x !== undefined);
+      const straggler = this.stragglers.get(node.name);
+      const slow = straggler?.type === "straggler" ? straggler : null;
       return h(
         "li",
         { class: `node ${state}`, "data-node": node.name, "data-state": state, "aria-label": `${node.name}: ${state}` },
@@ -102,6 +115,23 @@ export class Nodes {
               ? `${node.workers.length}${steps.length ? `, step ${Math.max(...steps)}` : ""}`
               : "none",
           ),
+          computes.length
+            ? [
+                h("dt", {}, "Step compute"),
+                h(
+                  "dd",
+                  { class: "compute" },
+                  `${(Math.max(...computes) * 1000).toFixed(1)} ms${slow ? " " : ""}`,
+                  slow
+                    ? h(
+                        "span",
+                        { class: "badge failed", title: `rank ${slow.rank}: score ${slow.details?.score}` },
+                        `straggler +${slow.details?.slowdown_pct ?? "?"}%`,
+                      )
+                    : null,
+                ),
+              ]
+            : null,
           notes(node, state).length ? [h("dt", {}, "Note"), h("dd", {}, notes(node, state).join(", "))] : null,
         ),
       );
@@ -124,6 +154,7 @@ function notes(node, state) {
 }
 
 const GPU_EVENTS = ["gpu_xid", "gpu_ecc", "gpu_health"];
+const STRAGGLER_EVENTS = ["straggler", "straggler_recovered"];
 
 function gpuHealth(event) {
   if (!event) return h("span", { class: "badge ok" }, "no errors");
