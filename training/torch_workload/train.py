@@ -128,7 +128,9 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
                     n = sum(p.numel() for p in model.parameters())
                     say(cfg, f"model: {n:,} parameters")
                 client.report_step(step)
-                ddp = DistributedDataParallel(model)
+                # Its one buffer (the causal mask) is the same constant on every rank: no
+                # broadcast of it in each forward pass, which then holds no collective.
+                ddp = DistributedDataParallel(model, broadcast_buffers=False)
                 step, failure = train(cfg, ddp, optimizer, scheduler, ckpt, client, step)
                 del ddp  # its reducer's hooks on the parameters go with it
                 if failure is None:
