@@ -564,14 +564,8 @@ class Sensor:
     ) -> None:
         observed = (report.time or utcnow()).isoformat()
         if report.kind == "xid":
-            key = ("xid", report.gpu, report.code)
-            if node.gpu_seen is None:
-                node.gpu_seen = {}
-            last = node.gpu_seen.get(key)
-            if last is not None and now - last < self.settings.gpu_report_cooldown_s:
-                self.metrics.events_suppressed.labels(EventType.GPU_XID.value).inc()
+            if self._repeated(node, ("xid", report.gpu, report.code), now, EventType.GPU_XID):
                 return
-            node.gpu_seen[key] = now
             xid = classify(report.code, self.settings.xid_responses)
             changes.events.append(
                 self._event(
@@ -587,14 +581,8 @@ class Sensor:
             )
             return
         if report.kind in HEALTH:
-            key = (report.kind, report.gpu, None)
-            if node.gpu_seen is None:
-                node.gpu_seen = {}
-            last = node.gpu_seen.get(key)
-            if last is not None and now - last < self.settings.gpu_report_cooldown_s:
-                self.metrics.events_suppressed.labels(EventType.GPU_HEALTH.value).inc()
+            if self._repeated(node, (report.kind, report.gpu, None), now, EventType.GPU_HEALTH):
                 return
-            node.gpu_seen[key] = now
             changes.events.append(
                 self._event(
                     EventType.GPU_HEALTH,
@@ -627,6 +615,24 @@ class Sensor:
                     observed_at=observed,
                 )
             )
+
+    def _repeated(
+        self,
+        node: NodeRecord,
+        key: tuple[str, int | None, int | None],
+        now: float,
+        type_: EventType,
+    ) -> bool:
+        """Whether this GPU report repeats one of the node's within the cooldown (then it
+        is counted as suppressed); else it is noted as the newest of its key."""
+        if node.gpu_seen is None:
+            node.gpu_seen = {}
+        last = node.gpu_seen.get(key)
+        if last is not None and now - last < self.settings.gpu_report_cooldown_s:
+            self.metrics.events_suppressed.labels(type_.value).inc()
+            return True
+        node.gpu_seen[key] = now
+        return False
 
     def _progress(
         self, node: NodeRecord, workers: list[WorkerReport], now: float
