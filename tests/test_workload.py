@@ -338,7 +338,12 @@ def test_reports_to_the_host_monitor(tmp_path: Path, jobs: list[Job]) -> None:
     assert registered == [0, 1]
     assert all(b["world_size"] == N for b in server.bodies("/register"))
     # The newest step, and the world it was trained in (WORKLOAD_ATTEMPT).
-    assert server.bodies("/v1/workers/0/progress")[-1] == {"step": 10, "attempt": "0"}
+    progress = server.bodies("/v1/workers/0/progress")
+    last = {k: v for k, v in progress[-1].items() if k != "compute_s"}
+    assert last == {"step": 10, "attempt": "0"}
+    # Its work per step before the all-reduce (what stragglers are scored on).
+    computes = [b["compute_s"] for b in progress if "compute_s" in b]
+    assert computes and all(0 <= c < 5 for c in computes)
     saved = server.bodies("/v1/workers/1/checkpoints")
     assert {(b["event"], b["step"], b["tier"]) for b in saved} == {
         ("saved", 5, "local"),
