@@ -159,6 +159,9 @@ def test_compute_times_are_sent_as_their_mean_since_the_last_report(
     client = WorkerClient(0, 0, monitor_url=server.url, report_interval_s=3600)
     client.register()
     try:
+        # The reporting thread's first report, then nothing for an hour: the reports
+        # below are the test's own, in order.
+        assert wait_for(lambda: server.bodies("/progress") == [{"step": None}])
         client.report_step(5, compute_s=0.2)
         client.report_step(6, compute_s=0.4)
         client._send_progress()  # what the reporting thread does every interval
