@@ -2,22 +2,42 @@
 host monitor.
 
 A committed checkpoint of one rank at one step is a directory of files plus
-`manifest.json` (written by the training side, format `resiliency-checkpoint/1`): each
-file's size and zlib crc32. The same manifest travels with a copy to the partner node,
-which verifies every file against it before it commits the copy.
+`manifest.json` (written by the training side): each file's size and checksum, CRC-32C
+in format `resiliency-checkpoint/2`, zlib's crc32 in the older `resiliency-checkpoint/1`
+(still read: checkpoints taken before an upgrade are still copied and served). The same
+manifest travels with a copy to the partner node, which verifies every file against it
+before it commits the copy.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+import zlib
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+import crc32c
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic import StringConstraints as Str
 
 from host_monitor.protocol import CheckpointPeer
 from host_monitor.wire import Name
 
-FORMAT = "resiliency-checkpoint/1"
+FORMAT = "resiliency-checkpoint/2"
+Format = Literal["resiliency-checkpoint/2", "resiliency-checkpoint/1"]
+#: Each format's checksum: the file entry's key, and the function (any buffer, running value).
+Checksum = Callable[[Any, int], int]
+CHECKSUMS: dict[str, tuple[str, Checksum]] = {
+    FORMAT: ("crc32c", crc32c.crc32c),
+    "resiliency-checkpoint/1": ("crc32", zlib.crc32),
+}
 MANIFEST = "manifest.json"
 # Path segment of a copy whose worker has no job.
 NO_JOB = "_"
@@ -40,16 +60,32 @@ FileName = Annotated[str, Str(pattern=FILE_NAME_PATTERN), AfterValidator(check_f
 
 
 class FileEntry(BaseModel):
+    """A file's size and checksum: `crc32c` in format 2, `crc32` in format 1."""
+
     model_config = ConfigDict(extra="forbid")
     size: int = Field(ge=0)
-    crc32: int = Field(ge=0, le=0xFFFFFFFF, description="zlib.crc32 of the file's bytes.")
+    crc32c: int | None = Field(
+        None, ge=0, le=0xFFFFFFFF, description="CRC-32C of the file's bytes (format 2)."
+    )
+    crc32: int | None = Field(
+        None, ge=0, le=0xFFFFFFFF, description="zlib.crc32 of the file's bytes (format 1)."
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_the_other_sum(self, handler: SerializerFunctionWrapHandler) -> Any:
+        body = handler(self)
+        return {k: v for k, v in body.items() if v is not None or k == "size"}
+
+    @property
+    def checksum(self) -> int:
+        return self.crc32c if self.crc32c is not None else (self.crc32 or 0)
 
 
 class Manifest(BaseModel):
     """`manifest.json` of a committed checkpoint directory (rank `rank` at step `step`)."""
 
     model_config = ConfigDict(extra="forbid")
-    format: Literal["resiliency-checkpoint/1"]
+    format: Format
     step: int = Field(ge=0)
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)
@@ -58,10 +94,24 @@ class Manifest(BaseModel):
     created: float = Field(description="Unix time of the save.")
 
     @model_validator(mode="after")
-    def _rank_in_world(self) -> Self:
+    def _consistent(self) -> Self:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        key = CHECKSUMS[self.format][0]
+        for name, entry in self.files.items():
+            if getattr(entry, key) is None or (
+                entry.crc32c is not None and entry.crc32 is not None
+            ):
+                raise ValueError(f"files.{name}: format {self.format} sums a file with {key} alone")
         return self
+
+    @property
+    def checksum(self) -> Checksum:
+        return CHECKSUMS[self.format][1]
+
+    @property
+    def checksum_name(self) -> str:
+        return CHECKSUMS[self.format][0]
 
     @property
     def total_bytes(self) -> int:

@@ -8,7 +8,7 @@ Layout under the store directory:
 
 An uploaded file is written to a part file (`~<hex>.part`: `~` is in no checkpoint file
 name) and renamed to its name once complete. A commit verifies every file of the
-manifest (size and crc32, streamed), writes `manifest.json`, renames the upload
+manifest (size and checksum, streamed), writes `manifest.json`, renames the upload
 directory into place, and then deletes every other copy of that rank: one copy per (job,
 rank), the newest save. Copies of other jobs, and of ranks the new copy's world size no
 longer has, go too: a node holds its partner's newest shards, nothing older.
@@ -27,14 +27,13 @@ import logging
 import os
 import shutil
 import uuid
-import zlib
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from host_monitor.peer_protocol import MANIFEST, CommitResult, Manifest, PeerCopy
+from host_monitor.peer_protocol import MANIFEST, Checksum, CommitResult, Manifest, PeerCopy
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +105,15 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def file_crc32(fd: int) -> tuple[int, int]:
-    """(size, crc32) of an open file, read in chunks from its start."""
+def file_checksum(fd: int, checksum: Checksum) -> tuple[int, int]:
+    """(size, checksum) of an open file, read in chunks from its start into one buffer."""
     size, crc = 0, 0
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
     os.lseek(fd, 0, os.SEEK_SET)
-    while chunk := os.read(fd, CHUNK):
-        size += len(chunk)
-        crc = zlib.crc32(chunk, crc)
+    while n := os.readv(fd, [buffer]):
+        size += n
+        crc = checksum(view[:n], crc)
     return size, crc
 
 
@@ -132,13 +133,13 @@ def verify_files(directory: int, manifest: Manifest) -> tuple[str, str] | None:
             actual = os.fstat(fd).st_size
             if actual != entry.size:
                 return name, f"size {actual}, manifest says {entry.size}"
-            size, crc = file_crc32(fd)
+            size, crc = file_checksum(fd, manifest.checksum)
         finally:
             os.close(fd)
         if size != entry.size:
             return name, f"size {size}, manifest says {entry.size}"
-        if crc != entry.crc32:
-            return name, f"crc32 {crc}, manifest says {entry.crc32}"
+        if crc != entry.checksum:
+            return name, f"{manifest.checksum_name} {crc}, manifest says {entry.checksum}"
     return None
 
 

@@ -3,7 +3,7 @@
 After each save to its RAM tier, a worker asks its host monitor to replicate the
 committed directory (`.../step-<step:010d>/rank-<rank>/`) to the partner node: a
 background push uploads each file, streamed, then commits the manifest (the partner
-verifies every size and crc32). One push at a time per rank; a newer request replaces a
+verifies every size and checksum). One push at a time per rank; a newer request replaces a
 queued older one, a running push finishes. A worker on a swapped-in spare (empty RAM)
 asks for the partner's copy of its rank and has it downloaded, verified, into its RAM
 tier, under a temporary name renamed into place.
@@ -28,7 +28,6 @@ import stat
 import time
 import urllib.parse
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from host_monitor.node import Node
 from host_monitor.peer_protocol import (
     MANIFEST,
     NO_JOB,
+    Checksum,
     CommitResult,
     FetchPeerRequest,
     FetchPeerResult,
@@ -174,9 +174,9 @@ def _committed(dir_fd: int, name: str) -> bool:
 
 
 def _get_into(
-    url: str, token: str, fd: int, expected: int, timeout_s: float
+    url: str, token: str, fd: int, expected: int, timeout_s: float, checksum: Checksum
 ) -> tuple[int, int, int, bytes]:
-    """GET `url` and write its body to `fd`: (status, bytes, crc32, error body).
+    """GET `url` and write its body to `fd`: (status, bytes, checksum, error body).
 
     Blocking, for a thread: `http.client` reads the body straight into one reused buffer
     (recv_into), which moves a multi-GB checkpoint several times faster than an async
@@ -200,7 +200,7 @@ def _get_into(
             if not n:
                 break
             size += n
-            crc = zlib.crc32(view[:n], crc)
+            crc = checksum(view[:n], crc)
             write_all(fd, view[:n])
         return response.status, size, crc, b""
     finally:
@@ -664,10 +664,13 @@ class PeerTier:
             tmp_fd = os.open(tmp_name, O_DIR, dir_fd=step_fd)
             try:
                 files = sorted(copy.manifest.files.items())
+                checksum = copy.manifest.checksum
                 # The files at once: each download runs in a thread of its own.
                 await asyncio.gather(
                     *(
-                        self._download(peer, f"{base}/files/{name}", tmp_fd, name, e, step)
+                        self._download(
+                            peer, f"{base}/files/{name}", tmp_fd, name, e, step, checksum
+                        )
                         for name, e in files
                     )
                 )
@@ -706,12 +709,13 @@ class PeerTier:
         name: str,
         entry: FileEntry,
         step: int,
+        checksum: Checksum,
     ) -> None:
         async def attempt() -> None:
             fd = os.open(name, O_OVERWRITE, 0o644, dir_fd=dir_fd)
             try:
                 status, size, crc, body = await asyncio.to_thread(
-                    _get_into, url, self.token or "", fd, entry.size, self.timeout_s
+                    _get_into, url, self.token or "", fd, entry.size, self.timeout_s, checksum
                 )
             except (OSError, http.client.HTTPException) as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}") from None
@@ -732,11 +736,11 @@ class PeerTier:
                     f"partner {peer.node} refused the download of {name}: "
                     f"HTTP {status} {body[:300]!r}",
                 )
-            if (size, crc) != (entry.size, entry.crc32):
+            if (size, crc) != (entry.size, entry.checksum):
                 # Corrupted on the way (the partner verified it at commit): once more.
                 raise _Transient(
-                    f"{name}: got {size} bytes with crc32 {crc}, expected {entry.size} bytes "
-                    f"with crc32 {entry.crc32}"
+                    f"{name}: got {size} bytes with checksum {crc}, expected {entry.size} "
+                    f"bytes with checksum {entry.checksum}"
                 )
 
         await self._retrying(peer, f"download of {name}", attempt)

@@ -590,10 +590,10 @@ def test_files_are_summed_as_written_and_as_read(tmp_path: Path) -> None:
     assert set(writer.sums) == set(from_disk.files)  # .metadata too, after its rename
     assert from_writes.files == from_disk.files
 
-    sums = {name: (e.size, e.crc32) for name, e in from_disk.files.items()}
+    sums = {name: (e.size, e.checksum) for name, e in from_disk.files.items()}
     shards = sorted(n for n in sums if n.endswith(".distcp"))
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    reader = DirectReader(tmp_path, thread_count=2, crc32s=sums)
+    reader = DirectReader(tmp_path, thread_count=2, sums=sums, checksum=from_disk.checksum)
     dcp_load(target, storage_reader=reader, no_dist=True)
     assert sorted(reader.summed) == shards and reader.corrupt == []
     assert all(torch.equal(target[k], v) for k, v in state.items())
@@ -602,8 +602,69 @@ def test_files_are_summed_as_written_and_as_read(tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 4] ^= 0x01  # inside the first tensor: the load itself succeeds
     shard.write_bytes(bytes(data))
-    reader = DirectReader(tmp_path, thread_count=2, crc32s=sums)
+    reader = DirectReader(tmp_path, thread_count=2, sums=sums, checksum=from_disk.checksum)
     dcp_load(target, storage_reader=reader, no_dist=True)
     assert len(reader.corrupt) == 1 and shards[0] in reader.corrupt[0]
     with pytest.raises(fmt.CheckpointCorrupt):
         fmt.verify(tmp_path, from_disk)
+
+
+def test_a_checkpoint_of_the_previous_format_restores_and_is_checked(tmp_path: Path) -> None:
+    """Checkpoints taken before an upgrade (format 1: zlib crc32 per file) still restore,
+    and a flipped byte in one is still caught."""
+    import zlib
+
+    import torch
+
+    from training.checkpoint import Checkpointer
+    from training.checkpoint.peer import PeerTier
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    settings = CheckpointSettings(
+        in_memory_checkpointing_freq=1,
+        s3_checkpointing_freq=0,
+        ram_dir=tmp_path / "ram",
+        sync_files=False,
+    )
+    saver = Checkpointer(
+        model, optimizer, settings=settings, peer=PeerTier(None, None, 0, fetch_timeout_s=1)
+    )
+    saver.save(3)
+    saver.wait()
+    saver.close()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    directory = fmt.rank_dir(tmp_path / "ram", 3, 0)
+    current = fmt.read_manifest(directory, step=3, rank=0)
+    assert current.format == fmt.FORMAT
+    sums = {n: zlib.crc32((directory / n).read_bytes()) for n in current.files}
+    old = fmt.Manifest(
+        current.step, current.rank, current.world_size, current.job,
+        {n: fmt.FileEntry(e.size, sums[n]) for n, e in current.files.items()},
+        current.created, "resiliency-checkpoint/1",
+    )  # fmt: skip
+    text = old.to_json()
+    assert '"crc32"' in text and '"crc32c"' not in text
+    (directory / fmt.MANIFEST).write_text(text)
+
+    def restored() -> int:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        loader = Checkpointer(
+            model, optimizer, settings=settings, peer=PeerTier(None, None, 0, fetch_timeout_s=1)
+        )
+        try:
+            step = loader.restore()
+        finally:
+            loader.close()
+        return step
+
+    assert restored() == 3
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    shard = next(directory.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert restored() == 0  # the only source is damaged: nothing loaded as if it were good

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -50,14 +51,18 @@ def make_checkpoint(
     job: str | None = JOB,
     world_size: int = 8,
     created: float | None = None,
+    form: int = 2,
 ) -> Path:
-    """A committed `<tier>/step-<step>/rank-<rank>/`, as the training side writes it."""
+    """A committed `<tier>/step-<step>/rank-<rank>/`, as the training side writes it
+    (`form` 1: as it wrote it before CRC-32C)."""
     directory = tier / f"step-{step:010d}" / f"rank-{rank}"
     directory.mkdir(parents=True)
     for name, data in files.items():
         (directory / name).write_bytes(data)
     (directory / "manifest.json").write_text(
-        json.dumps(manifest(step, rank, files, job=job, world_size=world_size, created=created))
+        json.dumps(
+            manifest(step, rank, files, job=job, world_size=world_size, created=created, form=form)
+        )
     )
     return directory
 
@@ -70,14 +75,16 @@ def manifest(
     job: str | None = JOB,
     world_size: int = 8,
     created: float | None = None,
+    form: int = 2,
 ) -> dict[str, Any]:
+    key, checksum = ("crc32c", crc32c.crc32c) if form == 2 else ("crc32", zlib.crc32)
     return {
-        "format": "resiliency-checkpoint/1",
+        "format": f"resiliency-checkpoint/{form}",
         "step": step,
         "rank": rank,
         "world_size": world_size,
         "job": job,
-        "files": {n: {"size": len(d), "crc32": zlib.crc32(d)} for n, d in files.items()},
+        "files": {n: {"size": len(d), key: checksum(d)} for n, d in files.items()},
         "created": time.time() if created is None else created,
     }
 
@@ -249,6 +256,38 @@ def test_a_replicated_step_is_restored_on_a_spare_byte_for_byte(peers: Peers) ->
     assert report["bytes"] == total and report["total_s"] >= 0
 
 
+def test_a_checkpoint_of_the_previous_format_is_copied_and_checked(peers: Peers) -> None:
+    """Format 1 (zlib crc32 per file), as saved before an upgrade: pushed, verified by the
+    partner, fetched; its manifest unchanged. A manifest that mixes the two is refused."""
+    a, b, s = peers.a, peers.b, peers.s
+    files = {".metadata": shard(200, 4), "__0_0.distcp": shard(70_000, 5)}
+    saved = make_checkpoint(a.root / "tier", 130, 6, files, form=1)
+    a.replicate(6, 130, saved)
+    state = a.wait_pushed(6, 130)
+    assert state["state"] == "done", state
+    r = b.newest(6)
+    assert r.status_code == 200 and r.json()["manifest"]["format"] == "resiliency-checkpoint/1"
+    dest = s.root / "old-format"
+    r = s.agent.worker_api.post(
+        "/v1/workers/6/checkpoints/fetch-peer", json={"step": 130, "dest": str(dest)}
+    )
+    assert r.status_code == 200, r.text
+    restored = dest / "step-0000000130" / "rank-6"
+    assert all((restored / n).read_bytes() == d for n, d in files.items())
+    assert json.loads((restored / "manifest.json").read_text()) == json.loads(
+        (saved / "manifest.json").read_text()
+    )
+    # A flipped byte is caught by the old sum too.
+    body = manifest(131, 6, files, form=1)
+    b.upload(6, 131, {**files, "__0_0.distcp": b"Y" + files["__0_0.distcp"][1:]})
+    r = b.commit(6, 131, body)
+    assert r.status_code == 409 and "__0_0.distcp: crc32 " in r.json()["detail"], r.text
+    # Format 2 summed with crc32: refused, naming the file.
+    mixed = {**manifest(132, 6, files, form=1), "format": "resiliency-checkpoint/2"}
+    r = b.commit(6, 132, mixed)
+    assert r.status_code == 422 and "files..metadata" in r.text, r.text
+
+
 def test_no_copy_at_the_partner_is_404_and_no_partner_is_503(peers: Peers) -> None:
     r = peers.s.agent.worker_api.get("/v1/workers/9/checkpoints/peer")
     assert r.status_code == 404 and "node-b" in r.json()["detail"], r.text
@@ -348,7 +387,7 @@ def test_a_corrupted_upload_is_not_committed(peers: Peers) -> None:
     b.upload(5, 11, {**files, "__0_0.distcp": b"X" + files["__0_0.distcp"][1:]})
     r = b.commit(5, 11, body)
     assert r.status_code == 409, r.text
-    assert r.json()["detail"].startswith("files.__0_0.distcp: crc32"), r.text
+    assert r.json()["detail"].startswith("files.__0_0.distcp: crc32c"), r.text
     assert b.newest(5).status_code == 404
     # A short file: named too.
     b.upload(5, 11, {"__0_0.distcp": files["__0_0.distcp"][:-1]})

@@ -531,7 +531,7 @@ class Checkpointer:
                 fetched = self.peer.fetch(step, self.ram_root)
                 if fetched is None:
                     continue
-                # The host monitor checked sizes and crc32s as it downloaded: no second
+                # The host monitor checked sizes and checksums as it downloaded: no second
                 # pass over the files.
                 directory, verified = fetched
             else:
@@ -559,8 +559,10 @@ class Checkpointer:
         small = [n for n, e in manifest.files.items() if e.size <= _VERIFY_FIRST_BYTES]
         if not verified:
             fmt.verify(directory, manifest, threads=threads, names=small)
-        sums = {} if verified else {n: (e.size, e.crc32) for n, e in manifest.files.items()}
-        reader = DirectReader(directory, thread_count=threads, crc32s=sums)
+        sums = {} if verified else {n: (e.size, e.checksum) for n, e in manifest.files.items()}
+        reader = DirectReader(
+            directory, thread_count=threads, sums=sums, checksum=manifest.checksum
+        )
         target = self.state.state_dict(step)
         self._state_loaded = True  # from here the live tensors may change
         try:

@@ -4,17 +4,24 @@
         manifest.json                 written last, inside the temporary directory
         .metadata, __0_0.distcp, ...  what torch.distributed.checkpoint wrote
 
-`manifest.json` = {"format": "resiliency-checkpoint/1", "step", "rank", "world_size",
-"job", "files": {name: {"size", "crc32"}}, "created"}. A directory is written under a
+`manifest.json` = {"format": "resiliency-checkpoint/2", "step", "rank", "world_size",
+"job", "files": {name: {"size", "crc32c"}}, "created"}. A directory is written under a
 hidden temporary name beside its final one and renamed into place once every file and
 the manifest are on disk (fsynced), so a process killed mid-save never leaves a
 directory that looks complete. A reader trusts a directory only when its manifest
 parses, names the same step and rank as its path, and every listed file has its size;
-`verify` then streams each file through crc32 (a few MiB at a time, never the whole file
-in memory) before it is loaded.
+`verify` then streams each file through its checksum (a few MiB at a time, never the
+whole file in memory) before it is loaded.
+
+The checksum is CRC-32C (Castagnoli), summed with the CPU's crc32 instruction by the
+`crc32c` library: about 10 GB/s a core here against 3.7 for zlib's crc32, so summing the
+bytes as they are written or read costs a tenth of a RAM tier's rate, not a third; it is
+also the checksum cloud buckets keep per object. Format `resiliency-checkpoint/1`, which
+summed with zlib's crc32, is still read, so that checkpoints taken before an upgrade
+restore.
 
 The host monitor reads the same layout when it copies a rank's newest checkpoint to its
-partner node (the peer tier). Standard library only.
+partner node (the peer tier).
 """
 
 from __future__ import annotations
@@ -27,12 +34,22 @@ import secrets
 import shutil
 import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-FORMAT = "resiliency-checkpoint/1"
+import crc32c
+
+FORMAT = "resiliency-checkpoint/2"
+#: What each format sums its files with: (the manifest's key, the function, which takes
+#: any buffer and the running value).
+Checksum = Callable[[Any, int], int]
+CHECKSUMS: dict[str, tuple[str, Checksum]] = {
+    FORMAT: ("crc32c", crc32c.crc32c),
+    "resiliency-checkpoint/1": ("crc32", zlib.crc32),
+}
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 1024 * 1024
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
@@ -48,7 +65,7 @@ class CheckpointCorrupt(Exception):
 @dataclass(frozen=True)
 class FileEntry:
     size: int
-    crc32: int
+    checksum: int  # by the manifest's format: see CHECKSUMS
 
 
 @dataclass(frozen=True)
@@ -59,21 +76,27 @@ class Manifest:
     job: str | None
     files: dict[str, FileEntry]
     created: float
+    format: str = FORMAT
 
     @property
     def size(self) -> int:
         return sum(f.size for f in self.files.values())
 
+    @property
+    def checksum(self) -> Checksum:
+        return CHECKSUMS[self.format][1]
+
     def to_json(self) -> str:
+        key = CHECKSUMS[self.format][0]
         return json.dumps(
             {
-                "format": FORMAT,
+                "format": self.format,
                 "step": self.step,
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "job": self.job,
                 "files": {
-                    name: {"size": f.size, "crc32": f.crc32} for name, f in self.files.items()
+                    name: {"size": f.size, key: f.checksum} for name, f in self.files.items()
                 },
                 "created": self.created,
             },
@@ -87,8 +110,10 @@ class Manifest:
             raw = json.loads(text)
         except ValueError as exc:
             raise ValueError(f"manifest is not JSON: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ValueError(f"manifest format is not {FORMAT!r}")
+        if not isinstance(raw, dict) or raw.get("format") not in CHECKSUMS:
+            raise ValueError(f"manifest format is not one of {sorted(CHECKSUMS)}")
+        form = raw["format"]
+        key = CHECKSUMS[form][0]
         step, rank, world = raw.get("step"), raw.get("rank"), raw.get("world_size")
         if not all(isinstance(v, int) and v >= 0 for v in (step, rank, world)):
             raise ValueError("manifest step, rank and world_size must be integers >= 0")
@@ -101,12 +126,12 @@ class Manifest:
             if not FILE_NAME_RE.match(name) or name in {".", "..", MANIFEST}:
                 raise ValueError(f"manifest names a bad file {name!r}")
             size = entry.get("size") if isinstance(entry, dict) else None
-            crc = entry.get("crc32") if isinstance(entry, dict) else None
+            crc = entry.get(key) if isinstance(entry, dict) else None
             if not (isinstance(size, int) and size >= 0 and isinstance(crc, int) and crc >= 0):
                 raise ValueError(f"manifest entry of {name!r} malformed")
             entries[name] = FileEntry(size, crc)
         created = raw.get("created", 0.0)
-        return cls(step, rank, world, job, entries, float(created))  # type: ignore[arg-type]
+        return cls(step, rank, world, job, entries, float(created), form)  # type: ignore[arg-type]
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -117,14 +142,14 @@ def rank_dir(root: Path, step: int, rank: int) -> Path:
     return step_dir(root, step) / f"rank-{rank}"
 
 
-def file_crc32(path: Path) -> int:
-    """crc32 of a file, streamed through one reused buffer (never the whole file)."""
+def file_checksum(path: Path, checksum: Checksum = crc32c.crc32c) -> int:
+    """The checksum of a file, streamed through one reused buffer (never the whole file)."""
     crc = 0
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
+            crc = checksum(view[:n], crc)
     return crc
 
 
@@ -139,8 +164,8 @@ def build_manifest(
     known: Mapping[str, tuple[int, int]] | None = None,
 ) -> Manifest:
     """Checksum every file of `directory` (the manifest itself excluded), `threads` files
-    at a time (zlib releases the GIL while it sums a large buffer). `known`: (size,
-    crc32) by name, summed as the files were written; taken where the size on disk
+    at a time (crc32c releases the GIL while it sums a large buffer). `known`: (size,
+    crc32c) by name, summed as the files were written; taken where the size on disk
     agrees, so those files are not read again."""
     names = [
         name
@@ -155,7 +180,7 @@ def build_manifest(
     }
     left = [name for name in names if name not in summed]
     with ThreadPoolExecutor(max(1, min(threads, len(left) or 1))) as pool:
-        crcs = list(pool.map(file_crc32, (directory / name for name in left)))
+        crcs = list(pool.map(file_checksum, (directory / name for name in left)))
     summed.update(zip(left, crcs, strict=True))
     files = {name: FileEntry(sizes[name], summed[name]) for name in names}
     return Manifest(step, rank, world_size, job, files, time.time())
@@ -191,13 +216,13 @@ def verify(
     threads: int = 1,
     names: Iterable[str] | None = None,
 ) -> None:
-    """Stream every file (or those of `names`) through crc32, `threads` files at a time,
-    and compare with the manifest."""
+    """Stream every file (or those of `names`) through the manifest's checksum, `threads`
+    files at a time, and compare with the manifest."""
     names = list(manifest.files if names is None else names)
 
     def crc_of(name: str) -> int | OSError:
         try:
-            return file_crc32(directory / name)
+            return file_checksum(directory / name, manifest.checksum)
         except OSError as exc:
             return exc
 
@@ -207,9 +232,9 @@ def verify(
         path, entry = directory / name, manifest.files[name]
         if isinstance(crc, OSError):
             raise CheckpointCorrupt(f"{path}: {crc.strerror}")
-        if crc != entry.crc32:
+        if crc != entry.checksum:
             raise CheckpointCorrupt(
-                f"{path}: checksum {crc:#010x}, manifest says {entry.crc32:#010x}"
+                f"{path}: checksum {crc:#010x}, manifest says {entry.checksum:#010x}"
             )
 
 

@@ -10,7 +10,7 @@ reader reads the record's bytes from the file directly into the target. Anything
 (narrowed reads of resharded tensors, other layouts, a torch whose reader differs) takes
 DCP's own path, item by item.
 
-Given the manifest, the reader also checks each file's crc32 as it reads it: the bytes
+Given the manifest, the reader also checks each file's checksum as it reads it: the bytes
 read into a tensor are summed while they are still in the CPU's cache, and the bytes
 between them (archive headers, items left to DCP's path) are read and summed in file
 order, so a file is read once rather than once to verify and once to load. A file whose
@@ -27,7 +27,6 @@ import struct
 import sys
 import threading
 import zipfile
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
@@ -36,17 +35,20 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from training.checkpoint.format import Checksum
+
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, 30 bytes
 #: Bytes read into a tensor at a time, then summed while still in the CPU's cache.
 _CHUNK = 4 * 1024 * 1024
 
 
 class _FileSum:
-    """The crc32 of one file, fed in file order: bytes already read by the loader are
+    """The checksum of one file, fed in file order: bytes already read by the loader are
     summed from memory, the gaps between them read here."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, checksum: Checksum) -> None:
         self.fd, self.pos, self.crc = fd, 0, 0
+        self.checksum = checksum
         self.in_order = True
 
     def upto(self, offset: int) -> None:
@@ -54,7 +56,7 @@ class _FileSum:
             chunk = os.pread(self.fd, min(_CHUNK, offset - self.pos), self.pos)
             if not chunk:
                 return  # the file is shorter: the size check says so
-            self.crc = zlib.crc32(chunk, self.crc)
+            self.crc = self.checksum(chunk, self.crc)
             self.pos += len(chunk)
 
     def add(self, offset: int, data: memoryview) -> None:
@@ -64,7 +66,7 @@ class _FileSum:
         if offset != self.pos:  # overlapping reads: summed again from disk at the end
             self.in_order = False
             return
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = self.checksum(data, self.crc)
         self.pos += len(data)
 
 
@@ -109,12 +111,15 @@ class DirectReader(FileSystemReader):
         path: str | os.PathLike[str],
         *,
         thread_count: int = 1,
-        crc32s: dict[str, tuple[int, int]] | None = None,
+        sums: dict[str, tuple[int, int]] | None = None,
+        checksum: Checksum | None = None,
     ) -> None:
-        """`crc32s`: (size, crc32) by file name, to check each file as it is read."""
+        """`sums`: (size, checksum) by file name, to check each file with `checksum` (the
+        manifest's) as it is read."""
         super().__init__(path)
         self.thread_count = thread_count
-        self.crc32s = crc32s or {}
+        self.sums = sums or {}
+        self.checksum = checksum
         #: Files checked as they were read, and those of them whose sum disagreed.
         self.summed: set[str] = set()
         self.corrupt: list[str] = []
@@ -131,9 +136,13 @@ class DirectReader(FileSystemReader):
         def read_file(relative_path: str, items: list[Any]) -> list[Any]:
             """This file's items read straight into their targets; the others."""
             left = []
-            expected = self.crc32s.get(os.path.basename(relative_path))
+            expected = self.sums.get(os.path.basename(relative_path))
             with open(os.path.join(self.path, relative_path), "rb") as f:
-                summer = _FileSum(f.fileno()) if expected is not None else None
+                summer = (
+                    _FileSum(f.fileno(), self.checksum)
+                    if expected is not None and self.checksum is not None
+                    else None
+                )
                 for item in sorted(items, key=lambda i: storage[i.storage_index].offset):
                     info = storage[item.storage_index]
                     if (

@@ -1,28 +1,28 @@
 """DCP's file writer, checksumming every file as it is written.
 
-A checkpoint's manifest holds a crc32 per file. Summing the files after DCP wrote them
-reads every byte a second time (a third of a RAM save's time here); summing the bytes
-as they go to the file costs only the sum. `SummingFileSystemWriter.sums` then holds
-(size, crc32) per file name, which `format.build_manifest` takes instead of reading the
-file again. A file this writer did not see whole (renamed over, reopened) is simply
-absent, and summed from disk.
+A checkpoint's manifest holds a CRC-32C per file. Summing the files after DCP wrote them
+reads every byte a second time; summing the bytes as they go to the file costs only the
+sum (with the CPU's crc32 instruction, a tenth of a RAM tier's write time here).
+`SummingFileSystemWriter.sums` then holds (size, crc32c) per file name, which
+`format.build_manifest` takes instead of reading the file again. A file this writer did
+not see whole (renamed over, reopened) is simply absent, and summed from disk.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
 
+import crc32c
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 
 class _SummingStream:
-    """A binary file open for writing that keeps the crc32 and size of what passed."""
+    """A binary file open for writing that keeps the CRC-32C and size of what passed."""
 
     def __init__(self, file: IO[bytes]) -> None:
         self._file = file
@@ -34,7 +34,7 @@ class _SummingStream:
         written = self._file.write(view)
         # A buffered file takes everything or raises; a short raw write is summed short.
         n = len(view) if written is None else written
-        self.crc = zlib.crc32(view[:n], self.crc)
+        self.crc = crc32c.crc32c(view[:n], self.crc)
         self.size += n
         return n
 
@@ -79,6 +79,6 @@ class SummingFileSystemWriter(FileSystemWriter):
 
     @property
     def sums(self) -> dict[str, tuple[int, int]]:
-        """(size, crc32) of each file written whole, by name."""
+        """(size, crc32c) of each file written whole, by name."""
         assert isinstance(self.fs, SummingFileSystem)
         return dict(self.fs.sums)
