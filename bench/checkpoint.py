@@ -5,8 +5,9 @@ the parameters: weights, exp_avg, exp_avg_sq; 26 x 2048 x 2048 is 109M parameter
 of state). Each figure is set beside a baseline measured in the same run on the same
 medium:
 - RAM tier (tmpfs, /dev/shm) and durable tier (a directory on disk) against the raw rate
-  of writing the same number of bytes in the same number of files (fsynced) and reading
-  them back: the medium's physical limit here. Durable reads start with the files evicted
+  of writing the same number of bytes in the same number of files (fsynced; as many at a
+  time as the tier has writer threads) and reading them back: the medium's physical limit
+  here. Durable reads start with the files evicted
   from the page cache (POSIX_FADV_DONTNEED), for the tier and for its baseline alike. A
   tier's save rate is its write (the raw rate's counterpart: bytes already in host
   memory to the medium); the RAM save with the copy to host memory before it is printed
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,8 +201,12 @@ def _evict(directory: Path) -> None:
                 os.close(fd)
 
 
-def raw_rates(directory: Path, nbytes: int, files: int, *, evict: bool) -> tuple[float, float]:
-    """(write, read) MiB/s of `nbytes` in `files` fresh files, fsynced.
+def raw_rates(
+    directory: Path, nbytes: int, files: int, *, evict: bool, threads: int
+) -> tuple[float, float]:
+    """(write, read) MiB/s of `nbytes` in `files` fresh files, fsynced, `threads` files at
+    a time: the parallelism the tier's writers and readers have (`ckpt_threads_per_rank`),
+    so that the baseline is the medium's limit for them, not for one thread.
 
     Written from, and read back into, one buffer of the full size allocated and touched
     beforehand: what a loader that reads straight into the model's existing tensors
@@ -211,25 +217,32 @@ def raw_rates(directory: Path, nbytes: int, files: int, *, evict: bool) -> tuple
     per_file = nbytes // files
     buffer = bytearray(os.urandom(MiB) * (per_file // MiB + 1))[:per_file]
     view = memoryview(buffer)
-    started = time.perf_counter()
-    for i in range(files):
+
+    def write(i: int) -> None:
         with open(directory / f"raw-{i}", "wb", buffering=0) as f:
             f.write(view)
             os.fsync(f.fileno())
-    write = nbytes / MiB / (time.perf_counter() - started)
-    if evict:
-        _evict(directory)
+
     into = [bytearray(per_file) for _ in range(files)]  # touched: zero-filled here
-    started = time.perf_counter()
-    for i in range(files):
+
+    def read(i: int) -> None:
         target = memoryview(into[i])
         with open(directory / f"raw-{i}", "rb", buffering=0) as f:
             done = 0
             while done < per_file and (n := f.readinto(target[done:])):
                 done += n
-    read = nbytes / MiB / (time.perf_counter() - started)
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        started = time.perf_counter()
+        list(pool.map(write, range(files)))
+        write_rate = nbytes / MiB / (time.perf_counter() - started)
+        if evict:
+            _evict(directory)
+        started = time.perf_counter()
+        list(pool.map(read, range(files)))
+        read_rate = nbytes / MiB / (time.perf_counter() - started)
     shutil.rmtree(directory, ignore_errors=True)
-    return write, read
+    return write_rate, read_rate
 
 
 @contextmanager
@@ -290,10 +303,14 @@ def run(config: CheckpointConfig) -> CheckpointResult:
             # always finds the page cache the other left (dirty pages being written back).
             for first_raw in (round_ % 2 == 0, round_ % 2 == 1):
                 if first_raw:
-                    w, r = raw_rates(ram / "raw", nbytes, files, evict=False)
+                    w, r = raw_rates(
+                        ram / "raw", nbytes, files, evict=False, threads=config.threads
+                    )
                     add("raw ram write", w)
                     add("raw ram read", r)
-                    w, r = raw_rates(disk / "raw", nbytes, files, evict=True)
+                    w, r = raw_rates(
+                        disk / "raw", nbytes, files, evict=True, threads=config.threads
+                    )
                     add("raw durable write", w)
                     add("raw durable read", r)
                     continue

@@ -845,3 +845,46 @@ async def test_an_action_interrupted_by_a_crash_gets_one_more_attempt(
         store.start_attempt(failed.id)
         finished = store.finish_action(failed.id, ActionStatus.FAILED, error="timed out")
         assert (await api.supervisor.controller.actuator.run(finished)).attempts == 1
+
+
+async def test_a_body_over_the_limit_is_413_and_records_nothing(api: Api) -> None:
+    await api.beat(heartbeat("n1"))
+    huge = {"type": "cordon", "node": "n1", "reason": "x" * (2 << 20)}
+    response = await api.client.post("/api/v1/actions", json=huge, headers=OPERATOR)
+    assert response.status_code == 413, response.text
+    assert "large" in response.json()["message"].lower()
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it comes
+        yield b'{"type": "cordon", "node": "n1", "reason": "'
+        for _ in range(3):
+            yield b"y" * (1 << 20)
+        yield b'"}'
+
+    response = await api.client.post(
+        "/api/v1/actions",
+        content=chunks(),
+        headers={**OPERATOR, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 413, response.text
+    assert "large" in response.json()["message"].lower()
+    assert (await api.get("/api/v1/actions"))["items"] == []
+
+
+async def test_openapi_documents_the_error_answers(api: Api) -> None:
+    schema = (await api.client.get("/openapi.json")).json()
+    paths = schema["paths"]
+    error = {"$ref": "#/components/schemas/ErrorOut"}
+    assert set(schema["components"]["schemas"]["ErrorOut"]["required"]) == {"message", "detail"}
+
+    def codes(path: str, method: str) -> dict[str, Any]:
+        responses: dict[str, Any] = paths[path][method]["responses"]
+        return responses
+
+    for path, method in [("/api/v1/events/{event_id}", "get"), ("/api/v1/nodes/{name}", "get")]:
+        assert {"401", "404", "503"} <= set(codes(path, method)), path
+    post_action = codes("/api/v1/actions", "post")
+    assert {"401", "404", "413", "422", "503"} <= set(post_action)
+    assert post_action["413"]["content"]["application/json"]["schema"] == error
+    assert {"401", "403", "404", "413"} <= set(codes("/api/v1/faults", "post"))
+    assert "404" not in codes("/api/v1/events", "get")
+    assert "401" not in codes("/healthz", "get")

@@ -11,13 +11,13 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from supervisor import dashboard
+from supervisor.api import openapi
 from supervisor.api.errors import http_error, validation_error
 from supervisor.api.routes import (
     actions,
@@ -30,16 +30,10 @@ from supervisor.api.routes import (
     info,
     stream,
 )
-from supervisor.api.routes.heartbeats import (
-    PATH as HEARTBEATS,
-)
-from supervisor.api.routes.heartbeats import (
-    HeartbeatEndpoint,
-    openapi_operation,
-)
+from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
+from supervisor.api.routes.heartbeats import HeartbeatEndpoint
 from supervisor.config import Settings
 from supervisor.runtime import Supervisor
-from supervisor.sensor.heartbeat import heartbeat_json_schema
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +67,24 @@ class SupervisorApp(FastAPI):
                 refusal = JSONResponse(supervisor.readiness, 503, headers={"Retry-After": "1"})
                 await refusal(scope, receive, send)
                 return
+            if _declared_length(scope) > openapi.MAX_BODY_BYTES:
+                # FastAPI's own limit answers this one in plain text; a body sent without
+                # a length is cut off by it, as an HTTPException, in our error format.
+                message = f"body larger than {openapi.MAX_BODY_BYTES} bytes"
+                too_large = JSONResponse({"message": message, "detail": message}, 413)
+                await too_large(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
+
+
+def _declared_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0  # the server refuses a malformed length itself
+    return 0
 
 
 #: CPython's gc thresholds, raised from (700, 10, 10): see tune_garbage_collector.
@@ -120,6 +131,7 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
         version="0.1.0",
         summary="Detects failures of ML training jobs and heals them by policy.",
         lifespan=lifespan,
+        max_body_size=openapi.MAX_BODY_BYTES,
     )
     app.state.supervisor = runtime
     app.state.settings = settings
@@ -129,20 +141,5 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     app.heartbeats = HeartbeatEndpoint(runtime)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi.build(app)  # type: ignore[method-assign]
     return app
-
-
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    if app.openapi_schema:
-        return app.openapi_schema
-    schema = get_openapi(
-        title=app.title, version=app.version, summary=app.summary, routes=app.routes
-    )
-    # The heartbeat route is served ahead of the router (it is the hot path), so it and
-    # its msgspec types are described here.
-    ref, definitions = heartbeat_json_schema()
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions)
-    schema["paths"] = {HEARTBEATS: openapi_operation(ref["$ref"]), **schema["paths"]}
-    app.openapi_schema = schema
-    return schema

@@ -1,0 +1,72 @@
+"""The OpenAPI document: FastAPI's, plus what FastAPI cannot see.
+
+The heartbeat route is served ahead of the router (it is the hot path), so it and its
+msgspec types are added here. So are the error answers that come from dependencies and
+from the app itself rather than from a route's signature: 401 where a token is checked,
+403 where fault injection may be off, 404 where a path or body names a record, 413 where
+there is a body, 503 while the replica is not ready. All of them have the body
+`ErrorOut`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from supervisor.api.routes.heartbeats import MAX_BODY
+from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
+from supervisor.api.routes.heartbeats import openapi_operation
+from supervisor.api.schemas import ErrorOut
+from supervisor.sensor.heartbeat import heartbeat_json_schema
+
+#: Bodies the API takes, at most: the heartbeat's limit, for every route.
+MAX_BODY_BYTES = MAX_BODY
+
+#: Operations whose body names a node or job the supervisor may not know.
+_NAMES_A_RECORD = {("post", "/api/v1/actions"), ("post", "/api/v1/faults")}
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title, version=app.version, summary=app.summary, routes=app.routes
+    )
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    ref, definitions = heartbeat_json_schema()
+    components.update(definitions)
+    components["ErrorOut"] = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            _document_errors(path, method, operation)
+    schema["paths"] = {HEARTBEATS: openapi_operation(ref["$ref"]), **schema["paths"]}
+    app.openapi_schema = schema
+    return schema
+
+
+def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
+    responses: dict[str, Any] = operation.setdefault("responses", {})
+
+    def add(code: int, description: str) -> None:
+        responses.setdefault(
+            str(code),
+            {
+                "description": description,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}
+                },
+            },
+        )
+
+    if operation.get("security"):
+        add(401, "Missing or wrong bearer token.")
+    if path.startswith("/api/v1/faults"):
+        add(403, "Fault injection is off (`enable_fault_injection`).")
+    if "{" in path or (method, path) in _NAMES_A_RECORD:
+        add(404, "No such record, node or job; `message` names it.")
+    if "requestBody" in operation:
+        add(413, f"Body larger than {MAX_BODY_BYTES} bytes; nothing was recorded.")
+    if path.startswith("/api/"):
+        add(503, "Not ready: a standby replica (names the leader), starting or stopping.")
