@@ -1,4 +1,5 @@
-"""`supervisor` command line: serve the API, or run the demo."""
+"""`supervisor` command line: serve the API, run the demo, or operate a running
+supervisor (get, describe, inject, cordon, watch, ...: supervisor.ops)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,21 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from supervisor.api.app import SupervisorApp, create_app, with_tokens
 from supervisor.config import ConfigError, Settings, load_settings
-from supervisor.controller import PolicyLoadError, load_policy
 from supervisor.goodput import cli as goodput_cli
 from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
-from supervisor.policy import Policy
-from supervisor.runtime import Supervisor
+from supervisor.ops import commands as ops_commands
+
+if TYPE_CHECKING:
+    # The server side is imported where it runs: the operator commands start in a
+    # fraction of the time without it.
+    from supervisor.api.app import SupervisorApp
+    from supervisor.policy import Policy
+    from supervisor.runtime import Supervisor
 
 log = logging.getLogger("supervisor")
 
@@ -75,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     demo.add_argument("--node-repair-s", type=float, default=d.node_repair_s)
     goodput_cli.add_commands(sub)
+    ops_commands.add_commands(sub)
     return parser
 
 
@@ -92,6 +99,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(settings: Settings) -> None:
+    from supervisor.api.app import with_tokens
+    from supervisor.controller import PolicyLoadError, load_policy
+
     _configure_logging(settings.log_level)
     try:
         policy = load_policy(settings.policy)
@@ -112,6 +122,9 @@ def _serve(settings: Settings) -> None:
 
 def _app(settings: Settings, policy: Policy) -> SupervisorApp:
     """The app; a Kubernetes configuration that cannot be loaded is one line, no traceback."""
+    from supervisor.api.app import create_app
+    from supervisor.runtime import Supervisor
+
     kube_backend = settings.backend == "kubernetes" and not settings.dry_run
     if not (kube_backend or settings.leader_election):
         return create_app(settings, Supervisor(settings, policy=policy))
@@ -251,11 +264,14 @@ def main(argv: list[str] | None = None) -> None:
             _serve(_settings(args))
         elif args.command == "demo":
             _demo(args)
+        elif args.command in ops_commands.COMMANDS:
+            raise SystemExit(ops_commands.run(args))
         else:
             try:
-                goodput_cli.run(args)
-            except (ValueError, OSError) as exc:
+                code = ops_commands.guarded(args.command, lambda: goodput_cli.run(args))
+            except (ValueError, OSError) as exc:  # offline: a bad file or flag
                 raise SystemExit(f"supervisor {args.command}: {exc}") from None
+            raise SystemExit(code)
     except ConfigError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
 

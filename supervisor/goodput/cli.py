@@ -1,8 +1,10 @@
 """`supervisor goodput` and `supervisor advise`: on a running supervisor, or offline.
 
-Online (`--url URL --job J`), they ask the supervisor's API (`GET
-/api/v1/jobs/{job}/goodput`, `/advice`) with the operator token (`--token`, or env
-`SUPERVISOR_OPERATOR_TOKEN`) and print the same tables as offline; `--json` prints the
+Online, they ask the supervisor's API (`GET /api/v1/jobs/{job}/goodput`, `/advice`)
+through the operator commands' client: server and token from `--server`/`--url` and
+`--token`, the environment or a context (see supervisor.ops.config), errors as their
+exit codes. `goodput` is online unless given a log file, and without `--job` it lists
+every job's; `advise` is online with `--job`. `-o json|yaml` (or `--json`) prints the
 API's answer. Offline, `goodput` reads the gpu-recipes goodput calculator's JSON-lines
 log and `advise` takes the measurements as flags.
 """
@@ -10,15 +12,12 @@ log and `advise` takes the measurements as flags.
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import sys
+from collections.abc import Callable
 from dataclasses import fields
 from datetime import datetime
 from typing import Any
 
-import httpx
-
-from supervisor.api.errors import error_message
 from supervisor.goodput.advice import (
     CheckpointAdvice,
     RamdiskSizing,
@@ -38,20 +37,25 @@ from supervisor.goodput.report import (
     render_goodput_text,
     render_ramdisk_text,
 )
+from supervisor.ops import output
+from supervisor.ops.client import api_path
+from supervisor.ops.commands import connect, connection_options
 
-TOKEN_ENV = "SUPERVISOR_OPERATOR_TOKEN"
 
-
-def _add_online(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="A running supervisor, e.g. http://127.0.0.1:8080.")
-    parser.add_argument("--token", help=f"Operator token (default: env {TOKEN_ENV}).")
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", dest="output", action="store_const", const="json", help="As -o json."
+    )
 
 
 def add_commands(sub: Any) -> None:
+    # A report is computed from the job's whole history: give it longer than a lookup.
+    online = connection_options(url_alias=True, timeout_s=30.0)
     goodput = sub.add_parser(
         "goodput",
-        help="Goodput and badput of a job: live from a supervisor (--url, --job), or from "
-        "an event log (the gpu-recipes goodput calculator's JSON-lines format).",
+        parents=[online],
+        help="Goodput and badput of a job, or of every job: live from a supervisor, or "
+        "from an event log (the gpu-recipes goodput calculator's JSON-lines format).",
     )
     goodput.add_argument(
         "log", nargs="?", help="JSON-lines file: user_scheduled, job_started, ... (offline)."
@@ -61,17 +65,20 @@ def add_commands(sub: Any) -> None:
         type=float,
         help="As the gpu-recipes calculator's; measured if unset.",
     )
-    goodput.add_argument("--job", help="Job to report (offline default: that of the first event).")
-    _add_online(goodput)
-    goodput.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    goodput.add_argument(
+        "--job",
+        help="Job to report (online default: a summary of every job; offline default: that "
+        "of the first event).",
+    )
+    _add_json(goodput)
 
     advise_ = sub.add_parser(
         "advise",
+        parents=[online],
         help="Checkpoint intervals from measured costs and MTBF: of a job on a running "
-        "supervisor (--url, --job), or from flags.",
+        "supervisor (--job), or from flags.",
     )
     advise_.add_argument("--job", help="Job to advise on (online).")
-    _add_online(advise_)
     advise_.add_argument("--step-time-s", type=float, help="Time per step (offline).")
     advise_.add_argument(
         "--mtbf-s", type=float, help="Mean time between failures (online: instead of observed)."
@@ -87,31 +94,25 @@ def add_commands(sub: Any) -> None:
     advise_.add_argument(
         "--hosts", type=int, help="Hosts, for ramdisk sizing (online default: the job's nodes)."
     )
-    advise_.add_argument("--json", action="store_true", help="Print JSON instead of tables.")
+    _add_json(advise_)
 
 
 def run(args: argparse.Namespace) -> None:
-    """Run `goodput` or `advise`; bad input raises ValueError/OSError with one line."""
-    online = args.url is not None
-    if online and not args.job:
-        raise ValueError("--job is required with --url")
+    """Run `goodput` or `advise`; bad input raises ValueError/OSError with one line, and
+    the online requests CliError (with its exit code)."""
     if args.command == "goodput":
-        if online:
-            if args.log is not None:
-                raise ValueError("give a log file or --url, not both")
+        if args.log is None:
             _goodput_online(args)
             return
-        if args.log is None:
-            raise ValueError("give a log file (offline) or --url and --job (online)")
+        if args.server is not None:
+            raise ValueError("give a log file or --server (--url), not both")
         events = read_anchor_log(args.log)
         report = goodput_from_anchor_log(events, args.reference_step_time_s, job_name=args.job)
-        print(
-            json.dumps(goodput_to_dict(report), indent=2)
-            if args.json
-            else render_goodput_text(report)
-        )
+        _print(goodput_to_dict(report), args, lambda: render_goodput_text(report))
         return
-    if online:
+    if args.server is not None and not args.job:
+        raise ValueError("--job is required with --server (--url)")
+    if args.job:
         _advise_online(args)
         return
     for flag in ("step_time_s", "mtbf_s", "local_save_s"):
@@ -134,40 +135,38 @@ def run(args: argparse.Namespace) -> None:
     if (args.parameters is None) != (args.hosts is None):
         raise ValueError("--parameters and --hosts go together")
     sizing = ramdisk_sizing(args.parameters, args.hosts) if args.parameters is not None else None
-    if args.json:
-        out: dict[str, Any] = {"advice": advice_to_dict(advice)}
-        if sizing is not None:
-            out["ramdisk"] = ramdisk_to_dict(sizing)
-        print(json.dumps(out, indent=2))
-        return
-    print(render_advice_text(advice))
+    out: dict[str, Any] = {"advice": advice_to_dict(advice)}
     if sizing is not None:
-        print()
-        print(render_ramdisk_text(sizing))
+        out["ramdisk"] = ramdisk_to_dict(sizing)
+
+    def as_text() -> str:
+        text = render_advice_text(advice)
+        return text if sizing is None else f"{text}\n\n{render_ramdisk_text(sizing)}"
+
+    _print(out, args, as_text)
+
+
+def _print(data: Any, args: argparse.Namespace, as_text: Callable[[], str]) -> None:
+    print(as_text() if args.output == "table" else output.dump(data, args.output))
 
 
 # --- online --------------------------------------------------------------------------------
 
 
 def _get(args: argparse.Namespace, what: str, params: dict[str, Any]) -> dict[str, Any]:
-    token = args.token or os.environ.get(TOKEN_ENV)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = f"{args.url.rstrip('/')}/api/v1/jobs/{args.job}/{what}"
-    query = {k: v for k, v in params.items() if v is not None}
-    try:
-        response = httpx.get(url, params=query, headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
-        raise OSError(f"cannot reach {args.url}: {exc}") from None
-    if response.status_code != 200:
-        raise ValueError(f"{url}: HTTP {response.status_code}: {error_message(response)}")
-    data: dict[str, Any] = response.json()
+    with connect(args) as client:
+        data: dict[str, Any] = client.get(api_path("jobs", args.job, what), params)
     return data
 
 
 def _goodput_online(args: argparse.Namespace) -> None:
-    data = _get(args, "goodput", {"points": 0, "reference_step_time_s": args.reference_step_time_s})
-    if args.json:
-        print(json.dumps(data, indent=2))
+    params = {"points": 0, "reference_step_time_s": args.reference_step_time_s}
+    if args.job is None:
+        _goodput_of_every_job(args, params)
+        return
+    data = _get(args, "goodput", params)
+    if args.output != "table":
+        print(output.dump(data, args.output))
         return
     print(render_goodput_text(goodput_from_api(data)))
     s = data.get("sources", {})
@@ -198,8 +197,8 @@ def _advise_online(args: argparse.Namespace) -> None:
             "hosts": args.hosts,
         },
     )
-    if args.json:
-        print(json.dumps(data, indent=2))
+    if args.output != "table":
+        print(output.dump(data, args.output))
         return
     print(
         f"Job {data['job']}: measured goodput {data['measured_goodput'] * 100:.1f}%; "
@@ -209,6 +208,32 @@ def _advise_online(args: argparse.Namespace) -> None:
     if data.get("ramdisk") is not None:
         print()
         print(render_ramdisk_text(ramdisk_from_api(data["ramdisk"])))
+
+
+GOODPUT_COLUMNS = [
+    output.field("JOB", "job"),
+    output.field("GOODPUT", "goodput", output.percent),
+    output.field("WALL", "wall_s", output.duration),
+    output.field("PRODUCTIVE", "productive_s", output.duration),
+    output.field("BADPUT", "badput_total_s", output.duration),
+    output.field("FAILURES", "failures"),
+    output.field("LAST-STEP", "last_step"),
+    output.field("STEP-TIME", "step_time_s", output.duration),
+]
+
+
+def _goodput_of_every_job(args: argparse.Namespace, params: dict[str, Any]) -> None:
+    with connect(args) as client:
+        reports = [
+            client.get(api_path("jobs", job["name"], "goodput"), params)
+            for job in client.get(api_path("jobs"))
+        ]
+    if args.output != "table":
+        print(output.dump(reports, args.output))
+    elif reports:
+        print(output.table(reports, GOODPUT_COLUMNS))
+    else:
+        print("No jobs found.", file=sys.stderr)
 
 
 def _pick(cls: Any, data: dict[str, Any]) -> dict[str, Any]:

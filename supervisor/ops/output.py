@@ -1,0 +1,133 @@
+"""How the operator commands print: aligned tables, descriptions, JSON and YAML."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import yaml
+
+Format = Literal["table", "json", "yaml"]
+FORMATS: tuple[Format, ...] = ("table", "json", "yaml")
+Row = Mapping[str, Any]
+
+#: Spaces between table columns (as kubectl).
+GAP = "   "
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    header: str
+    value: Callable[[Row], str]
+
+
+def field(header: str, key: str, render: Callable[[Any], str] | None = None) -> Column:
+    """A column showing one field of each row."""
+    shown = render or text
+    return Column(header, lambda row: shown(row.get(key)))
+
+
+def text(value: Any) -> str:
+    """A value on one line: `-` for nothing, `k=v` pairs for a mapping."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(text(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return " ".join(f"{k}={text(v)}" for k, v in value.items()) or "-"
+    return " ".join(str(value).split())  # a newline would break the table's rows
+
+
+def truncated(value: str, width: int) -> str:
+    return value if len(value) <= width else value[: width - 3] + "..."
+
+
+def when(value: Any) -> str:
+    """An API time (ISO 8601) to the second, in UTC."""
+    if not isinstance(value, str):
+        return text(value)
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return value
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def duration(seconds: Any) -> str:
+    """Seconds as kubectl writes ages: 4.2s, 3m12s, 5h2m, 2d3h."""
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return text(seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600}h"
+
+
+def percent(fraction: Any) -> str:
+    if not isinstance(fraction, int | float) or isinstance(fraction, bool):
+        return text(fraction)
+    return f"{fraction * 100:.1f}%"
+
+
+def table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
+    cells = [[c.header for c in columns]]
+    cells += [[c.value(row) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        GAP.join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def auto_columns(rows: Sequence[Row]) -> list[Column]:
+    """A column per key of the rows, in the order they first appear."""
+    keys: dict[str, None] = {}
+    for row in rows:
+        keys.update(dict.fromkeys(row))
+    return [field(key.upper().replace("_", "-"), key) for key in keys]
+
+
+def describe(obj: Row) -> str:
+    """An object as `key: value` lines; nested objects indented, lists of objects as
+    tables (a node's workers)."""
+    return "\n".join(_described(obj, 0))
+
+
+def _described(obj: Row, indent: int) -> Iterator[str]:
+    pad = " " * indent
+    width = max((len(str(key)) for key in obj), default=0) + 1
+    for key, value in obj.items():
+        if isinstance(value, dict) and value:
+            yield f"{pad}{key}:"
+            yield from _described(value, indent + 2)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            yield f"{pad}{key}:"
+            yield indented(table(value, auto_columns(value)), indent + 2)
+        else:
+            yield f"{pad}{f'{key}:'.ljust(width)}  {text(value)}"
+
+
+def indented(block: str, by: int) -> str:
+    return "\n".join(" " * by + line if line else line for line in block.split("\n"))
+
+
+def dump(data: Any, fmt: Format) -> str:
+    """JSON or YAML of what the API answered, for scripts."""
+    if fmt == "yaml":
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n")
+    return json.dumps(data, indent=2, ensure_ascii=False)
