@@ -23,6 +23,8 @@ from supervisor.xid import XidResponse
 
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
 
+SECONDS_PER_DAY = 86400.0
+
 BackendName = Literal["dry_run", "local", "kubernetes"]
 
 
@@ -239,6 +241,28 @@ class Settings(BaseSettings):
         "moved; never per heartbeat).",
     )
 
+    # --- history retention --------------------------------------------------------------
+    history_retention_days: float = Field(
+        30.0,
+        ge=0,
+        description="Events and finished actions older than this are deleted (0: kept "
+        "forever). Never less than restart_window_s, the window the policy counts "
+        "restarts over.",
+    )
+    goodput_retention_days: float | None = Field(
+        None,
+        ge=0,
+        description="Progress samples and checkpoint reports (the per-rank, high-volume "
+        "goodput input) older than this are deleted (0: kept forever). Unset: "
+        "history_retention_days. Each job's newest sample is kept.",
+    )
+    history_prune_period_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How often old history is deleted (in batches of 1000 rows, with "
+        "pauses, beside the service's work).",
+    )
+
     # --- fault injection ----------------------------------------------------------------
     enable_fault_injection: bool = Field(
         False, description="Accept POST /api/v1/faults. Off by default."
@@ -284,6 +308,13 @@ class Settings(BaseSettings):
             raise ValueError(
                 "need leader_election_retry_period_s < leader_election_renew_deadline_s < "
                 "leader_election_lease_duration_s"
+            )
+        retention_s = self.history_retention_days * SECONDS_PER_DAY
+        if 0 < retention_s < self.restart_window_s:
+            raise ValueError(
+                f"history_retention_days ({self.history_retention_days:g} days = "
+                f"{retention_s:g} s) must cover restart_window_s ({self.restart_window_s:g} s): "
+                "the policy counts restarts over that window from the stored actions"
             )
         if (
             self.agent_token is not None

@@ -60,6 +60,12 @@ class Metrics:
             ["alive"],
             registry=self.registry,
         )
+        self.history_pruned = Counter(
+            "supervisor_history_pruned_rows",
+            "Rows of old history deleted by retention, by table.",
+            ["table"],
+            registry=self.registry,
+        )
         self.acting = Gauge(
             "supervisor_leader",
             "1 while this replica acts: it holds the leader Lease (or runs without leader "

@@ -41,6 +41,7 @@ from supervisor.goodput.sampler import ProgressSampler, sensor_steps
 from supervisor.metrics import Metrics
 from supervisor.notify import Hub
 from supervisor.policy import Policy
+from supervisor.pruner import HistoryPruner, retention_ages
 from supervisor.sensor import Changes, GpuReport, Sensor
 from supervisor.store import Store, open_store
 
@@ -111,6 +112,9 @@ class Supervisor:
         self._schedules: dict[int, asyncio.Task[None]] = {}
         self._sampler: ProgressSampler | None = None
         self._sampling: asyncio.Task[None] | None = None
+        #: Deletes history past its retention; None when all of it is kept forever.
+        self.pruner: HistoryPruner | None = None
+        self._pruning: asyncio.Task[None] | None = None
         #: Raises Fenced once this replica may no longer act; leader election sets it.
         self.fence: Fence = no_fence
         self.ready = False
@@ -172,6 +176,12 @@ class Supervisor:
             self.store.record_progress_samples,
         )
         self._sampling = asyncio.create_task(self._sampler.run(), name="progress-sampler")
+        ages = retention_ages(self.settings)
+        if ages:
+            self.pruner = HistoryPruner(
+                self.store, ages, self.metrics, period_s=self.settings.history_prune_period_s
+            )
+            self._pruning = asyncio.create_task(self.pruner.run(), name="history-pruner")
         await self._resume_schedules()
         await self.backend.start(
             BackendHooks(
@@ -206,6 +216,9 @@ class Supervisor:
         if self._recorder is not None:
             self._recorder.cancel()
             await asyncio.gather(self._recorder, return_exceptions=True)
+        if self._pruning is not None:
+            self._pruning.cancel()
+            await asyncio.gather(self._pruning, return_exceptions=True)
         if self._sampling is not None and self._sampler is not None:
             self._sampling.cancel()
             await asyncio.gather(self._sampling, return_exceptions=True)

@@ -536,6 +536,8 @@ def test_rendered_settings_are_accepted_by_the_supervisor(
         "pod_termination_threshold_s": 90.0,
         "jobset_downtime_threshold_s": 240.0,
         "kube_jobset_selector": "team=llm",
+        "history_retention_days": 7.0,
+        "goodput_retention_days": 2.0,
         "log_level": "debug",
     }
     docs = render(merged(POSTGRES, {"config": config, "auth": TOKENS, "workloadNamespace": "jobs"}))
@@ -935,6 +937,7 @@ MUTATIONS: dict[str, Any] = {
     "config.leader_election_lease_name": "other-lease",
     "config.log_level": "debug",
     "config.hang_timeout_s": 120.0,
+    "config.goodput_retention_days": 7.0,
     "policy.module": "policies.examples.hot_swap_on_xid:HotSwapOnXid",
     "policy.inline": POLICY_SOURCE + "\n# changed\n",
     "policy.existingConfigMap": "team-policy",

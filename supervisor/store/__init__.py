@@ -9,13 +9,17 @@ from supervisor.store.repository import (
     PolicyCounts,
     Store,
 )
+from supervisor.store.retention import PRUNE_ORDER, HistoryTable, PrunedBatch
 
 __all__ = [
+    "PRUNE_ORDER",
     "ActionFilter",
     "EventFilter",
+    "HistoryTable",
     "InvalidCursor",
     "Page",
     "PolicyCounts",
+    "PrunedBatch",
     "Store",
     "make_engine",
     "migrate",

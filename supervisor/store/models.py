@@ -125,7 +125,11 @@ class EventRow(Base):
 
 class ActionRow(Base):
     __tablename__ = "actions"
-    __table_args__ = (Index("ix_actions_job_type_created", "job", "type", "created_at"),)
+    __table_args__ = (
+        Index("ix_actions_job_type_created", "job", "type", "created_at"),
+        # Retention finds old actions of every job by age.
+        Index("ix_actions_created_at", "created_at"),
+    )
 
     id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
     idempotency_key: Mapped[str] = mapped_column(String(200), unique=True)
@@ -165,7 +169,11 @@ class CheckpointReportRow(Base):
     twice."""
 
     __tablename__ = "checkpoint_reports"
-    __table_args__ = (Index("ix_checkpoint_reports_job_time", "job", "time"),)
+    __table_args__ = (
+        Index("ix_checkpoint_reports_job_time", "job", "time"),
+        # Retention finds old reports of every job by age.
+        Index("ix_checkpoint_reports_time", "time"),
+    )
 
     id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
     report_id: Mapped[str] = mapped_column(String(200), unique=True)
@@ -189,7 +197,11 @@ class ProgressSampleRow(Base):
     (never per heartbeat): the step progress goodput is computed from."""
 
     __tablename__ = "progress_samples"
-    __table_args__ = (Index("ix_progress_samples_job_time", "job", "time"),)
+    __table_args__ = (
+        Index("ix_progress_samples_job_time", "job", "time"),
+        # Retention finds old samples of every job by age.
+        Index("ix_progress_samples_time", "time"),
+    )
 
     id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
     job: Mapped[str] = mapped_column(String(253))

@@ -42,6 +42,7 @@ from supervisor.store.models import (
     NodeRow,
     ProgressSampleRow,
 )
+from supervisor.store.retention import HistoryTable, PrunedBatch, prune_batch, prune_extent
 from supervisor.xid import blames_node
 
 NODE_SCOPE = "node"
@@ -643,6 +644,22 @@ class Store:
             query = query.where(CheckpointReportRow.job == job)
         with self._sessions() as session:
             return [_checkpoint(r) for r in session.scalars(query.limit(limit))]
+
+    # --- retention ----------------------------------------------------------------------
+
+    def prune_extent(self, table: HistoryTable, cutoff: datetime) -> int | None:
+        """The highest id of a row of ``table`` older than ``cutoff`` (None: no such row)."""
+        with self.engine.connect() as conn:
+            return prune_extent(conn, table, cutoff)
+
+    def prune(
+        self, table: HistoryTable, cutoff: datetime, *, after: int, until: int, limit: int
+    ) -> PrunedBatch:
+        """Delete ``table``'s rows older than ``cutoff`` that nothing still needs among the
+        next ``limit`` ids above ``after`` (see :mod:`supervisor.store.retention`), in one
+        short transaction."""
+        with self.engine.begin() as conn:
+            return prune_batch(conn, table, cutoff, after=after, until=until, limit=limit)
 
 
 def _event(row: EventRow) -> Event:
