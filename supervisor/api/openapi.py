@@ -15,9 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from supervisor.api.routes.heartbeats import MAX_BODY
+from supervisor.api.routes.heartbeats import MAX_BODY, openapi_operation
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
-from supervisor.api.routes.heartbeats import openapi_operation
 from supervisor.api.schemas import ErrorOut
 from supervisor.sensor.heartbeat import heartbeat_json_schema
 
