@@ -147,7 +147,7 @@ class Supervisor:
             self.settings,
             self.metrics,
             self._apply_effects,
-            on_change=self.hub.action,
+            on_change=self._action_changed,
             fence=self.fence,
         )
         self._controller = Controller(
@@ -342,26 +342,35 @@ class Supervisor:
 
     # --- effects of finished actions --------------------------------------------------------
 
+    def _action_changed(self, action: ActionRecord) -> None:
+        self.hub.action(action)
+        if action.type is ActionType.HOT_SWAP and action.node and not action.status.finished:
+            # The backend takes the node out of service as the swap starts; its host
+            # monitor may report it idle before the swap ends, and it is no spare.
+            cordoned = self.sensor.set_cordoned(action.node, True)
+            if cordoned:
+                self._pending.put_nowait(cordoned)
+
     async def _apply_effects(self, action: ActionRecord) -> None:
         """Keep the sensor's picture in step with what the backend changed."""
-        nodes = []
-        jobs = []
+        batch = []
         if action.type in (ActionType.CORDON, ActionType.HOT_SWAP) and action.node:
-            nodes.append(self.sensor.set_cordoned(action.node, True))
+            batch.append(self.sensor.set_cordoned(action.node, True))
         elif action.type is ActionType.UNCORDON and action.node:
-            nodes.append(self.sensor.set_cordoned(action.node, False))
+            batch.append(self.sensor.set_cordoned(action.node, False))
         elif action.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP) and action.job:
             replicas = action.params.get("to_replicas")
             if isinstance(replicas, int):
-                jobs.append(self.sensor.set_replicas(action.job, replicas))
+                job = self.sensor.set_replicas(action.job, replicas)
+                batch.append(Changes(jobs=[job] if job is not None else []))
             excluded = action.params.get("exclude_node")
             if action.type is ActionType.SCALE_DOWN and isinstance(excluded, str):
-                nodes.append(self.sensor.set_cordoned(excluded, True))
-        changed = Changes(
-            nodes=[n for n in nodes if n is not None], jobs=[j for j in jobs if j is not None]
-        )
-        if changed:
+                batch.append(self.sensor.set_cordoned(excluded, True))
+        changed = Changes.merged(batch)
+        if changed.nodes or changed.jobs:
             await asyncio.to_thread(self.store.record, [], changed.nodes, changed.jobs)
+        if changed.events:  # a spare again: its own path, persisted then to the policy
+            self._pending.put_nowait(Changes(events=changed.events))
 
     # --- operator requests ----------------------------------------------------------------
 

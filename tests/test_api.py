@@ -448,6 +448,62 @@ async def test_xid_fault_runs_the_policy_and_links_everything(
         assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is True
 
 
+class GatedSwapBackend(DryRunBackend):
+    """A hot-swap that lasts until the test lets it finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swapping = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        if action.type is ActionType.HOT_SWAP:
+            self.swapping.set()
+            await self.release.wait()
+        return await super().execute(action)
+
+
+async def test_a_swapped_out_node_is_no_spare_until_uncordoned(
+    make_settings: SettingsFactory,
+) -> None:
+    backend = GatedSwapBackend()
+    async with running(
+        make_settings(heartbeat_timeout_s=30, heartbeat_polling_period_s=5), backend
+    ) as api:
+        for node, job in (("n1", "j1"), ("n2", "j1"), ("s1", None)):
+            await api.beat(heartbeat(node, job=job))
+        response = await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=OPERATOR
+        )
+        assert response.status_code == 201, response.text
+        await asyncio.wait_for(backend.swapping.wait(), 10)
+        # Its host monitor reports it idle while the swap still runs, and after.
+        await api.beat(heartbeat("n1", job=None))
+        backend.release.set()
+        await api.settle()
+        await api.beat(heartbeat("n1", job=None))
+        await api.settle()
+
+        async def spares() -> list[dict[str, Any]]:
+            page = await api.get("/api/v1/events", type="spare_available")
+            return [e for e in page["items"] if e["node"] == "n1"]
+
+        assert await spares() == []
+        assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is True
+        swap = (await api.get("/api/v1/actions", type="hot_swap"))["items"][0]
+        assert swap["status"] == "succeeded"
+        # Repaired and uncordoned by the operator: a spare again, and said so.
+        response = await api.client.post(
+            "/api/v1/actions", json={"type": "uncordon", "node": "n1"}, headers=OPERATOR
+        )
+        assert response.status_code == 202, response.text
+        await api.settle()
+        await api.settle()
+        raised = await spares()
+        assert len(raised) == 1 and raised[0]["details"]["uncordoned"] is True, raised
+        assert (await api.get("/api/v1/nodes/n1"))["cordoned"] is False
+
+
 async def test_an_application_xid_restarts_the_job_and_leaves_the_node_in_service(
     make_settings: SettingsFactory,
 ) -> None:

@@ -355,12 +355,16 @@ class Sensor:
             if node.muted_by_fault == fault_id:
                 node.muted_by_fault = node.muted_until = None
 
-    def set_cordoned(self, node_name: str, cordoned: bool) -> NodeView | None:
+    def set_cordoned(self, node_name: str, cordoned: bool) -> Changes:
+        """The node's record, and `spare_available` when uncordoning makes a spare of it."""
         node = self.nodes.get(node_name)
-        if node is None:
-            return None
+        if node is None or node.cordoned == cordoned:
+            return Changes()
         node.cordoned = cordoned
-        return node.view(self._wall_offset())
+        changes = Changes(nodes=[node.view(self._wall_offset())])
+        if not cordoned and node.alive and node.state is NodeState.SPARE and not node.flapping:
+            changes.events.append(self._event(EventType.SPARE_AVAILABLE, node, uncordoned=True))
+        return changes
 
     def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
         job = self.jobs.get(job_name)
@@ -459,7 +463,7 @@ class Sensor:
         self.nodes[hb.node] = node
         if hb.job is not None:
             self._join(node, hb.job, changes)
-        if hb.state is NodeState.SPARE:
+        if hb.state is NodeState.SPARE:  # new to this sensor: nothing cordoned it yet
             changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
         for worker in hb.workers:
             self._worker_changed(node, None, worker, changes)
@@ -492,7 +496,9 @@ class Sensor:
                 self._event(EventType.NODE_RECOVERED, node, state=hb.state.value, was_flapping=True)
             )
         if hb.state is not node.state:
-            if hb.state is NodeState.SPARE:
+            # A node taken out of service (cordoned, or swapped out) idles like a spare
+            # but is none: raised when it is uncordoned instead.
+            if hb.state is NodeState.SPARE and not node.cordoned:
                 changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
             node.state = hb.state
             changed = True
