@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.goodput import (
-    AnchorEvent,
-    AnchorLogError,
+    CalculatorEvent,
+    CalculatorLogError,
     CheckpointLoaded,
     CheckpointSaved,
     FailureDetected,
@@ -30,37 +30,37 @@ from supervisor.goodput import (
     advice_to_dict,
     advise,
     advise_from_report,
-    anchor_goodput,
+    calculator_goodput,
     check_tier_frequencies,
     compute_goodput,
     daly_interval,
     estimate_mtbf,
     expected_waste,
-    goodput_from_anchor_log,
+    goodput_from_calculator_log,
     goodput_series,
     goodput_to_dict,
     interval_steps,
-    parse_anchor_log,
+    parse_calculator_log,
     parse_timestamp,
     ramdisk_size_bytes,
     ramdisk_sizing,
     ramdisk_to_dict,
-    read_anchor_log,
+    read_calculator_log,
     render_advice_text,
     render_goodput_text,
     render_ramdisk_text,
-    timeline_from_anchor,
+    timeline_from_calculator,
     young_interval,
 )
 
 approx = pytest.approx
 
-# --- the anchor's log and formula ---------------------------------------------------------
+# --- the calculator's log and formula ---------------------------------------------------------
 
-# Times in seconds after 2025-01-01T00:00:00 (written as the anchor's tracker does: naive
+# Times in seconds after 2025-01-01T00:00:00 (written as the calculator's tracker does: naive
 # ISO 8601): scheduled 0, started 60, loaded step 0 at 70, saved 100 at 170 and 200 at
 # 270, crashed at 300, restarted at 400, loaded 200 at 420, saved 300 at 520, ended 530.
-ANCHOR_LOG = """\
+CALCULATOR_LOG = """\
 {"timestamp": "2025-01-01T00:00:00", "job_name": "llama", "event_type": "user_scheduled"}
 {"timestamp": "2025-01-01T00:01:00", "job_name": "llama", "event_type": "job_started"}
 {"timestamp": "2025-01-01T00:01:10", "job_name": "llama", "event_type": "checkpoint_loaded", "step": 0}
@@ -75,12 +75,12 @@ ANCHOR_LOG = """\
 """  # noqa: E501
 
 
-def anchor_events() -> list[AnchorEvent]:
-    return parse_anchor_log(ANCHOR_LOG.splitlines())
+def calculator_events() -> list[CalculatorEvent]:
+    return parse_calculator_log(CALCULATOR_LOG.splitlines())
 
 
-def test_anchor_formula_on_a_written_log() -> None:
-    result = anchor_goodput(anchor_events(), 1.0)
+def test_calculator_formula_on_a_written_log() -> None:
+    result = calculator_goodput(calculator_events(), 1.0)
     # (max_saved_step - min_loaded_step) * reference_step_time / (last_ts - first_ts) * 100
     assert result.goodput_percent == approx((300 - 0) * 1.0 / (530 - 0) * 100)  # 56.60%
     assert result.total_runtime_s == 530
@@ -88,39 +88,41 @@ def test_anchor_formula_on_a_written_log() -> None:
     assert (result.min_loaded_step, result.max_saved_step, result.step_diff) == (0, 300, 300)
     assert result.job_name == "llama"
     assert result.job_starts == 2
-    assert result.checkpoints_loaded == 1  # the anchor counts loads of a step above 0
+    assert result.checkpoints_loaded == 1  # the calculator counts loads of a step above 0
     assert result.checkpoints_saved == 3
     assert result.zero_reason is None
     # A slower reference step scales the figure linearly: 300 * 1.5 / 530 * 100.
-    assert anchor_goodput(anchor_events(), 1.5).goodput_percent == approx(300 * 1.5 / 530 * 100)
+    assert calculator_goodput(calculator_events(), 1.5).goodput_percent == approx(
+        300 * 1.5 / 530 * 100
+    )
 
 
-def test_anchor_formula_is_zero_without_a_reference_step_time() -> None:
+def test_calculator_formula_is_zero_without_a_reference_step_time() -> None:
     for ref in (None, 0.0):
-        result = anchor_goodput(anchor_events(), ref)
+        result = calculator_goodput(calculator_events(), ref)
         assert result.goodput_percent == 0
         assert result.effective_time_s == 0
         assert result.zero_reason == "no reference step time"
-        assert result.total_runtime_s == 530  # still measured, as the anchor does
+        assert result.total_runtime_s == 530  # still measured, as the calculator does
     with pytest.raises(ValueError, match="reference_step_time_s"):
-        anchor_goodput(anchor_events(), -1.0)
+        calculator_goodput(calculator_events(), -1.0)
 
 
-def test_anchor_formula_other_zero_cases() -> None:
-    no_load = [e for e in anchor_events() if e.event_type != "checkpoint_loaded"]
-    assert anchor_goodput(no_load, 1.0).goodput_percent == 0
-    assert anchor_goodput(no_load, 1.0).zero_reason == "no checkpoint_loaded event"
-    assert anchor_goodput([], 1.0).zero_reason == "no events"
-    only_step_zero = parse_anchor_log(
+def test_calculator_formula_other_zero_cases() -> None:
+    no_load = [e for e in calculator_events() if e.event_type != "checkpoint_loaded"]
+    assert calculator_goodput(no_load, 1.0).goodput_percent == 0
+    assert calculator_goodput(no_load, 1.0).zero_reason == "no checkpoint_loaded event"
+    assert calculator_goodput([], 1.0).zero_reason == "no events"
+    only_step_zero = parse_calculator_log(
         [
             '{"timestamp": 0, "event_type": "checkpoint_loaded", "step": 0}',
             '{"timestamp": 10, "event_type": "checkpoint_saved", "step": 0}',
         ]
     )
-    assert anchor_goodput(only_step_zero, 1.0).goodput_percent == 0
+    assert calculator_goodput(only_step_zero, 1.0).goodput_percent == 0
 
 
-def test_anchor_selects_one_job_and_other_events_widen_the_span() -> None:
+def test_calculator_selects_one_job_and_other_events_widen_the_span() -> None:
     lines = [
         '{"timestamp": 100, "job_name": "a", "event_type": "job_started"}',
         '{"timestamp": 50, "job_name": "b", "event_type": "job_started"}',
@@ -130,20 +132,20 @@ def test_anchor_selects_one_job_and_other_events_widen_the_span() -> None:
         '{"timestamp": 200, "job_name": "a", "event_type": "checkpoint_saved", "step": 50}',
         '{"timestamp": 300, "job_name": "a", "event_type": "step_reported"}',
     ]
-    events = parse_anchor_log(lines)
-    # Without a name, the job of the earliest event (b, at 50), as the anchor does:
+    events = parse_calculator_log(lines)
+    # Without a name, the job of the earliest event (b, at 50), as the calculator does:
     # (40 - 0) * 2.0 / (150 - 50) * 100 = 80%.
-    assert anchor_goodput(events, 2.0).goodput_percent == approx(40 * 2.0 / (150 - 50) * 100)
+    assert calculator_goodput(events, 2.0).goodput_percent == approx(40 * 2.0 / (150 - 50) * 100)
     # Job a: the unknown "step_reported" event at 300 still ends the runtime, as in the
-    # anchor: (50 - 10) * 2.0 / (300 - 100) * 100 = 40%.
-    result = anchor_goodput(events, 2.0, job_name="a")
+    # the calculator: (50 - 10) * 2.0 / (300 - 100) * 100 = 40%.
+    result = calculator_goodput(events, 2.0, job_name="a")
     assert result.goodput_percent == approx(40 * 2.0 / 200 * 100)
     assert result.other_events == 1
-    with pytest.raises(AnchorLogError, match=r"line 7, field 'event_type': unknown"):
-        parse_anchor_log(lines, strict=True)
+    with pytest.raises(CalculatorLogError, match=r"line 7, field 'event_type': unknown"):
+        parse_calculator_log(lines, strict=True)
 
 
-def test_anchor_log_liberal_field_names_and_timestamps() -> None:
+def test_calculator_log_liberal_field_names_and_timestamps() -> None:
     lines = [
         # Unix seconds as a number, another event name field, upper case.
         '{"ts": 1735689600, "event": "JOB_STARTED", "job": "x"}',
@@ -157,7 +159,7 @@ def test_anchor_log_liberal_field_names_and_timestamps() -> None:
         '{"jsonPayload": {"event_type": "user_terminated", "job_name": "x"},'
         ' "timestamp": "2025-01-01T00:00:50.500Z"}',
     ]
-    events = parse_anchor_log(lines)
+    events = parse_calculator_log(lines)
     t0 = 1735689600.0  # 2025-01-01T00:00:00Z
     assert [e.timestamp - t0 for e in events] == approx([0, 10, 30, 40, 50.5])
     assert [e.event_type for e in events] == [
@@ -170,7 +172,7 @@ def test_anchor_log_liberal_field_names_and_timestamps() -> None:
     assert [e.step for e in events] == [None, 5, 25, None, None]
     assert {e.job_name for e in events} == {"x"}
     # (25 - 5) * 1.0 / 50.5 * 100
-    assert anchor_goodput(events, 1.0).goodput_percent == approx(20 / 50.5 * 100)
+    assert calculator_goodput(events, 1.0).goodput_percent == approx(20 / 50.5 * 100)
 
 
 def test_parse_timestamp_forms() -> None:
@@ -211,26 +213,26 @@ def test_parse_timestamp_forms() -> None:
         ),
     ],
 )
-def test_anchor_log_errors_name_the_line_and_field(line: str, message: str) -> None:
+def test_calculator_log_errors_name_the_line_and_field(line: str, message: str) -> None:
     good = '{"timestamp": 1, "event_type": "user_scheduled"}'
-    with pytest.raises(AnchorLogError, match=message) as info:
-        parse_anchor_log([good, line])
+    with pytest.raises(CalculatorLogError, match=message) as info:
+        parse_calculator_log([good, line])
     assert info.value.line == 2
 
 
-def test_read_anchor_log_from_a_file(tmp_path: Path) -> None:
+def test_read_calculator_log_from_a_file(tmp_path: Path) -> None:
     path = tmp_path / "llama-goodput.log"
-    path.write_text(ANCHOR_LOG)
-    assert read_anchor_log(path) == anchor_events()
-    path.write_text(ANCHOR_LOG + '{"event_type": "job_started"}\n')
-    with pytest.raises(AnchorLogError, match=r"llama-goodput.log: line 12, field 'timestamp'"):
-        read_anchor_log(path)
+    path.write_text(CALCULATOR_LOG)
+    assert read_calculator_log(path) == calculator_events()
+    path.write_text(CALCULATOR_LOG + '{"event_type": "job_started"}\n')
+    with pytest.raises(CalculatorLogError, match=r"llama-goodput.log: line 12, field 'timestamp'"):
+        read_calculator_log(path)
 
 
-def test_breakdown_of_the_anchor_log() -> None:
-    report = goodput_from_anchor_log(anchor_events(), 1.0)
-    assert report.anchor is not None
-    assert report.anchor.goodput_percent == approx(300 / 530 * 100)
+def test_breakdown_of_the_calculator_log() -> None:
+    report = goodput_from_calculator_log(calculator_events(), 1.0)
+    assert report.calculator is not None
+    assert report.calculator.goodput_percent == approx(300 / 530 * 100)
     b = report.badput
     assert report.wall_s == 530
     # Steps 1-200 from the first load (70) to the save of 200 (270), steps 201-300 from
@@ -245,13 +247,13 @@ def test_breakdown_of_the_anchor_log() -> None:
     assert b.idle_s == approx((60 - 0) + (530 - 520))  # queued, and the end
     assert report.productive_s + b.total_s == approx(report.wall_s)
     # Here the reference step time is the real one, so both agree: 300 / 530.
-    assert report.goodput * 100 == approx(report.anchor.goodput_percent)
+    assert report.goodput * 100 == approx(report.calculator.goodput_percent)
     assert report.attempts == 2
     assert report.failures == 1
     assert report.last_step == 300
 
 
-def test_anchor_user_termination_is_not_a_failure() -> None:
+def test_calculator_user_termination_is_not_a_failure() -> None:
     lines = [
         '{"timestamp": 0, "event_type": "job_started"}',
         '{"timestamp": 10, "event_type": "checkpoint_loaded", "step": 0}',
@@ -263,9 +265,9 @@ def test_anchor_user_termination_is_not_a_failure() -> None:
         '{"timestamp": 210, "event_type": "checkpoint_loaded", "step": 100}',
         '{"timestamp": 310, "event_type": "checkpoint_saved", "step": 200}',
     ]
-    timeline = timeline_from_anchor(parse_anchor_log(lines))
+    timeline = timeline_from_calculator(parse_calculator_log(lines))
     assert timeline.failures == ()
-    assert len(timeline.job_starts) == 2  # repeated job_started collapsed, as the anchor does
+    assert len(timeline.job_starts) == 2  # repeated job_started collapsed, as the calculator does
     report = compute_goodput(timeline)
     assert report.productive_s == approx(100 + 100)
     assert report.badput.restart_s == approx(10 + 10)
@@ -344,6 +346,26 @@ def test_failure_with_emergency_checkpoint() -> None:
     # The emergency checkpoint saved the 5 steps (50 s) the periodic one lost.
     periodic = compute_goodput(failure_timeline(emergency=False))
     assert periodic.badput.lost_progress_s - b.lost_progress_s == approx(5 * 10)
+
+
+def test_only_answers_to_a_failure_count_as_emergency_saves() -> None:
+    """A periodic save that ran between the fault and its detection was no answer to the
+    failure; a save the training side reports as tier `emergency` always is one, and its
+    tier's blocking cost is its own."""
+    recs: list[Record] = [JobStarted(0)]
+    recs += [StepReported(k, 10 * k) for k in range(1, 26)]
+    recs.append(CheckpointSaved(25, 260, 2, "local", blocking=True))  # 258 -> 260
+    recs += [FailureDetected(detected_at=270, fault_at=255), Remediation(270, 300, "hot_swap")]
+    recs.append(CheckpointSaved(25, 276, 4, "emergency", blocking=True))  # 272 -> 276
+    recs += [JobStarted(300), CheckpointLoaded(25, 310, 10, "emergency")]
+    recs += [StepReported(k, 310 + 10 * (k - 25)) for k in range(26, 31)]
+    report = compute_goodput(Timeline.from_records(recs))
+    tiers = {t.tier: t for t in report.tiers}
+    assert (tiers["local"].emergency_saves, tiers["local"].mean_blocking_save_s) == (0, 2)
+    assert (tiers["emergency"].emergency_saves, tiers["emergency"].blocking_saves) == (1, 1)
+    assert tiers["emergency"].mean_blocking_save_s == 4
+    assert report.badput.checkpoint_save_s == approx(2)  # the periodic one
+    assert_sums_to_wall(report)
 
 
 def test_blocking_checkpoint_save() -> None:
@@ -643,7 +665,7 @@ def test_two_tier_advice_and_the_multiple_of_rule() -> None:
     assert durable.daly_interval_s == approx(9027.54, abs=0.01)
     assert durable.recommended_interval_steps == 2 * 1839
     assert durable.recommended_interval_steps % local.recommended_interval_steps == 0
-    # Seed 000's rule on the current settings: 1250 is not a multiple of 500.
+    # HyperPod's rule on the current settings: 1250 is not a multiple of 500.
     assert any("not a multiple" in w and "1000 or 1500" in w for w in advice.warnings)
     # Expected goodput sums both tiers' waste; now local every 1000 s, durable every 2500 s:
     # 1 - (60/1000 + 1000/230400) - (120/2500 + 2500/691200) = 1 - 0.115957 = 0.884043.
@@ -736,7 +758,7 @@ def test_ramdisk_sizing() -> None:
     # 70e9 params x 12 B = 840e9 B; / 16 hosts = 52.5e9; x 2 = 105e9; x 1.15 = 120.75e9.
     assert ramdisk_size_bytes(70e9, 16) == 120_750_000_000
     assert ramdisk_size_bytes(70e9, 16, buffer=0.10) == 115_500_000_000  # 105e9 x 1.10
-    # Seed 001's own example: 32 hosts -> 26.25 GB shard, 52.5 GB, x 1.15 = 60.375 GB.
+    # GKE's own example: 32 hosts -> 26.25 GB shard, 52.5 GB, x 1.15 = 60.375 GB.
     sizing = ramdisk_sizing(70_000_000_000, 32)
     assert sizing.checkpoint_bytes == 840_000_000_000
     assert sizing.shard_bytes == 26_250_000_000
@@ -758,17 +780,17 @@ def test_ramdisk_sizing() -> None:
 
 
 def test_text_and_dict_rendering() -> None:
-    report = goodput_from_anchor_log(anchor_events(), 1.0)
+    report = goodput_from_calculator_log(calculator_events(), 1.0)
     text = render_goodput_text(report)
     assert "Goodput of job llama: 56.6%" in text
     assert "lost progress" in text
-    assert "Anchor calculator's goodput: 56.60%" in text
+    assert "The calculator's goodput: 56.60%" in text
     assert text.splitlines()[-1].startswith("note:")
     data = goodput_to_dict(report)
     assert json.loads(json.dumps(data)) == data
     assert data["goodput_percent"] == approx(300 / 530 * 100)
     assert data["badput"]["remediation_s"] == approx(100)
-    assert data["anchor"]["step_diff"] == 300
+    assert data["calculator"]["step_diff"] == 300
     assert set(data["badput"]) == set(report.badput.as_dict())
 
     advice = advise(2.0, TierInput("local", C, 500), mtbf_s=M)
@@ -780,8 +802,8 @@ def test_text_and_dict_rendering() -> None:
     assert "Young T = sqrt(2*C*M)" in text
 
 
-def test_advice_from_an_anchor_log_needs_the_save_cost() -> None:
-    report = goodput_from_anchor_log(anchor_events(), 1.0)
+def test_advice_from_an_calculator_log_needs_the_save_cost() -> None:
+    report = goodput_from_calculator_log(calculator_events(), 1.0)
     # The log has no save durations: without a cost there is nothing to optimise.
     bare = advise_from_report(report)
     assert bare.tiers == ()

@@ -26,15 +26,15 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_goodput_of_an_anchor_log(tmp_path: Path) -> None:
+def test_goodput_of_an_calculator_log(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     log.write_text(LOG)
     table = cli("goodput", str(log), "--reference-step-time-s", "1")
     assert table.returncode == 0, table.stderr
-    # The anchor's formula: (max saved 200 - min loaded 0) x 1 s / (320 s - 0 s) = 62.5 %
-    assert "Anchor calculator's goodput: 62.50%" in table.stdout
+    # The calculator's formula: (max saved 200 - min loaded 0) x 1 s / (320 s - 0 s) = 62.5 %
+    assert "The calculator's goodput: 62.50%" in table.stdout
     data = json.loads(cli("goodput", str(log), "--reference-step-time-s", "1", "--json").stdout)
-    assert data["anchor"]["goodput_percent"] == 62.5
+    assert data["calculator"]["goodput_percent"] == 62.5
     # Our breakdown covers the whole wall time: 320 s.
     assert data["wall_s"] == 320
 
@@ -73,7 +73,7 @@ def test_advise(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    # 70e9 params x 12 B / 16 hosts x 2 x 1.15 = 120,750,000,000 B (seed 001's rule)
+    # 70e9 params x 12 B / 16 hosts x 2 x 1.15 = 120,750,000,000 B (GKE's rule)
     assert data["ramdisk"]["size_bytes"] == 120_750_000_000
     assert any("multiple" in w for w in data["advice"]["warnings"])
     bad = cli(

@@ -551,7 +551,7 @@ async def test_advice_endpoint_on_the_worked_example(api: Api) -> None:
     assert data["ramdisk"]["hosts"] == 1
     assert data["ramdisk"]["size_bytes"] == 7 * 10**10 * 12 * 2 * 115 // 100
     sized = await api.get("/api/v1/jobs/j1/advice", parameters=7e10, hosts=16)
-    assert sized["ramdisk"]["size_bytes"] == 120_750_000_000  # seed 001's rule, 16 hosts
+    assert sized["ramdisk"]["size_bytes"] == 120_750_000_000  # GKE's rule, 16 hosts
 
 
 async def test_goodput_and_advice_errors(api: Api, make_settings: SettingsFactory) -> None:
@@ -879,7 +879,7 @@ def test_cli_online(server: ServerProcess) -> None:
     )  # fmt: skip
     assert advice.returncode == 0, advice.stderr
     assert "Checkpoint advice" in advice.stdout and "local" in advice.stdout
-    assert "120,750,000,000 bytes" in advice.stdout  # seed 001's rule: 70e9 on 16 hosts
+    assert "120,750,000,000 bytes" in advice.stdout  # GKE's rule: 70e9 on 16 hosts
 
     every = cli("goodput", "--url", server.url, "--token", token)  # no --job: every job's
     assert every.returncode == 0, every.stderr

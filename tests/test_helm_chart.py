@@ -64,7 +64,7 @@ INLINE_POLICY: dict[str, Any] = {
     "policy": {"inline": POLICY_SOURCE, "className": "CordonOnXid"},
 }
 # The parameter names users of Google's resiliency supervisor know (issue 5).
-ANCHOR_NAMES = [
+STANDARD_NAMES = [
     "heartbeat_polling_period_s",
     "heartbeat_timeout_s",
     "pod_termination_threshold_s",
@@ -252,7 +252,7 @@ def test_config_schema_is_the_supervisors_own() -> None:
         expected = {k: v for k, v in settings_schema[name].items() if k != "title"}
         assert prop == expected, name
         assert values["config"][name] == Settings.model_fields[name].default, name
-    assert set(ANCHOR_NAMES) <= set(values["config"])
+    assert set(STANDARD_NAMES) <= set(values["config"])
     # The chart sets these itself; a value for them would be ignored or conflict.
     managed = {"backend", "host", "port", "database_url", "policy", "kube_namespace"}
     managed |= {"agent_token", "operator_token", "host_monitor_actuator_token"}

@@ -423,6 +423,24 @@ async def test_worker_transitions(make_sensor: SensorFactory) -> None:
     assert sensor.ingest(beat("exited", "lost")).events == []
 
 
+async def test_the_last_steps_of_finished_workers_count_but_never_go_back(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    sensor.ingest(hb("n1", workers=[worker(0, 10), worker(1, 10, local_rank=1)]))
+    # The job ended: the steps sent after the loop's end arrive with the workers stopped.
+    done = [worker(0, 12, "stopped"), worker(1, 12, "exited", local_rank=1, exit_code=0)]
+    sensor.ingest(hb("n1", workers=done))
+    view = sensor.job_view("j1")
+    assert view is not None and view.last_step == 12
+    # A node whose worker of an older attempt stopped at a lower step is no rollback,
+    # nor is a crash's last step.
+    sensor.ingest(hb("n2", workers=[worker(2, 4, "stopped")]))
+    sensor.ingest(hb("n3", workers=[worker(4, 30, "exited", exit_code=1)]))
+    view = sensor.job_view("j1")
+    assert view is not None and view.last_step == 12
+
+
 async def test_worker_exited_in_first_heartbeat_is_reported(make_sensor: SensorFactory) -> None:
     sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
     changes = sensor.ingest(hb("n1", "j1", workers=[worker(0, 3, "exited", exit_code=0)]))

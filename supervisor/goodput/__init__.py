@@ -1,7 +1,8 @@
 """Goodput analysis and checkpoint advice: pure computation, no I/O, except
 the step sampler and the CLI.
 
-- :mod:`.anchor_log`: the gpu-recipes goodput calculator's JSON-lines log and its goodput formula.
+- :mod:`.calculator_log`: the gpu-recipes goodput calculator's JSON-lines log and its
+  goodput formula.
 - :mod:`.model`: the input timeline (plain records) and the output report.
 - :mod:`.breakdown`: goodput and badput breakdown of a timeline (or of the calculator's log).
 - :mod:`.history`: a job's timeline from the supervisor's events, actions, checkpoint
@@ -29,22 +30,22 @@ from supervisor.goodput.advice import (
     ramdisk_sizing,
     young_interval,
 )
-from supervisor.goodput.anchor_log import (
-    AnchorEvent,
-    AnchorEventType,
-    AnchorGoodput,
-    AnchorLogError,
-    anchor_goodput,
-    parse_anchor_log,
-    parse_timestamp,
-    read_anchor_log,
-)
 from supervisor.goodput.breakdown import (
     compute_goodput,
-    goodput_from_anchor_log,
+    goodput_from_calculator_log,
     goodput_series,
-    timeline_from_anchor,
+    timeline_from_calculator,
     truncate,
+)
+from supervisor.goodput.calculator_log import (
+    CalculatorEvent,
+    CalculatorEventType,
+    CalculatorGoodput,
+    CalculatorLogError,
+    calculator_goodput,
+    parse_calculator_log,
+    parse_timestamp,
+    read_calculator_log,
 )
 from supervisor.goodput.model import (
     DURABLE_TIER,
@@ -76,11 +77,11 @@ from supervisor.goodput.report import (
 __all__ = [
     "DURABLE_TIER",
     "LOCAL_TIER",
-    "AnchorEvent",
-    "AnchorEventType",
-    "AnchorGoodput",
-    "AnchorLogError",
     "Badput",
+    "CalculatorEvent",
+    "CalculatorEventType",
+    "CalculatorGoodput",
+    "CalculatorLogError",
     "CheckpointAdvice",
     "CheckpointLoaded",
     "CheckpointSaved",
@@ -102,26 +103,26 @@ __all__ = [
     "advice_to_dict",
     "advise",
     "advise_from_report",
-    "anchor_goodput",
+    "calculator_goodput",
     "check_tier_frequencies",
     "compute_goodput",
     "daly_interval",
     "estimate_mtbf",
     "expected_waste",
-    "goodput_from_anchor_log",
+    "goodput_from_calculator_log",
     "goodput_series",
     "goodput_to_dict",
     "interval_steps",
-    "parse_anchor_log",
+    "parse_calculator_log",
     "parse_timestamp",
     "ramdisk_size_bytes",
     "ramdisk_sizing",
     "ramdisk_to_dict",
-    "read_anchor_log",
+    "read_calculator_log",
     "render_advice_text",
     "render_goodput_text",
     "render_ramdisk_text",
-    "timeline_from_anchor",
+    "timeline_from_calculator",
     "truncate",
     "young_interval",
 ]

@@ -16,8 +16,9 @@ to the local tier when it survived (a process crash, a restart in place), to the
 tier when it did not (e.g. node losses the local tier cannot survive). With ``M`` the MTBF
 of all failures and ``M_d`` that of failures needing the durable tier, the local tier's
 failures arrive every ``M_l = 1 / (1/M - 1/M_d)``; each tier is optimised with its own
-cost and MTBF, and the durable interval is rounded to a multiple of the local one (seed
-000: "S3 frequency should generally be a multiple of in-memory frequency")::
+cost and MTBF, and the durable interval is rounded to a multiple of the local one (as
+HyperPod's tiered checkpointing advises: "S3 frequency should generally be a multiple of
+in-memory frequency")::
 
     expected goodput = 1 - sum over tiers of (C_i / T_i + T_i / (2 M_i))
                          - downtime_per_failure / M

@@ -43,15 +43,16 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from supervisor.goodput.anchor_log import (
-    AnchorEvent,
-    AnchorEventType,
-    AnchorGoodput,
-    anchor_goodput,
+from supervisor.goodput.calculator_log import (
+    CalculatorEvent,
+    CalculatorEventType,
+    CalculatorGoodput,
+    calculator_goodput,
     collapse_repeats,
     select_job,
 )
 from supervisor.goodput.model import (
+    EMERGENCY_TIER,
     Badput,
     CheckpointLoaded,
     CheckpointSaved,
@@ -71,7 +72,7 @@ _SAVE, _LOAD, _STEP, _LOST, _DETECT, _REMEDIATE, _RESTART = range(7)
 _LEVELS = 7
 
 #: Tier name given to checkpoints of the gpu-recipes calculator's log, which does not say.
-ANCHOR_TIER = "unknown"
+CALCULATOR_TIER = "unknown"
 
 
 @dataclass
@@ -252,13 +253,13 @@ def compute_goodput(
     timeline: Timeline,
     *,
     reference_step_time_s: float | None = None,
-    anchor: AnchorGoodput | None = None,
+    calculator: CalculatorGoodput | None = None,
     series_points: int = 0,
 ) -> GoodputReport:
     """Goodput and badput breakdown of ``timeline`` (see the module docstring for the model).
 
     ``reference_step_time_s`` is used only to place the start of the first step after a
-    (re)start; without it the median measured step time is used. ``anchor`` is attached to
+    (re)start; without it the median measured step time is used. ``calculator`` is attached to
     the report as is. ``series_points`` > 0 adds ``series``: the breakdown from the start
     up to each of that many evenly spaced times, as this report labels the time (so work
     redone later is lost progress already), in one pass; :func:`goodput_series` gives
@@ -285,7 +286,7 @@ def compute_goodput(
             steps_kept=0,
             steps_redone=0,
             step_time_s=None,
-            anchor=anchor,
+            calculator=calculator,
             notes=("empty timeline",),
         )
     w0, w1 = window
@@ -398,7 +399,7 @@ def compute_goodput(
     for rem in timeline.remediations:
         intervals.append((rem.start, rem.end, _REMEDIATE, 0))
 
-    failure_windows: list[tuple[float, float]] = []
+    handling_windows: list[tuple[float, float]] = []
     for f in timeline.failures:
         d = f.detected_at
         x = f.fault_at if f.fault_at is not None else d
@@ -421,21 +422,21 @@ def compute_goodput(
             if not progressed:
                 intervals.append((d, restart, _REMEDIATE, 0))
                 handled_until = restart
-        failure_windows.append((x, handled_until))
+        # From the detection: a periodic save that ran between the fault and its
+        # detection was no answer to it.
+        handling_windows.append((d, handled_until))
 
-    handling = _union(failure_windows)
+    handling = _union(handling_windows)
     handling_starts = [lo for lo, _ in handling]
     emergency: set[int] = set()
     for idx, sv in enumerate(timeline.saves):
-        if not sv.blocking:
-            continue
         mid = sv.time - sv.duration_s / 2
         w = bisect.bisect_right(handling_starts, mid) - 1
-        if w >= 0 and mid <= handling[w][1]:
+        if sv.tier == EMERGENCY_TIER or (sv.blocking and w >= 0 and mid <= handling[w][1]):
             emergency.add(idx)
-            intervals.append((sv.time - sv.duration_s, sv.time, _REMEDIATE, 0))
-        else:
-            intervals.append((sv.time - sv.duration_s, sv.time, _SAVE, 0))
+        if sv.blocking:
+            label = _REMEDIATE if idx in emergency else _SAVE
+            intervals.append((sv.time - sv.duration_s, sv.time, label, 0))
 
     capacity = sorted((rc.time, rc.capacity) for rc in timeline.replica_changes)
     marks = [w0 + (w1 - w0) * (k + 1) / series_points for k in range(max(0, series_points))]
@@ -475,7 +476,7 @@ def compute_goodput(
         steps_redone=redone,
         step_time_s=measured_step_s,
         tiers=_tier_stats(timeline, emergency),
-        anchor=anchor,
+        calculator=calculator,
         notes=tuple(notes),
         series=series,
     )
@@ -515,7 +516,12 @@ def _tier_stats(timeline: Timeline, emergency: set[int]) -> tuple[TierStats, ...
     out = []
     for name in names:
         saves = [(i, s) for i, s in enumerate(timeline.saves) if s.tier == name]
-        periodic = [s.duration_s for i, s in saves if s.blocking and i not in emergency]
+        # The emergency tier's cost is its own saves'; any other tier's, its periodic ones.
+        periodic = [
+            s.duration_s
+            for i, s in saves
+            if s.blocking and (i not in emergency or name == EMERGENCY_TIER)
+        ]
         steps = sorted({s.step for _, s in saves})
         gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
         median_gap = _median([float(g) for g in gaps])
@@ -594,7 +600,9 @@ def goodput_series(
 # --- the calculator's log as a timeline -------------------------------------------------------
 
 
-def timeline_from_anchor(events: Sequence[AnchorEvent], *, job_name: str | None = None) -> Timeline:
+def timeline_from_calculator(
+    events: Sequence[CalculatorEvent], *, job_name: str | None = None
+) -> Timeline:
     """Map the calculator's events of one job (:func:`select_job`) onto a :class:`Timeline`.
 
     - The window runs from the first to the last event, as the calculator's runtime does;
@@ -615,7 +623,7 @@ def timeline_from_anchor(events: Sequence[AnchorEvent], *, job_name: str | None 
     job = job_name if job_name is not None else (selected[0].job_name if selected else None)
     if not selected:
         return Timeline(job=job)
-    T = AnchorEventType
+    T = CalculatorEventType
     start_idx = [i for i, e in enumerate(selected) if e.event_type == T.JOB_STARTED]
     starts: list[JobStarted] = []
     stops: list[JobStopped] = []
@@ -629,9 +637,9 @@ def timeline_from_anchor(events: Sequence[AnchorEvent], *, job_name: str | None 
         if kind is T.JOB_STARTED:
             starts.append(JobStarted(t, attempt=len(starts)))
         elif kind is T.CHECKPOINT_LOADED:
-            loads.append(CheckpointLoaded(e.step or 0, t, 0.0, ANCHOR_TIER))
+            loads.append(CheckpointLoaded(e.step or 0, t, 0.0, CALCULATOR_TIER))
         elif kind is T.CHECKPOINT_SAVED:
-            saves.append(CheckpointSaved(e.step or 0, t, 0.0, ANCHOR_TIER, blocking=False))
+            saves.append(CheckpointSaved(e.step or 0, t, 0.0, CALCULATOR_TIER, blocking=False))
             steps.append(StepReported(e.step or 0, t))
         elif kind is T.USER_TERMINATED:
             stops.append(JobStopped(t, "user_terminated"))
@@ -658,16 +666,18 @@ def timeline_from_anchor(events: Sequence[AnchorEvent], *, job_name: str | None 
     )
 
 
-def goodput_from_anchor_log(
-    events: Sequence[AnchorEvent],
+def goodput_from_calculator_log(
+    events: Sequence[CalculatorEvent],
     reference_step_time_s: float | None = None,
     *,
     job_name: str | None = None,
 ) -> GoodputReport:
-    """Our breakdown of a calculator log, with its own figure attached (``.anchor``)."""
-    anchor = anchor_goodput(events, reference_step_time_s, job_name=job_name)
-    timeline = timeline_from_anchor(events, job_name=job_name)
-    report = compute_goodput(timeline, reference_step_time_s=reference_step_time_s, anchor=anchor)
+    """Our breakdown of a calculator log, with its own figure attached (``.calculator``)."""
+    calculator = calculator_goodput(events, reference_step_time_s, job_name=job_name)
+    timeline = timeline_from_calculator(events, job_name=job_name)
+    report = compute_goodput(
+        timeline, reference_step_time_s=reference_step_time_s, calculator=calculator
+    )
     notes = (
         *report.notes,
         "from the calculator's log: save durations are not logged (checkpoint_save_s is 0) and "

@@ -26,8 +26,8 @@ from supervisor.goodput.advice import (
     advise,
     ramdisk_sizing,
 )
-from supervisor.goodput.anchor_log import read_anchor_log
-from supervisor.goodput.breakdown import goodput_from_anchor_log
+from supervisor.goodput.breakdown import goodput_from_calculator_log
+from supervisor.goodput.calculator_log import read_calculator_log
 from supervisor.goodput.model import Badput, GoodputReport, TierStats
 from supervisor.goodput.report import (
     advice_to_dict,
@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> None:
             return
         if args.server is not None:
             raise ValueError("give a log file or --server (--url), not both")
-        events = read_anchor_log(args.log)
-        report = goodput_from_anchor_log(events, args.reference_step_time_s, job_name=args.job)
+        events = read_calculator_log(args.log)
+        report = goodput_from_calculator_log(events, args.reference_step_time_s, job_name=args.job)
         _print(goodput_to_dict(report), args, lambda: render_goodput_text(report))
         return
     if args.server is not None and not args.job:

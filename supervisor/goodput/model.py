@@ -4,8 +4,8 @@ The input is a :class:`Timeline`: what happened to one job, as a handful of reco
 (plain frozen dataclasses, times in seconds on one clock, e.g. Unix seconds). Nothing here
 knows about the store, the API or the workers' wire format, so an adapter can build a
 timeline from the event/action history and the workers' checkpoint reports, and the
-anchor calculator's log maps onto it too
-(:func:`supervisor.goodput.breakdown.timeline_from_anchor`).
+gpu-recipes goodput calculator's log maps onto it too
+(:func:`supervisor.goodput.breakdown.timeline_from_calculator`).
 
 Meaning of each record (the breakdown in :mod:`supervisor.goodput.breakdown` relies on it):
 
@@ -37,10 +37,11 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 
-from supervisor.goodput.anchor_log import AnchorGoodput
+from supervisor.goodput.calculator_log import CalculatorGoodput
 
 #: Tier names used by default for the fast local tier and the durable tier.
 LOCAL_TIER = "local"
+EMERGENCY_TIER = "emergency"  # what the training side calls an emergency checkpoint
 RAM_TIER = "ram"  # the PyTorch checkpoint tiers' fast tier
 DURABLE_TIER = "durable"
 
@@ -388,11 +389,13 @@ class TierStats:
     tier: str
     saves: int
     blocking_saves: int
-    #: Blocking saves taken during a failure's handling (emergency checkpoints).
+    #: Emergency checkpoints: saves reported as tier `emergency`, and blocking saves taken
+    #: after a failure's detection, before training resumed.
     emergency_saves: int
     #: Mean duration of all saves of the tier.
     mean_save_s: float | None
-    #: Mean duration of the blocking saves outside failure handling: the save cost C.
+    #: Mean duration of the blocking saves outside failure handling: the save cost C (of
+    #: the emergency tier: of its own saves).
     mean_blocking_save_s: float | None
     #: Median number of steps between consecutive saves of the tier.
     interval_steps: int | None
@@ -455,7 +458,7 @@ class GoodputReport:
     step_time_s: float | None
     tiers: tuple[TierStats, ...] = ()
     #: The gpu-recipes goodput calculator's figure on the same log, when the input was its log.
-    anchor: AnchorGoodput | None = None
+    calculator: CalculatorGoodput | None = None
     notes: tuple[str, ...] = ()
     #: Cumulative breakdown at evenly spaced times (``compute_goodput(series_points=N)``).
     series: tuple[GoodputPoint, ...] = ()

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from supervisor.goodput.advice import CheckpointAdvice, RamdiskSizing
-from supervisor.goodput.anchor_log import AnchorGoodput
+from supervisor.goodput.calculator_log import CalculatorGoodput
 from supervisor.goodput.model import BADPUT_CATEGORIES, GoodputReport
 
 #: Labels of the badput categories in tables.
@@ -93,9 +93,9 @@ def _clean(value: Any) -> Any:
 # --- goodput ------------------------------------------------------------------------------
 
 
-def anchor_to_dict(anchor: AnchorGoodput) -> dict[str, Any]:
-    d = asdict(anchor)
-    d["step_diff"] = anchor.step_diff
+def calculator_to_dict(calculator: CalculatorGoodput) -> dict[str, Any]:
+    d = asdict(calculator)
+    d["step_diff"] = calculator.step_diff
     result: dict[str, Any] = _clean(d)
     return result
 
@@ -120,7 +120,9 @@ def goodput_to_dict(report: GoodputReport) -> dict[str, Any]:
         "step_time_s": report.step_time_s,
         "downtime_per_failure_s": report.downtime_per_failure_s,
         "tiers": [asdict(t) for t in report.tiers],
-        "anchor": anchor_to_dict(report.anchor) if report.anchor is not None else None,
+        "calculator": calculator_to_dict(report.calculator)
+        if report.calculator is not None
+        else None,
         "notes": list(report.notes),
     }
     result: dict[str, Any] = _clean(d)
@@ -128,7 +130,7 @@ def goodput_to_dict(report: GoodputReport) -> dict[str, Any]:
 
 
 def render_goodput_text(report: GoodputReport) -> str:
-    """A readable summary: headline, breakdown table, checkpoint tiers, anchor parity."""
+    """A readable summary: headline, breakdown table, checkpoint tiers, the calculator's figure."""
     name = f"job {report.job}" if report.job else "the job"
     out = [
         f"Goodput of {name}: {format_percent(report.goodput)}"
@@ -186,23 +188,23 @@ def render_goodput_text(report: GoodputReport) -> str:
                 right=set(range(1, 9)),
             )
         )
-    if report.anchor is not None:
+    if report.calculator is not None:
         out.append("")
-        out.append(render_anchor_text(report.anchor))
+        out.append(render_calculator_text(report.calculator))
     if report.notes:
         out.append("")
         out.extend(f"note: {n}" for n in report.notes)
     return "\n".join(out)
 
 
-def render_anchor_text(anchor: AnchorGoodput) -> str:
-    line = f"Anchor calculator's goodput: {anchor.goodput_percent:.2f}%"
-    if anchor.zero_reason:
-        return f"{line} ({anchor.zero_reason})"
+def render_calculator_text(calculator: CalculatorGoodput) -> str:
+    line = f"The calculator's goodput: {calculator.goodput_percent:.2f}%"
+    if calculator.zero_reason:
+        return f"{line} ({calculator.zero_reason})"
     return (
-        f"{line} (steps {anchor.min_loaded_step} -> {anchor.max_saved_step} x "
-        f"{anchor.reference_step_time_s:g} s reference step time / "
-        f"{format_duration(anchor.total_runtime_s)} runtime)"
+        f"{line} (steps {calculator.min_loaded_step} -> {calculator.max_saved_step} x "
+        f"{calculator.reference_step_time_s:g} s reference step time / "
+        f"{format_duration(calculator.total_runtime_s)} runtime)"
     )
 
 

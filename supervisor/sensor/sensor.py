@@ -646,12 +646,19 @@ class Sensor:
         """Take the node's newest step: the highest of its running workers' steps. The
         job's view when what it learned of its step intervals changed (to persist)."""
         assert node.job is not None
+        job = self.jobs[node.job]
         running = WorkerState.RUNNING
         step = max(
             [w.step for w in workers if w.state is running and w.step is not None], default=-1
         )
+        if step < 0:
+            # A worker that finished reports its last steps after the loop ended: they
+            # count, but only forward (an old attempt's stopped worker is no rollback).
+            step = max([w.step for w in workers if _finished(w) and w.step is not None], default=-1)
+            if step <= job.progress.max_step:
+                return None
         if step >= 0:
-            return self._observe(self.jobs[node.job], node.name, step, now)
+            return self._observe(job, node.name, step, now)
         return None
 
     def _observe(self, job: JobRecord, node_name: str, step: int, now: float) -> JobView | None:
@@ -907,6 +914,13 @@ _MAY_HANG = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
 _SILENT_PERIODS = 1.5
 #: A deferred hang check runs this long after the silent node's heartbeat deadline.
 _AFTER_NODE_DEADLINE_S = 0.01
+
+
+def _finished(worker: WorkerReport) -> bool:
+    """Stopped on purpose, or exited with success."""
+    return worker.state is WorkerState.STOPPED or (
+        worker.state is WorkerState.EXITED and worker.exit_code == 0
+    )
 
 
 def _ranks(workers: list[WorkerReport]) -> tuple[int, ...]:

@@ -81,10 +81,14 @@ class TierStatsOut(BaseModel):
     tier: str
     saves: int
     blocking_saves: int
-    emergency_saves: int = Field(description="Saves during a failure's handling.")
+    emergency_saves: int = Field(
+        description="Emergency checkpoints: saves reported as tier `emergency`, and blocking "
+        "saves after a failure's detection, before training resumed."
+    )
     mean_save_s: float | None
     mean_blocking_save_s: float | None = Field(
-        description="Mean blocking save outside failure handling: the save cost C."
+        description="Mean blocking save outside failure handling: the save cost C (of the "
+        "`emergency` tier: of its own saves)."
     )
     interval_steps: int | None = Field(description="Median steps between two saves.")
     loads: int

@@ -9,7 +9,7 @@ is present on ``checkpoint_loaded`` and ``checkpoint_saved``. Its calculator com
     goodput% = (max_saved_step - min_loaded_step) * reference_step_time
                / (last_ts - first_ts) * 100
 
-and :func:`anchor_goodput` reproduces that figure, including its zero cases.
+and :func:`calculator_goodput` reproduces that figure, including its zero cases.
 
 What this parser accepts (assumptions, all documented here):
 
@@ -25,12 +25,12 @@ What this parser accepts (assumptions, all documented here):
   the first and last timestamp. ``strict=True`` rejects them instead.
 - Timestamps: ISO 8601 strings (``Z`` or an offset, or naive, which is read as UTC: only
   differences matter, but a naive log spanning a DST change is off by an hour, as the
-  anchor is), or Unix time as a number or numeric string. Numbers too large to be seconds
+  calculator is), or Unix time as a number or numeric string. Numbers too large to be seconds
   are read by magnitude as milliseconds (>= 1e11), microseconds (>= 1e14) or nanoseconds
   (>= 1e17).
 - Steps: non-negative integers (integral floats and digit strings accepted). A
   checkpoint event without a step is an error (the calculator silently reads it as step 0).
-- Blank lines are skipped; any other bad line raises :class:`AnchorLogError` naming the
+- Blank lines are skipped; any other bad line raises :class:`CalculatorLogError` naming the
   line number and the field (the calculator skips unparsable lines with a warning).
 - Events are ordered by parsed time, ties by the calculator's event order (the calculator sorts
   the timestamp strings, which is the same order for a log written in one format).
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 
-class AnchorEventType(StrEnum):
+class CalculatorEventType(StrEnum):
     USER_SCHEDULED = "user_scheduled"
     JOB_STARTED = "job_started"
     CHECKPOINT_LOADED = "checkpoint_loaded"
@@ -59,9 +59,11 @@ class AnchorEventType(StrEnum):
 
 
 #: The calculator's tie-break order for events with equal timestamps.
-EVENT_ORDER: dict[str, int] = {t.value: i for i, t in enumerate(AnchorEventType)}
+EVENT_ORDER: dict[str, int] = {t.value: i for i, t in enumerate(CalculatorEventType)}
 
-CHECKPOINT_EVENTS = frozenset({AnchorEventType.CHECKPOINT_LOADED, AnchorEventType.CHECKPOINT_SAVED})
+CHECKPOINT_EVENTS = frozenset(
+    {CalculatorEventType.CHECKPOINT_LOADED, CalculatorEventType.CHECKPOINT_SAVED}
+)
 
 EVENT_KEYS = ("event_type", "event", "type", "eventType", "event_name")
 TIME_KEYS = (
@@ -81,7 +83,7 @@ JOB_KEYS = ("job_name", "job", "jobName", "job_id")
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
-class AnchorLogError(ValueError):
+class CalculatorLogError(ValueError):
     """A bad line of a calculator log: ``line`` (1-based) and ``field`` say where."""
 
     def __init__(self, message: str, *, line: int | None = None, field: str | None = None):
@@ -97,7 +99,7 @@ class AnchorLogError(ValueError):
 
 
 @dataclass(frozen=True)
-class AnchorEvent:
+class CalculatorEvent:
     """One event of a calculator log. ``timestamp`` is in Unix seconds."""
 
     event_type: str
@@ -108,10 +110,10 @@ class AnchorEvent:
     line: int = 0
 
     @property
-    def kind(self) -> AnchorEventType | None:
+    def kind(self) -> CalculatorEventType | None:
         """The event's type, or None for an event type the calculator does not know."""
         try:
-            return AnchorEventType(self.event_type)
+            return CalculatorEventType(self.event_type)
         except ValueError:
             return None
 
@@ -186,10 +188,12 @@ def normalize_event_type(name: str) -> str:
     return re.sub(r"[-\s]+", "_", name.strip()).lower()
 
 
-def parse_anchor_event(obj: object, *, line: int = 0, strict: bool = False) -> AnchorEvent:
+def parse_calculator_event(obj: object, *, line: int = 0, strict: bool = False) -> CalculatorEvent:
     """One event from a decoded JSON value (``line`` is only used in error messages)."""
     if not isinstance(obj, dict):
-        raise AnchorLogError(f"expected a JSON object, got {type(obj).__name__}", line=line or None)
+        raise CalculatorLogError(
+            f"expected a JSON object, got {type(obj).__name__}", line=line or None
+        )
     fields: dict[str, Any] = obj
     envelope: dict[str, Any] = {}
     payload = obj.get("jsonPayload")
@@ -199,13 +203,13 @@ def parse_anchor_event(obj: object, *, line: int = 0, strict: bool = False) -> A
 
     found = _first(fields, EVENT_KEYS)
     if found is None:
-        raise AnchorLogError("missing (no event type)", line=where, field="event_type")
+        raise CalculatorLogError("missing (no event type)", line=where, field="event_type")
     key, raw_type = found
     if not isinstance(raw_type, str) or not raw_type.strip():
-        raise AnchorLogError(f"expected an event name, got {raw_type!r}", line=where, field=key)
+        raise CalculatorLogError(f"expected an event name, got {raw_type!r}", line=where, field=key)
     event_type = normalize_event_type(raw_type)
     if strict and event_type not in EVENT_ORDER:
-        raise AnchorLogError(
+        raise CalculatorLogError(
             f"unknown event type {raw_type!r} (expected one of {', '.join(EVENT_ORDER)})",
             line=where,
             field=key,
@@ -213,12 +217,12 @@ def parse_anchor_event(obj: object, *, line: int = 0, strict: bool = False) -> A
 
     found = _first(fields, TIME_KEYS) or _first(envelope, TIME_KEYS)
     if found is None:
-        raise AnchorLogError("missing (no timestamp)", line=where, field="timestamp")
+        raise CalculatorLogError("missing (no timestamp)", line=where, field="timestamp")
     key, raw_time = found
     try:
         timestamp = parse_timestamp(raw_time)
     except ValueError as exc:
-        raise AnchorLogError(str(exc), line=where, field=key) from None
+        raise CalculatorLogError(str(exc), line=where, field=key) from None
 
     step: int | None = None
     found = _first(fields, STEP_KEYS)
@@ -227,9 +231,9 @@ def parse_anchor_event(obj: object, *, line: int = 0, strict: bool = False) -> A
         try:
             step = _parse_step(raw_step)
         except ValueError as exc:
-            raise AnchorLogError(str(exc), line=where, field=key) from None
+            raise CalculatorLogError(str(exc), line=where, field=key) from None
     elif event_type in CHECKPOINT_EVENTS:
-        raise AnchorLogError(
+        raise CalculatorLogError(
             f"missing (a {event_type} event needs a step)", line=where, field="step"
         )
 
@@ -237,48 +241,50 @@ def parse_anchor_event(obj: object, *, line: int = 0, strict: bool = False) -> A
     found = _first(fields, JOB_KEYS)
     if found is not None:
         job_name = str(found[1])
-    return AnchorEvent(event_type, timestamp, step, job_name, line)
+    return CalculatorEvent(event_type, timestamp, step, job_name, line)
 
 
-def parse_anchor_log(lines: Iterable[str], *, strict: bool = False) -> list[AnchorEvent]:
+def parse_calculator_log(lines: Iterable[str], *, strict: bool = False) -> list[CalculatorEvent]:
     """Parse JSON lines into events, sorted by time (ties in the calculator's event order).
 
-    Raises :class:`AnchorLogError` on the first bad line.
+    Raises :class:`CalculatorLogError` on the first bad line.
     """
-    events: list[AnchorEvent] = []
+    events: list[CalculatorEvent] = []
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise AnchorLogError(
+            raise CalculatorLogError(
                 f"invalid JSON: {exc.msg} at column {exc.colno}", line=number
             ) from None
-        events.append(parse_anchor_event(obj, line=number, strict=strict))
-    events.sort(key=AnchorEvent.sort_key)
+        events.append(parse_calculator_event(obj, line=number, strict=strict))
+    events.sort(key=CalculatorEvent.sort_key)
     return events
 
 
-def read_anchor_log(path: str | Path, *, strict: bool = False) -> list[AnchorEvent]:
+def read_calculator_log(path: str | Path, *, strict: bool = False) -> list[CalculatorEvent]:
     """Read and parse a calculator log file (UTF-8). Errors name the file and the line."""
     with open(path, encoding="utf-8") as f:
         try:
-            return parse_anchor_log(f, strict=strict)
-        except AnchorLogError as exc:
-            raise AnchorLogError(f"{path}: {exc}") from exc
+            return parse_calculator_log(f, strict=strict)
+        except CalculatorLogError as exc:
+            raise CalculatorLogError(f"{path}: {exc}") from exc
 
 
 # --- the calculator's formula -----------------------------------------------------------------
 
 
-def select_job(events: Sequence[AnchorEvent], job_name: str | None = None) -> list[AnchorEvent]:
+def select_job(
+    events: Sequence[CalculatorEvent], job_name: str | None = None
+) -> list[CalculatorEvent]:
     """The events of one job, sorted, as the calculator selects them.
 
     With ``job_name``, the events carrying that name. Without, the job of the earliest
     event when it has one (the calculator's default), else every event.
     """
-    ordered = sorted(events, key=AnchorEvent.sort_key)
+    ordered = sorted(events, key=CalculatorEvent.sort_key)
     if job_name is None and ordered:
         job_name = ordered[0].job_name
     if job_name is None:
@@ -286,14 +292,14 @@ def select_job(events: Sequence[AnchorEvent], job_name: str | None = None) -> li
     return [e for e in ordered if e.job_name == job_name]
 
 
-def collapse_repeats(events: Sequence[AnchorEvent]) -> list[AnchorEvent]:
+def collapse_repeats(events: Sequence[CalculatorEvent]) -> list[CalculatorEvent]:
     """Keep only the last of consecutive ``job_started`` (or ``job_terminated``) events.
 
     The calculator does this (several ranks may log the same start); it changes neither the
     first nor the last timestamp.
     """
-    out: list[AnchorEvent] = []
-    repeatable = (AnchorEventType.JOB_STARTED, AnchorEventType.JOB_TERMINATED)
+    out: list[CalculatorEvent] = []
+    repeatable = (CalculatorEventType.JOB_STARTED, CalculatorEventType.JOB_TERMINATED)
     for event in events:
         if out and event.event_type in repeatable and out[-1].event_type == event.event_type:
             out.pop()
@@ -302,7 +308,7 @@ def collapse_repeats(events: Sequence[AnchorEvent]) -> list[AnchorEvent]:
 
 
 @dataclass(frozen=True)
-class AnchorGoodput:
+class CalculatorGoodput:
     """The calculator's figures for one job's log."""
 
     goodput_percent: float
@@ -331,12 +337,12 @@ class AnchorGoodput:
         return self.max_saved_step - self.min_loaded_step
 
 
-def anchor_goodput(
-    events: Sequence[AnchorEvent],
+def calculator_goodput(
+    events: Sequence[CalculatorEvent],
     reference_step_time_s: float | None,
     *,
     job_name: str | None = None,
-) -> AnchorGoodput:
+) -> CalculatorGoodput:
     """The calculator's goodput on ``events``, exactly as its formula gives it.
 
     ``goodput% = (max_saved_step - min_loaded_step) * reference_step_time_s
@@ -355,8 +361,10 @@ def anchor_goodput(
     job = job_name if job_name is not None else (selected[0].job_name if selected else None)
     runtime = selected[-1].timestamp - selected[0].timestamp if selected else 0.0
 
-    loaded = [e.step or 0 for e in selected if e.event_type == AnchorEventType.CHECKPOINT_LOADED]
-    saved = [e.step or 0 for e in selected if e.event_type == AnchorEventType.CHECKPOINT_SAVED]
+    loaded = [
+        e.step or 0 for e in selected if e.event_type == CalculatorEventType.CHECKPOINT_LOADED
+    ]
+    saved = [e.step or 0 for e in selected if e.event_type == CalculatorEventType.CHECKPOINT_SAVED]
     min_loaded = min(loaded) if loaded else None
     max_saved = max([0, *saved]) if saved else None
 
@@ -379,7 +387,7 @@ def anchor_goodput(
             percent = effective / runtime * 100
         else:
             reason = "the events span no time"
-    return AnchorGoodput(
+    return CalculatorGoodput(
         goodput_percent=percent,
         total_runtime_s=runtime,
         effective_time_s=effective,
@@ -388,7 +396,7 @@ def anchor_goodput(
         max_saved_step=max_saved,
         job_name=job,
         events=len(selected),
-        job_starts=sum(1 for e in selected if e.event_type == AnchorEventType.JOB_STARTED),
+        job_starts=sum(1 for e in selected if e.event_type == CalculatorEventType.JOB_STARTED),
         checkpoints_loaded=sum(1 for step in loaded if step > 0),
         checkpoints_saved=len(saved),
         other_events=sum(1 for e in selected if e.kind is None),
