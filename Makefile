@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,demo,torch]' 'torch==$(TORCH_VERSION)'
 	touch $(STAMP)
 
+# Flags for the demo: make demo ARGS="--workload torch --spares 1" (see ARGS="--help").
+ARGS ?=
+
 demo: $(STAMP)
-	$(BIN)/supervisor demo
+	$(BIN)/supervisor demo $(ARGS)
 
 # The deployment tests need Helm and the Kubernetes schemas (extra `deploy`, ~80 MB
 # download), the Lightning callback's tests PyTorch Lightning (extra `lightning`): only

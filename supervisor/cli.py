@@ -78,8 +78,25 @@ def _parser() -> argparse.ArgumentParser:
         "(needs the `torch` extra).",
     )
     demo.add_argument("--seed", type=int, default=d.seed)
-    demo.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
+    demo.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help=f"Default {d.heartbeat_timeout_s:g}: faster than a cluster's 15 s, to watch.",
+    )
     demo.add_argument("--node-repair-s", type=float, default=d.node_repair_s)
+    demo.add_argument(
+        "--policy",
+        default=d.policy,
+        help="The supervisor's policy: 'module:Class' or 'path/to/file.py:Class'.",
+    )
+    demo.add_argument(
+        "--set",
+        metavar="SETTING=VALUE",
+        action="append",
+        default=[],
+        help="Any other supervisor setting (e.g. --set restart_window_s=600); repeatable.",
+    )
     goodput_cli.add_commands(sub)
     ops_commands.add_commands(sub)
     return parser
@@ -154,7 +171,24 @@ def _demo_options(args: argparse.Namespace, nodes_per_dp: int, step_time_s: floa
         heartbeat_polling_period_s=min(1.0, args.heartbeat_timeout_s / 4),
         node_repair_s=args.node_repair_s,
         workload=args.workload,
+        policy=args.policy,
+        supervisor_env=_demo_settings(args.set),
     )
+
+
+def _demo_settings(pairs: list[str]) -> dict[str, str]:
+    """`--set name=value` as the supervisor's environment; an unknown name stops here."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in Settings.model_fields:
+            raise SystemExit(
+                f"supervisor demo: --set {pair!r}: expected SETTING=VALUE, where "
+                "SETTING is one of the settings in the README's table"
+            )
+        env[f"SUPERVISOR_{name.upper()}"] = value
+    return env
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -173,6 +207,12 @@ def _demo(args: argparse.Namespace) -> None:
         options = _demo_options(args, nodes_per_dp, step_time_s)
     except ValueError as exc:
         raise SystemExit(f"supervisor demo: --{str(exc).replace('_', '-')}") from None
+    from supervisor.controller import PolicyLoadError, load_policy
+
+    try:
+        load_policy(options.policy)  # here, before any process starts
+    except PolicyLoadError as exc:
+        raise SystemExit(f"supervisor demo: --policy: {exc}") from None
     demo = LocalDemo(options)
     stopping = False
 
@@ -184,6 +224,7 @@ def _demo(args: argparse.Namespace) -> None:
         signal.signal(signum, stop)
     try:
         print(f"starting {len(options.nodes)} nodes, a training job and the supervisor ...")
+        print(f"  {_settings_line(options)}", flush=True)
         demo.start()
         _print_banner(demo)
         last, printed = "", 0.0
@@ -191,9 +232,17 @@ def _demo(args: argparse.Namespace) -> None:
             time.sleep(1.0)
             for node in demo.repair_nodes():
                 print(f"  {node} repaired: its host monitor is back, as a spare", flush=True)
-            if demo.supervisor is not None and demo.supervisor.poll() is not None:
-                print("the supervisor exited; logs in", demo.run_dir / "logs")
-                break
+            exited = demo.supervisor.poll() if demo.supervisor is not None else None
+            if exited is not None:
+                # As its Deployment would: started again, while the job keeps training.
+                print(f"  the supervisor exited ({exited}); starting it again ...", flush=True)
+                try:
+                    pid = demo.restart_supervisor()
+                except RuntimeError as exc:  # it does not come up: stop, saying where to look
+                    print(f"the supervisor did not start again: {exc}", flush=True)
+                    break
+                print(f"  the supervisor is back (pid {pid})", flush=True)
+                continue
             step, news = _status(demo)
             # A line when something happened, else one every 10 s to show progress.
             if news != last or time.monotonic() - printed >= 10:
@@ -205,6 +254,19 @@ def _demo(args: argparse.Namespace) -> None:
         demo.stop()
         with contextlib.suppress(OSError):
             print("stopped every process of the demo", flush=True)
+
+
+def _settings_line(options: DemoOptions) -> str:
+    extra = "".join(
+        f" {k.removeprefix('SUPERVISOR_').lower()}={v}" for k, v in options.supervisor_env.items()
+    )
+    return (
+        f"demo settings: heartbeat_timeout_s={options.heartbeat_timeout_s:g} (a cluster's "
+        f"default: 15), heartbeat_polling_period_s={options.heartbeat_polling_period_s:g}, "
+        f"in_memory_checkpointing_freq={options.in_memory_checkpointing_freq}, "
+        f"s3_checkpointing_freq={options.s3_checkpointing_freq}, "
+        f"node_repair_s={options.node_repair_s:g}, policy={options.policy}{extra}"
+    )
 
 
 def _status(demo: LocalDemo) -> tuple[str, str]:
@@ -235,6 +297,7 @@ def _print_banner(demo: LocalDemo) -> None:
     url, op = demo.url, demo.operator_token
     auth = f"-H 'Authorization: Bearer {op}'"
     job_node = demo.options.nodes[0]
+    pid = demo.supervisor.pid if demo.supervisor is not None else "?"
     print(
         f"""
 Local cluster running: {len(demo.options.nodes)} nodes (host monitors), job '{demo.options.job}'
@@ -251,6 +314,8 @@ heartbeat_loss, or a schedule: -d '{{"schedule":"random,60"}}'
 See what happened:
   curl -s {url}/api/v1/events {auth}
   curl -s {url}/api/v1/actions {auth}
+Kill only the supervisor (kill -9 {pid}): the job keeps training; it is started again,
+as its Deployment would, and carries on from its database.
 API documentation: {url}/docs     Stop with Ctrl+C (every process is stopped).
 """,
         flush=True,

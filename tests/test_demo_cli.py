@@ -135,3 +135,86 @@ def test_demo_refuses_a_torch_job_sharded_over_nodes(tmp_path: Path) -> None:
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("supervisor demo: --nodes-per-dp must be 1 with the torch workload")
     assert not (tmp_path / "d").exists()  # nothing was started
+
+
+QUIET_POLICY = '''
+from supervisor.policy import Policy
+
+
+class Watching(Policy):
+    """Records every event and acts on none."""
+
+    name = "watching"
+'''
+
+
+def test_demo_takes_a_policy_and_settings_and_survives_its_supervisor(tmp_path: Path) -> None:
+    """A custom policy and setting reach the supervisor; killing only the supervisor leaves
+    the job training, and the demo starts it again with the same policy."""
+    policy = tmp_path / "watching.py"
+    policy.write_text(QUIET_POLICY)
+    run_dir = tmp_path / "demo"
+    port = free_port()
+    proc = _start(run_dir, port, "--policy", f"{policy}:Watching", "--set", "restart_window_s=900")
+    try:
+        banner = _read_banner(proc)
+        assert f"policy={policy}:Watching restart_window_s=900" in banner
+        assert "heartbeat_timeout_s=3 (a cluster's default: 15)" in banner
+        token = banner.split("operator token:")[1].split()[0]
+        pid = int(banner.split("kill -9 ")[1].split(")")[0])
+        headers = {"Authorization": f"Bearer {token}"}
+        api = f"http://127.0.0.1:{port}/api/v1"
+
+        def step() -> int:
+            return int(httpx.get(f"{api}/jobs/demo", headers=headers).json().get("last_step") or 0)
+
+        deadline = time.monotonic() + 60
+        while step() < 3:
+            assert time.monotonic() < deadline, "the job does not train"
+            time.sleep(0.2)
+        before = step()
+        os.kill(pid, signal.SIGKILL)
+        assert proc.stdout is not None
+        lines = []
+        while "the supervisor is back" not in (line := proc.stdout.readline()):
+            assert line, "".join(lines)
+            lines.append(line)
+        deadline = time.monotonic() + 60
+        while step() <= before:  # trained on, and seen by the new supervisor
+            assert time.monotonic() < deadline, "no progress after the supervisor's restart"
+            time.sleep(0.2)
+        fault = httpx.post(
+            f"{api}/faults", json={"kind": "worker_crash", "node": "node-0"}, headers=headers
+        )
+        assert fault.status_code == 201, fault.text
+        deadline = time.monotonic() + 30
+        while not httpx.get(
+            f"{api}/events", headers=headers, params={"type": "worker_exited"}
+        ).json()["items"]:
+            assert time.monotonic() < deadline, "the crash was not seen"
+            time.sleep(0.2)
+        time.sleep(2)  # the policy's turn
+        assert httpx.get(f"{api}/actions", headers=headers).json()["items"] == []
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert _gone(run_dir) == []
+    finally:
+        _kill_everything(proc, run_dir)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--set", "no_such_setting=1"], "--set 'no_such_setting=1': expected SETTING=VALUE"),
+        (["--policy", "policies.default:Nope"], "--policy: policy 'policies.default:Nope'"),
+    ],
+)
+def test_demo_refuses_an_unknown_setting_or_policy(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    argv = [sys.executable, "-m", "supervisor.cli", "demo", "--run-dir", str(tmp_path / "d")]
+    done = subprocess.run([*argv, *flags], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().startswith(f"supervisor demo: {message}"), done.stderr
+    assert not (tmp_path / "d").exists()

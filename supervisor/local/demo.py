@@ -224,6 +224,16 @@ class LocalDemo:
             preexec_fn=_die_with_parent,
         )
 
+    def restart_supervisor(self) -> int:
+        """Start the supervisor again (after it exited, or was killed), wait for it; its pid."""
+        if self.supervisor is not None and self.supervisor.poll() is None:
+            self.supervisor.kill()
+            self.supervisor.wait()
+        self.start_supervisor()
+        self.wait_ready(f"{self.url}/readyz")
+        assert self.supervisor is not None
+        return self.supervisor.pid
+
     def wait_ready(
         self, url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None
     ) -> None:
