@@ -63,6 +63,9 @@ class RequestRefused(ValueError):
 
 #: Faults the sensor can act out by itself, with any backend.
 SENSOR_FAULTS = frozenset({"heartbeat_loss", "xid", "ecc"})
+#: Faults that happen once (a kill, a signal, a GPU error): over as soon as acted out.
+ONE_SHOT_FAULTS = frozenset({"node_down", "worker_crash", "worker_hang", "xid", "ecc"})
+
 #: What a `random` schedule draws from (Google's rank_killed, rank_hung, plus nodes).
 RANDOM_KINDS = ("worker_crash", "worker_hang", "node_down")
 
@@ -433,6 +436,8 @@ class Supervisor:
             window = 2 * self.settings.heartbeat_timeout_s + 30
             if spec.kind == "straggler":  # seen once it stayed slow for a window or so
                 window += 2 * self.settings.straggler_window_s
+                # and what it causes while it lasts (a hang, a restart) is its doing too
+                window += float(spec.params.get("duration_s") or 0)
             self.sensor.expect_fault(spec.node, fault.id, window)
             # `schedule` links the fault record to its schedule; the node is told only
             # what the kind itself takes (its host monitor refuses anything else).
@@ -442,6 +447,14 @@ class Supervisor:
             except ActionError as exc:
                 await self.end_fault(fault.id)
                 raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None
+            if spec.kind in ONE_SHOT_FAULTS:
+                return await self._acted_out(fault), []
+            duration = spec.params.get("duration_s")
+            if duration is not None:  # a straggler: over when the node stops slowing it
+                loop = asyncio.get_running_loop()
+                self._fault_timers[fault.id] = loop.call_later(
+                    duration, lambda: asyncio.ensure_future(self._acted_out(fault))
+                )
             return fault, []
         if spec.kind == "heartbeat_loss":
             duration = spec.params.get("duration_s")
@@ -461,7 +474,14 @@ class Supervisor:
         )
         changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
         events = await self.record(changes) if changes else []
-        return fault, events
+        return await self._acted_out(fault), events
+
+    async def _acted_out(self, fault: Fault) -> Fault:
+        """A fault that has happened is over (ended, no longer `active`); what it causes
+        later, within its window, still carries its id."""
+        self._fault_timers.pop(fault.id, None)
+        ended = await asyncio.to_thread(self.store.end_fault, fault.id)
+        return ended if ended is not None else fault
 
     async def _start_schedule(self, spec: FaultSpec) -> Fault:
         """Inject faults at random (exponential gaps of the given mean) until ended."""

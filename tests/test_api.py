@@ -427,7 +427,8 @@ async def test_xid_fault_runs_the_policy_and_links_everything(
         )
         assert response.status_code == 201, response.text
         fault = response.json()
-        assert fault["active"] and fault["job"] == "j1" and len(fault["events"]) == 1
+        assert fault["job"] == "j1" and len(fault["events"]) == 1
+        assert not fault["active"] and fault["ended_at"] is not None  # it happened: over
         await api.settle()
         event = await api.get(f"/api/v1/events/{fault['events'][0]}")
         assert event["type"] == "gpu_xid" and event["details"]["code"] == 79

@@ -396,6 +396,15 @@ def test_a_fault_schedule_injects_on_the_local_cluster(tmp_path: Path) -> None:
 
         [(child, event), *_] = wait_for(linked_exit, what="a scheduled crash and its exit")
         assert child["kind"] == "worker_crash" and event["node"] == child["node"]
+        # A crash happens once: the fault is over (once acted out), its consequence
+        # linked all the same.
+        over = wait_for(
+            lambda: [f for f in demo.api("/api/v1/faults") if f["id"] == child["id"]][0][
+                "ended_at"
+            ],
+            what="the crash's fault to end",
+        )
+        assert over is not None
         response = httpx.delete(
             f"{demo.url}/api/v1/faults/{schedule['id']}",
             headers={"Authorization": f"Bearer {demo.operator_token}"},
