@@ -19,6 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from supervisor.notifications.settings import Routes
 from supervisor.xid import XidResponse
 
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
@@ -263,6 +264,36 @@ class Settings(BaseSettings):
         "pauses, beside the service's work).",
     )
 
+    # --- notifications (see README, "Notifications") -------------------------------------
+    notification_routes: Routes = Field(
+        [],
+        description="Where events and finished actions are sent (webhook, Slack, "
+        "Alertmanager) and which. Empty: nothing is sent.",
+    )
+    notification_timeout_s: float = Field(
+        10.0, gt=0, description="Time allowed for one attempt to deliver a notification."
+    )
+    notification_max_attempts: int = Field(
+        5, ge=1, description="Attempts per notification before it is marked failed."
+    )
+    notification_retry_backoff_s: float = Field(
+        1.0,
+        ge=0,
+        description="First retry delay of a notification; doubles on each further attempt "
+        "(up to 60 s), with jitter.",
+    )
+    notification_queue_size: int = Field(
+        10000,
+        ge=1,
+        description="Events and action changes waiting to be routed to notifications; "
+        "beyond it they are dropped (and counted) rather than slow the supervisor.",
+    )
+    public_url: str | None = Field(
+        None,
+        description="Where people open this supervisor's dashboard "
+        "(https://supervisor.example); notifications link to it. Unset: no links.",
+    )
+
     # --- fault injection ----------------------------------------------------------------
     enable_fault_injection: bool = Field(
         False, description="Accept POST /api/v1/faults. Off by default."
@@ -371,6 +402,9 @@ def describe_validation_error(exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown setting '{name}'")
+        elif err["loc"] and isinstance(err.get("input"), dict | list):
+            # A whole structure is no help on one line, and may hold a secret (a route).
+            parts.append(f"invalid setting '{name}': {msg}")
         elif err["loc"]:
             parts.append(f"invalid setting '{name}': {msg} (got {err.get('input')!r})")
         else:

@@ -66,6 +66,17 @@ class Metrics:
             ["table"],
             registry=self.registry,
         )
+        self.notifications = Counter(
+            "supervisor_notifications",
+            "Notification deliveries finished, by route, sink and outcome (delivered, failed).",
+            ["route", "sink", "outcome"],
+            registry=self.registry,
+        )
+        self.notifications_dropped = Counter(
+            "supervisor_notifications_dropped",
+            "Events and action changes never routed to notifications: the queue was full.",
+            registry=self.registry,
+        )
         self.acting = Gauge(
             "supervisor_leader",
             "1 while this replica acts: it holds the leader Lease (or runs without leader "

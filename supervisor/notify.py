@@ -109,15 +109,18 @@ class Hub:
     def action(self, action: ActionRecord) -> None:
         self.publish("action", action)
 
-    def subscribe(self, last_id: str | None = None) -> tuple[Subscription, list[Item]]:
-        """A new subscription, and what to send first: the messages after `last_id` when
-        they are still in the ring, else a Resync at the head.
+    def subscribe(
+        self, last_id: str | None = None, *, limit: int | None = None
+    ) -> tuple[Subscription, list[Item]]:
+        """A new subscription (backlog of at most `limit`, else the hub's), and what to
+        send first: the messages after `last_id` when they are still in the ring, else a
+        Resync at the head.
 
         Subscribing and reading the ring happen with no await in between, so nothing
         published meanwhile can fall between the two.
         """
         self._loop = asyncio.get_running_loop()
-        subscription = Subscription(self.queue_limit)
+        subscription = Subscription(limit or self.queue_limit)
         self._subscribers.add(subscription)
         missed = self._since(last_id) if last_id is not None else None
         first: list[Item] = list(missed) if missed is not None else [Resync(self.head)]

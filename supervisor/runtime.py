@@ -39,6 +39,7 @@ from supervisor.domain import (
 )
 from supervisor.goodput.sampler import ProgressSampler, sensor_steps
 from supervisor.metrics import Metrics
+from supervisor.notifications.delivery import Notifier
 from supervisor.notify import Hub
 from supervisor.policy import Policy
 from supervisor.pruner import HistoryPruner, retention_ages
@@ -118,6 +119,8 @@ class Supervisor:
         #: Deletes history past its retention; None when all of it is kept forever.
         self.pruner: HistoryPruner | None = None
         self._pruning: asyncio.Task[None] | None = None
+        #: Sends events and finished actions to the notification routes (if any).
+        self.notifier: Notifier | None = None
         #: Raises Fenced once this replica may no longer act; leader election sets it.
         self.fence: Fence = no_fence
         self.ready = False
@@ -144,6 +147,9 @@ class Supervisor:
 
     async def start(self) -> None:
         self._store = await asyncio.to_thread(open_store, self.settings.database_url)
+        # Listening before anything is published: resumed actions finish and notify too.
+        self.notifier = Notifier(self.settings, self.store, self.hub, self.metrics)
+        await self.notifier.start()
         self._actuator = Actuator(
             self.store,
             self.backend,
@@ -231,6 +237,8 @@ class Supervisor:
                 log.exception("cannot store the last progress samples")
         if self._controller is not None:
             await self._controller.close()
+        if self.notifier is not None:
+            await self.notifier.stop()
         await self.backend.close()
         if self._store is not None:
             self._store.close()

@@ -565,6 +565,57 @@ def test_a_setting_the_supervisor_rejects_cannot_slip_through(
         supervisor_settings(docs, tmp_path, monkeypatch)
 
 
+def test_notification_routes_reach_the_supervisor_with_secrets_from_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routes go into the settings file as they are; their secrets stay in a Secret,
+    mounted read-only as files that the routes name."""
+    secret_dir = "/etc/resiliency-supervisor/notifications"
+    url_file = tmp_path / "slack-url"  # stands for the mounted key, read the same way
+    url_file.write_text("https://hooks.slack.com/services/T/B/secret\n")
+    routes = [
+        {
+            "name": "oncall",
+            "sink": {"type": "slack", "url": {"file": str(url_file)}},
+            "events": ["host_heartbeat_lost", "hang"],
+            "actions": ["*"],
+            "outcomes": ["failed"],
+        }
+    ]
+    values = merged(
+        POSTGRES,
+        {
+            "config": {"public_url": "https://supervisor.example", "notification_max_attempts": 8},
+            "notifications": {"routes": routes, "existingSecret": "rs-notifications"},
+        },
+    )
+    docs = render(values)
+    settings = supervisor_settings(docs, tmp_path, monkeypatch)
+    (route,) = settings.notification_routes
+    assert route.sink.url.get_secret_value() == "https://hooks.slack.com/services/T/B/secret"
+    assert route.events == ["host_heartbeat_lost", "hang"] and route.outcomes == ["failed"]
+    assert settings.public_url == "https://supervisor.example"
+    assert settings.notification_max_attempts == 8
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "notification-secrets")
+    assert volume["secret"] == {"secretName": "rs-notifications", "defaultMode": 0o440}
+    (mount,) = [
+        m for m in container(docs, "Deployment")["volumeMounts"] if m["name"] == volume["name"]
+    ]
+    assert mount == {"name": volume["name"], "mountPath": secret_dir, "readOnly": True}
+    # No secret, no volume; no routes, none sent.
+    default = render(POSTGRES)
+    assert "notification-secrets" not in json.dumps(find(default, "Deployment"))
+    settings_yaml = find(default, "ConfigMap", f"{FULLNAME}-settings")["data"]["settings.yaml"]
+    assert yaml.safe_load(settings_yaml)["notification_routes"] == []
+
+
+def test_a_malformed_route_is_refused_at_install() -> None:
+    bad = {"name": "hook", "sink": {"type": "teams", "url": "https://x"}}
+    with pytest.raises(helm.HelmError, match="notifications"):
+        render(merged(POSTGRES, {"notifications": {"routes": [bad]}}))
+
+
 def test_settings_checksum_restarts_the_supervisor_on_change() -> None:
     def checksum(values: dict[str, Any]) -> str:
         pod = find(render(values), "Deployment")["spec"]["template"]
@@ -938,6 +989,11 @@ MUTATIONS: dict[str, Any] = {
     "config.log_level": "debug",
     "config.hang_timeout_s": 120.0,
     "config.goodput_retention_days": 7.0,
+    "config.public_url": "https://supervisor.example",
+    "notifications.routes": [
+        {"name": "hook", "sink": {"type": "webhook", "url": "https://hooks.example/x"}}
+    ],
+    "notifications.existingSecret": "rs-notifications",
     "policy.module": "policies.examples.hot_swap_on_xid:HotSwapOnXid",
     "policy.inline": POLICY_SOURCE + "\n# changed\n",
     "policy.existingConfigMap": "team-policy",

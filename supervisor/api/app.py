@@ -28,6 +28,7 @@ from supervisor.api.routes import (
     goodput,
     health,
     info,
+    notifications,
     stream,
 )
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
@@ -137,6 +138,7 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     app.state.settings = settings
     for module in (events, actions, cluster, faults, health, info, stream, checkpoints, goodput):
         app.include_router(module.router)
+    app.include_router(notifications.router)
     dashboard.mount(app)
     app.heartbeats = HeartbeatEndpoint(runtime)
     app.add_exception_handler(RequestValidationError, validation_error)

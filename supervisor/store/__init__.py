@@ -3,6 +3,7 @@
 from supervisor.store.database import make_engine, migrate
 from supervisor.store.repository import (
     ActionFilter,
+    DeliveryFilter,
     EventFilter,
     InvalidCursor,
     Page,
@@ -14,6 +15,7 @@ from supervisor.store.retention import PRUNE_ORDER, HistoryTable, PrunedBatch
 __all__ = [
     "PRUNE_ORDER",
     "ActionFilter",
+    "DeliveryFilter",
     "EventFilter",
     "HistoryTable",
     "InvalidCursor",

@@ -17,6 +17,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -207,3 +208,34 @@ class ProgressSampleRow(Base):
     job: Mapped[str] = mapped_column(String(253))
     step: Mapped[int] = mapped_column(BigInteger)
     time: Mapped[datetime]
+
+
+class NotificationDeliveryRow(Base):
+    """A notice (an event or finished action) sent to one notification route: recorded
+    pending before the first attempt, so a restart resumes what was not delivered.
+
+    The notice is kept whole: events and actions may be pruned before their delivery is
+    done. One row per route and item: routing the same item again adds nothing."""
+
+    __tablename__ = "notification_deliveries"
+    __table_args__ = (
+        UniqueConstraint("route", "item_kind", "item_id", name="uq_notification_deliveries_item"),
+        # Each route's sender reads its pending deliveries, oldest first.
+        Index("ix_notification_deliveries_status_route", "status", "route", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    route: Mapped[str] = mapped_column(String(100))
+    sink: Mapped[str] = mapped_column(String(32))
+    item_kind: Mapped[str] = mapped_column(String(16))
+    item_id: Mapped[int] = mapped_column(BigInteger)
+    item_type: Mapped[str] = mapped_column(String(64))
+    job: Mapped[str | None] = mapped_column(String(253), index=True)
+    node: Mapped[str | None] = mapped_column(String(253))
+    notice: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
