@@ -2,11 +2,79 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Collection, Iterator
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from supervisor.domain import RESTART_ACTIONS, ActionRecord, ActionStatus, ActionType
+
+
+class HeartbeatRejection(StrEnum):
+    """Why a heartbeat was refused (the reply's status)."""
+
+    UNAUTHORIZED = "unauthorized"  # 401: no or a wrong agent token
+    INVALID = "invalid"  # 422: not a valid heartbeat
+    TOO_LARGE = "too_large"  # 413
+    NOT_JSON = "not_json"  # 415
+    NOT_READY = "not_ready"  # 503: a standby, or starting or stopping; the agent retries
+    WRONG_METHOD = "wrong_method"  # 405
+
+
+class RestartKind(StrEnum):
+    """How a job was restarted: the disruptive action, and whether the surviving workers
+    kept their processes (the backend's result says `path: in_process`)."""
+
+    RESTART_IN_PLACE = "restart_in_place"
+    IN_PROCESS_RESTART = "in_process_restart"
+    RESTART_WORKLOAD = "restart_workload"
+    HOT_SWAP = "hot_swap"
+    IN_PROCESS_HOT_SWAP = "in_process_hot_swap"
+    SCALE_DOWN = "scale_down"
+    SCALE_UP = "scale_up"
+
+
+def restart_kind(action: ActionRecord) -> RestartKind | None:
+    """The kind of restart a finished action was; None for an action that restarts nothing."""
+    if action.type not in RESTART_ACTIONS:
+        return None
+    in_process = (action.result or {}).get("path") == "in_process"
+    if in_process and action.type is ActionType.RESTART_IN_PLACE:
+        return RestartKind.IN_PROCESS_RESTART
+    if in_process and action.type is ActionType.HOT_SWAP:
+        return RestartKind.IN_PROCESS_HOT_SWAP
+    return RestartKind(action.type.value)
+
+
+class JobActionCounts:
+    """Restarts (succeeded) and emergency checkpoints (by outcome) of each job, as this
+    replica's actuator finished them. Plain counts, exported per job at scrape time (see
+    supervisor.api.job_metrics), so that a forgotten job's series can go."""
+
+    def __init__(self) -> None:
+        self.restarts: defaultdict[str, dict[RestartKind, int]] = defaultdict(dict)
+        self.emergency_checkpoints: defaultdict[str, dict[ActionStatus, int]] = defaultdict(dict)
+
+    def count(self, action: ActionRecord) -> None:
+        if action.job is None or not action.status.finished:
+            return
+        if action.type is ActionType.EMERGENCY_CHECKPOINT:
+            outcomes = self.emergency_checkpoints[action.job]
+            outcomes[action.status] = outcomes.get(action.status, 0) + 1
+            return
+        kind = restart_kind(action)
+        if kind is not None and action.status is ActionStatus.SUCCEEDED:
+            kinds = self.restarts[action.job]
+            kinds[kind] = kinds.get(kind, 0) + 1
+
+    def keep_only(self, jobs: Collection[str]) -> None:
+        """Forget the counts of jobs not in ``jobs``."""
+        for counts in (self.restarts, self.emergency_checkpoints):
+            for job in [j for j in counts if j not in jobs]:
+                del counts[job]
 
 
 class Metrics:
@@ -77,6 +145,15 @@ class Metrics:
             "Events and action changes never routed to notifications: the queue was full.",
             registry=self.registry,
         )
+        self.heartbeats_rejected = Counter(
+            "supervisor_heartbeats_rejected",
+            "Heartbeats refused, by reason (not_ready: sent to a standby or while starting).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in HeartbeatRejection:  # every reason exported from the start, at 0
+            self.heartbeats_rejected.labels(reason.value)
+        self.job_actions = JobActionCounts()
         self.acting = Gauge(
             "supervisor_leader",
             "1 while this replica acts: it holds the leader Lease (or runs without leader "

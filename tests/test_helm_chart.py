@@ -275,6 +275,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "policy": {"existingConfigMap": "my-policy", "className": "MyPolicy"},
             "hostMonitor": {"kernelLog": {"source": "file"}, "runtimeClassName": "nvidia"},
             "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "grafana": {"dashboard": {"enabled": True}},
+            "prometheusRule": {"enabled": True},
             "supervisor": {"replicas": 3, "service": {"type": "NodePort"}},
             "imagePullSecrets": [{"name": "regcred"}],
         },
@@ -289,7 +291,7 @@ def test_rendered_objects_are_valid_kubernetes_objects(variant: str) -> None:
     assert docs
     for doc in docs:
         if doc["apiVersion"] == "monitoring.coreos.com/v1":
-            continue  # a CRD: checked in test_service_monitor
+            continue  # CRDs: checked in test_service_monitor, test_helm_monitoring.py
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -974,6 +976,15 @@ def leaves(
             yield path, value
 
 
+# The alerts of the PrometheusRule, by their key in values.
+ALERTS = (
+    "jobStalled",
+    "goodputLow",
+    "restartBudgetSpent",
+    "noSpare",
+    "noLeader",
+    "heartbeatsRejected",
+)
 # A different, valid value for leaves whose type alone does not say what is valid.
 MUTATIONS: dict[str, Any] = {
     "image.repository": "registry.example/rs",
@@ -1031,6 +1042,11 @@ MUTATIONS: dict[str, Any] = {
     "hostMonitor.maxUnavailable": "10%",
     "serviceAccount.name": "given",
     "serviceMonitor.interval": "10s",
+    "grafana.dashboard.label": "team_dashboards",
+    "prometheusRule.selector": 'service="rs"',
+    "prometheusRule.goodputLow.threshold": 0.5,
+    **{f"prometheusRule.{alert}.for": "7m" for alert in ALERTS},
+    **{f"prometheusRule.{alert}.severity": "page" for alert in ALERTS},
     "supervisor.resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
     "hostMonitor.resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
 }
@@ -1076,6 +1092,8 @@ CONTEXTS = [
             "auth": TOKENS,
             "hostMonitor": {"kernelLog": {"source": "file"}},
             "serviceMonitor": {"enabled": True},
+            "grafana": {"dashboard": {"enabled": True}},
+            "prometheusRule": {"enabled": True},
             "database": {"url": "", "existingSecret": "pg"},
             "supervisor": {"replicas": 1},
         },

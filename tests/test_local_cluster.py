@@ -399,7 +399,7 @@ def test_a_fault_schedule_injects_on_the_local_cluster(tmp_path: Path) -> None:
         # A crash happens once: the fault is over (once acted out), its consequence
         # linked all the same.
         over = wait_for(
-            lambda: [f for f in demo.api("/api/v1/faults") if f["id"] == child["id"]][0][
+            lambda: next(f for f in demo.api("/api/v1/faults") if f["id"] == child["id"])[
                 "ended_at"
             ],
             what="the crash's fault to end",

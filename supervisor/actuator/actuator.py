@@ -133,6 +133,7 @@ class Actuator:
         self.changed(finished)
         self.metrics.actions.labels(action.type.value, status.value).inc()
         self.metrics.action_seconds.labels(action.type.value).observe(time.monotonic() - started)
+        self.metrics.job_actions.count(finished)
         log.info(
             "action %s %s job=%s node=%s: %s%s",
             finished.id,

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from supervisor import dashboard
 from supervisor.api import openapi
 from supervisor.api.errors import http_error, validation_error
+from supervisor.api.job_metrics import JobMetrics
 from supervisor.api.routes import (
     actions,
     checkpoints,
@@ -135,6 +136,9 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
         max_body_size=openapi.MAX_BODY_BYTES,
     )
     app.state.supervisor = runtime
+    # Per-job series beside the supervisor's own; /metrics brings them up to date.
+    app.state.job_metrics = JobMetrics(runtime)
+    runtime.metrics.registry.register(app.state.job_metrics)
     app.state.settings = settings
     for module in (events, actions, cluster, faults, health, info, stream, checkpoints, goodput):
         app.include_router(module.router)

@@ -34,7 +34,7 @@ from supervisor.goodput.advice import (
 )
 from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.history import HistorySources, timeline_from_history
-from supervisor.goodput.model import Badput, GoodputReport
+from supervisor.goodput.model import Badput, GoodputReport, Timeline
 from supervisor.goodput.sampler import sensor_steps
 from supervisor.runtime import Supervisor
 
@@ -239,6 +239,17 @@ def job_goodput(
     ``live``: the step the sensor holds now, newer than the last stored sample by up to
     a sample period.
     """
+    timeline, sources = job_timeline(supervisor, job, live=live)
+    report = compute_goodput(
+        timeline, reference_step_time_s=reference_step_time_s, series_points=points
+    )
+    return report, sources
+
+
+def job_timeline(
+    supervisor: Supervisor, job: str, *, live: Sequence[ProgressSample] = ()
+) -> tuple[Timeline, HistorySources]:
+    """The job's timeline from its stored history and ``live`` (runs in a thread)."""
     history = supervisor.store.job_history(job)
     view = supervisor.sensor.job_view(job) or history.job
     timeline, sources = timeline_from_history(
@@ -252,11 +263,7 @@ def job_goodput(
         max_replicas=view.max_num_dp_replicas if view is not None else None,
     )
     # The store summarises the ranks' reports of one checkpoint: count what is stored.
-    sources = replace(sources, checkpoint_reports=history.checkpoint_reports)
-    report = compute_goodput(
-        timeline, reference_step_time_s=reference_step_time_s, series_points=points
-    )
-    return report, sources
+    return timeline, replace(sources, checkpoint_reports=history.checkpoint_reports)
 
 
 def live_step(supervisor: Supervisor, job: str) -> list[ProgressSample]:

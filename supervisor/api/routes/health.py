@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
 from supervisor.api.deps import SupervisorDep
+from supervisor.api.job_metrics import JobMetrics
 
 router = APIRouter(tags=["health"])
 
@@ -44,5 +45,7 @@ def _ping(supervisor: SupervisorDep) -> None:
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-async def metrics(supervisor: SupervisorDep) -> Response:
+async def metrics(supervisor: SupervisorDep, request: Request) -> Response:
+    job_metrics: JobMetrics = request.app.state.job_metrics
+    await job_metrics.refresh()  # the history figures, when stale (in a thread)
     return Response(supervisor.metrics.render(), media_type=CONTENT_TYPE_LATEST)

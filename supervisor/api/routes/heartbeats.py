@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
 from supervisor.sensor.heartbeat import HeartbeatError, parse_heartbeat
 from supervisor.sensor.sensor import UNCHANGED
@@ -39,13 +40,17 @@ class HeartbeatEndpoint:
         # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
         # what it already validated for the node; it changes nothing if it is invalid.
         self._ingest = supervisor.sensor.ingest
+        counter = supervisor.metrics.heartbeats_rejected
+        self._rejected = {reason: counter.labels(reason.value) for reason in HeartbeatRejection}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         supervisor = self.supervisor
         if scope["method"] != "POST":
+            self._rejected[HeartbeatRejection.WRONG_METHOD].inc()
             await _reply(send, 405, _error("Method Not Allowed"), [(b"allow", b"POST")])
             return
         if not supervisor.ready:  # a standby, or starting: the sender retries
+            self._rejected[HeartbeatRejection.NOT_READY].inc()
             await _reply(send, 503, supervisor.readiness, RETRY_AFTER)
             return
         authorized = False
@@ -60,6 +65,7 @@ class HeartbeatEndpoint:
             elif name == b"content-type":
                 content_type = value
         if not authorized:
+            self._rejected[HeartbeatRejection.UNAUTHORIZED].inc()
             await _reply(
                 send,
                 401,
@@ -68,6 +74,7 @@ class HeartbeatEndpoint:
             )
             return
         if content_type is not None and not _is_json(content_type):
+            self._rejected[HeartbeatRejection.NOT_JSON].inc()
             await _reply(send, 415, _error("content-type: a heartbeat is application/json"))
             return
         message = await receive()
@@ -75,6 +82,7 @@ class HeartbeatEndpoint:
         if message.get("more_body", False):  # rare: heartbeats fit in one read
             body = await _read_rest(receive, message)
         if body is None:
+            self._rejected[HeartbeatRejection.TOO_LARGE].inc()
             await _reply(send, 413, _error(f"body larger than {MAX_BODY} bytes"))
             return
         try:
@@ -83,6 +91,7 @@ class HeartbeatEndpoint:
             # 3 to 4.5 points of the ceiling in paired rounds (bench/README.md).
             changes = self._ingest(parse_heartbeat(body), body)
         except HeartbeatError as exc:
+            self._rejected[HeartbeatRejection.INVALID].inc()
             where = ".".join(str(p) for p in exc.loc) or "body"
             await _reply(
                 send,
