@@ -39,6 +39,7 @@ def retention_ages(settings: Settings) -> dict[HistoryTable, timedelta]:
         # no way of building settings can shorten the window the policy counts over.
         age = max(timedelta(days=history), timedelta(seconds=settings.restart_window_s))
         ages[HistoryTable.ACTIONS] = ages[HistoryTable.EVENTS] = age
+        ages[HistoryTable.NOTIFICATION_DELIVERIES] = age
     goodput = settings.goodput_retention_days
     goodput = history if goodput is None else goodput
     if goodput > 0:

@@ -31,6 +31,7 @@ from supervisor.store.models import (
     CheckpointReportRow,
     EventRow,
     FaultRow,
+    NotificationDeliveryRow,
     ProgressSampleRow,
 )
 from tests.conftest import OPERATOR_TOKEN, SettingsFactory
@@ -259,6 +260,29 @@ async def test_rows_still_needed_are_kept_whatever_their_age(store: Store) -> No
     assert count(store, FaultRow) == 1  # faults themselves are few, and kept
 
 
+async def test_old_notification_deliveries_go_unless_still_pending(store: Store) -> None:
+    old, now = utcnow() - 40 * DAY, utcnow()
+
+    def delivery(item_id: int, status: str, at: datetime) -> None:
+        row = {
+            "route": "on-call", "sink": "webhook", "item_kind": "event", "item_id": item_id,
+            "item_type": "hang", "job": "j1", "node": "n1", "notice": {}, "status": status,
+            "attempts": 1, "created_at": at, "updated_at": at,
+        }  # fmt: skip
+        with store.engine.begin() as conn:
+            conn.execute(insert(NotificationDeliveryRow).values(**row))
+
+    delivery(1, "delivered", old)
+    delivery(2, "failed", old)
+    delivery(3, "pending", old)  # its sender resumes it after a restart
+    delivery(4, "delivered", now)
+    deleted = await pruner(store).prune()
+    assert deleted[T.NOTIFICATION_DELIVERIES] == 2
+    with store.engine.connect() as conn:
+        kept = set(conn.scalars(select(NotificationDeliveryRow.item_id)))
+    assert kept == {3, 4}
+
+
 async def test_each_jobs_newest_sample_is_kept_so_its_last_step_stays(store: Store) -> None:
     now = utcnow()
     old = now - 40 * DAY
@@ -314,6 +338,7 @@ def test_retention_ages() -> None:
     assert retention_ages(Settings()) == EVERYTHING_30_DAYS
     ages = retention_ages(Settings(history_retention_days=0, goodput_retention_days=3))
     assert ages == {T.CHECKPOINT_REPORTS: 3 * DAY, T.PROGRESS_SAMPLES: 3 * DAY}
+    assert retention_ages(Settings(history_retention_days=2))[T.NOTIFICATION_DELIVERIES] == 2 * DAY
     assert retention_ages(Settings(history_retention_days=0)) == {}
     # Settings built past their validation still never shorten the restart window.
     unchecked = Settings.model_construct(
@@ -373,12 +398,14 @@ async def test_the_api_answers_while_a_large_prune_runs(
             T.EVENTS: 20_000,
             T.CHECKPOINT_REPORTS: 10_000,
             T.PROGRESS_SAMPLES: 10_000 - 2,  # each job's newest is kept
+            T.NOTIFICATION_DELIVERIES: 0,
         }
         assert pruned((await api.client.get("/metrics")).text) == {
             "actions": 10_000,
             "events": 20_000,
             "checkpoint_reports": 10_000,
             "progress_samples": 9_998,
+            "notification_deliveries": 0,
         }
         events = (await api.get("/api/v1/events", limit=1000))["items"]
         listed = {e["id"] for e in events}
@@ -407,7 +434,13 @@ async def test_the_service_prunes_old_history_by_itself(
     )
 
     async with running(settings) as api:
-        expected = {"actions": 20, "events": 50, "checkpoint_reports": 30, "progress_samples": 28}
+        expected = {
+            "actions": 20,
+            "events": 50,
+            "checkpoint_reports": 30,
+            "progress_samples": 28,
+            "notification_deliveries": 0,
+        }
 
         for _ in range(1200):  # the background pass runs every 0.05 s
             so_far = pruned((await api.client.get("/metrics")).text)

@@ -236,6 +236,6 @@ class NotificationDeliveryRow(Base):
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime]
+    created_at: Mapped[datetime] = mapped_column(index=True)  # retention
     updated_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]

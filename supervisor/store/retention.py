@@ -12,7 +12,8 @@ once per pass. What is kept whatever its age:
 - events not handled yet (the controller handles them after a restart), and events an
   action still refers to (its foreign key): actions are pruned before events;
 - each job's newest progress samples (those at its newest time): the step goodput
-  reports last.
+  reports last;
+- notification deliveries still pending (their sender resumes them after a restart).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from supervisor.store.models import (
     CheckpointReportRow,
     EventRow,
     FaultRow,
+    NotificationDeliveryRow,
     ProgressSampleRow,
 )
 
@@ -39,6 +41,7 @@ class HistoryTable(StrEnum):
     EVENTS = "events"
     CHECKPOINT_REPORTS = "checkpoint_reports"
     PROGRESS_SAMPLES = "progress_samples"
+    NOTIFICATION_DELIVERIES = "notification_deliveries"
 
 
 #: The order of a pass: actions refer to events, so they go first.
@@ -47,16 +50,21 @@ PRUNE_ORDER = (
     HistoryTable.EVENTS,
     HistoryTable.CHECKPOINT_REPORTS,
     HistoryTable.PROGRESS_SAMPLES,
+    HistoryTable.NOTIFICATION_DELIVERIES,
 )
 
 _FINISHED = [s.value for s in ActionStatus if s.finished]
+_PENDING = "pending"  # a notification delivery not yet delivered or given up
 
-_Row = type[ActionRow | EventRow | CheckpointReportRow | ProgressSampleRow]
+_Row = type[
+    ActionRow | EventRow | CheckpointReportRow | ProgressSampleRow | NotificationDeliveryRow
+]
 _ROWS: dict[HistoryTable, _Row] = {
     HistoryTable.ACTIONS: ActionRow,
     HistoryTable.EVENTS: EventRow,
     HistoryTable.CHECKPOINT_REPORTS: CheckpointReportRow,
     HistoryTable.PROGRESS_SAMPLES: ProgressSampleRow,
+    HistoryTable.NOTIFICATION_DELIVERIES: NotificationDeliveryRow,
 }
 
 
@@ -72,6 +80,7 @@ _AGES: dict[HistoryTable, InstrumentedAttribute[datetime]] = {
     HistoryTable.EVENTS: EventRow.time,
     HistoryTable.CHECKPOINT_REPORTS: CheckpointReportRow.time,
     HistoryTable.PROGRESS_SAMPLES: ProgressSampleRow.time,
+    HistoryTable.NOTIFICATION_DELIVERIES: NotificationDeliveryRow.created_at,
 }
 
 
@@ -96,6 +105,8 @@ def _deletable(table: HistoryTable) -> list[ColumnElement[bool]]:
         # Older than its job's newest sample: one probe of the (job, time) index per row.
         job_newest = select(func.max(newest.time)).where(newest.job == p.job)
         return [p.time < job_newest.scalar_subquery()]
+    if table is HistoryTable.NOTIFICATION_DELIVERIES:
+        return [NotificationDeliveryRow.status != _PENDING]
     return []
 
 
