@@ -15,7 +15,17 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from bench import detection, failover, goodput, ingest, memory, mttr, stragglers, torchrun_mttr
+from bench import (
+    chaos,
+    detection,
+    failover,
+    goodput,
+    ingest,
+    memory,
+    mttr,
+    stragglers,
+    torchrun_mttr,
+)
 from bench.loops import LOOP_NAME
 from bench.table import Row, render, verdict
 
@@ -402,6 +412,54 @@ def goodput_rows(hours: float = 24.0) -> list[Row]:
     ]
 
 
+def chaos_rows(minutes: float) -> list[Row]:
+    config = chaos.ChaosConfig(minutes=minutes)
+    result = chaos.run(config)
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(result.by_kind.items())) or "none"
+    all_healed = result.injected > 0 and result.remediated == result.injected
+    rows = [
+        Row(
+            f"Chaos, {minutes:g} min of random faults (mean {config.mean_interval_s:g} s apart) "
+            f"on the local cluster ({config.replicas} x {config.nodes_per_dp} nodes, "
+            f"{config.spares} spares): faults remediated",
+            f"{result.remediated} of {result.injected} ({kinds})"
+            + (f"; {result.error}" if result.error else ""),
+            f"{result.refused} refused by the node (its worker already down)",
+            "all",
+            verdict(all_healed and result.error is None),
+        ),
+        Row(
+            "  final weights, bit for bit",
+            "match"
+            if result.weights_match
+            else ("differ" if result.weights_match is False else "the job did not finish"),
+            f"an uninterrupted run, same seed, {config.total_steps} steps",
+            "match",
+            verdict(result.weights_match is True),
+        ),
+        Row(
+            "  actions still open at the end (stuck)",
+            str(result.stuck_actions),
+            "-",
+            "0",
+            verdict(result.stuck_actions == 0),
+        ),
+        Row(
+            "  processes left after the stop (orphans)",
+            str(result.orphans),
+            "-",
+            "0",
+            verdict(result.orphans == 0),
+        ),
+        Row(
+            "  actions taken",
+            ", ".join(f"{k} {n}" for k, n in sorted(result.actions.items())) or "none",
+        ),
+    ]
+    rows += [Row(f"  not remediated: {why}", "-", verdict="FAIL") for why in result.not_remediated]
+    return rows
+
+
 SECTIONS = (
     "ingest",
     "detection",
@@ -412,6 +470,7 @@ SECTIONS = (
     "mttr-torch",
     "failover",
     "checkpoint",
+    "chaos",
 )
 
 
@@ -436,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=5, help="mttr: faults per kind and policy")
     parser.add_argument(
         "--mttr-keep", type=Path, default=None, help="mttr: keep the clusters' run dirs here"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=2.0, help="chaos: minutes of random faults"
     )
     args = parser.parse_args(argv)
     only = set(args.only or SECTIONS)
@@ -470,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += failover.rows()
     if "checkpoint" in only:
         rows += checkpoint_rows()
+    if "chaos" in only:
+        rows += chaos_rows(args.minutes)
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

@@ -1,0 +1,291 @@
+"""A chaos run: random faults on the local cluster for N minutes, then an account of them.
+
+One local cluster (`supervisor.local.demo.LocalDemo`: host monitors as nodes, the NumPy
+training job of 2 replicas x 2 nodes, 2 spares, the supervisor on the local backend with
+the default policy). Once the job trains, a fault schedule `{"schedule": "random,<mean>"}`
+(worker crashes, worker hangs, node losses, drawn by the supervisor itself) runs for
+`minutes`; lost nodes are "repaired" after `node_repair_s` and come back as spares. Then
+the schedule is deleted and the job is left to finish. Its final weights are compared
+with those of an uninterrupted run of the same job, seed and steps, computed beforehand
+by the same workers without a supervisor.
+
+The job's length is what it would train in the window without a fault, so that it is
+still training when the last fault lands.
+
+Per fault the schedule injected (`GET /api/v1/faults`, the children of the schedule):
+- refused: the node refused it (its worker was already down, being restarted): ended at
+  once, nothing caused;
+- remediated: it caused at least one event, and none of the actions taken for its events
+  failed or is still open (a fault whose consequence another fault's restart already
+  healed has its actions skipped, or none: it counts as remediated);
+- not remediated: no event within its window (undetected), or an action for it failed.
+Also: actions still open after the job finished (stuck), processes left after the
+cluster is stopped (orphans), and whether the final weights match bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from supervisor.local.cluster import free_port
+from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
+
+SEED = 7
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosConfig:
+    minutes: float = 2.0
+    mean_interval_s: float = 15.0  # between faults, exponential
+    replicas: int = 2
+    nodes_per_dp: int = 2
+    spares: int = 2
+    step_time_s: float = 0.05
+    heartbeat_polling_period_s: float = 0.2
+    heartbeat_timeout_s: float = 1.0
+    node_repair_s: float = 10.0
+    finish_timeout_s: float = 600.0  # after the window: the job finishes within it
+
+    @property
+    def total_steps(self) -> int:
+        return max(50, int(self.minutes * 60 / self.step_time_s))
+
+
+@dataclass
+class ChaosResult:
+    injected: int = 0
+    refused: int = 0
+    remediated: int = 0
+    not_remediated: list[str] = field(default_factory=list)  # "kind on node: why"
+    by_kind: dict[str, int] = field(default_factory=dict)
+    actions: dict[str, int] = field(default_factory=dict)  # "type status" -> count
+    stuck_actions: int = 0
+    orphans: int = 0
+    weights_match: bool | None = None  # None: the job did not finish
+    final_step: int | None = None
+    error: str | None = None
+
+
+def reference_weights(run: Path, config: ChaosConfig) -> list[np.ndarray[Any, Any]]:
+    """The uninterrupted run's final shards: the job's workers, offline (no host monitor,
+    no supervisor), no step time."""
+    world = config.replicas * config.nodes_per_dp
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_", "CHECKPOINT_"))
+        }
+        env.update(
+            RANK=str(rank),
+            NUM_DP_REPLICAS=str(config.replicas),
+            NUM_NODES_PER_DP=str(config.nodes_per_dp),
+            WORLD_SIZE=str(world),
+            SEED=str(SEED),
+            TOTAL_STEPS=str(config.total_steps),
+            STEP_TIME_S="0",
+            RUN_DIR=str(run / "job"),
+            LOCAL_CKPT_DIR=str(run / f"local-{rank}"),
+            DURABLE_CKPT_DIR=str(run / "durable"),
+            OUTPUT_DIR=str(run / "output"),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "training.numpy_workload"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    for proc in procs:
+        if proc.wait(600) != 0:
+            raise RuntimeError(f"the reference run's rank exited {proc.returncode}")
+    shards = _shards(run / "output", config.nodes_per_dp)
+    if shards is None:
+        raise RuntimeError("the reference run wrote no output")
+    return shards
+
+
+def _shards(directory: Path, nodes_per_dp: int) -> list[np.ndarray[Any, Any]] | None:
+    paths = [directory / f"shard-{k}.npy" for k in range(nodes_per_dp)]
+    if not all(p.exists() for p in paths):
+        return None
+    return [np.load(p) for p in paths]
+
+
+def _api(demo: LocalDemo, path: str, **params: Any) -> Any:
+    try:
+        return demo.api(path, **params)
+    except (httpx.HTTPError, ValueError):
+        return None  # the supervisor may be busy: ask again later
+
+
+def run(config: ChaosConfig) -> ChaosResult:
+    result = ChaosResult()
+    with tempfile.TemporaryDirectory(prefix="bench-chaos-", dir=_tmp_root()) as tmp:
+        root = Path(tmp)
+        expected = reference_weights(root / "reference", config)
+        demo = LocalDemo(
+            DemoOptions(
+                run_dir=root / "run",
+                port=free_port(),
+                replicas=config.replicas,
+                nodes_per_dp=config.nodes_per_dp,
+                spares=config.spares,
+                seed=SEED,
+                total_steps=config.total_steps,
+                step_time_s=config.step_time_s,
+                heartbeat_polling_period_s=config.heartbeat_polling_period_s,
+                heartbeat_timeout_s=config.heartbeat_timeout_s,
+                node_repair_s=config.node_repair_s,
+            )
+        )
+        try:
+            demo.start()
+            _chaos(demo, config, result)
+        except (RuntimeError, httpx.HTTPError, TimeoutError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            demo.stop()
+            time.sleep(1.0)
+            result.orphans = len(leftover_processes(demo.run_dir))
+        got = _shards(demo.run_dir / "output", config.nodes_per_dp)
+        if got is not None:
+            result.weights_match = all(
+                np.array_equal(a, b) for a, b in zip(got, expected, strict=True)
+            )
+    return result
+
+
+def _tmp_root() -> str | None:
+    # The RAM tiers and the collective's files are many small writes: tmpfs when there.
+    return (
+        "/dev/shm"
+        if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 1 << 30
+        else None
+    )
+
+
+def _chaos(demo: LocalDemo, config: ChaosConfig, result: ChaosResult) -> None:
+    job = demo.options.job
+    _until(lambda: (_step(demo) or 0) >= 10, 120, "the job to train")
+    response = httpx.post(
+        f"{demo.url}/api/v1/faults",
+        json={"schedule": f"random,{config.mean_interval_s:g}", "job": job},
+        headers={"Authorization": f"Bearer {demo.operator_token}"},
+        timeout=10,
+    )
+    response.raise_for_status()
+    schedule = response.json()["id"]
+    window_ends = time.monotonic() + config.minutes * 60
+    while time.monotonic() < window_ends:
+        demo.repair_nodes()
+        time.sleep(0.5)
+    httpx.delete(
+        f"{demo.url}/api/v1/faults/{schedule}",
+        headers={"Authorization": f"Bearer {demo.operator_token}"},
+        timeout=10,
+    ).raise_for_status()
+
+    def finished() -> bool:
+        demo.repair_nodes()
+        return _shards(demo.run_dir / "output", config.nodes_per_dp) is not None
+
+    _until(finished, config.finish_timeout_s, "the job to finish")
+    # The last actions settle (a scale-up after a repair, say) before the account.
+    _until(lambda: _open_actions(demo) == 0, 60, "the last actions", fail=False)
+    result.final_step = _step(demo)
+    _account(demo, schedule, result)
+
+
+def _step(demo: LocalDemo) -> int | None:
+    job = _api(demo, f"/api/v1/jobs/{demo.options.job}")
+    return job.get("last_step") if isinstance(job, dict) else None
+
+
+def _open_actions(demo: LocalDemo) -> int:
+    items = _actions(demo)
+    return sum(1 for a in items if a["status"] not in ("succeeded", "failed"))
+
+
+def _actions(demo: LocalDemo) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = _api(demo, "/api/v1/actions", limit=500, **({"cursor": cursor} if cursor else {}))
+        if not isinstance(page, dict):
+            return items
+        items += page["items"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return items
+
+
+def _account(demo: LocalDemo, schedule: int, result: ChaosResult) -> None:
+    faults = [
+        f for f in (_api(demo, "/api/v1/faults") or []) if f["params"].get("schedule") == schedule
+    ]
+    actions = {a["id"]: a for a in _actions(demo)}
+    for a in actions.values():
+        key = f"{a['type']} {a['status']}"
+        result.actions[key] = result.actions.get(key, 0) + 1
+    result.stuck_actions = sum(
+        1 for a in actions.values() if a["status"] not in ("succeeded", "failed")
+    )
+    for fault in faults:
+        fault = _api(demo, f"/api/v1/faults/{fault['id']}") or fault
+        what = f"{fault['kind']} on {fault['node']}"
+        if not fault["events"]:
+            if _refused(fault):
+                result.refused += 1
+                continue
+            result.injected += 1
+            result.by_kind[fault["kind"]] = result.by_kind.get(fault["kind"], 0) + 1
+            result.not_remediated.append(f"{what}: no event (undetected)")
+            continue
+        result.injected += 1
+        result.by_kind[fault["kind"]] = result.by_kind.get(fault["kind"], 0) + 1
+        mine = [actions[i] for i in fault["actions"] if i in actions]
+        failed = [a for a in mine if a["status"] == "failed"]
+        if failed:
+            reasons = "; ".join(f"{a['type']}: {a['error']}" for a in failed)
+            result.not_remediated.append(f"{what}: {reasons}")
+        elif any(a["status"] not in ("succeeded", "failed") for a in mine):
+            result.not_remediated.append(f"{what}: an action still open")
+        else:
+            result.remediated += 1
+
+
+def _refused(fault: dict[str, Any]) -> bool:
+    """Ended within a second of its creation with nothing caused: the node refused it."""
+    if fault["ended_at"] is None:
+        return False
+    created = datetime.fromisoformat(fault["created_at"])
+    ended = datetime.fromisoformat(fault["ended_at"])
+    return (ended - created).total_seconds() < 1.0
+
+
+def _until(predicate: Any, within_s: float, what: str, *, fail: bool = True) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    if fail:
+        raise TimeoutError(f"waited {within_s:g} s for {what}")
