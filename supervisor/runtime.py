@@ -44,7 +44,7 @@ from supervisor.notify import Hub
 from supervisor.policy import Policy
 from supervisor.pruner import HistoryPruner, retention_ages
 from supervisor.sensor import Changes, GpuReport, Sensor
-from supervisor.store import Store, open_store
+from supervisor.store import UNAVAILABLE, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,9 @@ class Supervisor:
         self._store: Store | None = None
         self._actuator: Actuator | None = None
         self._controller: Controller | None = None
+        #: Changes to record, in order, retried while the database is unavailable.
         self._pending: asyncio.Queue[Changes] = asyncio.Queue()
+        self._backlog = 0  # put on _pending and not recorded yet
         self._recorder: asyncio.Task[None] | None = None
         self._fault_timers: dict[int, asyncio.TimerHandle] = {}
         self._schedules: dict[int, asyncio.Task[None]] = {}
@@ -250,6 +252,25 @@ class Supervisor:
 
     # --- sensor input ---------------------------------------------------------------------
 
+    async def record_or_hold(self, changes: Changes) -> list[Event] | None:
+        """Record a heartbeat's changes; None when they could not be recorded now (the
+        database is unavailable, or earlier changes still wait for it): they are held
+        in memory and recorded after those, in order, once it answers. Not acknowledged
+        then: the sensor has taken them in, so they are not raised again."""
+        if self._backlog:
+            self._hold(changes)
+            return None
+        try:
+            return await self.record(changes)
+        except UNAVAILABLE:
+            log.warning("database unavailable: holding a heartbeat's changes in memory")
+            self._hold(changes)
+            return None
+
+    def _hold(self, changes: Changes) -> None:
+        self._backlog += 1
+        self._pending.put_nowait(changes)
+
     async def record(self, changes: Changes) -> list[Event]:
         """Persist what a sensor step produced, then hand its events to the controller."""
         events = await asyncio.to_thread(
@@ -297,7 +318,7 @@ class Supervisor:
     def _raise_backend_events(self, events: list[Event]) -> None:
         # Same path as the sensor's timers: persisted in order (retried while the
         # database is down), then given to the controller.
-        self._pending.put_nowait(Changes(events=list(events)))
+        self._hold(Changes(events=list(events)))
 
     async def _request_backend_action(self, request: ActionRequest, key: str) -> None:
         action, created = await asyncio.to_thread(
@@ -319,7 +340,7 @@ class Supervisor:
         return node.alive if node is not None else None
 
     def _on_timer_changes(self, changes: Changes) -> None:
-        self._pending.put_nowait(changes)
+        self._hold(changes)
 
     async def _record_timer_changes(self) -> None:
         while True:
@@ -333,6 +354,7 @@ class Supervisor:
             try:
                 await self._record_with_retry(Changes.merged(batch))
             finally:
+                self._backlog -= len(batch)
                 for _ in batch:
                     self._pending.task_done()
 
@@ -344,10 +366,11 @@ class Supervisor:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 # The database is down: keep the events in memory and try again; they
                 # were never acknowledged to anyone, so nothing is lost by waiting.
-                log.exception("cannot persist %d events; retrying", len(changes.events))
+                if delay == 0.1 or not isinstance(exc, UNAVAILABLE):
+                    log.exception("cannot persist %d events; retrying", len(changes.events))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -360,7 +383,7 @@ class Supervisor:
             # monitor may report it idle before the swap ends, and it is no spare.
             cordoned = self.sensor.set_cordoned(action.node, True)
             if cordoned:
-                self._pending.put_nowait(cordoned)
+                self._hold(cordoned)
 
     async def _apply_effects(self, action: ActionRecord) -> None:
         """Keep the sensor's picture in step with what the backend changed."""
@@ -381,7 +404,7 @@ class Supervisor:
         if changed.nodes or changed.jobs:
             await asyncio.to_thread(self.store.record, [], changed.nodes, changed.jobs)
         if changed.events:  # a spare again: its own path, persisted then to the policy
-            self._pending.put_nowait(Changes(events=changed.events))
+            self._hold(Changes(events=changed.events))
 
     # --- operator requests ----------------------------------------------------------------
 
@@ -481,8 +504,11 @@ class Supervisor:
             message=f"injected by fault {fault.id}",
         )
         changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
+        # Ended before its events go to the policy: the answer then waits for nothing
+        # the policy does.
+        fault = await self._acted_out(fault)
         events = await self.record(changes) if changes else []
-        return await self._acted_out(fault), events
+        return fault, events
 
     async def _acted_out(self, fault: Fault) -> Fault:
         """A fault that has happened is over (ended, no longer `active`); what it causes

@@ -945,3 +945,60 @@ async def test_openapi_documents_the_error_answers(api: Api) -> None:
     assert {"401", "403", "404", "413"} <= set(codes("/api/v1/faults", "post"))
     assert "404" not in codes("/api/v1/events", "get")
     assert "401" not in codes("/healthz", "get")
+
+
+async def test_work_cut_by_a_database_outage_is_carried_out_once_it_is_back(
+    make_settings: SettingsFactory,
+) -> None:
+    """The database fails while the policy's decision is recorded, then again when the
+    finished action is: the controller's lane tries again until it answers, and the
+    action ends succeeded, carried out once more by the idempotent backend."""
+    from sqlalchemy.exc import OperationalError
+
+    backend = DryRunBackend()
+    async with running(make_settings(), backend) as api:
+        store = api.supervisor.store
+        failures = {"handle_event": 1, "finish_action": 2}
+
+        def flaky(name: str) -> Any:
+            real = getattr(store, name)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if failures[name]:
+                    failures[name] -= 1
+                    raise OperationalError("COMMIT", {}, Exception("connection lost"))
+                return real(*args, **kwargs)
+
+            return call
+
+        for name in failures:
+            setattr(store, name, flaky(name))
+        await api.beat(heartbeat("n1"))
+        await api.beat(heartbeat("s1", job=None))
+        fault = await api.client.post(
+            "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=OPERATOR
+        )
+        assert fault.status_code == 201, fault.text
+        event_id = fault.json()["events"][0]
+
+        async def done() -> list[dict[str, Any]]:
+            actions = (await api.get("/api/v1/actions", event_id=event_id))["items"]
+            finished = all(a["status"] == "succeeded" for a in actions)
+            return actions if actions and finished else []
+
+        deadline = asyncio.get_running_loop().time() + 20
+        while not (actions := await done()):
+            assert asyncio.get_running_loop().time() < deadline, "never carried out"
+            await asyncio.sleep(0.1)
+        assert failures == {"handle_event": 0, "finish_action": 0}
+        assert [a["type"] for a in actions[::-1]] == ["emergency_checkpoint", "hot_swap"]
+        # Decided once (two actions, not four); the checkpoint whose end could not be
+        # recorded was attempted again, twice, with the same key (the backend carried it
+        # out once).
+        assert len(actions) == 2
+        checkpoint = actions[-1]
+        assert checkpoint["type"] == "emergency_checkpoint" and checkpoint["attempts"] == 3
+        assert [c.type for c in backend.calls] == [
+            ActionType.EMERGENCY_CHECKPOINT,
+            ActionType.HOT_SWAP,
+        ]

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from supervisor import dashboard
 from supervisor.api import openapi
-from supervisor.api.errors import http_error, validation_error
+from supervisor.api.errors import database_unavailable, http_error, validation_error
 from supervisor.api.job_metrics import JobMetrics
 from supervisor.api.routes import (
     actions,
@@ -36,6 +36,7 @@ from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
 from supervisor.api.routes.heartbeats import HeartbeatEndpoint
 from supervisor.config import Settings
 from supervisor.runtime import Supervisor
+from supervisor.store import UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -147,5 +148,7 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     app.heartbeats = HeartbeatEndpoint(runtime)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    for unavailable in UNAVAILABLE:
+        app.add_exception_handler(unavailable, database_unavailable)
     app.openapi = lambda: openapi.build(app)  # type: ignore[method-assign]
     return app

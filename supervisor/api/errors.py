@@ -30,6 +30,15 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503 for a request that needed the database while it cannot be reached or written:
+    nothing was recorded (its transaction did not commit); the client may try again."""
+    message = "database unavailable: nothing was recorded; try again"
+    return JSONResponse(
+        {"message": message, "detail": message}, status_code=503, headers={"Retry-After": "1"}
+    )
+
+
 def error_message(response: httpx.Response) -> str:
     """The one line an error answer of ours carries (`message`, else `detail`)."""
     try:

@@ -18,7 +18,7 @@ from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext, PolicyLimits
-from supervisor.store import Store
+from supervisor.store import UNAVAILABLE, Store
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +107,7 @@ class Controller:
             item = await queue.get()
             self._busy += 1
             try:
-                if isinstance(item, _HandleEvent):
-                    await self.handle(item.event)
-                else:
-                    for action in item.actions:
-                        await self.actuator.run(action)
+                await self._until_stored(item)
             except asyncio.CancelledError:
                 raise
             except Fenced:
@@ -121,6 +117,31 @@ class Controller:
             finally:
                 self._busy -= 1
                 queue.task_done()
+
+    async def _until_stored(self, item: _Work) -> None:
+        """Carry out one piece of work; while the database is unavailable, again and
+        again (backing off), so that the lane goes on in order once it is back. Both
+        are safe to repeat: handling an event again returns the actions recorded the
+        first time, and an action already finished is returned as it is."""
+        delay = 0.1
+        retry = False
+        while True:
+            try:
+                if isinstance(item, _HandleEvent):
+                    await self.handle(item.event)
+                else:
+                    for action in item.actions:
+                        if retry:  # as it stands now: it may have finished meanwhile
+                            stored = await asyncio.to_thread(self.store.get_action, action.id)
+                            action = stored if stored is not None else action
+                        await self.actuator.run(action)
+                return
+            except UNAVAILABLE:
+                if not retry:
+                    log.warning("database unavailable: %r waits for it", item)
+                retry = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # --- decisions -------------------------------------------------------------------
 

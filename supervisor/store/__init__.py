@@ -1,6 +1,6 @@
 """Persistence: the schema, its migrations, and the repository every other part uses."""
 
-from supervisor.store.database import make_engine, migrate
+from supervisor.store.database import UNAVAILABLE, make_engine, migrate
 from supervisor.store.repository import (
     ActionFilter,
     DeliveryFilter,
@@ -14,6 +14,7 @@ from supervisor.store.retention import PRUNE_ORDER, HistoryTable, PrunedBatch
 
 __all__ = [
     "PRUNE_ORDER",
+    "UNAVAILABLE",
     "ActionFilter",
     "DeliveryFilter",
     "EventFilter",

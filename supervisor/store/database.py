@@ -9,8 +9,14 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+
+#: What the driver raises while the database cannot be reached or written (its server
+#: down or restarting, the connection lost, the disk full): nothing was written, and the
+#: same write may be tried again later.
+UNAVAILABLE: tuple[type[Exception], ...] = (OperationalError, InterfaceError)
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

@@ -103,7 +103,24 @@ class HeartbeatEndpoint:
             )
             return
         # No coroutine in the common case (nothing changed): the sensor answers UNCHANGED.
-        events = None if changes is UNCHANGED or not changes else await supervisor.record(changes)
+        events = (
+            None
+            if changes is UNCHANGED or not changes
+            else await supervisor.record_or_hold(changes)
+        )
+        if events is None and changes is not UNCHANGED and changes:
+            # Held until the database answers: not acknowledged. A retry changes nothing
+            # more (the sensor took it in); the events are recorded in order once it is back.
+            await _reply(
+                send,
+                503,
+                _error(
+                    "database unavailable: this heartbeat's events are held in memory and "
+                    "recorded in order once it answers; send again"
+                ),
+                [(b"retry-after", b"1")],
+            )
+            return
         if events:
             ids = [e.id for e in events]
             await _send(send, 202, json.dumps({"events": ids}).encode())
