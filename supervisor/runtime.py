@@ -476,6 +476,7 @@ class Supervisor:
             try:
                 await self.backend.inject_fault(spec.kind, spec.node, own)
             except ActionError as exc:
+                self.sensor.fault_not_injected(fault.id)
                 await self.end_fault(fault.id)
                 raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None
             if spec.kind in ONE_SHOT_FAULTS:

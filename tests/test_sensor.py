@@ -441,6 +441,22 @@ async def test_the_last_steps_of_finished_workers_count_but_never_go_back(
     assert view is not None and view.last_step == 12
 
 
+async def test_a_fault_the_node_refused_claims_no_later_failure(
+    make_sensor: SensorFactory,
+) -> None:
+    sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
+    sensor.ingest(hb("n1", workers=[worker(0, 10)]))
+    sensor.expect_fault("n1", 7, 60.0)
+    sensor.fault_not_injected(7)  # e.g. its worker was already down
+    [event] = sensor.ingest(hb("n1", workers=[worker(0, 10, "exited", exit_code=1)])).events
+    assert event.type is E.WORKER_EXITED and event.fault_id is None
+    # One that was injected claims what follows.
+    sensor.ingest(hb("n1", workers=[worker(0, 11)]))
+    sensor.expect_fault("n1", 8, 60.0)
+    [event] = sensor.ingest(hb("n1", workers=[worker(0, 11, "exited", exit_code=9)])).events
+    assert event.fault_id == 8
+
+
 async def test_worker_exited_in_first_heartbeat_is_reported(make_sensor: SensorFactory) -> None:
     sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
     changes = sensor.ingest(hb("n1", "j1", workers=[worker(0, 3, "exited", exit_code=0)]))

@@ -355,6 +355,14 @@ class Sensor:
             if node.muted_by_fault == fault_id:
                 node.muted_by_fault = node.muted_until = None
 
+    def fault_not_injected(self, fault_id: int) -> None:
+        """The fault never happened (its node refused it): what fails next is not its doing."""
+        for node in self.nodes.values():
+            if node.expected_fault == fault_id:
+                node.expected_fault = None
+            if node.loss_fault == fault_id:
+                node.loss_fault = None
+
     def set_cordoned(self, node_name: str, cordoned: bool) -> Changes:
         """The node's record, and `spare_available` when uncordoning makes a spare of it."""
         node = self.nodes.get(node_name)
