@@ -63,7 +63,7 @@ INLINE_POLICY: dict[str, Any] = {
     **POSTGRES,
     "policy": {"inline": POLICY_SOURCE, "className": "CordonOnXid"},
 }
-# The parameter names users of Google's resiliency supervisor know (issue 5).
+# The parameter names users of Google's resiliency supervisor know.
 STANDARD_NAMES = [
     "heartbeat_polling_period_s",
     "heartbeat_timeout_s",
