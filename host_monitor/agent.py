@@ -199,10 +199,11 @@ class Agent:
         if s.supervisor_url is None:
             log.warning("supervisor_url not set: no heartbeats will be sent")
             return None
-        assert s.agent_token is not None  # checked by the settings
+        credential = s.supervisor_credential()
+        assert credential is not None  # a supervisor_url is set
         sender = HeartbeatSender(
             s.supervisor_url,
-            s.agent_token.get_secret_value(),
+            credential,
             s.node,
             s.heartbeat_polling_period_s,
             node.snapshot,
@@ -218,10 +219,11 @@ class Agent:
         s = self.settings
         if s.supervisor_url is None:
             return None
-        assert s.agent_token is not None  # checked by the settings
+        credential = s.supervisor_credential()
+        assert credential is not None  # a supervisor_url is set
         forwarder = CheckpointForwarder(
             s.supervisor_url,
-            s.agent_token.get_secret_value(),
+            credential,
             s.node,
             s.run_dir / f"{s.node}.checkpoint-outbox.jsonl",
             max_backoff_s=max(s.heartbeat_polling_period_s, 1.0),

@@ -3,15 +3,17 @@
 - A report is appended to an outbox file (one JSON line, fsynced) before the worker gets
   its 202, so it survives a crash or a restart of the host monitor; reports left in the
   outbox by a previous run are sent first.
-- One task sends them in batches to `POST /api/v1/checkpoints` (agent token) and drops
+- One task sends them in batches to `POST /api/v1/checkpoints` (with the host monitor's
+  credential, host_monitor/credentials.py) and drops
   them from the outbox only once the supervisor answered 200, which it sends after
   committing them. Failures are retried with an exponential backoff with jitter, capped at
   the heartbeat period: a supervisor that is down for hours costs one request per period.
 - Each report gets an id when it is received; a batch sent again (the acknowledgement was
   lost) is stored once by the supervisor.
 - A batch the supervisor refuses (422: a report it cannot take, which our own checks make
-  unlikely) is sent again one report at a time, and only the refused report is dropped,
-  with an error line naming it.
+  unlikely; 403: a report of another node than our credential's, left in the outbox by a
+  run under another node name) is sent again one report at a time, and only the refused
+  report is dropped, with an error line naming it.
 
 Checkpoints are rare (every few minutes per worker), so the outbox is written
 synchronously on the event loop: no write can interleave with the rewrite after an ack.
@@ -31,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.protocol import CheckpointReport
 from supervisor.api.errors import error_message
 from supervisor.domain import utcnow
@@ -46,14 +49,14 @@ class CheckpointForwarder:
     def __init__(
         self,
         supervisor_url: str,
-        agent_token: str,
+        credential: str | BearerCredential,
         node: str,
         outbox: Path,
         *,
         max_backoff_s: float = 5.0,
     ) -> None:
         self.url = supervisor_url.rstrip("/") + PATH
-        self._token = agent_token
+        self._credential = BearerCredential.of(credential)
         self.node = node
         self.outbox = outbox
         self.max_backoff_s = max(max_backoff_s, 0.05)
@@ -131,8 +134,7 @@ class CheckpointForwarder:
 
     async def run(self) -> None:
         timeout = httpx.Timeout(5.0, connect=1.0)
-        headers = {"Authorization": f"Bearer {self._token}"}
-        async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+        async with httpx.AsyncClient(timeout=timeout) as client:
             while True:
                 if not self._pending:
                     self._wake.clear()
@@ -150,7 +152,11 @@ class CheckpointForwarder:
         size = 1 if self._one_by_one else BATCH
         batch = [self._pending[i] for i in range(min(size, len(self._pending)))]
         try:
-            response = await client.post(self.url, json={"reports": batch})
+            headers = {"Authorization": self._credential.header()}
+            response = await client.post(self.url, json={"reports": batch}, headers=headers)
+        except CredentialError as exc:
+            self._failed(str(exc))
+            return False
         except httpx.HTTPError as exc:
             self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return False
@@ -158,7 +164,9 @@ class CheckpointForwarder:
             self._acked(len(batch))
             return True
         detail = error_message(response)
-        if response.status_code == 422:
+        if response.status_code == 401:
+            self._credential.refresh()  # rotated meanwhile: read it again
+        if response.status_code in (403, 422):
             if len(batch) > 1:
                 self._one_by_one = True  # find the report it refuses
                 return True

@@ -13,6 +13,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from host_monitor.credentials import BearerCredential
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
 
 DEV_KMSG = "/dev/kmsg"
@@ -21,6 +22,13 @@ KERNEL_LOG_OFF = ("none", "off")
 DEFAULT_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
 DEFAULT_PEER_STORE_PARENT = "/dev/shm/resiliency-peer"
 DEFAULT_PEER_MAX_FILE_BYTES = 2**40  # 1 TiB: no shard is that big; RAM runs out first
+#: What the host monitor may present to the supervisor: exactly one of them.
+CREDENTIALS = (
+    "agent_token",
+    "node_credential",
+    "node_credential_file",
+    "service_account_token_file",
+)
 
 
 class HostMonitorSettings(BaseSettings):
@@ -39,7 +47,24 @@ class HostMonitorSettings(BaseSettings):
         description="Base URL of the supervisor. Unset: no heartbeats (local API only).",
     )
     agent_token: SecretStr | None = Field(
-        None, description="Bearer token for the supervisor's POST /api/v1/heartbeats."
+        None,
+        description="The token all host monitors share, for the supervisor's heartbeats and "
+        "checkpoint reports (it speaks for any node: prefer a node credential).",
+    )
+    node_credential: SecretStr | None = Field(
+        None,
+        description="This node's own credential (`supervisor node-credential NODE`), instead "
+        "of agent_token: it speaks for this node only.",
+    )
+    node_credential_file: Path | None = Field(
+        None,
+        description="A file holding this node's credential (e.g. a mounted Secret), read "
+        "again when it changes.",
+    )
+    service_account_token_file: Path | None = Field(
+        None,
+        description="The pod's projected service account token, bound to the supervisor's "
+        "audience (Kubernetes identity), read again when the kubelet rotates it.",
     )
     actuator_token: SecretStr | None = Field(
         None,
@@ -142,22 +167,44 @@ class HostMonitorSettings(BaseSettings):
             raise ValueError("job is required when initial_state is running")
         if self.initial_state == "spare" and self.job is not None:
             raise ValueError("a spare node has no job (set initial_state=running)")
-        if self.supervisor_url is not None and self.agent_token is None:
-            raise ValueError("agent_token is required when supervisor_url is set")
+        credentials = [name for name in CREDENTIALS if getattr(self, name) is not None]
+        if self.supervisor_url is not None and not credentials:
+            raise ValueError(f"one of {', '.join(CREDENTIALS)} is required with supervisor_url")
+        if len(credentials) > 1:
+            raise ValueError(f"give one credential for the supervisor, not {credentials}")
+        if self.node_credential is not None:
+            prefix = f"node.{self.node}."
+            if not self.node_credential.get_secret_value().startswith(prefix):
+                raise ValueError(f"node_credential is not the credential of node {self.node}")
         tokens = [
             t.get_secret_value()
-            for t in (self.agent_token, self.actuator_token, self.worker_token)
+            for t in (self.agent_token, self.node_credential, self.actuator_token)
             if t is not None
         ]
+        if self.worker_token is not None:
+            tokens.append(self.worker_token.get_secret_value())
         if len(tokens) != len(set(tokens)):
             # A worker must never be able to act as the actuator or as the node itself.
-            raise ValueError("agent_token, actuator_token and worker_token must differ")
+            raise ValueError(
+                "agent_token (or node_credential), actuator_token and worker_token must differ"
+            )
         if self.peer_token is not None and self.peer_token.get_secret_value() in tokens:
             # Other host monitors hold the peer token: it must open nothing else.
             raise ValueError(
                 "peer_token must differ from agent_token, actuator_token and worker_token"
             )
         return self
+
+    def supervisor_credential(self) -> BearerCredential | None:
+        """What to present to the supervisor; None when no supervisor is set."""
+        if self.supervisor_url is None:
+            return None
+        for token in (self.agent_token, self.node_credential):
+            if token is not None:
+                return BearerCredential(token=token.get_secret_value())
+        path = self.node_credential_file or self.service_account_token_file
+        assert path is not None  # checked by _check_relations
+        return BearerCredential(path=path)
 
     @property
     def kernel_log_disabled(self) -> bool:

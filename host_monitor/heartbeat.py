@@ -9,6 +9,8 @@ the process monitor run in their own tasks and only `trigger()` a send.
 - On failure, again after an exponential backoff with jitter, capped at the period: a
   supervisor that is down or restarting gets a growing gap, and is found again quickly.
 - GPU reports stay queued until a heartbeat carrying them was accepted (2xx).
+- With the host monitor's credential (host_monitor/credentials.py), read again from its
+  file when it rotates and after a 401.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 
+from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from supervisor.api.errors import error_message
 from supervisor.domain import NodeState
@@ -47,7 +50,7 @@ class HeartbeatSender:
     def __init__(
         self,
         supervisor_url: str,
-        agent_token: str,
+        credential: str | BearerCredential,
         node: str,
         period_s: float,
         snapshot: Callable[[], NodeSnapshot],
@@ -55,7 +58,7 @@ class HeartbeatSender:
         on_delivered: Callable[[NodeSnapshot], None] | None = None,
     ) -> None:
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
-        self._token = agent_token
+        self._credential = BearerCredential.of(credential)
         self.node = node
         self.period_s = period_s
         self.address = address
@@ -92,8 +95,7 @@ class HeartbeatSender:
         # the next one.
         timeout = httpx.Timeout(min(max(self.period_s, 1.0), 5.0), connect=1.0)
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        headers = {"Authorization": f"Bearer {self._token}"}
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             while not self._silenced:
                 self._wake.clear()
                 ok = await self._send(client)
@@ -137,9 +139,14 @@ class HeartbeatSender:
         sent = len(body.gpu_reports)
         content = msgspec.json.encode(body)
         try:
-            response = await client.post(
-                self.url, content=content, headers={"Content-Type": "application/json"}
-            )
+            headers = {
+                "Authorization": self._credential.header(),
+                "Content-Type": "application/json",
+            }
+            response = await client.post(self.url, content=content, headers=headers)
+        except CredentialError as exc:
+            self._failed(str(exc))
+            return False
         except httpx.HTTPError as exc:
             self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return False
@@ -160,6 +167,8 @@ class HeartbeatSender:
                 self._on_delivered(snap)
             return True
         detail = error_message(response)
+        if response.status_code == 401:
+            self._credential.refresh()  # rotated meanwhile: read it again
         if response.status_code == 422 and sent:
             # The supervisor refuses these reports; keeping them would block every
             # heartbeat after this one, and a node without heartbeats is declared lost.

@@ -1,5 +1,5 @@
-"""`supervisor` command line: serve the API, run the demo, or operate a running
-supervisor (get, describe, inject, cordon, watch, ...: supervisor.ops)."""
+"""`supervisor` command line: serve the API, run the demo, print a node's credential, or
+operate a running supervisor (get, describe, inject, cordon, watch, ...: supervisor.ops)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import uvicorn
 
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.goodput import cli as goodput_cli
+from supervisor.identity.node_keys import node_credential
 from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
 from supervisor.ops import commands as ops_commands
 
@@ -51,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML settings file (env SUPERVISOR_CONFIG_FILE).")
     serve.add_argument("--host", help="Address to bind (setting `host`).")
     serve.add_argument("--port", type=int, help="Port to bind (setting `port`).")
+    credential = sub.add_parser(
+        "node-credential",
+        help="Print the credential of a node's host monitor (HOST_MONITOR_NODE_CREDENTIAL), "
+        "derived from the setting node_key.",
+    )
+    credential.add_argument("node", help="The node's name, as its heartbeats give it.")
+    credential.add_argument("--config", help="YAML settings file (env SUPERVISOR_CONFIG_FILE).")
     demo = sub.add_parser(
         "demo", help="Run a local cluster: host monitors, a training job and the supervisor."
     )
@@ -115,6 +123,20 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, **overrides)
 
 
+def _node_credential(args: argparse.Namespace) -> None:
+    """One line, the credential only: `$(supervisor node-credential n1)` is the value."""
+    settings = load_settings(args.config)
+    if settings.node_key is None:
+        raise SystemExit(
+            "supervisor node-credential: node_key is not set (SUPERVISOR_NODE_KEY or the "
+            "settings file)"
+        )
+    try:
+        print(node_credential(settings.node_key.get_secret_value(), args.node))
+    except ValueError as exc:
+        raise SystemExit(f"supervisor node-credential: {exc}") from None
+
+
 def _serve(settings: Settings) -> None:
     from supervisor.api.app import with_tokens
     from supervisor.controller import PolicyLoadError, load_policy
@@ -143,7 +165,8 @@ def _app(settings: Settings, policy: Policy) -> SupervisorApp:
     from supervisor.runtime import Supervisor
 
     kube_backend = settings.backend == "kubernetes" and not settings.dry_run
-    if not (kube_backend or settings.leader_election):
+    kube_identity = "kubernetes" in settings.agent_auth
+    if not (kube_backend or settings.leader_election or kube_identity):
         return create_app(settings, Supervisor(settings, policy=policy))
     from supervisor.kube.client import KubeConfigError  # the kubernetes client is heavy
 
@@ -154,7 +177,8 @@ def _app(settings: Settings, policy: Policy) -> SupervisorApp:
     try:
         return create_app(settings, supervisor)
     except KubeConfigError as exc:
-        raise SystemExit(f"supervisor: leader election: {exc}") from None
+        what = "leader election" if settings.leader_election else "agent_auth kubernetes"
+        raise SystemExit(f"supervisor: {what}: {exc}") from None
 
 
 def _demo_options(args: argparse.Namespace, nodes_per_dp: int, step_time_s: float) -> DemoOptions:
@@ -329,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
             _serve(_settings(args))
         elif args.command == "demo":
             _demo(args)
+        elif args.command == "node-credential":
+            _node_credential(args)
         elif args.command in ops_commands.COMMANDS:
             raise SystemExit(ops_commands.run(args))
         else:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -27,6 +28,13 @@ CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
 SECONDS_PER_DAY = 86400.0
 
 BackendName = Literal["dry_run", "local", "kubernetes"]
+# How a host monitor proves who it is (README, "Agent identity").
+AgentAuth = Literal["shared", "node_key", "kubernetes"]
+NODE_KEY_MIN_CHARS = 32
+# system:serviceaccount:<namespace>:<name>, both DNS names.
+SERVICE_ACCOUNT_USER = (
+    r"^system:serviceaccount:[a-z0-9]([-a-z0-9]*[a-z0-9])?:[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+)
 
 
 class Settings(BaseSettings):
@@ -309,6 +317,39 @@ class Settings(BaseSettings):
     operator_token: SecretStr | None = Field(
         None, description="Bearer token of operators. Generated and logged when unset."
     )
+    # --- agent identity (README, "Agent identity") ----------------------------------------
+    agent_auth: Annotated[list[AgentAuth], NoDecode] = Field(
+        ["shared"],
+        min_length=1,
+        description="How host monitors prove who they are, one or more of (comma-separated "
+        "in the environment): shared (agent_token, which may speak for any node), node_key "
+        "(a credential per node, derived from node_key), kubernetes (the pod's service "
+        "account token, checked with a TokenReview).",
+    )
+    node_key: SecretStr | None = Field(
+        None,
+        description="Secret the node credentials are derived from (agent_auth node_key; at "
+        f"least {NODE_KEY_MIN_CHARS} characters). `supervisor node-credential NODE` prints "
+        "a node's.",
+    )
+    agent_kube_audience: str = Field(
+        "resiliency-supervisor",
+        min_length=1,
+        description="Audience the host monitors' service account tokens must be bound to "
+        "(agent_auth kubernetes).",
+    )
+    agent_kube_service_account: str | None = Field(
+        None,
+        pattern=SERVICE_ACCOUNT_USER,
+        description="User of the host monitors' service account, "
+        "system:serviceaccount:<namespace>:<name> (required with agent_auth kubernetes).",
+    )
+    agent_kube_review_ttl_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long an accepted service account token is trusted before it is "
+        "reviewed again (never past its expiry).",
+    )
     read_requires_token: bool = Field(
         True, description="Read endpoints need the operator token (else open to all)."
     )
@@ -353,6 +394,34 @@ class Settings(BaseSettings):
             and self.agent_token.get_secret_value() == self.operator_token.get_secret_value()
         ):
             raise ValueError("agent_token and operator_token must differ")
+        return self._check_agent_auth()
+
+    @field_validator("agent_auth", mode="before")
+    @classmethod
+    def _split_agent_auth(cls, value: object) -> object:
+        if isinstance(value, str):  # the environment's "node_key,kubernetes"
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def _check_agent_auth(self) -> Self:
+        modes = self.agent_auth
+        if len(set(modes)) != len(modes):
+            raise ValueError(f"agent_auth names a mode twice: {modes}")
+        if "node_key" in modes:
+            key = self.node_key.get_secret_value() if self.node_key is not None else ""
+            if len(key) < NODE_KEY_MIN_CHARS:
+                raise ValueError(
+                    f"agent_auth node_key needs node_key, at least {NODE_KEY_MIN_CHARS} "
+                    "characters (e.g. `openssl rand -base64 32`)"
+                )
+            others = (self.agent_token, self.operator_token)
+            if any(t is not None and t.get_secret_value() == key for t in others):
+                raise ValueError("node_key must differ from agent_token and operator_token")
+        if "kubernetes" in modes and self.agent_kube_service_account is None:
+            raise ValueError(
+                "agent_auth kubernetes needs agent_kube_service_account "
+                "(system:serviceaccount:<namespace>:<name> of the host monitors)"
+            )
         return self
 
     @classmethod

@@ -77,6 +77,12 @@ class JobActionCounts:
                 del counts[job]
 
 
+#: Why a host monitor's request was refused (supervisor_agent_requests_refused_total):
+#: no valid credential (401); a node other than the credential's (403); a rank another
+#: alive node runs (409).
+REFUSAL_REASONS = ("invalid_credential", "other_node", "rank_claimed")
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -84,6 +90,9 @@ class Metrics:
         # which is a measurable share of a heartbeat's cost.
         self.heartbeats_received = 0
         self.registry.register(_HeartbeatCollector(self))
+        # Plain ints too: the heartbeat path counts its refusals.
+        self.agent_requests_refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        self.registry.register(_AgentRefusalCollector(self))
         self.events = Counter(
             "supervisor_events",
             "Events raised, by type.",
@@ -174,4 +183,21 @@ class _HeartbeatCollector(Collector):
             "supervisor_heartbeats_received", "Host heartbeats accepted by the sensor."
         )
         family.add_metric([], self._metrics.heartbeats_received)
+        yield family
+
+
+class _AgentRefusalCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "supervisor_agent_requests_refused",
+            "Host monitor requests refused for who sent them, by reason: invalid_credential "
+            "(401), other_node (403: a node other than the credential's), rank_claimed (409: "
+            "a rank another alive node reports running).",
+            labels=["reason"],
+        )
+        for reason, count in self._metrics.agent_requests_refused.items():
+            family.add_metric([reason], count)
         yield family

@@ -113,6 +113,9 @@ class Supervisor:
         #: Changes to record, in order, retried while the database is unavailable.
         self._pending: asyncio.Queue[Changes] = asyncio.Queue()
         self._backlog = 0  # put on _pending and not recorded yet
+        #: A write failed for want of the database, and what waits since is not written
+        #: yet: heartbeats' changes then wait behind it, in order.
+        self._database_down = False
         self._recorder: asyncio.Task[None] | None = None
         self._fault_timers: dict[int, asyncio.TimerHandle] = {}
         self._schedules: dict[int, asyncio.Task[None]] = {}
@@ -257,13 +260,14 @@ class Supervisor:
         database is unavailable, or earlier changes still wait for it): they are held
         in memory and recorded after those, in order, once it answers. Not acknowledged
         then: the sensor has taken them in, so they are not raised again."""
-        if self._backlog:
+        if self._database_down:
             self._hold(changes)
             return None
         try:
             return await self.record(changes)
         except UNAVAILABLE:
             log.warning("database unavailable: holding a heartbeat's changes in memory")
+            self._database_down = True
             self._hold(changes)
             return None
 
@@ -357,6 +361,8 @@ class Supervisor:
                 self._backlog -= len(batch)
                 for _ in batch:
                     self._pending.task_done()
+            if not self._backlog:
+                self._database_down = False  # everything held is written: in order
 
     async def _record_with_retry(self, changes: Changes) -> None:
         delay = 0.1
@@ -369,6 +375,8 @@ class Supervisor:
             except Exception as exc:
                 # The database is down: keep the events in memory and try again; they
                 # were never acknowledged to anyone, so nothing is lost by waiting.
+                if isinstance(exc, UNAVAILABLE):
+                    self._database_down = True
                 if delay == 0.1 or not isinstance(exc, UNAVAILABLE):
                     log.exception("cannot persist %d events; retrying", len(changes.events))
                 await asyncio.sleep(delay)

@@ -49,6 +49,7 @@ TOKENS = {
 }
 POSTGRES: dict[str, Any] = {"database": {"url": PG_URL}}
 SQLITE: dict[str, Any] = {"database": {"type": "sqlite"}, "supervisor": {"replicas": 1}}
+KUBE_IDENTITY: dict[str, Any] = {**POSTGRES, "hostMonitor": {"identity": {"mode": "kubernetes"}}}
 POLICY_SOURCE = """
 from supervisor.domain import EventType
 from supervisor.policy import Policy, actions, handles
@@ -282,6 +283,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
     ),
     "no-kernel-log": merged(POSTGRES, {"hostMonitor": {"kernelLog": {"source": "off"}}}),
+    "kube-identity": KUBE_IDENTITY,
 }
 
 
@@ -360,10 +362,11 @@ CLIENT_CALLS: dict[str, list[tuple[str, str, str]]] = {
     "read_node": [("", "nodes", "get")],
     "list_node": [("", "nodes", "list"), ("", "nodes", "watch")],
     "patch_node": [("", "nodes", "patch")],
+    "create_token_review": [("authentication.k8s.io", "tokenreviews", "create")],
 }
 API_CALL = re.compile(
     r"\b(?:read|list|create|patch|replace|delete|get)_"
-    r"(?:namespaced_\w+|node\w*|cluster_custom_object|custom_object)\b"
+    r"(?:namespaced_\w+|node\w*|cluster_custom_object|custom_object|token_review)\b"
 )
 
 
@@ -375,7 +378,7 @@ def test_rbac_grants_exactly_what_the_kubernetes_backend_calls() -> None:
             assert call in CLIENT_CALLS, f"{path.name} calls {call}: add it here and to the chart"
             needed |= set(CLIENT_CALLS[call])
     assert needed, "no Kubernetes call found: the scan is broken"
-    docs = render(POSTGRES)
+    docs = render(KUBE_IDENTITY)  # TokenReviews: only with hostMonitor.identity kubernetes
 
     def granted(*roles: dict[str, Any]) -> set[tuple[str, str, str]]:
         return {
@@ -387,7 +390,11 @@ def test_rbac_grants_exactly_what_the_kubernetes_backend_calls() -> None:
             for verb in rule["verbs"]
         }
 
-    main = granted(find(docs, "Role", FULLNAME), find(docs, "ClusterRole"))
+    main = granted(
+        find(docs, "Role", FULLNAME),
+        find(docs, "ClusterRole", f"{NAMESPACE}-{FULLNAME}-nodes"),
+        find(docs, "ClusterRole", f"{NAMESPACE}-{FULLNAME}-tokenreviews"),
+    )
     assert needed - main == set(), "the backend would be refused these"
     assert main - needed == set(), "granted but never used"
     # Events about nodes go where the backend records them, with the same verbs.
@@ -845,6 +852,71 @@ def test_host_monitor_runs_on_gpu_nodes_and_reaches_the_supervisor() -> None:
     assert probe == {"path": "/healthz", "port": "http"}
 
 
+def test_kubernetes_identity_gives_each_host_monitor_its_own_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hostMonitor.identity.mode kubernetes: each host monitor sends its pod's projected
+    service account token (bound to the audience, short-lived), not the shared agent token;
+    the supervisor reviews it as that service account's (a ClusterRole with only
+    TokenReview create); acceptSharedToken keeps the shared token for an upgrade."""
+    shared = render(POSTGRES)
+    assert [d["metadata"]["name"] for d in shared if d["kind"] == "ClusterRole"] == [
+        f"{NAMESPACE}-{FULLNAME}-nodes"
+    ]
+    assert host_monitor_settings(shared).agent_token is not None
+
+    docs = render(KUBE_IDENTITY)
+    hm = host_monitor_settings(docs)
+    assert hm.agent_token is None
+    token_path = Path("/var/run/secrets/resiliency-supervisor/token")
+    assert hm.service_account_token_file == token_path
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["identity"]["projected"]["sources"] == [
+        {
+            "serviceAccountToken": {
+                "audience": "resiliency-supervisor",
+                "expirationSeconds": 600,
+                "path": "token",
+            }
+        }
+    ]
+    mounts = {m["name"]: m for m in container(docs, "DaemonSet")["volumeMounts"]}
+    assert mounts["identity"] == {
+        "name": "identity",
+        "mountPath": str(token_path.parent),
+        "readOnly": True,
+    }
+    assert pod["automountServiceAccountToken"] is False  # no token for the API itself
+
+    settings = supervisor_settings(docs, tmp_path, monkeypatch)
+    assert settings.agent_auth == ["kubernetes"]
+    assert settings.agent_kube_audience == "resiliency-supervisor"
+    sa = find(docs, "ServiceAccount", pod["serviceAccountName"])
+    assert settings.agent_kube_service_account == (
+        f"system:serviceaccount:{sa['metadata']['namespace']}:{sa['metadata']['name']}"
+    )
+    role = find(docs, "ClusterRole", f"{NAMESPACE}-{FULLNAME}-tokenreviews")
+    assert role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+    ]
+    binding = find(docs, "ClusterRoleBinding", role["metadata"]["name"])
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}
+    ]
+
+    upgrade = render(
+        merged(KUBE_IDENTITY, {"hostMonitor": {"identity": {"acceptSharedToken": True}}})
+    )
+    assert supervisor_settings(upgrade, tmp_path, monkeypatch).agent_auth == [
+        "shared",
+        "kubernetes",
+    ]
+    with pytest.raises(helm.HelmValuesError, match="tokenExpirationSeconds"):
+        render(merged(KUBE_IDENTITY, {"hostMonitor": {"identity": {"tokenExpirationSeconds": 60}}}))
+
+
 @pytest.mark.parametrize("source", ["kmsg", "file", "off"])
 def test_host_monitor_has_only_the_privileges_its_kernel_log_needs(source: str) -> None:
     host_monitor = {"kernelLog": {"source": source}, "peerTier": {"enabled": False}}
@@ -1040,6 +1112,8 @@ MUTATIONS: dict[str, Any] = {
     "hostMonitor.nvidiaSmi": "/usr/local/nvidia/bin/nvidia-smi",
     "hostMonitor.runtimeClassName": "nvidia",
     "hostMonitor.maxUnavailable": "10%",
+    "hostMonitor.identity.mode": "kubernetes",
+    "hostMonitor.identity.audience": "other-audience",
     "serviceAccount.name": "given",
     "serviceMonitor.interval": "10s",
     "grafana.dashboard.label": "team_dashboards",
@@ -1090,7 +1164,7 @@ CONTEXTS = [
         POSTGRES,
         {
             "auth": TOKENS,
-            "hostMonitor": {"kernelLog": {"source": "file"}},
+            "hostMonitor": {"kernelLog": {"source": "file"}, "identity": {"mode": "kubernetes"}},
             "serviceMonitor": {"enabled": True},
             "grafana": {"dashboard": {"enabled": True}},
             "prometheusRule": {"enabled": True},

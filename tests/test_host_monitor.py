@@ -29,6 +29,7 @@ import pytest
 from supervisor.local.cluster import free_port
 
 AGENT_TOKEN = "hm-test-agent-token"
+NODE_KEY = "hm-test-node-key-0123456789abcdef0123"
 OPERATOR_TOKEN = "hm-test-operator-token"
 ACTUATOR_TOKEN = "hm-test-actuator-token"
 WORKER_TOKEN = "hm-test-worker-token"
@@ -104,7 +105,9 @@ def _kill_group(pid: int) -> None:
 
 
 class Supervisor:
-    def __init__(self, tmp: Path, port: int | None = None) -> None:
+    def __init__(
+        self, tmp: Path, port: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"supervisor-{self.port}.log"
@@ -115,6 +118,10 @@ class Supervisor:
             "SUPERVISOR_OPERATOR_TOKEN": OPERATOR_TOKEN,
             "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": "0.1",
             "SUPERVISOR_HEARTBEAT_TIMEOUT_S": "1",
+            # The shared token, and node credentials (test_a_node_credential_...).
+            "SUPERVISOR_AGENT_AUTH": "shared,node_key",
+            "SUPERVISOR_NODE_KEY": NODE_KEY,
+            **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, headers=OPERATOR, timeout=5)
@@ -245,7 +252,8 @@ class Cluster:
         for name, value in settings.items():
             if value is not None:
                 argv += [f"--{name.replace('_', '-')}", str(value)]
-        # Tokens through the environment, as in production (flags show in `ps`).
+        # Tokens through the environment, as in production (flags show in `ps`); an empty
+        # value in `env` leaves the variable out.
         full_env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")},
             "HOST_MONITOR_AGENT_TOKEN": AGENT_TOKEN,
@@ -253,6 +261,7 @@ class Cluster:
             "HOST_MONITOR_WORKER_TOKEN": WORKER_TOKEN,
             **(env or {}),
         }
+        full_env = {k: v for k, v in full_env.items() if v}
         log = self.tmp / f"{node}.agent.log"
         with log.open("ab") as err:
             proc = subprocess.Popen(
@@ -630,6 +639,63 @@ def test_node_down_kills_everything_and_the_supervisor_notices(
     assert event["node"] == agent.node
     # A dead node does not report its workers dying.
     assert supervisor.events(agent.node, "worker_exited") == []
+
+
+def test_a_node_credential_heartbeats_and_cannot_speak_for_another_node(
+    supervisor: Supervisor, cluster: Cluster
+) -> None:
+    """A host monitor given only its own credential (`supervisor node-credential NODE`)
+    heartbeats and forwards its workers' checkpoints; the same credential used for another
+    node is refused (403, counted) and nothing of that node is stored."""
+    node = f"hm-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    credential = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "node-credential", node],
+        env={**env, "SUPERVISOR_NODE_KEY": NODE_KEY},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    agent = cluster.start_agent(
+        supervisor.url,
+        node=node,
+        env={"HOST_MONITOR_AGENT_TOKEN": "", "HOST_MONITOR_NODE_CREDENTIAL": credential},
+    )
+    cluster.start_workers(agent, [40, 41], job="j4")
+    cluster.wait_running(agent, [40, 41])
+
+    def seen() -> bool:
+        at = supervisor.node(node)
+        return bool(at and at["job"] == "j4" and len(at["workers"]) == 2)
+
+    wait_for(seen, 5, "the node's workers at the supervisor")
+    report = {"event": "saved", "step": 3, "duration_s": 0.25, "tier": "ram"}
+    assert agent.worker_api.post("/v1/workers/40/checkpoints", json=report).status_code == 202
+
+    def forwarded() -> list[dict[str, Any]]:
+        r = supervisor.http.get("/api/v1/checkpoints", params={"job": "j4"})
+        reports: list[dict[str, Any]] = r.json() if r.status_code == 200 else []
+        return reports
+
+    [stored] = wait_for(forwarded, 5, "the checkpoint report forwarded")
+    assert (stored["node"], stored["rank"], stored["step"]) == (node, 40, 3)
+
+    intruder = {"node": "someone-else", "state": "spare"}
+    r = httpx.post(
+        f"{supervisor.url}/api/v1/heartbeats",
+        json=intruder,
+        headers={"Authorization": f"Bearer {credential}"},
+    )
+    assert r.status_code == 403
+    assert (
+        r.json()["message"] == f"node: 'someone-else' is not the node of this credential ('{node}')"
+    )
+    assert supervisor.node("someone-else") is None
+    metrics = httpx.get(f"{supervisor.url}/metrics").text
+    assert re.search(
+        r'supervisor_agent_requests_refused_total\{reason="other_node"\} [1-9]', metrics
+    )
+    assert "retrying with backoff" not in agent.log.read_text()  # its own were all accepted
 
 
 def test_agent_serves_without_supervisor_and_delivers_once_it_is_up(

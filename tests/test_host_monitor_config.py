@@ -50,11 +50,24 @@ def test_defaults_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"node": "n", "host_daemon_port": "70000"}, "invalid setting 'host_daemon_port'"),
         ({"node": "n", "initial_state": "running"}, "job is required when initial_state"),
         ({"node": "n", "job": "j"}, "a spare node has no job"),
-        ({"node": "n", "supervisor_url": "http://s:1"}, "agent_token is required"),
+        (
+            {"node": "n", "supervisor_url": "http://s:1"},
+            "one of agent_token, node_credential, node_credential_file, "
+            "service_account_token_file is required with supervisor_url",
+        ),
+        (
+            {"node": "n", "agent_token": "t", "service_account_token_file": "/t"},
+            "give one credential for the supervisor, not ['agent_token', "
+            "'service_account_token_file']",
+        ),
+        (
+            {"node": "n1", "node_credential": "node.n2.abc"},
+            "node_credential is not the credential of node n1",
+        ),
         ({"node": "n", "supervisor_url": "ftp://s"}, "invalid setting 'supervisor_url'"),
         (
             {"node": "n", "agent_token": "same", "worker_token": "same"},
-            "agent_token, actuator_token and worker_token must differ",
+            "agent_token (or node_credential), actuator_token and worker_token must differ",
         ),
     ],
 )

@@ -1472,3 +1472,84 @@ def test_injected_faults(kube: FakeKube, api: Any) -> None:
     with pytest.raises(urllib3.exceptions.MaxRetryError):
         coord.list_namespaced_lease(NS, _request_timeout=0.05)
     assert slow.hits == 4  # a GET read timeout is retried 3 times by urllib3 (Retry.DEFAULT)
+
+
+# --- TokenReview ------------------------------------------------------------------------------
+
+
+def _review(api: Any, token: str, audiences: list[str] | None = None) -> dict[str, Any]:
+    """A TokenReview through the official client, answered as JSON."""
+    spec: dict[str, Any] = {"token": token}
+    if audiences is not None:
+        spec["audiences"] = audiences
+    body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}
+    response = _api(client.AuthenticationV1Api, api).create_token_review(
+        body, _preload_content=False
+    )
+    assert response.status == 201
+    review: dict[str, Any] = json.loads(response.data)
+    assert (review["apiVersion"], review["kind"]) == ("authentication.k8s.io/v1", "TokenReview")
+    return review
+
+
+def test_token_review_of_a_pod_bound_token(kube: FakeKube, api: Any) -> None:
+    """A token bound to a pod authenticates as its service account, with the pod and its
+    node in `user.extra`, for the audiences the review and the token share; an unknown,
+    forged or expired token, other audiences, or a pod that is gone or replaced do not
+    authenticate: no `authenticated`, an empty `user`, and `error` saying why."""
+    node = kube.add_node("gpu-0")
+    pod = _api(client.CoreV1Api, api).create_namespaced_pod(NS, pod_body("hm"))
+    kube.patch("Pod", "hm", {"spec": {"nodeName": "gpu-0"}})
+    token = kube.service_account_token(NS, "host-monitor", audiences=["rs", "x"], pod="hm")
+
+    status = _review(api, token, ["rs", "other"])["status"]
+    assert status["authenticated"] is True
+    assert status["audiences"] == ["rs"]
+    user = status["user"]
+    assert user["username"] == f"system:serviceaccount:{NS}:host-monitor"
+    assert user["groups"] == [
+        "system:serviceaccounts",
+        f"system:serviceaccounts:{NS}",
+        "system:authenticated",
+    ]
+    extra = user["extra"]
+    assert extra["authentication.kubernetes.io/node-name"] == ["gpu-0"]
+    assert extra["authentication.kubernetes.io/node-uid"] == [node["metadata"]["uid"]]
+    assert extra["authentication.kubernetes.io/pod-name"] == ["hm"]
+    assert extra["authentication.kubernetes.io/pod-uid"] == [pod.metadata.uid]
+    assert extra["authentication.kubernetes.io/credential-id"][0].startswith("JTI=")
+
+    def refused(token: str, audiences: list[str] | None = None) -> str:
+        status = _review(api, token, audiences)["status"]
+        assert "authenticated" not in status and status["user"] == {}
+        error: str = status["error"]
+        assert error.startswith("[invalid bearer token, ")
+        return error
+
+    assert "is invalid for the target audiences" in refused(token, ["elsewhere"])
+    # No audiences asked for: the API server's own, which this token is not bound to.
+    assert "is invalid for the target audiences" in refused(token)
+    head, payload, _ = token.split(".")
+    assert "cryptographic" in refused(f"{head}.{payload}.forged", ["rs"])
+    assert "cryptographic" in refused("not-a-jwt", ["rs"])
+    expired = kube.service_account_token(
+        NS, "host-monitor", audiences=["rs"], pod="hm", expiration_seconds=-1
+    )
+    assert "has expired" in refused(expired, ["rs"])
+    # The pod replaced by another of the same name: the old pod's token is void.
+    kube.delete("Pod", "hm", gracePeriodSeconds=0)
+    kube.wait_for(lambda: kube.get("Pod", "hm") is None)
+    assert "has been invalidated" in refused(token, ["rs"])
+    _api(client.CoreV1Api, api).create_namespaced_pod(NS, pod_body("hm"))
+    assert "does not match service account claim" in refused(token, ["rs"])
+
+
+def test_token_review_needs_a_token_and_is_create_only(kube: FakeKube, api: Any) -> None:
+    with pytest.raises(ApiException) as e:
+        _review(api, "")
+    assert e.value.status == 400 and status_of(e.value)["reason"] == "BadRequest"
+    # The client has no read or list of TokenReviews: a plain GET.
+    response = urllib3.request("GET", f"{kube.url}/apis/authentication.k8s.io/v1/tokenreviews")
+    assert response.status == 405
+    assert json.loads(response.data)["reason"] == "MethodNotAllowed"
+    assert [r.verb for r in kube.requests if "tokenreviews" in r.path] == ["create", ""]

@@ -23,6 +23,7 @@ from supervisor.domain import (
 )
 from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor, WorkerReport
 from supervisor.sensor.heartbeat import HeartbeatError, decode_heartbeat
+from supervisor.sensor.sensor import RankClaimed
 
 E = EventType
 # Generous upper bound for "it happens eventually" on a shared, noisy machine.
@@ -502,7 +503,8 @@ async def test_gpu_xid_reported_and_repeats_suppressed(make_sensor: SensorFactor
     other_gpu = sensor.ingest(hb("n1", "j1", gpu=[xid(79, gpu=1)]))
     assert [(e.type, e.details["gpu"]) for e in other_gpu.events] == [(E.GPU_XID, 1)]
     # The cooldown is per node.
-    assert types(sensor.ingest(hb("n2", "j1", gpu=[xid(79, gpu=3)])).events) == [E.GPU_XID]
+    n2 = hb("n2", "j1", workers=[worker(1)], gpu=[xid(79, gpu=3)])
+    assert types(sensor.ingest(n2).events) == [E.GPU_XID]
 
 
 async def test_gpu_xid_cooldown_expires(make_sensor: SensorFactory) -> None:
@@ -1233,3 +1235,43 @@ def test_changes_merge_keeps_every_event_and_each_latest_record() -> None:
     )
     assert merged.events == [lost, back]
     assert merged.nodes == [other, up]  # n1's latest record, after n2's
+
+
+async def test_a_rank_moves_only_once_its_holder_lets_it_go(make_sensor: SensorFactory) -> None:
+    """Two alive nodes cannot run one rank: the second claim is refused, changing nothing.
+    It moves once the holder reports it stopped, or is lost; a node that comes back
+    holds what it runs again, also after a restart of the supervisor."""
+    sensor, _ = make_sensor(heartbeat_timeout_s=0.2)
+    sensor.ingest(hb("n1", workers=[worker(0), worker(1)]))
+    with pytest.raises(RankClaimed) as refused:
+        sensor.ingest(hb("n2", workers=[worker(2), worker(1, state="starting")]))
+    assert str(refused.value) == "workers.1.rank: rank 1 of job j1 is running on node n1"
+    assert (refused.value.rank, refused.value.holder) == (1, "n1")
+    assert "n2" not in sensor.nodes
+    # Exited and lost workers hold nothing; stopped ones neither.
+    sensor.ingest(hb("n2", workers=[worker(0, state="exited", exit_code=1)]))
+    sensor.ingest(hb("n1", workers=[worker(0, state="stopped"), worker(1)]))
+    sensor.ingest(hb("n2", workers=[worker(0)]))
+    with pytest.raises(RankClaimed):
+        sensor.ingest(hb("n1", workers=[worker(0), worker(1)]))
+    # n2 is lost: n3 takes rank 0; n2 back with it running is refused, stopped is not.
+    sensor.ingest(hb("n1", workers=[worker(1)]))
+    await asyncio.sleep(0.1)
+    sensor.ingest(hb("n1", workers=[worker(1)]))
+    await asyncio.sleep(0.15)
+    assert not sensor.nodes["n2"].alive and sensor.nodes["n1"].alive
+    sensor.ingest(hb("n3", workers=[worker(0, state="starting")]))
+    with pytest.raises(RankClaimed):
+        sensor.ingest(hb("n2", workers=[worker(0)]))
+    assert not sensor.nodes["n2"].alive
+    sensor.ingest(hb("n2", workers=[worker(0, state="stopped")]))
+    assert sensor.nodes["n2"].alive
+
+    # After a restart, the nodes that were alive hold their ranks again.
+    nodes, jobs = sensor.snapshot()
+    again, _ = make_sensor(heartbeat_timeout_s=5.0)
+    again.restore(nodes.values(), jobs.values())
+    with pytest.raises(RankClaimed):
+        again.ingest(hb("n4", workers=[worker(1)]))
+    # Another job's rank 1 is another rank.
+    again.ingest(hb("n4", "j2", workers=[worker(1)]))

@@ -35,6 +35,7 @@ from supervisor.api.routes import (
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
 from supervisor.api.routes.heartbeats import HeartbeatEndpoint
 from supervisor.config import Settings
+from supervisor.identity.authenticator import AgentAuthenticator, TokenReviewer
 from supervisor.runtime import Supervisor
 from supervisor.store import UNAVAILABLE
 
@@ -42,9 +43,13 @@ log = logging.getLogger(__name__)
 
 
 def with_tokens(settings: Settings) -> Settings:
-    """Never serve without tokens: generate the missing ones and say so once."""
+    """Never serve without tokens: generate the missing ones and say so once (the agent
+    token only where `agent_auth` takes it)."""
     update: dict[str, Any] = {}
-    for name in ("agent_token", "operator_token"):
+    names = ["operator_token"]
+    if "shared" in settings.agent_auth:
+        names.insert(0, "agent_token")
+    for name in names:
         if getattr(settings, name) is None:
             token = secrets.token_urlsafe(32)
             update[name] = SecretStr(token)
@@ -108,9 +113,21 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def create_app(settings: Settings, supervisor: Supervisor | None = None) -> SupervisorApp:
+def create_app(
+    settings: Settings,
+    supervisor: Supervisor | None = None,
+    *,
+    token_reviewer: TokenReviewer | None = None,
+) -> SupervisorApp:
+    """`token_reviewer`: how service account tokens are reviewed (agent_auth kubernetes);
+    None: a TokenReview through the Kubernetes API (supervisor/kube/token_review.py)."""
     settings = with_tokens(settings)
     runtime = supervisor or Supervisor(settings)
+    if "kubernetes" in settings.agent_auth and token_reviewer is None:
+        from supervisor.kube.token_review import KubeTokenReviewer  # the client, only if used
+
+        token_reviewer = KubeTokenReviewer.from_settings(settings)
+    agents = AgentAuthenticator(settings, token_reviewer)
     leadership = None
     if settings.leader_election:
         from supervisor.kube.leader import Leadership  # the kubernetes client, only if used
@@ -128,6 +145,7 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
             yield
         finally:
             await (runtime.stop() if leadership is None else leadership.stop())
+            await agents.close()
 
     app = SupervisorApp(
         title="Resiliency supervisor",
@@ -141,11 +159,12 @@ def create_app(settings: Settings, supervisor: Supervisor | None = None) -> Supe
     app.state.job_metrics = JobMetrics(runtime)
     runtime.metrics.registry.register(app.state.job_metrics)
     app.state.settings = settings
+    app.state.agents = agents
     for module in (events, actions, cluster, faults, health, info, stream, checkpoints, goodput):
         app.include_router(module.router)
     app.include_router(notifications.router)
     dashboard.mount(app)
-    app.heartbeats = HeartbeatEndpoint(runtime)
+    app.heartbeats = HeartbeatEndpoint(runtime, agents)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for unavailable in UNAVAILABLE:

@@ -9,13 +9,15 @@ from fastapi import Depends, HTTPException, Request, Security, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
+from supervisor.identity.authenticator import AgentAuthenticator, Principal, ReviewUnavailable
 from supervisor.runtime import Supervisor
 
 # Dependencies are `async def`: FastAPI runs plain `def` ones in a thread pool, which
 # costs more than the checks themselves.
 bearer = HTTPBearer(
     auto_error=False,
-    description="Agent token for heartbeats; operator token for everything else.",
+    description="Agent credential (shared token, node credential or service account token) "
+    "for heartbeats and checkpoint reports; operator token for everything else.",
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 
@@ -45,8 +47,39 @@ def _check(credentials: HTTPAuthorizationCredentials | None, expected: SecretStr
         )
 
 
-async def require_agent(supervisor: SupervisorDep, credentials: Credentials) -> None:
-    _check(credentials, supervisor.settings.agent_token)
+async def require_agent(
+    request: Request, supervisor: SupervisorDep, credentials: Credentials
+) -> Principal:
+    """Who the host monitor is (supervisor/identity): the node it may speak for. A route
+    that takes reports for a node checks it with `check_node`."""
+    agents: AgentAuthenticator = request.app.state.agents
+    token = credentials.credentials.encode() if credentials is not None else b""
+    try:
+        principal = await agents.authenticate(token) if token else None
+    except ReviewUnavailable as exc:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"cannot check the token now: {exc}",
+            headers={"Retry-After": "1"},
+        ) from None
+    if principal is None:
+        supervisor.metrics.agent_requests_refused["invalid_credential"] += 1
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing or invalid bearer token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return principal
+
+
+def check_node(supervisor: Supervisor, principal: Principal, node: str, field: str) -> None:
+    """403 (counted) unless `principal` may speak for `node`, which came in `field`."""
+    if principal.node is not None and node != principal.node:
+        supervisor.metrics.agent_requests_refused["other_node"] += 1
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"{field}: {node!r} is not the node of this credential ({principal.node!r})",
+        )
 
 
 async def require_operator(supervisor: SupervisorDep, credentials: Credentials) -> None:
@@ -66,7 +99,7 @@ async def require_fault_injection(supervisor: SupervisorDep) -> None:
         )
 
 
-Agent = Depends(require_agent)
+AgentDep = Annotated[Principal, Depends(require_agent)]
 Operator = Depends(require_operator)
 Reader = Depends(require_reader)
 FaultInjection = Depends(require_fault_injection)

@@ -3,9 +3,9 @@
 The heartbeat route is served ahead of the router (it is the hot path), so it and its
 msgspec types are added here. So are the error answers that come from dependencies and
 from the app itself rather than from a route's signature: 401 where a token is checked,
-403 where fault injection may be off, 404 where a path or body names a record, 413 where
-there is a body, 503 while the replica is not ready. All of them have the body
-`ErrorOut`.
+403 where fault injection may be off or a report may name another node than the agent's,
+404 where a path or body names a record, 413 where there is a body, 503 while the replica
+is not ready. All of them have the body `ErrorOut`.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
         add(401, "Missing or wrong bearer token.")
     if path.startswith("/api/v1/faults"):
         add(403, "Fault injection is off (`enable_fault_injection`).")
+    if (method, path) == ("post", "/api/v1/checkpoints"):
+        add(403, "A report names another node than the credential's; nothing was recorded.")
     if "{" in path or (method, path) in _NAMES_A_RECORD:
         add(404, "No such record, node or job; `message` names it.")
     if "requestBody" in operation:

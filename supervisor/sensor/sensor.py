@@ -80,6 +80,21 @@ class Changes:
 UNCHANGED = Changes()
 
 
+class RankClaimed(Exception):
+    """A heartbeat's worker claims a rank of its job that another alive node reports
+    running or starting: two nodes cannot run one rank at once. `index` is the worker's
+    position in the heartbeat."""
+
+    def __init__(self, job: str, rank: int, holder: str, index: int) -> None:
+        super().__init__(
+            f"workers.{index}.rank: rank {rank} of job {job} is running on node {holder}"
+        )
+        self.job = job
+        self.rank = rank
+        self.holder = holder
+        self.index = index
+
+
 @dataclass(slots=True)
 class NodeRecord:
     # The fields a steady heartbeat reads and writes come first: slots are laid out in
@@ -179,6 +194,9 @@ class JobRecord:
     progress: JobProgress
     nodes: set[str] = field(default_factory=set)
     hang_reported: bool = False
+    # rank -> the node whose last accepted heartbeat has it running or starting. A rank
+    # moves to another node only once its holder stopped reporting it, or is not alive.
+    claims: dict[int, str] = field(default_factory=dict)
 
     def view(self) -> JobView:
         return JobView(
@@ -302,6 +320,8 @@ class Sensor:
                 # it changes only a few times in a run (a new longest interval).
                 return Changes(jobs=[learned]) if learned is not None else UNCHANGED
         check_heartbeat(hb)
+        if hb.job is not None and hb.workers:
+            self._check_claims(hb)
         now = self._clock()
         self.metrics.heartbeats_received += 1
         changes = Changes()
@@ -422,6 +442,8 @@ class Sensor:
             self.nodes[nv.name] = record
             if nv.job is not None:
                 self._job(nv.job).nodes.add(nv.name)
+                if nv.alive:  # a node that is not alive holds no rank
+                    self._reclaim(nv.name, None, [], nv.job, record.reports)
             if nv.alive:
                 self._deadlines.arm((NODE, nv.name), now + self.settings.heartbeat_timeout_s)
 
@@ -471,6 +493,7 @@ class Sensor:
         self.nodes[hb.node] = node
         if hb.job is not None:
             self._join(node, hb.job, changes)
+            self._reclaim(node.name, None, [], hb.job, hb.workers)
         if hb.state is NodeState.SPARE:  # new to this sensor: nothing cordoned it yet
             changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
         for worker in hb.workers:
@@ -510,6 +533,7 @@ class Sensor:
                 changes.events.append(self._event(EventType.SPARE_AVAILABLE, node))
             node.state = hb.state
             changed = True
+        old_job = node.job
         if hb.job != node.job:
             if node.job is not None:
                 self._leave(node)
@@ -524,6 +548,9 @@ class Sensor:
         if node.ranks is None:  # restored from the database
             node.ranks, node.states = _ranks(previous), _states(previous)
             node.all_running = _all_running(previous)
+        # Always (this path is for changes): a node back from the lost, or restored from
+        # the database, holds its ranks again.
+        self._reclaim(node.name, old_job, previous, hb.job, current)
         if ranks != node.ranks or states != node.states:
             changed = True  # persisted with the node, so a restart knows the states
             by_rank = {w.rank: w for w in previous}
@@ -726,6 +753,45 @@ class Sensor:
             job.progress.forget(node.name)
         node.job = None
 
+    def _check_claims(self, hb: HostHeartbeat) -> None:
+        """Raise RankClaimed when a running or starting worker of `hb` has a rank that
+        another node of the job, alive, reports running or starting. A node that is not
+        alive holds nothing: a spare swapped in for it takes its ranks."""
+        assert hb.job is not None
+        job = self.jobs.get(hb.job)
+        if job is None or not job.claims:
+            return
+        claims = job.claims
+        for index, worker in enumerate(hb.workers):
+            if worker.state not in _CLAIMING:
+                continue
+            holder = claims.get(worker.rank)
+            if holder is None or holder == hb.node:
+                continue
+            other = self.nodes.get(holder)
+            if other is not None and other.alive and other.job == hb.job:
+                raise RankClaimed(hb.job, worker.rank, holder, index)
+
+    def _reclaim(
+        self,
+        node_name: str,
+        old_job: str | None,
+        before: list[WorkerReport],
+        new_job: str | None,
+        after: list[WorkerReport],
+    ) -> None:
+        """Move the node's rank claims from its previous workers to its current ones
+        (`_check_claims` allowed them)."""
+        if old_job is not None and (job := self.jobs.get(old_job)) is not None:
+            for worker in before:
+                if job.claims.get(worker.rank) == node_name:
+                    del job.claims[worker.rank]
+        if new_job is not None:
+            claims = self._job(new_job).claims
+            for worker in after:
+                if worker.state in _CLAIMING:
+                    claims[worker.rank] = node_name
+
     def _require(self, name: str) -> NodeRecord:
         node = self.nodes.get(name)
         if node is None:
@@ -918,6 +984,8 @@ _step = operator.attrgetter("step")
 
 #: Worker states in which a job can hang: with none of them left, a stall is the end.
 _MAY_HANG = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
+#: Worker states that hold their rank: no other node may run it meanwhile.
+_CLAIMING = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
 #: A node this many polling periods past its last heartbeat counts as silent.
 _SILENT_PERIODS = 1.5
 #: A deferred hang check runs this long after the silent node's heartbeat deadline.

@@ -203,7 +203,8 @@ class Cluster:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # never started with FakeKube(run_controllers=False)
+            self._thread.join(timeout=5)
 
     def _on_change(self, change: Change) -> None:
         if change.resource == "pods" and change.type == "DELETED":

@@ -46,6 +46,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-%s-nodes" .Release.Namespace (include "rs.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "rs.tokenReviewRoleName" -}}
+{{- printf "%s-%s-tokenreviews" .Release.Namespace (include "rs.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "rs.tokensSecret" -}}
 {{- .Values.auth.existingSecret | default (printf "%s-tokens" (include "rs.fullname" .)) -}}
 {{- end -}}

@@ -1,6 +1,7 @@
 """Checkpoint reports: the workers' saves and loads, forwarded in batches by host monitors.
 
-POST is the host monitors' (agent token). A batch is committed before it is
+POST is the host monitors' (agent credential: every report names its node, refused with
+403 unless that is the credential's, supervisor/identity). A batch is committed before it is
 acknowledged, and idempotent by each report's `id`: a host monitor that did not get the
 acknowledgement sends the batch again, and nothing is stored twice. This is not the
 heartbeat path: checkpoints are rare (every few minutes per worker).
@@ -15,7 +16,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
 
-from supervisor.api.deps import Agent, Reader, SupervisorDep
+from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
 from supervisor.api.routes.common import check_known
 from supervisor.api.schemas import Name, in_utc
 from supervisor.domain import CheckpointReport
@@ -131,12 +132,13 @@ class CheckpointReportOut(BaseModel):
 @router.post(
     "",
     response_model=CheckpointBatchAck,
-    dependencies=[Agent],
     summary="Report checkpoints saved or loaded by workers (host monitors; idempotent by id)",
 )
 async def report_checkpoints(
-    supervisor: SupervisorDep, body: CheckpointBatchIn
+    supervisor: SupervisorDep, agent: AgentDep, body: CheckpointBatchIn
 ) -> CheckpointBatchAck:
+    for i, report in enumerate(body.reports):
+        check_node(supervisor, agent, report.node, f"reports.{i}.node")
     reports = [r.to_domain() for r in body.reports]
     stored, duplicates = await asyncio.to_thread(
         supervisor.store.record_checkpoint_reports, reports

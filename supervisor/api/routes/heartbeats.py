@@ -1,9 +1,11 @@
 """POST /api/v1/heartbeats: the hot path, served ahead of FastAPI's own machinery.
 
 Every node calls it every few seconds, so it skips the framework: the token is checked
-inline; the body is decoded with its fields validated by msgspec in one pass and applied
-to the sensor in memory (which checks what spans fields, unless the heartbeat repeats
-what it already holds for the node), all within the request's first step, with no await
+inline (a dict lookup once verified, supervisor/identity); the body is decoded with its
+fields validated by msgspec in one pass, refused if it is another node's than the
+token's (403), and applied to the sensor in memory (which checks what spans fields,
+unless the heartbeat repeats what it already holds for the node, and refuses a rank
+another alive node runs: 409), all within the request's first step, with no await
 between them; then a fixed reply is sent. Nothing is written to the database
 unless something changed; then the events are committed before the reply. Its schema is
 documented in /openapi.json like every other route (see app._openapi).
@@ -12,15 +14,15 @@ documented in /openapi.json like every other route (see app._openapi).
 from __future__ import annotations
 
 import json
-from hmac import compare_digest
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from supervisor.identity.authenticator import AgentAuthenticator, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
 from supervisor.sensor.heartbeat import HeartbeatError, parse_heartbeat
-from supervisor.sensor.sensor import UNCHANGED
+from supervisor.sensor.sensor import UNCHANGED, RankClaimed
 
 PATH = "/api/v1/heartbeats"
 MAX_BODY = 1 << 20
@@ -34,9 +36,11 @@ _NO_CONTENT_BODY: Message = {"type": "http.response.body", "body": b""}
 class HeartbeatEndpoint:
     """A bare ASGI app for POST /api/v1/heartbeats (the app routes that path here)."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, agents: AgentAuthenticator) -> None:
         self.supervisor = supervisor
-        self._expected: bytes | None = None
+        self.agents = agents
+        self._cached = agents.cached
+        self._refused = supervisor.metrics.agent_requests_refused
         # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
         # what it already validated for the node; it changes nothing if it is invalid.
         self._ingest = supervisor.sensor.ingest
@@ -53,18 +57,24 @@ class HeartbeatEndpoint:
             self._rejected[HeartbeatRejection.NOT_READY].inc()
             await _reply(send, 503, supervisor.readiness, RETRY_AFTER)
             return
-        authorized = False
+        token = None
         content_type = None
-        expected = self._expected or self._expected_header()
         for name, value in scope["headers"]:
-            if name == b"authorization" and expected is not None:
+            if name == b"authorization":
                 # The scheme is case-insensitive (RFC 9110): "bearer" as other routes take.
-                authorized = compare_digest(value, expected) or (
-                    value[:7].lower() == b"bearer " and compare_digest(value[7:], expected[7:])
-                )
+                if value[:7].lower() == b"bearer ":
+                    token = value[7:]
             elif name == b"content-type":
                 content_type = value
-        if not authorized:
+        principal = None if token is None else self._cached(token)
+        if principal is None and token:
+            try:
+                principal = await self.agents.authenticate(token)
+            except ReviewUnavailable as exc:
+                await _reply(send, 503, _error(f"cannot check the token now: {exc}"), RETRY_AFTER)
+                return
+        if principal is None:
+            self._refused["invalid_credential"] += 1
             self._rejected[HeartbeatRejection.UNAUTHORIZED].inc()
             await _reply(
                 send,
@@ -86,21 +96,27 @@ class HeartbeatEndpoint:
             await _reply(send, 413, _error(f"body larger than {MAX_BODY} bytes"))
             return
         try:
+            hb = parse_heartbeat(body)
+        except HeartbeatError as exc:
+            self._rejected[HeartbeatRejection.INVALID].inc()
+            await _invalid(send, exc)
+            return
+        if principal.node is not None and hb.node != principal.node:
+            self._refused["other_node"] += 1
+            await _reply(send, 403, _error(other_node(hb.node, principal.node)))
+            return
+        try:
             # Inline, not deferred: queuing the heartbeats of one loop turn to parse and apply
             # them together (warmer caches) cost more in futures and wake-ups than it saved,
             # 3 to 4.5 points of the ceiling in paired rounds (bench/README.md).
-            changes = self._ingest(parse_heartbeat(body), body)
+            changes = self._ingest(hb, body)
         except HeartbeatError as exc:
             self._rejected[HeartbeatRejection.INVALID].inc()
-            where = ".".join(str(p) for p in exc.loc) or "body"
-            await _reply(
-                send,
-                422,
-                {
-                    "message": f"{where}: {exc.message}",
-                    "detail": [{"loc": ["body", *exc.loc], "msg": exc.message}],
-                },
-            )
+            await _invalid(send, exc)
+            return
+        except RankClaimed as exc:
+            self._refused["rank_claimed"] += 1
+            await _reply(send, 409, _error(str(exc)))
             return
         # No coroutine in the common case (nothing changed): the sensor answers UNCHANGED.
         events = (
@@ -131,17 +147,28 @@ class HeartbeatEndpoint:
             await send(_NO_CONTENT_START)
             await send(_NO_CONTENT_BODY)
 
-    def _expected_header(self) -> bytes | None:
-        """The Authorization header the agents must send; None: no agent token is set."""
-        token = self.supervisor.settings.agent_token
-        if token is not None:
-            self._expected = b"Bearer " + token.get_secret_value().encode()
-        return self._expected
+
+def other_node(node: str, own: str) -> str:
+    """The message refusing a report for `node` sent with the credential of `own`."""
+    return f"node: {node!r} is not the node of this credential ({own!r})"
 
 
 def _error(message: str) -> dict[str, Any]:
     """The error shape of every other route: `message`, and `detail` as FastAPI's."""
     return {"message": message, "detail": message}
+
+
+async def _invalid(send: Send, exc: HeartbeatError) -> None:
+    """422 naming the field, in the shape of FastAPI's validation errors."""
+    where = ".".join(str(p) for p in exc.loc) or "body"
+    await _reply(
+        send,
+        422,
+        {
+            "message": f"{where}: {exc.message}",
+            "detail": [{"loc": ["body", *exc.loc], "msg": exc.message}],
+        },
+    )
 
 
 def _is_json(content_type: bytes) -> bool:
@@ -215,13 +242,25 @@ def openapi_operation(schema_ref: str) -> dict[str, Any]:
                         }
                     },
                 },
-                "401": {**error, "description": "Missing or wrong agent token."},
+                "401": {**error, "description": "Missing or invalid agent credential."},
+                "403": {
+                    **error,
+                    "description": "The credential is another node's: `message` names the "
+                    "field `node` and the credential's node. Nothing was recorded.",
+                },
+                "409": {
+                    **error,
+                    "description": "A worker claims a rank of its job that another alive node "
+                    "reports running: `message` names the rank and that node. Nothing was "
+                    "recorded.",
+                },
                 "413": {**error, "description": "Body too large."},
                 "415": {**error, "description": "A Content-Type other than JSON."},
                 "503": {
                     **error,
                     "description": "Not ready: a standby replica (`detail` names the leader), "
-                    "or starting. Nothing was recorded; send it again.",
+                    "or starting; or a service account token that cannot be reviewed now. "
+                    "Nothing was recorded; send it again.",
                 },
                 "422": {**error, "description": "Invalid heartbeat; `message` names the field."},
             },
