@@ -186,6 +186,16 @@ async def test_agent_token_cannot_inject_faults_or_act(api: Api) -> None:
             },
             "workers.0.exit_code",
         ),
+        # A rank past SQL's INTEGER failed the event's insert on PostgreSQL.
+        (
+            {
+                "node": "n1",
+                "state": "running",
+                "job": "j1",
+                "workers": [{"rank": 5912593423, "local_rank": 0, "state": "exited"}],
+            },
+            "workers.0.rank",
+        ),
     ],
 )
 async def test_bad_heartbeats_get_422_naming_the_field(
@@ -943,7 +953,7 @@ async def test_openapi_documents_the_error_answers(api: Api) -> None:
     assert {"401", "404", "413", "422", "503"} <= set(post_action)
     assert post_action["413"]["content"]["application/json"]["schema"] == error
     assert {"401", "403", "404", "413"} <= set(codes("/api/v1/faults", "post"))
-    assert "404" not in codes("/api/v1/events", "get")
+    assert "404" not in codes("/api/v1/nodes", "get")  # its filters name no record
     assert "401" not in codes("/healthz", "get")
 
 
@@ -1002,3 +1012,134 @@ async def test_work_cut_by_a_database_outage_is_carried_out_once_it_is_back(
             ActionType.EMERGENCY_CHECKPOINT,
             ActionType.HOT_SWAP,
         ]
+
+
+# --- what the property-based run (tests/test_api_schema.py) found -------------------------
+
+
+async def test_a_heartbeat_may_write_an_integer_as_a_float(api: Api) -> None:
+    """JSON Schema's (and pydantic's) integers include 1.0; the heartbeat's decoder did
+    not, and refused a heartbeat its documented schema allows."""
+    body = heartbeat("n1")
+    body["workers"][0].update(step=12.0, pid=101.0)
+    assert (await api.beat(body)).status_code in (202, 204)
+    worker = (await api.get("/api/v1/nodes/n1"))["workers"][0]
+    assert worker["step"] == 12 and isinstance(worker["step"], int)
+    body["workers"][0]["step"] = 12.5
+    r = await api.beat(body)
+    assert r.status_code == 422 and "workers.0.step" in r.json()["message"]
+
+
+async def test_filters_naming_an_unknown_record_get_a_documented_404(api: Api) -> None:
+    schema = (await api.client.get("/openapi.json")).json()
+    for path, params in [
+        ("/api/v1/events", {"node": "nope"}),
+        ("/api/v1/actions", {"job": "nope"}),
+        ("/api/v1/checkpoints", {"job": "nope"}),
+        ("/api/v1/notifications", {"job": "nope"}),
+    ]:
+        r = await api.client.get(path, params=params, headers=OPERATOR)
+        assert r.status_code == 404 and "'nope' not found" in r.json()["message"], path
+        assert "404" in schema["paths"][path]["get"]["responses"], path
+
+
+async def test_every_422_is_documented_as_the_error_format(api: Api) -> None:
+    """The routes' own 422s (a bad cursor, since >= until) carry `detail` as a string,
+    which the document's 422 (FastAPI's list of validation errors) did not allow."""
+    r = await api.client.get("/api/v1/events", params={"cursor": "x"}, headers=OPERATOR)
+    assert r.status_code == 422 and r.json()["message"].startswith("cursor: ")
+    assert isinstance(r.json()["detail"], str)
+    schema = (await api.client.get("/openapi.json")).json()
+    error = {"$ref": "#/components/schemas/ErrorOut"}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            if "422" in operation["responses"] and path != "/api/v1/heartbeats":
+                content = operation["responses"]["422"]["content"]["application/json"]
+                assert content["schema"] == error, (method, path)
+
+
+async def test_a_body_that_is_not_utf8_gets_a_documented_400(api: Api) -> None:
+    r = await api.client.post(
+        "/api/v1/actions",
+        content=b"\xff\xfe{",
+        headers={**OPERATOR, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["message"]
+    schema = (await api.client.get("/openapi.json")).json()
+    for path in ("/api/v1/actions", "/api/v1/faults", "/api/v1/checkpoints"):
+        assert "400" in schema["paths"][path]["post"]["responses"], path
+
+
+async def test_documented_integer_bounds_are_exact(api: Api) -> None:
+    """FastAPI's OpenAPI model turned 2**63 - 1 into 2**63 (a float): a client trusting
+    it sent an id the API refuses."""
+    schema = (await api.client.get("/openapi.json")).json()
+    (event_id,) = schema["paths"]["/api/v1/events/{event_id}"]["get"]["parameters"]
+    assert event_id["schema"]["maximum"] == 2**63 - 1
+    assert isinstance(event_id["schema"]["minimum"], int)
+    step = schema["components"]["schemas"]["CheckpointReportIn"]["properties"]["step"]
+    assert step["maximum"] == 2**62
+    largest = await api.client.get(f"/api/v1/events/{2**63 - 1}", headers=OPERATOR)
+    assert largest.status_code == 404
+    beyond = await api.client.get(f"/api/v1/events/{2**63}", headers=OPERATOR)
+    assert beyond.status_code == 422 and "event_id" in beyond.json()["message"]
+
+
+@pytest.mark.parametrize("time", ["3", "1714564800", "tomorrow"])
+async def test_times_are_dates_not_seconds(api: Api, time: str) -> None:
+    """pydantic took "3" as 3 seconds after 1970, where the schema says `date-time`."""
+    report = {
+        "id": "r1",
+        "node": "n1",
+        "job": "j1",
+        "rank": 0,
+        "event": "saved",
+        "step": 10,
+        "duration_s": 1.0,
+        "tier": "ram",
+        "time": time,
+    }
+    r = await api.client.post("/api/v1/checkpoints", json={"reports": [report]}, headers=AGENT)
+    assert r.status_code == 422 and "reports.0.time" in r.json()["message"], r.text
+    r = await api.client.get("/api/v1/events", params={"since": time}, headers=OPERATOR)
+    assert r.status_code == 422 and "since" in r.json()["message"], r.text
+    report["time"] = "2024-05-01T12:00:00+02:00"
+    r = await api.client.post("/api/v1/checkpoints", json={"reports": [report]}, headers=AGENT)
+    assert r.status_code == 200 and r.json()["stored"] == 1, r.text
+    assert (await api.get("/api/v1/checkpoints"))[0]["time"] == "2024-05-01T10:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("total_s", False), ("bytes", True), ("step", "3"), ("duration_s", "1")]
+)
+async def test_checkpoint_numbers_are_json_numbers(api: Api, field: str, value: Any) -> None:
+    """pydantic's lax mode stored `"total_s": false` as 0.0, where the schema says number."""
+    report = {
+        "id": "r1",
+        "node": "n1",
+        "rank": 0.0,  # an integer, as JSON Schema has it
+        "event": "saved",
+        "step": 10,
+        "duration_s": 1,
+        "tier": "ram",
+        "time": "2024-05-01T12:00:00Z",
+    }
+    r = await api.client.post(
+        "/api/v1/checkpoints", json={"reports": [{**report, field: value}]}, headers=AGENT
+    )
+    assert r.status_code == 422 and f"reports.0.{field}" in r.json()["message"], r.text
+    r = await api.client.post("/api/v1/checkpoints", json={"reports": [report]}, headers=AGENT)
+    assert r.status_code == 200 and r.json()["stored"] == 1, r.text
+
+
+async def test_a_route_filter_with_a_nul_gets_a_422(
+    database_url: str, make_settings: SettingsFactory
+) -> None:
+    """PostgreSQL refuses a NUL in a query's text: the filter reached it, and got a 500."""
+    async with running(make_settings(database_url=database_url)) as api:
+        r = await api.client.get(
+            "/api/v1/notifications", params={"route": "a\x00b"}, headers=OPERATOR
+        )
+        assert r.status_code == 422 and r.json()["message"].startswith("query.route: ")
+        page = await api.get("/api/v1/notifications", route="chat-ops")
+        assert page["items"] == []

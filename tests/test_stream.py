@@ -219,6 +219,22 @@ async def test_stream_needs_the_operator_token(make_settings: SettingsFactory) -
             assert r.status_code == 401
 
 
+async def test_a_last_event_id_too_long_gets_a_422_naming_it(
+    make_settings: SettingsFactory,
+) -> None:
+    """The stream is left out of the property-based run (it never ends): its one input."""
+    with running(_quiet(make_settings)) as (url, supervisor):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            headers = {**OPERATOR, "Last-Event-ID": "9" * 65}
+            r = await client.get("/api/v1/stream", headers=headers)
+            assert r.status_code == 422
+            assert (
+                r.json()["message"]
+                == "header.last-event-id: String should have at most 64 characters"
+            )
+            assert supervisor.hub.subscribers == 0
+
+
 async def test_stream_is_open_when_reads_need_no_token(make_settings: SettingsFactory) -> None:
     with running(_quiet(make_settings, read_requires_token=False)) as (url, supervisor):
         async with (

@@ -2,10 +2,11 @@
 
 The heartbeat route is served ahead of the router (it is the hot path), so it and its
 msgspec types are added here. So are the error answers that come from dependencies and
-from the app itself rather than from a route's signature: 401 where a token is checked,
-403 where fault injection may be off or a report may name another node than the agent's,
-404 where a path or body names a record, 413 where there is a body, 503 while the replica
-is not ready. All of them have the body `ErrorOut`.
+from the app itself rather than from a route's signature: 400 and 413 where there is a
+body, 401 where a token is checked, 403 where fault injection may be off or a report may
+name another node than the agent's, 404 where a path, a filter or a body names a
+record, 503 while the replica is not ready. All of them, and 422, have the body
+`ErrorOut`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,19 @@ from supervisor.sensor.heartbeat import heartbeat_json_schema
 #: Bodies the API takes, at most: the heartbeat's limit, for every route.
 MAX_BODY_BYTES = MAX_BODY
 
-#: Operations whose body names a node or job the supervisor may not know.
-_NAMES_A_RECORD = {("post", "/api/v1/actions"), ("post", "/api/v1/faults")}
+#: Operations whose body, or whose `node` or `job` filter, names a node or job the
+#: supervisor may not know (routes.common.check_known).
+_NAMES_A_RECORD = {
+    ("post", "/api/v1/actions"),
+    ("post", "/api/v1/faults"),
+    ("get", "/api/v1/events"),
+    ("get", "/api/v1/actions"),
+    ("get", "/api/v1/checkpoints"),
+    ("get", "/api/v1/notifications"),
+}
+_ERROR_OUT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}
+#: Stored ids and steps are SQL BIGINTs; no documented integer bound lies beyond them.
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def build(app: FastAPI) -> dict[str, Any]:
@@ -41,6 +53,7 @@ def build(app: FastAPI) -> dict[str, Any]:
         for method, operation in operations.items():
             _document_errors(path, method, operation)
     schema["paths"] = {HEARTBEATS: openapi_operation(ref["$ref"]), **schema["paths"]}
+    _exact_integer_bounds(schema)
     app.openapi_schema = schema
     return schema
 
@@ -49,15 +62,12 @@ def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
     responses: dict[str, Any] = operation.setdefault("responses", {})
 
     def add(code: int, description: str) -> None:
-        responses.setdefault(
-            str(code),
-            {
-                "description": description,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}
-                },
-            },
-        )
+        responses.setdefault(str(code), {"description": description, "content": _ERROR_OUT})
+
+    if "422" in responses:
+        # Our handlers answer every 422 as ErrorOut: validation errors with `detail` as
+        # FastAPI's list, the routes' own checks (a bad cursor, since >= until) a string.
+        responses["422"]["content"] = _ERROR_OUT
 
     if operation.get("security"):
         add(401, "Missing or wrong bearer token.")
@@ -68,6 +78,26 @@ def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:
     if "{" in path or (method, path) in _NAMES_A_RECORD:
         add(404, "No such record, node or job; `message` names it.")
     if "requestBody" in operation:
+        add(400, "The body could not be read (not UTF-8 text); nothing was recorded.")
         add(413, f"Body larger than {MAX_BODY_BYTES} bytes; nothing was recorded.")
     if path.startswith("/api/"):
         add(503, "Not ready: a standby replica (names the leader), starting or stopping.")
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI's OpenAPI model holds bounds as floats: 2**63 - 1 comes out as 2**63, and
+    a client (or a fuzzer) that trusts it sends a value that gets a 422. Integer bounds
+    are made integers again, those past SQL's BIGINT back to its limits."""
+    if isinstance(node, list):
+        for item in node:
+            _exact_integer_bounds(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = node.get(key)
+            if isinstance(value, float) and value.is_integer():
+                node[key] = min(max(int(value), _INT64[0]), _INT64[1])
+    for value in node.values():
+        _exact_integer_bounds(value)

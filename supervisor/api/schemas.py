@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     StringConstraints,
     model_validator,
 )
@@ -48,8 +51,32 @@ def in_utc(value: datetime | None) -> datetime | None:
         raise ValueError("out of range once in UTC (years 1 to 9999)") from None
 
 
+#: The date and time of RFC 3339 (what the schema's `date-time` means), zone aside.
+_DATE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}").match
+
+
+def date_time_text(value: Any) -> Any:
+    """Refuse a time given as anything but a date and time: pydantic would take "3" or
+    3 as seconds since 1970, which the documented `date-time` does not allow."""
+    if isinstance(value, datetime):
+        return value
+    if not isinstance(value, str) or _DATE_TIME(value) is None:
+        raise ValueError("expected a date and time (RFC 3339, e.g. 2024-05-01T12:00:00Z)")
+    return value
+
+
+def _whole_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: Numbers as the schema has them (pydantic's lax mode took `false` and `"3"` too): an
+#: integer is 3 or 3.0, a number 3 or 3.5.
+JsonInt = Annotated[int, BeforeValidator(_whole_number), Strict()]
+JsonFloat = Annotated[float, Strict()]
+
+
 #: A time as stored and compared: in UTC, and representable there.
-UtcTime = Annotated[datetime, AfterValidator(in_utc)]
+UtcTime = Annotated[datetime, BeforeValidator(date_time_text), AfterValidator(in_utc)]
 
 
 class Page(BaseModel, Generic[T]):

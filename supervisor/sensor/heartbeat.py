@@ -39,6 +39,10 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 _INT64_MAX = 2**63 - 1
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
 Int64 = Annotated[int, msgspec.Meta(ge=-_INT64_MAX - 1, le=_INT64_MAX)]
+# Ranks go to SQL INTEGER columns (events, checkpoint reports): bounded as a checkpoint
+# report's rank is, far beyond any job.
+MAX_RANK = 10_000_000
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]
 
 
 class WorkerReport(
@@ -52,8 +56,8 @@ class WorkerReport(
     # In the order of the contract's example, which is the order agents send: msgspec
     # matches each key against the next field first, so a body in field order decodes
     # fastest. (kw_only lets the optional pid come before the required state.)
-    rank: NonNegative
-    local_rank: NonNegative
+    rank: Rank
+    local_rank: Rank
     pid: Annotated[int, msgspec.Meta(ge=1, le=_INT64_MAX)] | None = None
     state: WorkerState
     step: NonNegative | None = None
@@ -129,13 +133,32 @@ def decode_heartbeat(body: bytes) -> HostHeartbeat:
 def parse_heartbeat(body: bytes) -> HostHeartbeat:
     """Parse a heartbeat and check each field on its own; `check_heartbeat` does the rest."""
     try:
-        return _decoder.decode(body)
+        try:
+            return _decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            if "got `float`" not in str(exc):
+                raise
+            # JSON Schema's integers (and pydantic's, on the other routes) include 2.0;
+            # msgspec's do not. Rare, so decoded again only then, its errors as usual.
+            return msgspec.convert(_integral_floats(msgspec.json.decode(body)), HostHeartbeat)
     except msgspec.ValidationError as exc:
         raise HeartbeatError(*_split(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HeartbeatError((), f"invalid JSON: {exc}") from None
     except UnicodeDecodeError as exc:  # msgspec decodes str fields as it meets them
         raise HeartbeatError((), f"invalid UTF-8: {exc.reason} at byte {exc.start}") from None
+
+
+def _integral_floats(value: Any) -> Any:
+    """The decoded JSON with each float that has no fraction as an int (a float field
+    takes an int as well)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {key: _integral_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats(item) for item in value]
+    return value
 
 
 def check_heartbeat(hb: HostHeartbeat) -> None:

@@ -14,11 +14,11 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
 from supervisor.api.routes.common import check_known
-from supervisor.api.schemas import Name, in_utc
+from supervisor.api.schemas import JsonFloat, JsonInt, Name, date_time_text, in_utc
 from supervisor.domain import CheckpointReport
 
 router = APIRouter(prefix="/api/v1/checkpoints", tags=["goodput"])
@@ -46,23 +46,23 @@ class CheckpointReportIn(BaseModel):
     )
     node: Name
     job: Name | None = Field(None, description="Job the worker belongs to.")
-    rank: int = Field(ge=0, le=10_000_000)
+    rank: JsonInt = Field(ge=0, le=10_000_000)
     event: CheckpointEvent
-    step: int = Field(ge=0, le=2**62, description="Step of the checkpoint.")
-    duration_s: float = Field(
+    step: JsonInt = Field(ge=0, le=2**62, description="Step of the checkpoint.")
+    duration_s: JsonFloat = Field(
         ge=0,
         le=MAX_SECONDS,
         allow_inf_nan=False,
         description="Seconds the save or load blocked the training loop.",
     )
     tier: CheckpointTier = Field(description="For a load: the tier that served it.")
-    time: Annotated[AwareDatetime, AfterValidator(in_utc)] = Field(
+    time: Annotated[AwareDatetime, BeforeValidator(date_time_text), AfterValidator(in_utc)] = Field(
         description="When the save or load finished (with a zone)."
     )
-    bytes: int | None = Field(
+    bytes: JsonInt | None = Field(
         None, ge=0, le=MAX_BYTES, description="Size of this rank's checkpoint, when known."
     )
-    total_s: float | None = Field(
+    total_s: JsonFloat | None = Field(
         None,
         ge=0,
         le=MAX_SECONDS,

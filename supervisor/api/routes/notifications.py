@@ -14,6 +14,7 @@ from supervisor.api.deps import Reader, SupervisorDep
 from supervisor.api.routes.common import RecordId, RecordIdFilter, check_known, page_of
 from supervisor.api.schemas import Page
 from supervisor.notifications.notice import Delivery, DeliveryStatus
+from supervisor.notifications.settings import ROUTE_NAME_PATTERN
 from supervisor.store import DeliveryFilter
 
 router = APIRouter(prefix="/api/v1/notifications", tags=["notifications"], dependencies=[Reader])
@@ -66,7 +67,10 @@ class NotificationOut(BaseModel):
 async def list_notifications(
     supervisor: SupervisorDep,
     status: DeliveryStatus | None = None,
-    route: str | None = None,
+    # Only a route's name: anything else (a NUL, which PostgreSQL refuses) names no route.
+    route: Annotated[
+        str | None, Query(max_length=100, pattern=ROUTE_NAME_PATTERN, description="Route name.")
+    ] = None,
     kind: Literal["event", "action"] | None = None,
     item_id: RecordIdFilter = None,
     job: str | None = None,
