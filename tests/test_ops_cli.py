@@ -137,7 +137,7 @@ def test_exit_codes(server: Server, tmp_path: Path) -> None:
     failed(
         cli(tmp_path, "get", "events", "--since", "yesterday", server=server),
         ExitCode.REFUSED,
-        "query.since: Input should be a valid datetime",
+        "query.since: expected a date and time",
     )
     failed(
         cli(tmp_path, "inject", "meteor", "--node", "n1", server=server),
