@@ -23,6 +23,7 @@ from bench import (
     ingest,
     memory,
     mttr,
+    simulate,
     stragglers,
     torchrun_mttr,
 )
@@ -460,7 +461,31 @@ def chaos_rows(minutes: float) -> list[Row]:
     return rows
 
 
+def simulate_rows() -> list[Row]:
+    """Simulated seconds per wall second at three sizes; the 2,048-node, 54-day run
+    against its target, beside the same cluster with no faults (the floor)."""
+    rows = []
+    for nodes, days in ((256, 54.0), (2_048, 54.0), (16_384, 7.0)):
+        r = simulate.run(nodes, days)
+        target, ok = "-", None
+        if nodes == 2_048:
+            target, ok = "< 60 s for 54 days", r.faulty.wall_s < 60.0
+        rows.append(
+            Row(
+                f"Simulate {r.nodes:,} nodes x {days:g} days, {r.faulty.faults} faults "
+                f"(default policy)",
+                f"{r.rate:,.0f} sim-s per wall-s ({r.faulty.wall_s:.1f} s; goodput "
+                f"{r.faulty.goodput.goodput * 100:.2f}%)",
+                f"no faults: {r.quiet_rate:,.0f} sim-s per wall-s ({r.quiet.wall_s:.1f} s)",
+                target,
+                "info" if ok is None else verdict(ok),
+            )
+        )
+    return rows
+
+
 SECTIONS = (
+    "simulate",
     "ingest",
     "detection",
     "stragglers",
@@ -534,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += checkpoint_rows()
     if "chaos" in only:
         rows += chaos_rows(args.minutes)
+    if "simulate" in only:
+        rows += simulate_rows()
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

@@ -21,6 +21,7 @@ from supervisor.goodput import cli as goodput_cli
 from supervisor.identity.node_keys import node_credential
 from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
 from supervisor.ops import commands as ops_commands
+from supervisor.simulate import cli as simulate_cli
 
 if TYPE_CHECKING:
     # The server side is imported where it runs: the operator commands start in a
@@ -107,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     goodput_cli.add_commands(sub)
     ops_commands.add_commands(sub)
+    simulate_cli.add_commands(sub)
     return parser
 
 
@@ -355,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             _demo(args)
         elif args.command == "node-credential":
             _node_credential(args)
+        elif args.command in simulate_cli.COMMANDS:
+            raise SystemExit(simulate_cli.run(args))
         elif args.command in ops_commands.COMMANDS:
             raise SystemExit(ops_commands.run(args))
         else:

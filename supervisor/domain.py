@@ -6,7 +6,9 @@ it freely.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -16,8 +18,29 @@ from typing import Any
 NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$"
 
 
+#: Unix time as the supervisor reads it: the real clock, except inside `wall_clock`
+#: (the simulator runs the same code on a virtual clock).
+_wall_time: Callable[[], float] = time.time
+
+
+def wall_time() -> float:
+    """Unix time now (seconds)."""
+    return _wall_time()
+
+
 def utcnow() -> datetime:
-    return datetime.now(UTC)
+    return datetime.fromtimestamp(_wall_time(), UTC)
+
+
+@contextmanager
+def wall_clock(read: Callable[[], float]) -> Iterator[None]:
+    """Read Unix time from `read` instead of the real clock, within the block."""
+    global _wall_time
+    saved, _wall_time = _wall_time, read
+    try:
+        yield
+    finally:
+        _wall_time = saved
 
 
 class NodeState(StrEnum):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from supervisor.actuator import (
 from supervisor.config import Settings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
+    DISRUPTIVE_ACTIONS,
     ActionRecord,
     ActionRequest,
     ActionType,
@@ -83,6 +85,11 @@ def make_backend(settings: Settings) -> Backend:
     return LocalBackend(Path(settings.local_run_dir), settings)
 
 
+#: Builds the sensor from the settings, the callback for its timers' changes and the
+#: metrics (the simulator passes one told by its simulated cluster).
+SensorFactory = Callable[[Settings, Callable[[Changes], None], Metrics], Sensor]
+
+
 @dataclass(frozen=True, slots=True)
 class FaultSpec:
     kind: str
@@ -99,6 +106,7 @@ class Supervisor:
         *,
         backend: Backend | None = None,
         policy: Policy | None = None,
+        sensor: SensorFactory | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = Metrics()
@@ -106,7 +114,7 @@ class Supervisor:
         self.hub = Hub()
         self.policy = policy or load_policy(settings.policy)
         self.backend = backend or make_backend(settings)
-        self.sensor = Sensor(settings, self._on_timer_changes, self.metrics)
+        self.sensor = (sensor or Sensor)(settings, self._on_timer_changes, self.metrics)
         self._store: Store | None = None
         self._actuator: Actuator | None = None
         self._controller: Controller | None = None
@@ -396,6 +404,8 @@ class Supervisor:
     async def _apply_effects(self, action: ActionRecord) -> None:
         """Keep the sensor's picture in step with what the backend changed."""
         batch = []
+        if action.type in DISRUPTIVE_ACTIONS and action.job:
+            self.sensor.job_restarted(action.job)
         if action.type in (ActionType.CORDON, ActionType.HOT_SWAP) and action.node:
             batch.append(self.sensor.set_cordoned(action.node, True))
         elif action.type is ActionType.UNCORDON and action.node:

@@ -291,7 +291,8 @@ def test_bad_policy_stops_startup_with_one_line(tmp_path: Path, policy: str) -> 
 async def test_the_learned_hang_timeout_survives_a_restart_of_the_supervisor(
     tmp_path: Path,
 ) -> None:
-    settings = {"hang_min_timeout_s": 0.1, "hang_safety_factor": 2.0, "hang_warmup_intervals": 2}
+    # The floor above the long interval: no hang (and no restart) is declared meanwhile.
+    settings = {"hang_min_timeout_s": 0.6, "hang_safety_factor": 2.0, "hang_warmup_intervals": 2}
 
     async def job(client: httpx.AsyncClient) -> dict[str, Any]:
         r = await client.get("/api/v1/jobs/j1", headers=OPERATOR)

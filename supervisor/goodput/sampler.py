@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
-from supervisor.domain import ProgressSample
+from supervisor.domain import ProgressSample, wall_time
 from supervisor.sensor import Sensor
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,7 @@ MAX_PENDING = 100_000
 def sensor_steps(sensor: Sensor) -> list[tuple[str, int, float]]:
     """(job, newest step, Unix time the sensor saw it first) for each job with a step."""
     loop_now = asyncio.get_running_loop().time()
-    wall_now = time.time()
+    wall_now = wall_time()
     out = []
     for name, job in sensor.jobs.items():
         progress = job.progress

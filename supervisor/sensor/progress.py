@@ -2,7 +2,8 @@
 
 Like NVRx, the timeout is learned: the longest interval seen between two observed step
 advances, times a safety factor, never below a floor. The first few intervals (warm-up,
-compilation, data loader start) are not watched. A fixed timeout can be set instead.
+compilation, data loader start) are not watched, nor those after each restart (the
+workers start, rendezvous and load a checkpoint again). A fixed timeout can be set instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class JobProgress:
     intervals_seen: int = 0
     longest_interval_s: float = 0.0
     node_steps: dict[str, int] = field(default_factory=dict)
+    # Step intervals still to pass, after a restart, before hangs are watched again.
+    unwatched_intervals: int = 0
 
     @property
     def learned(self) -> bool:
@@ -37,8 +40,8 @@ class JobProgress:
 
     @property
     def watching(self) -> bool:
-        """Whether hangs are detected yet (past the warm-up)."""
-        return self.max_step >= 0 and self.warmed_up
+        """Whether hangs are detected yet (past the warm-up, and the one after a restart)."""
+        return self.max_step >= 0 and self.warmed_up and not self.unwatched_intervals
 
     @property
     def learned_interval_s(self) -> float | None:
@@ -61,6 +64,10 @@ class JobProgress:
             return self.params.fixed_timeout_s
         return max(self.params.min_timeout_s, self.params.safety_factor * self.longest_interval_s)
 
+    def restarted(self) -> None:
+        """The job's workers were started again: its next intervals are a warm-up."""
+        self.unwatched_intervals = self.params.warmup_intervals
+
     def observe(self, node: str, step: int, now: float) -> bool:
         """Record the newest step a node reports. True when the job advanced."""
         previous = self.node_steps.get(node)
@@ -75,7 +82,9 @@ class JobProgress:
             return False
         if self.max_step >= 0:
             interval = now - self.last_progress
-            if self.intervals_seen >= self.params.warmup_intervals:
+            if self.unwatched_intervals:
+                self.unwatched_intervals -= 1
+            elif self.intervals_seen >= self.params.warmup_intervals:
                 self.longest_interval_s = max(self.longest_interval_s, interval)
             self.intervals_seen += 1
         self.max_step = step

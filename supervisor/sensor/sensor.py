@@ -9,7 +9,6 @@ A heartbeat only updates memory and moves a deadline. Events come from state cha
 from __future__ import annotations
 
 import operator
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -25,6 +24,7 @@ from supervisor.domain import (
     WorkerState,
     WorkerView,
     utcnow,
+    wall_time,
 )
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
@@ -137,6 +137,10 @@ class NodeRecord:
     expected_fault: int | None = None
     expected_until: float = 0.0
     deadline_key: DeadlineKey = ("", "")  # (NODE, name), built once
+    # The workers' views as last built, and the reports they were built from: a policy's
+    # snapshot of thousands of nodes rebuilds only those whose workers changed.
+    worker_views: tuple[WorkerView, ...] = ()
+    views_of: list[WorkerReport] | None = None
 
     def __post_init__(self) -> None:
         self.deadline_key = (NODE, self.name)
@@ -167,7 +171,15 @@ class NodeRecord:
             job=self.job,
             alive=self.alive,
             last_heartbeat=datetime.fromtimestamp(self.last_heartbeat(wall_offset), UTC),
-            workers=tuple(
+            workers=self._worker_views(),
+            cordoned=self.cordoned,
+            flapping=self.flapping,
+        )
+
+    def _worker_views(self) -> tuple[WorkerView, ...]:
+        reports = self.workers
+        if reports is not self.views_of:
+            self.worker_views = tuple(
                 WorkerView(
                     rank=w.rank,
                     local_rank=w.local_rank,
@@ -177,11 +189,10 @@ class NodeRecord:
                     exit_code=w.exit_code,
                     compute_s=w.compute_s,
                 )
-                for w in self.workers
-            ),
-            cordoned=self.cordoned,
-            flapping=self.flapping,
-        )
+                for w in reports
+            )
+            self.views_of = reports
+        return self.worker_views
 
 
 @dataclass(slots=True)
@@ -260,7 +271,7 @@ class Sensor:
         Kept until the two clocks drift apart by a millisecond, so that a node's
         reported last heartbeat does not wobble by microseconds from one read to the next.
         """
-        offset = time.time() - self._clock()
+        offset = wall_time() - self._clock()
         if abs(offset - self._offset) > WALL_OFFSET_TOLERANCE_S:
             self._offset = offset
         return self._offset
@@ -394,6 +405,15 @@ class Sensor:
             changes.events.append(self._event(EventType.SPARE_AVAILABLE, node, uncordoned=True))
         return changes
 
+    def job_restarted(self, job_name: str) -> None:
+        """The job's workers were restarted (a remediation): until they step again, past
+        a warm-up, the job is not watched for hangs (a start-up is no hang)."""
+        job = self.jobs.get(job_name)
+        if job is None:
+            return
+        job.progress.restarted()
+        self._deadlines.disarm((HANG, job_name))
+
     def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
         job = self.jobs.get(job_name)
         if job is None:
@@ -416,7 +436,7 @@ class Sensor:
             job.num_nodes_per_dp = jv.num_nodes_per_dp
             job.progress.relearn(jv.step_interval_s)
         for nv in nodes:
-            seen = nv.last_heartbeat.timestamp() if nv.last_heartbeat else time.time()
+            seen = nv.last_heartbeat.timestamp() if nv.last_heartbeat else wall_time()
             record = NodeRecord(
                 name=nv.name,
                 state=nv.state,
@@ -468,7 +488,7 @@ class Sensor:
         node = self.nodes.get(name)
         if node is None:
             return None
-        return max(0.0, time.time() - node.last_heartbeat(self._wall_offset()))
+        return max(0.0, wall_time() - node.last_heartbeat(self._wall_offset()))
 
     def hang_timeout_s(self, job_name: str) -> float | None:
         job = self.jobs.get(job_name)
