@@ -966,7 +966,9 @@ async def test_work_cut_by_a_database_outage_is_carried_out_once_it_is_back(
     from sqlalchemy.exc import OperationalError
 
     backend = DryRunBackend()
-    async with running(make_settings(), backend) as api:
+    # Heartbeats stop meanwhile: a timeout well past the retries, so that the node is not
+    # also lost (a second decision) on a slow machine.
+    async with running(make_settings(heartbeat_timeout_s=30.0), backend) as api:
         store = api.supervisor.store
         failures = {"handle_event": 1, "finish_action": 2}
 
