@@ -1,6 +1,6 @@
 """TLS end to end: real processes and sockets, certificates from a CA made here (trustme).
 
-The supervisor's certificate names 127.0.0.1, where the tests reach it. The host
+The supervisor's certificate names 127.0.0.1, where the tests reach it, and its DNS name. The host
 monitors share one certificate that names only their Service's DNS name, as on
 Kubernetes, and are reached at 127.0.0.1: whoever calls them (the supervisor, a partner,
 a worker) checks the certificate against that name (README, "TLS"). A second CA that
@@ -57,6 +57,7 @@ from training.worker_client import WorkerClient
 ROOT = Path(__file__).resolve().parent.parent
 #: The name the host monitors' certificate is issued for (their Service's, on Kubernetes).
 MONITOR_NAME = "host-monitor.tls-test.svc"
+SUPERVISOR_NAME = "supervisor.tls-test.svc"
 VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"
 
 # A worker on the worker client: writes what it was told of TLS, registers, reports steps
@@ -102,7 +103,7 @@ class Pki:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     out = tmp_path_factory.mktemp("pki")
     ca, wrong = trustme.CA(), trustme.CA()
-    supervisor = ca.issue_cert("127.0.0.1", "localhost")
+    supervisor = ca.issue_cert("127.0.0.1", SUPERVISOR_NAME)
     monitor = ca.issue_cert(MONITOR_NAME)  # not the address: reached at 127.0.0.1
     ca.cert_pem.write_to_path(str(out / "ca.crt"))
     wrong.cert_pem.write_to_path(str(out / "wrong-ca.crt"))
@@ -528,7 +529,9 @@ def test_the_operator_cli_verifies_the_server_with_a_flag_env_or_context(
         f"certificate-authority {missing}: cannot read it",
     )
 
-    # A context keeps the CA's path, and uses it for its own server only.
+    # A context keeps the CA's path and the name to check, for its own server only:
+    # reached as localhost, which its certificate does not name (as through a port-forward).
+    port_forwarded = f"https://localhost:{supervisor.port}"
     ok(
         cli(
             tmp_path,
@@ -536,19 +539,37 @@ def test_the_operator_cli_verifies_the_server_with_a_flag_env_or_context(
             "set-context",
             "tls",
             "--server",
-            supervisor.url,
+            port_forwarded,
             "--token",
             OPERATOR_TOKEN,
             "--certificate-authority",
             str(pki.ca),
+            "--tls-server-name",
+            SUPERVISOR_NAME,
         )
     )
     config = yaml.safe_load(
         (tmp_path / ".config" / "resiliency-supervisor" / "config.yaml").read_text()
     )
     assert config["contexts"][0]["certificate-authority"] == str(pki.ca)
+    assert config["contexts"][0]["tls-server-name"] == SUPERVISOR_NAME
     by_context = json.loads(ok(cli(tmp_path, "get", "nodes", "-o", "json")))
     assert [n["name"] for n in by_context] == [n["name"] for n in nodes]
+    ok(cli(tmp_path, "config", "set-context", "no-name", "--server", port_forwarded))
+    failed(
+        cli(
+            tmp_path,
+            "get",
+            "nodes",
+            "--context",
+            "no-name",
+            "--certificate-authority",
+            str(pki.ca),
+            SUPERVISOR_OPERATOR_TOKEN=OPERATOR_TOKEN,
+        ),
+        ExitCode.UNAVAILABLE,
+        "Hostname mismatch",
+    )
     ok(cli(tmp_path, "config", "set-context", "bare", "--server", supervisor.url))
     failed(
         cli(

@@ -46,16 +46,20 @@ class Client:
         timeout_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
         ca_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         """`ca_file`: the CA bundle (PEM) that verifies an https:// server; None: the
-        system's trust store."""
+        system's trust store. `tls_server_name`: the name its certificate is checked
+        against; None: the URL's host."""
         self.server = server.rstrip("/")
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._timeout_s = timeout_s
         try:
-            verify = client_context(ca_file, ca_name="certificate-authority")
+            verify = client_context(
+                ca_file, server_name=tls_server_name, ca_name="certificate-authority"
+            )
         except TLSError as exc:
             raise CliError(str(exc), ExitCode.USAGE) from None
         self._http = httpx.Client(

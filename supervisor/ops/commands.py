@@ -60,6 +60,12 @@ def connection_options(
         "context's; else the system's trust store).",
     )
     where.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="Name the server's certificate is checked against instead of the URL's host "
+        "(e.g. the Service's, through a port-forward; else the context's).",
+    )
+    where.add_argument(
         "--config",
         dest="cli_config",
         metavar="FILE",
@@ -86,9 +92,14 @@ def connect(args: argparse.Namespace) -> Iterator[Client]:
         context=args.context,
         config=args.cli_config,
         ca_file=args.certificate_authority,
+        tls_server_name=args.tls_server_name,
     )
     with Client(
-        connection.server, connection.token, timeout_s=args.timeout, ca_file=connection.ca_file
+        connection.server,
+        connection.token,
+        timeout_s=args.timeout,
+        ca_file=connection.ca_file,
+        tls_server_name=connection.tls_server_name,
     ) as client:
         yield client
 
@@ -309,6 +320,11 @@ def _add_config(sub: Any) -> None:
         "--certificate-authority",
         metavar="FILE",
         help="CA bundle (PEM) that verifies the server (https://); its path is stored.",
+    )
+    put.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="Name the server's certificate is checked against instead of the URL's host.",
     )
     put.set_defaults(config_handler=_set_context)
 
@@ -669,7 +685,8 @@ def _set_context(args: argparse.Namespace) -> None:
     if args.certificate_authority is not None:
         # Absolute: a relative path in the file is read relative to the file.
         ca = os.path.abspath(os.path.expanduser(args.certificate_authority))
-    file.put(Context(args.name, check_server(server), token, token_file, ca))
+    server_name = args.tls_server_name or (old.tls_server_name if old else None)
+    file.put(Context(args.name, check_server(server), token, token_file, ca, server_name))
     if file.current_context is None:
         file.current_context = args.name
     file.save()

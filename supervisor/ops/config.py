@@ -9,13 +9,16 @@ a kubeconfig::
       server: https://supervisor.example.com
       token-file: ~/.secrets/supervisor-operator-token
       certificate-authority: ~/.secrets/supervisor-ca.crt
+      tls-server-name: resiliency-supervisor.training.svc  # through a port-forward
     - name: local
       server: http://127.0.0.1:8080
       token: ...
 
 A context's token is only ever sent to that context's server: a `--server` or
 `SUPERVISOR_URL` pointing elsewhere does not pick it up (nor its certificate-authority,
-the CA bundle that verifies an https:// server; default: the system's trust store).
+the CA bundle that verifies an https:// server, default the system's trust store, nor its
+tls-server-name, the name the server's certificate is checked against instead of the
+URL's host).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Context:
     token: str | None = None
     token_file: str | None = None
     certificate_authority: str | None = None
+    tls_server_name: str | None = None
 
     def ca_path(self, config_dir: Path) -> str | None:
         """certificate-authority, relative to the config file as kubeconfig paths are."""
@@ -95,6 +99,8 @@ class Context:
             out["token-file"] = self.token_file
         if self.certificate_authority is not None:
             out["certificate-authority"] = self.certificate_authority
+        if self.tls_server_name is not None:
+            out["tls-server-name"] = self.tls_server_name
         return out
 
 
@@ -188,7 +194,10 @@ def _context(entry: Any, path: Path, index: int) -> Context:
     ca = _optional_str(
         entry.get("certificate-authority"), path, f"context {name!r}: certificate-authority"
     )
-    return Context(name, server, token, token_file, ca)
+    server_name = _optional_str(
+        entry.get("tls-server-name"), path, f"context {name!r}: tls-server-name"
+    )
+    return Context(name, server, token, token_file, ca, server_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +206,8 @@ class Connection:
     token: str | None
     #: The CA bundle that verifies an https:// server; None: the system's trust store.
     ca_file: str | None = None
+    #: The name its certificate is checked against; None: the URL's host.
+    tls_server_name: str | None = None
 
 
 def resolve(
@@ -206,6 +217,7 @@ def resolve(
     context: str | None,
     config: str | None,
     ca_file: str | None = None,
+    tls_server_name: str | None = None,
 ) -> Connection:
     """Flags over environment over the context (`--context`, else current-context).
 
@@ -216,7 +228,7 @@ def resolve(
     token = token or os.environ.get(TOKEN_ENV) or None
     ca_file = ca_file or os.environ.get(CA_ENV) or None
     if server is not None and token is not None and context is None:
-        return Connection(check_server(server), token, ca_file)
+        return Connection(check_server(server), token, ca_file, tls_server_name)
     path, named = config_path(config)
     file = ConfigFile.load(path, must_exist=named or context is not None)
     chosen: Context | None = None
@@ -240,4 +252,6 @@ def resolve(
             token = chosen.read_token(path.parent)
         if ca_file is None:
             ca_file = chosen.ca_path(path.parent)
-    return Connection(server, token, ca_file)
+        if tls_server_name is None:
+            tls_server_name = chosen.tls_server_name
+    return Connection(server, token, ca_file, tls_server_name)
