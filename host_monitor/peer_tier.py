@@ -194,7 +194,10 @@ def _get_into(
     host, port = parts.hostname or "", parts.port
     connection = (
         http.client.HTTPSConnection(
-            host, port or 443, timeout=timeout_s, context=ssl_context or client_context()
+            host,
+            port or 443,
+            timeout=timeout_s,
+            context=ssl_context if ssl_context is not None else client_context(),
         )
         if parts.scheme == "https"
         else http.client.HTTPConnection(host, port or 80, timeout=timeout_s)

@@ -1,7 +1,7 @@
 """TLS end to end: real processes and sockets, certificates from a CA made here (trustme).
 
-The supervisor's certificate names 127.0.0.1, where the tests reach it, and its DNS name. The host
-monitors share one certificate that names only their Service's DNS name, as on
+The supervisor's certificate names 127.0.0.1, where the tests reach it, and a DNS name.
+The host monitors share one certificate that names only their Service's DNS name, as on
 Kubernetes, and are reached at 127.0.0.1: whoever calls them (the supervisor, a partner,
 a worker) checks the certificate against that name (README, "TLS"). A second CA that
 issued nothing of ours stands for a wrong CA; the system's trust store knows neither.
@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import CompletedProcess
 from typing import Any
 
 import httpx
@@ -50,7 +52,7 @@ from tests.test_host_monitor import (
     wait_for,
 )
 from tests.test_host_monitor_peer import PEER_TOKEN, make_checkpoint, shard
-from tests.test_ops_cli import cli, failed, ok
+from tests.test_ops_cli import cli_env, failed, ok
 from training.checkpoint.peer import PeerTier as WorkerPeerTier
 from training.worker_client import WorkerClient
 
@@ -212,7 +214,7 @@ def test_host_monitors_heartbeat_over_https_and_a_wrong_ca_is_refused(
 # --- the host monitors over HTTPS -------------------------------------------------------------
 
 
-def monitor_verify(pki: Pki) -> Any:
+def monitor_verify(pki: Pki) -> ssl.SSLContext:
     return client_context(pki.ca, server_name=MONITOR_NAME)
 
 
@@ -465,6 +467,7 @@ async def test_the_kube_backend_checkpoints_through_https_host_monitors(
     wait_steps(by_heartbeat, [0])
     wait_steps(by_ip, [1])
     node = kube.get("Node", nodes[1])
+    assert node is not None
     node["status"]["addresses"] = [{"type": "InternalIP", "address": "127.0.0.1"}]
     kube.patch("Node", nodes[1], {"status": node["status"]}, subresource="status")
     hooks = Hooks(addresses={nodes[0]: by_heartbeat.url})
@@ -499,6 +502,17 @@ async def test_the_kube_backend_checkpoints_through_https_host_monitors(
 # --- the operator CLI -------------------------------------------------------------------------
 
 
+def cli(home: Path, *args: str, env: dict[str, str] | None = None) -> CompletedProcess[str]:
+    """The operator CLI as a user runs it (tests/test_ops_cli.py), with `env` only."""
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(home, **(env or {})),
+    )
+
+
 def test_the_operator_cli_verifies_the_server_with_a_flag_env_or_context(
     supervisor: HttpsSupervisor, pki: Pki, tmp_path: Path
 ) -> None:
@@ -513,18 +527,18 @@ def test_the_operator_cli_verifies_the_server_with_a_flag_env_or_context(
                 "json",
                 "--certificate-authority",
                 str(pki.ca),
-                **env,
+                env=env,
             )
         )
     )
     assert isinstance(nodes, list)
-    ok(cli(tmp_path, "get", "nodes", **env, SUPERVISOR_CA_FILE=str(pki.ca)))
-    failed(cli(tmp_path, "get", "nodes", **env), ExitCode.UNAVAILABLE, "--certificate-authority")
-    wrong = cli(tmp_path, "get", "nodes", "--certificate-authority", str(pki.wrong_ca), **env)
+    ok(cli(tmp_path, "get", "nodes", env={**env, "SUPERVISOR_CA_FILE": str(pki.ca)}))
+    failed(cli(tmp_path, "get", "nodes", env=env), ExitCode.UNAVAILABLE, "--certificate-authority")
+    wrong = cli(tmp_path, "get", "nodes", "--certificate-authority", str(pki.wrong_ca), env=env)
     failed(wrong, ExitCode.UNAVAILABLE, VERIFY_FAILED)
     missing = str(tmp_path / "missing.crt")
     failed(
-        cli(tmp_path, "get", "nodes", "--certificate-authority", missing, **env),
+        cli(tmp_path, "get", "nodes", "--certificate-authority", missing, env=env),
         ExitCode.USAGE,
         f"certificate-authority {missing}: cannot read it",
     )
@@ -556,24 +570,27 @@ def test_the_operator_cli_verifies_the_server_with_a_flag_env_or_context(
     by_context = json.loads(ok(cli(tmp_path, "get", "nodes", "-o", "json")))
     assert [n["name"] for n in by_context] == [n["name"] for n in nodes]
     ok(cli(tmp_path, "config", "set-context", "no-name", "--server", port_forwarded))
+    mismatch = cli(
+        tmp_path,
+        "get",
+        "nodes",
+        "--context",
+        "no-name",
+        "--certificate-authority",
+        str(pki.ca),
+        env={"SUPERVISOR_OPERATOR_TOKEN": OPERATOR_TOKEN},
+    )
+    failed(mismatch, ExitCode.UNAVAILABLE, "not valid for 'localhost'")
+    assert "(the name its certificate holds: --tls-server-name)" in mismatch.stderr
+    ok(cli(tmp_path, "config", "set-context", "bare", "--server", supervisor.url))
     failed(
         cli(
             tmp_path,
             "get",
             "nodes",
             "--context",
-            "no-name",
-            "--certificate-authority",
-            str(pki.ca),
-            SUPERVISOR_OPERATOR_TOKEN=OPERATOR_TOKEN,
-        ),
-        ExitCode.UNAVAILABLE,
-        "Hostname mismatch",
-    )
-    ok(cli(tmp_path, "config", "set-context", "bare", "--server", supervisor.url))
-    failed(
-        cli(
-            tmp_path, "get", "nodes", "--context", "bare", SUPERVISOR_OPERATOR_TOKEN=OPERATOR_TOKEN
+            "bare",
+            env={"SUPERVISOR_OPERATOR_TOKEN": OPERATOR_TOKEN},
         ),
         ExitCode.UNAVAILABLE,
         VERIFY_FAILED,

@@ -159,7 +159,9 @@ class Client:
             ) from None
         except httpx.HTTPError as exc:
             hint = ""
-            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            if "mismatch, certificate is not valid" in str(exc):
+                hint = " (the name its certificate holds: --tls-server-name)"
+            elif "CERTIFICATE_VERIFY_FAILED" in str(exc):
                 hint = " (the CA that issued its certificate: --certificate-authority)"
             raise CliError(
                 f"cannot reach {self.server}: {exc}{hint}", ExitCode.UNAVAILABLE
