@@ -21,6 +21,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 from collections.abc import Generator
 
 import uvicorn
@@ -70,11 +71,11 @@ def bind(host: str, port: int) -> socket.socket:
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def urls(sock: socket.socket) -> tuple[str, str]:
+def urls(sock: socket.socket, scheme: str = "http") -> tuple[str, str]:
     """(URL for this machine, URL for the supervisor) of the bound socket.
 
     Bound to a wildcard address, workers reach us on loopback and the supervisor by
@@ -82,8 +83,8 @@ def urls(sock: socket.socket) -> tuple[str, str]:
     """
     host, port = sock.getsockname()[:2]
     if host in WILDCARDS:
-        return _url(WILDCARDS[host], port), _url(socket.getfqdn(), port)
-    return _url(host, port), _url(host, port)
+        return _url(scheme, WILDCARDS[host], port), _url(scheme, socket.getfqdn(), port)
+    return _url(scheme, host, port), _url(scheme, host, port)
 
 
 class Agent:
@@ -93,6 +94,7 @@ class Agent:
         self.worker_token = self._token("worker_token", log_it=False)
         self._stopping = asyncio.Event()
         self._nvml: NvmlWatchdog | None = None
+        self._ssl: ssl.SSLContext | None = None
 
     def _token(self, name: str, *, log_it: bool) -> str:
         value = getattr(self.settings, name)
@@ -114,7 +116,8 @@ class Agent:
     async def run(self) -> int:
         s = self.settings
         sock = bind(s.host, s.host_daemon_port)
-        url, advertised = urls(sock)
+        url, advertised = urls(sock, s.scheme)
+        self._ssl = s.ssl_context()  # checked at start-up (cli.py)
         node = Node(s, self.worker_token, url)
         sender = self._sender(node, advertised)
         forwarder = self._forwarder(node)  # hooked before any worker can report
@@ -137,6 +140,9 @@ class Agent:
                 lifespan="off",
                 server_header=False,
                 timeout_graceful_shutdown=2,
+                # Both or neither (checked by the settings): HTTPS with them.
+                ssl_certfile=s.tls_cert_file,
+                ssl_keyfile=s.tls_key_file,
             )
         )
 
@@ -209,6 +215,7 @@ class Agent:
             node.snapshot,
             address=address,
             on_delivered=node.delivered,
+            ssl_context=self._ssl,
         )
         node.on_change = sender.trigger
         node.wait_for_delivery = True
@@ -227,6 +234,7 @@ class Agent:
             s.node,
             s.run_dir / f"{s.node}.checkpoint-outbox.jsonl",
             max_backoff_s=max(s.heartbeat_polling_period_s, 1.0),
+            ssl_context=self._ssl,
         )
 
         def forward(record: CheckpointRecord, job: str | None) -> None:

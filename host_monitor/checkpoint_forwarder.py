@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import random
+import ssl
 import uuid
 from collections import deque
 from pathlib import Path
@@ -37,6 +38,7 @@ from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.protocol import CheckpointReport
 from supervisor.api.errors import error_message
 from supervisor.domain import utcnow
+from supervisor.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,11 @@ class CheckpointForwarder:
         outbox: Path,
         *,
         max_backoff_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.url = supervisor_url.rstrip("/") + PATH
+        # How an https:// supervisor is verified (default: the system's trust store).
+        self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
         self.node = node
         self.outbox = outbox
@@ -134,7 +139,7 @@ class CheckpointForwarder:
 
     async def run(self) -> None:
         timeout = httpx.Timeout(5.0, connect=1.0)
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with httpx.AsyncClient(timeout=timeout, verify=self._ssl) as client:
             while True:
                 if not self._pending:
                     self._wake.clear()

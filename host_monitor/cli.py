@@ -14,6 +14,7 @@ import logging
 import sys
 
 from host_monitor.config import ConfigError, HostMonitorSettings, load_settings
+from supervisor.tls import TLSError
 
 PROG = "host-monitor"
 # Short aliases for the flags people type most.
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         settings = load_settings(**vars(args))
-    except ConfigError as exc:
+        settings.check_tls_files()
+    except (ConfigError, TLSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     _configure_logging(settings.log_level)

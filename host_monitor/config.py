@@ -7,6 +7,7 @@ Names match the supervisor's where they mean the same thing (`heartbeat_polling_
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -15,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from host_monitor.credentials import BearerCredential
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
+from supervisor.tls import client_context, server_context
 
 DEV_KMSG = "/dev/kmsg"
 # `kernel_log` values that turn the XID watchdog off explicitly.
@@ -22,6 +24,9 @@ KERNEL_LOG_OFF = ("none", "off")
 DEFAULT_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
 DEFAULT_PEER_STORE_PARENT = "/dev/shm/resiliency-peer"
 DEFAULT_PEER_MAX_FILE_BYTES = 2**40  # 1 TiB: no shard is that big; RAM runs out first
+#: What launched workers are told of our certificate (training/worker_client.py reads them).
+ENV_WORKER_CA_FILE = "HOST_MONITOR_CA_FILE"
+ENV_WORKER_SERVER_NAME = "HOST_MONITOR_SERVER_NAME"
 #: What the host monitor may present to the supervisor: exactly one of them.
 CREDENTIALS = (
     "agent_token",
@@ -160,6 +165,26 @@ class HostMonitorSettings(BaseSettings):
         ge=1,
         description="Largest checkpoint file the partner may upload to us.",
     )
+    # TLS (README.md, "TLS"): HTTPS for the local API, and how we verify who we call.
+    tls_cert_file: Path | None = Field(
+        None,
+        description="Certificate (PEM, its chain after it) the local API presents: with "
+        "tls_key_file, it serves HTTPS (and heartbeats an https:// address). Unset: HTTP.",
+    )
+    tls_key_file: Path | None = Field(None, description="Private key (PEM) of tls_cert_file.")
+    tls_ca_file: Path | None = Field(
+        None,
+        description="CA bundle (PEM) that verifies the supervisor and the partner (peer "
+        f"tier); launched workers get its path as {ENV_WORKER_CA_FILE}. Unset: the system's "
+        "trust store.",
+    )
+    tls_server_name: str | None = Field(
+        None,
+        min_length=1,
+        description="Name the host monitors' certificates are issued for (their Service's "
+        "DNS name): the partner's is checked against it instead of its address, and "
+        f"launched workers get it as {ENV_WORKER_SERVER_NAME}. Unset: the address.",
+    )
 
     @model_validator(mode="after")
     def _check_relations(self) -> Self:
@@ -188,6 +213,13 @@ class HostMonitorSettings(BaseSettings):
             raise ValueError(
                 "agent_token (or node_credential), actuator_token and worker_token must differ"
             )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file")
+                if self.tls_key_file is None
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(f"{given} is set without {missing}: HTTPS needs both")
         if self.peer_token is not None and self.peer_token.get_secret_value() in tokens:
             # Other host monitors hold the peer token: it must open nothing else.
             raise ValueError(
@@ -205,6 +237,43 @@ class HostMonitorSettings(BaseSettings):
         path = self.node_credential_file or self.service_account_token_file
         assert path is not None  # checked by _check_relations
         return BearerCredential(path=path)
+
+    @property
+    def scheme(self) -> str:
+        """Of the local API's URLs."""
+        return "https" if self.tls_cert_file is not None else "http"
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """How we verify the supervisor and the partner (tls_ca_file, else the system's
+        trust store). Raises TLSError for an unusable CA file."""
+        return client_context(self.tls_ca_file, ca_name="tls_ca_file")
+
+    def peer_ssl_context(self) -> ssl.SSLContext:
+        """The partner, reached at its address, holds a host monitor certificate: checked
+        against tls_server_name."""
+        return client_context(
+            self.tls_ca_file, server_name=self.tls_server_name, ca_name="tls_ca_file"
+        )
+
+    def check_tls_files(self) -> None:
+        """Read the TLS files now (start-up): TLSError naming the setting."""
+        if self.tls_cert_file is not None and self.tls_key_file is not None:
+            server_context(
+                self.tls_cert_file,
+                self.tls_key_file,
+                cert_name="tls_cert_file",
+                key_name="tls_key_file",
+            )
+        self.ssl_context()
+
+    def worker_tls_env(self) -> dict[str, str]:
+        """What launched workers need to verify us."""
+        env = {}
+        if self.tls_ca_file is not None:
+            env[ENV_WORKER_CA_FILE] = str(self.tls_ca_file.resolve())
+        if self.tls_server_name is not None:
+            env[ENV_WORKER_SERVER_NAME] = self.tls_server_name
+        return env
 
     @property
     def kernel_log_disabled(self) -> bool:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from supervisor.api.errors import error_message
 from supervisor.domain import NodeState
+from supervisor.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,12 @@ class HeartbeatSender:
         snapshot: Callable[[], NodeSnapshot],
         address: str | None = None,
         on_delivered: Callable[[NodeSnapshot], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """`ssl_context`: how an https:// supervisor is verified (default: the system's
+        trust store)."""
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
+        self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
         self.node = node
         self.period_s = period_s
@@ -95,7 +101,7 @@ class HeartbeatSender:
         # the next one.
         timeout = httpx.Timeout(min(max(self.period_s, 1.0), 5.0), connect=1.0)
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self._ssl) as client:
             while not self._silenced:
                 self._wake.clear()
                 ok = await self._send(client)

@@ -103,6 +103,8 @@ class Node:
         self.run_dir = settings.run_dir
         self.base_url = base_url
         self._worker_token = worker_token
+        # How launched workers verify our certificate (HOST_MONITOR_CA_FILE, ...).
+        self._tls_env = settings.worker_tls_env()
         self.registry = WorkerRegistry(
             settings.worker_heartbeat_timeout_s, on_change=self._worker_changed
         )
@@ -256,6 +258,7 @@ class Node:
             "NODE_NAME": self.name,
             "HOST_MONITOR_URL": self.base_url,
             "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
+            **self._tls_env,
             ENV_JOB: req.job,
         }
         return StandbyResult(ready=self.standbys.prepare(req.job, req.command, env, req.preload))
@@ -506,6 +509,7 @@ class Node:
             "NODE_NAME": self.name,
             "HOST_MONITOR_URL": self.base_url,
             "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
+            **self._tls_env,
             ENV_JOB: req.job,
         }
 

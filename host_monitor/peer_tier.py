@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import shutil
+import ssl
 import stat
 import time
 import urllib.parse
@@ -64,6 +65,7 @@ from host_monitor.peer_store import (
 from host_monitor.protocol import CheckpointPeer
 from supervisor.api.errors import error_message
 from supervisor.domain import utcnow
+from supervisor.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +176,13 @@ def _committed(dir_fd: int, name: str) -> bool:
 
 
 def _get_into(
-    url: str, token: str, fd: int, expected: int, timeout_s: float, checksum: Checksum
+    url: str,
+    token: str,
+    fd: int,
+    expected: int,
+    timeout_s: float,
+    checksum: Checksum,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[int, int, int, bytes]:
     """GET `url` and write its body to `fd`: (status, bytes, checksum, error body).
 
@@ -183,9 +191,16 @@ def _get_into(
     client's 64 KiB chunks. Reads at most `expected` + 1 bytes.
     """
     parts = urllib.parse.urlsplit(url)
-    https = parts.scheme == "https"
-    connection = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
-        parts.hostname or "", parts.port or (443 if https else 80), timeout=timeout_s
+    host, port = parts.hostname or "", parts.port
+    connection = (
+        http.client.HTTPSConnection(
+            host,
+            port or 443,
+            timeout=timeout_s,
+            context=ssl_context if ssl_context is not None else client_context(),
+        )
+        if parts.scheme == "https"
+        else http.client.HTTPConnection(host, port or 80, timeout=timeout_s)
     )
     try:
         connection.request("GET", parts.path, headers={"Authorization": f"Bearer {token}"})
@@ -253,6 +268,8 @@ class PeerTier:
         )
         self._http: httpx.AsyncClient | None = None
         self._pushes: dict[int, _RankPushes] = {}
+        # The partner is reached at its address and checked against tls_server_name.
+        self._ssl = settings.peer_ssl_context()
 
     @property
     def enabled(self) -> bool:
@@ -316,6 +333,7 @@ class PeerTier:
             self._http = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout_s),
                 headers={"Authorization": f"Bearer {self.token}"},
+                verify=self._ssl,
             )
         return peer, self._http
 
@@ -715,7 +733,14 @@ class PeerTier:
             fd = os.open(name, O_OVERWRITE, 0o644, dir_fd=dir_fd)
             try:
                 status, size, crc, body = await asyncio.to_thread(
-                    _get_into, url, self.token or "", fd, entry.size, self.timeout_s, checksum
+                    _get_into,
+                    url,
+                    self.token or "",
+                    fd,
+                    entry.size,
+                    self.timeout_s,
+                    checksum,
+                    self._ssl,
                 )
             except (OSError, http.client.HTTPException) as exc:
                 raise _Transient(f"{type(exc).__name__}: {exc}") from None

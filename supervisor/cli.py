@@ -22,6 +22,7 @@ from supervisor.identity.node_keys import node_credential
 from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
 from supervisor.ops import commands as ops_commands
 from supervisor.simulate import cli as simulate_cli
+from supervisor.tls import TLSError, server_context
 
 if TYPE_CHECKING:
     # The server side is imported where it runs: the operator commands start in a
@@ -148,6 +149,7 @@ def _serve(settings: Settings) -> None:
         policy = load_policy(settings.policy)
     except PolicyLoadError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
+    _check_tls(settings)
     settings = with_tokens(settings)
     app = _app(settings, policy)
     config = uvicorn.Config(
@@ -157,8 +159,26 @@ def _serve(settings: Settings) -> None:
         log_level=settings.log_level,
         access_log=False,
         lifespan="on",
+        # Both or neither (checked by the settings): HTTPS with them, HTTP without.
+        ssl_certfile=settings.tls_cert_file,
+        ssl_keyfile=settings.tls_key_file,
     )
     _Server(config, app.state.supervisor).run()
+
+
+def _check_tls(settings: Settings) -> None:
+    """The TLS files, read now: one line naming the setting, not a traceback later."""
+    try:
+        if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+            server_context(
+                settings.tls_cert_file,
+                settings.tls_key_file,
+                cert_name="tls_cert_file",
+                key_name="tls_key_file",
+            )
+        settings.host_monitor_ssl_context()
+    except TLSError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _app(settings: Settings, policy: Policy) -> SupervisorApp:

@@ -7,6 +7,7 @@ Names follow the systems our users already run (see README, "Configuration"), so
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -21,6 +22,7 @@ from pydantic_settings import (
 )
 
 from supervisor.notifications.settings import Routes
+from supervisor.tls import client_context
 from supervisor.xid import XidResponse
 
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
@@ -359,6 +361,27 @@ class Settings(BaseSettings):
         "info", description="Log level."
     )
 
+    # --- TLS (README, "TLS") ------------------------------------------------------------
+    tls_cert_file: str | None = Field(
+        None,
+        description="Certificate (PEM, its chain after it) `supervisor serve` presents: with "
+        "tls_key_file, it serves HTTPS. Unset: HTTP.",
+    )
+    tls_key_file: str | None = Field(None, description="Private key (PEM) of tls_cert_file.")
+    tls_ca_file: str | None = Field(
+        None,
+        description="CA bundle (PEM) the host monitors' certificates are verified with (set: "
+        "a host monitor whose heartbeat gives no address is reached over HTTPS). Unset: the "
+        "system's trust store.",
+    )
+    tls_host_monitor_server_name: str | None = Field(
+        None,
+        min_length=1,
+        description="Name the host monitors' certificates are checked against instead of "
+        "the address they are reached at (a pod IP), e.g. their Service's DNS name. Unset: "
+        "the address.",
+    )
+
     @model_validator(mode="after")
     def _check_relations(self) -> Self:
         if self.heartbeat_timeout_s <= self.heartbeat_polling_period_s:
@@ -394,6 +417,13 @@ class Settings(BaseSettings):
             and self.agent_token.get_secret_value() == self.operator_token.get_secret_value()
         ):
             raise ValueError("agent_token and operator_token must differ")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file")
+                if self.tls_key_file is None
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(f"{given} is set without {missing}: HTTPS needs both")
         return self._check_agent_auth()
 
     @field_validator("agent_auth", mode="before")
@@ -423,6 +453,21 @@ class Settings(BaseSettings):
                 "(system:serviceaccount:<namespace>:<name> of the host monitors)"
             )
         return self
+
+    def host_monitor_ssl_context(self) -> ssl.SSLContext:
+        """How the supervisor's clients verify host monitors (tls_ca_file, else the system's
+        trust store; tls_host_monitor_server_name). Raises TLSError for an unusable CA file."""
+        return client_context(
+            self.tls_ca_file,
+            server_name=self.tls_host_monitor_server_name,
+            ca_name="tls_ca_file",
+        )
+
+    @property
+    def host_monitor_scheme(self) -> str:
+        """Of a host monitor's URL built from its node's address (no address in its
+        heartbeat): with a CA to verify them, host monitors serve HTTPS."""
+        return "https" if self.tls_ca_file is not None else "http"
 
     @classmethod
     def settings_customise_sources(

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,11 @@ INLINE_POLICY: dict[str, Any] = {
     **POSTGRES,
     "policy": {"inline": POLICY_SOURCE, "className": "CordonOnXid"},
 }
+CERT_MANAGER: dict[str, Any] = {
+    **POSTGRES,
+    "tls": {"enabled": True, "certManager": {"issuerRef": {"name": "team-ca"}}},
+}
+EXISTING_TLS: dict[str, Any] = {**POSTGRES, "tls": {"enabled": True, "existingSecret": "rs-tls"}}
 # The parameter names users of Google's resiliency supervisor know.
 STANDARD_NAMES = [
     "heartbeat_polling_period_s",
@@ -185,7 +191,7 @@ def supervisor_settings(
 
 
 def test_chart_lints_clean_in_strict_mode() -> None:
-    for values in (POSTGRES, SQLITE, INLINE_POLICY):
+    for values in (POSTGRES, SQLITE, INLINE_POLICY, CERT_MANAGER, EXISTING_TLS):
         report = helm.lint(CHART, values, strict=True, kube_version=f"v{K8S_VERSION}")
         assert report["errors"] == []
         # Only the "icon is recommended" hint may remain.
@@ -206,6 +212,9 @@ def test_chart_lints_clean_in_strict_mode() -> None:
         ({"database": {"url": "mysql://x"}}, "/database/url"),
         ({"policy": {"module": "not a module"}}, "/policy/module"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"tls": {"enabeld": True}}, "additional properties 'enabeld'"),
+        ({"tls": {"certManager": {"duration": "90d"}}}, "/tls/certManager/duration"),
+        ({"tls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}, "/tls/certManager/issuerRef"),
     ],
 )
 def test_schema_rejects_bad_values_at_install_and_lint(
@@ -229,6 +238,10 @@ def test_schema_rejects_bad_values_at_install_and_lint(
         (
             merged(POSTGRES, {"policy": {"inline": POLICY_SOURCE}}),
             "policy.className is required",
+        ),
+        (
+            merged(POSTGRES, {"tls": {"enabled": True}}),
+            "tls.enabled needs tls.existingSecret or tls.certManager.issuerRef.name",
         ),
     ],
 )
@@ -284,6 +297,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
     "no-kernel-log": merged(POSTGRES, {"hostMonitor": {"kernelLog": {"source": "off"}}}),
     "kube-identity": KUBE_IDENTITY,
+    "tls-cert-manager": merged(CERT_MANAGER, {"serviceMonitor": {"enabled": True}}),
+    "tls-existing-secrets": merged(
+        EXISTING_TLS, {"tls": {"hostMonitorExistingSecret": "rs-host-monitor-tls"}}
+    ),
 }
 
 
@@ -292,8 +309,8 @@ def test_rendered_objects_are_valid_kubernetes_objects(variant: str) -> None:
     docs = render(VARIANTS[variant])
     assert docs
     for doc in docs:
-        if doc["apiVersion"] == "monitoring.coreos.com/v1":
-            continue  # CRDs: checked in test_service_monitor, test_helm_monitoring.py
+        if doc["apiVersion"] in ("monitoring.coreos.com/v1", "cert-manager.io/v1"):
+            continue  # CRDs: see test_service_monitor, test_helm_monitoring.py, the TLS tests
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -989,6 +1006,141 @@ def test_every_host_monitor_privilege_is_justified_in_a_comment() -> None:
         assert any(line.startswith("#") for line in before), marker
 
 
+# --- TLS --------------------------------------------------------------------------------------
+
+TLS_DIR = "/etc/resiliency-supervisor/tls"
+HM_SERVICE_NAME = f"{FULLNAME}-host-monitor.{NAMESPACE}.svc"
+
+
+def certificates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The cert-manager Certificates by the Secret they fill, each checked for the fields
+    cert-manager requires."""
+    out = {}
+    for doc in docs:
+        if doc["kind"] != "Certificate":
+            continue
+        assert doc["apiVersion"] == "cert-manager.io/v1"
+        spec = doc["spec"]
+        assert spec["secretName"] and spec["issuerRef"]["name"] and spec["dnsNames"]
+        assert spec["usages"] == ["digital signature", "key encipherment", "server auth"]
+        out[spec["secretName"]] = spec
+    return out
+
+
+def tls_volume(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The TLS Secret volume of the Deployment or DaemonSet, and that it is mounted
+    read-only where the settings point."""
+    pod = find(docs, kind)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    (mount,) = [m for m in container(docs, kind)["volumeMounts"] if m["name"] == "tls"]
+    assert mount == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+    secret: dict[str, Any] = volume["secret"]
+    return secret
+
+
+def test_tls_values_change_nothing_while_tls_is_off() -> None:
+    tokens = {**TOKENS, "peerToken": "peer-token-0123456789"}  # nothing generated: comparable
+    plain = render_files(merged(POSTGRES, {"auth": tokens}))
+    ignored = {
+        "enabled": False,
+        "existingSecret": "rs-tls",
+        "hostMonitorExistingSecret": "rs-hm-tls",
+        "certManager": {"issuerRef": {"name": "team-ca"}, "duration": "720h"},
+    }
+    assert render_files(merged(POSTGRES, {"auth": tokens, "tls": ignored})) == plain
+    text = "".join(plain.values())
+    assert "https" not in text.replace("https://supervisor.example", "")
+    assert "HTTPS" not in text and "cert-manager.io" not in text and "TLS_" not in text
+
+
+def test_tls_with_cert_manager_serves_https_verified_by_the_issuers_ca(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(merged(CERT_MANAGER, {"serviceMonitor": {"enabled": True}}))
+    certs = certificates(docs)
+    sup_secret, hm_secret = f"{FULLNAME}-tls", f"{FULLNAME}-host-monitor-tls"
+    assert set(certs) == {sup_secret, hm_secret}  # the host monitors' key is not the supervisor's
+    for spec in certs.values():
+        assert spec["issuerRef"] == {
+            "name": "team-ca",
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+        assert (spec["duration"], spec["renewBefore"]) == ("2160h", "360h")
+    assert certs[sup_secret]["dnsNames"] == [
+        FULLNAME,
+        f"{FULLNAME}.{NAMESPACE}",
+        f"{FULLNAME}.{NAMESPACE}.svc",
+    ]
+    assert HM_SERVICE_NAME in certs[hm_secret]["dnsNames"]
+
+    # The supervisor: its certificate, key and CA from its Secret, probed over HTTPS.
+    assert tls_volume(docs, "Deployment") == {"secretName": sup_secret, "defaultMode": 0o440}
+    c = container(docs, "Deployment")
+    assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    settings = supervisor_settings(docs, tmp_path, monkeypatch)
+    assert (settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file) == (
+        f"{TLS_DIR}/tls.crt",
+        f"{TLS_DIR}/tls.key",
+        f"{TLS_DIR}/ca.crt",
+    )
+    # Host monitors are reached at their pod IP: checked against their Service's name,
+    # which their certificate holds.
+    assert settings.tls_host_monitor_server_name == HM_SERVICE_NAME
+    assert settings.host_monitor_scheme == "https"
+
+    # The host monitors: their own Secret, HTTPS probes, an https:// supervisor whose
+    # certificate names the host they dial.
+    assert tls_volume(docs, "DaemonSet") == {"secretName": hm_secret, "defaultMode": 0o400}
+    hm_c = container(docs, "DaemonSet")
+    assert hm_c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert hm_c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    hm = host_monitor_settings(docs)
+    assert hm.scheme == "https"
+    assert (hm.tls_cert_file, hm.tls_key_file, hm.tls_ca_file) == (
+        Path(f"{TLS_DIR}/tls.crt"),
+        Path(f"{TLS_DIR}/tls.key"),
+        Path(f"{TLS_DIR}/ca.crt"),
+    )
+    assert hm.tls_server_name == HM_SERVICE_NAME  # partners are reached at pod IPs too
+    assert hm.supervisor_url is not None
+    url = urllib.parse.urlsplit(hm.supervisor_url)
+    assert url.scheme == "https" and url.hostname in certs[sup_secret]["dnsNames"]
+
+    # Prometheus scrapes the leader's pod IP: with the CA, against the Service's name.
+    (endpoint,) = find(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": sup_secret, "key": "ca.crt"}},
+        "serverName": f"{FULLNAME}.{NAMESPACE}.svc",
+    }
+    notes = render_files(CERT_MANAGER)["resiliency-supervisor/templates/NOTES.txt"]
+    assert f"HOST_MONITOR_URL=https://{HM_SERVICE_NAME}:9400" in notes
+    assert f"--tls-server-name {FULLNAME}.{NAMESPACE}.svc" in notes
+
+
+def test_tls_from_existing_secrets() -> None:
+    one = render(EXISTING_TLS)
+    assert certificates(one) == {}
+    assert tls_volume(one, "Deployment")["secretName"] == "rs-tls"
+    assert tls_volume(one, "DaemonSet")["secretName"] == "rs-tls"
+
+    two = render(merged(EXISTING_TLS, {"tls": {"hostMonitorExistingSecret": "rs-hm-tls"}}))
+    assert certificates(two) == {}
+    assert tls_volume(two, "Deployment")["secretName"] == "rs-tls"
+    assert tls_volume(two, "DaemonSet")["secretName"] == "rs-hm-tls"
+
+    # The host monitors' Secret given, the supervisor's from cert-manager.
+    mixed = render(merged(CERT_MANAGER, {"tls": {"hostMonitorExistingSecret": "rs-hm-tls"}}))
+    assert set(certificates(mixed)) == {f"{FULLNAME}-tls"}
+    assert tls_volume(mixed, "DaemonSet")["secretName"] == "rs-hm-tls"
+
+    # No host monitors: one Certificate.
+    alone = render(merged(CERT_MANAGER, {"hostMonitor": {"enabled": False}}))
+    assert set(certificates(alone)) == {f"{FULLNAME}-tls"}
+
+
 # --- ServiceMonitor, NOTES --------------------------------------------------------------------
 
 
@@ -1121,6 +1273,13 @@ MUTATIONS: dict[str, Any] = {
     "prometheusRule.goodputLow.threshold": 0.5,
     **{f"prometheusRule.{alert}.for": "7m" for alert in ALERTS},
     **{f"prometheusRule.{alert}.severity": "page" for alert in ALERTS},
+    "tls.existingSecret": "given-tls",
+    "tls.hostMonitorExistingSecret": "given-host-monitor-tls",
+    "tls.certManager.issuerRef.name": "other-ca",
+    "tls.certManager.issuerRef.kind": "ClusterIssuer",
+    "tls.certManager.issuerRef.group": "issuers.example.com",
+    "tls.certManager.duration": "720h",
+    "tls.certManager.renewBefore": "240h",
     "supervisor.resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
     "hostMonitor.resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
 }
@@ -1172,6 +1331,7 @@ CONTEXTS = [
             "supervisor": {"replicas": 1},
         },
     ),
+    merged(CERT_MANAGER, {"auth": TOKENS}),
 ]
 
 

@@ -54,6 +54,7 @@ import queue
 import re
 import signal
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -65,6 +66,7 @@ from typing import Any, Literal
 import httpx
 
 from training.process_identity import self_identity
+from training.tls import TLSError, client_context
 
 __all__ = ["CheckpointTier", "WorkerClient"]
 
@@ -82,6 +84,10 @@ ENV_RANK = "RANK"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_MONITOR_URL = "HOST_MONITOR_URL"
 ENV_TOKEN = "HOST_MONITOR_WORKER_TOKEN"
+# The host monitor's TLS: the CA bundle that verifies it, and the name its certificate is
+# checked against instead of the URL's host (host_monitor/config.py sets them).
+ENV_CA_FILE = "HOST_MONITOR_CA_FILE"
+ENV_SERVER_NAME = "HOST_MONITOR_SERVER_NAME"
 ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
 ENV_JOB = "HOST_MONITOR_JOB"
 ENV_ATTEMPT = "WORKLOAD_ATTEMPT"
@@ -123,9 +129,13 @@ class WorkerClient:
         report_interval_s: float = 0.5,
         job: str | None = None,
         instance: str | None = None,
+        ca_file: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         """`instance`: what this process runs in, once (its pod's UID on Kubernetes): the
-        supervisor assigns worlds to it (`new_world`)."""
+        supervisor assigns worlds to it (`new_world`). An https:// monitor is verified with
+        `ca_file` (else the system's trust store), its certificate checked against
+        `server_name` (else the URL's host); an unusable `ca_file` raises ValueError."""
         if rank < 0 or local_rank < 0:
             raise ValueError("rank and local_rank must be >= 0")
         if report_interval_s <= 0:
@@ -138,12 +148,15 @@ class WorkerClient:
         self.instance = instance or None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http: httpx.Client | None = None
+        self._ssl: ssl.SSLContext | None = None
         if self.monitor_url is not None:
+            self._ssl = ssl_context_for(self.monitor_url, ca_file, server_name)
             self._http = httpx.Client(
                 base_url=self.monitor_url,
                 headers=self._headers,
                 timeout=_REQUEST_TIMEOUT_S,
                 trust_env=False,  # the monitor is local: never go through a proxy
+                verify=self._ssl if self._ssl is not None else True,
             )
         self._lock = threading.Lock()
         self._step: int | None = None
@@ -185,7 +198,8 @@ class WorkerClient:
         cls, env: Mapping[str, str] | None = None, *, report_interval_s: float = 0.5
     ) -> WorkerClient:
         """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN,
-        HOST_MONITOR_JOB, WORKLOAD_ATTEMPT and POD_UID."""
+        HOST_MONITOR_JOB, WORKLOAD_ATTEMPT, POD_UID, HOST_MONITOR_CA_FILE and
+        HOST_MONITOR_SERVER_NAME."""
         env = os.environ if env is None else env
         client = cls(
             int(env.get(ENV_RANK, "0")),
@@ -195,6 +209,8 @@ class WorkerClient:
             report_interval_s=report_interval_s,
             job=env.get(ENV_JOB) or None,
             instance=env.get(ENV_INSTANCE) or None,
+            ca_file=env.get(ENV_CA_FILE) or None,
+            server_name=env.get(ENV_SERVER_NAME) or None,
         )
         attempt = env.get(ENV_ATTEMPT, "")
         client.attempt = attempt if _ATTEMPT_RE.match(attempt) else None
@@ -583,9 +599,12 @@ class WorkerClient:
             return
         url = urllib.parse.urlsplit(self.monitor_url)
         host, port = self._stop_address or (url.hostname or "", url.port or 0)
-        https = url.scheme == "https"
-        connection = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
-            host, port or (443 if https else 80), timeout=_STOPPING_TIMEOUT_S
+        connection = (
+            http.client.HTTPSConnection(
+                host, port or 443, timeout=_STOPPING_TIMEOUT_S, context=self._ssl
+            )
+            if url.scheme == "https"
+            else http.client.HTTPConnection(host, port or 80, timeout=_STOPPING_TIMEOUT_S)
         )
         body = json.dumps(
             {**self._registered, **({"signal": signum} if signum is not None else {})}
@@ -762,6 +781,18 @@ def _error_text(response: httpx.Response) -> str:
         if isinstance(text, str):
             return text[:_MAX_ERROR_CHARS]
     return response.text[:_MAX_ERROR_CHARS]
+
+
+def ssl_context_for(
+    url: str, ca_file: str | None, server_name: str | None
+) -> ssl.SSLContext | None:
+    """How an https:// monitor is verified; None for http://. Never unverified."""
+    if urllib.parse.urlsplit(url).scheme != "https":
+        return None
+    try:
+        return client_context(ca_file, server_name=server_name, ca_name=ENV_CA_FILE)
+    except TLSError as exc:
+        raise ValueError(f"worker client: {exc}") from None
 
 
 def _resolve(url: str | None) -> tuple[str, int] | None:

@@ -136,7 +136,7 @@ class KubeBackend(Backend):
         self._started = False
         token = settings.host_monitor_actuator_token
         headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
-        self._http = httpx.AsyncClient(headers=headers)
+        self._http = httpx.AsyncClient(headers=headers, verify=settings.host_monitor_ssl_context())
         # Bodies of JobSets being recreated (scale), by action key: a copy of what is
         # also kept in the old JobSet's annotation while it is being deleted.
         self._recreating: dict[str, Obj] = {}
@@ -526,7 +526,7 @@ class KubeBackend(Backend):
         if ip is None:
             return None
         host = f"[{ip}]" if ":" in ip else ip
-        return f"http://{host}:{self.settings.host_monitor_port}"
+        return f"{self.settings.host_monitor_scheme}://{host}:{self.settings.host_monitor_port}"
 
     async def _emergency_checkpoint(self, action: ActionRecord) -> dict[str, Any]:
         jobset = self._jobset_name(action)

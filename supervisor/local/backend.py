@@ -50,7 +50,11 @@ class LocalBackend(Backend):
             state = ClusterState.load(run_dir)
         except FileNotFoundError:
             raise ValueError(f"no local cluster in {run_dir} (cluster.json missing)") from None
-        self.cluster = LocalCluster(state, stop_grace_s=settings.local_stop_grace_s)
+        self.cluster = LocalCluster(
+            state,
+            stop_grace_s=settings.local_stop_grace_s,
+            ssl_context=settings.host_monitor_ssl_context(),
+        )
         self.settings = settings
 
     async def close(self) -> None:

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import ssl
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +30,7 @@ import httpx
 
 from supervisor.local.cluster import ClusterError, ClusterState, LocalCluster, NodeInfo
 from supervisor.local.demo import DemoOptions
+from supervisor.tls import TLSError, client_context
 
 TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token
 # What a previous job left in the run directory (see LocalCluster.worker_env).
@@ -58,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
         "--wait-s", type=float, default=120.0, help="How long to wait for the host monitors."
+    )
+    parser.add_argument(
+        "--tls-ca-file",
+        help="CA bundle (PEM) that verifies host monitors at https:// URLs (the supervisor's "
+        "tls_ca_file). Default: the system's trust store.",
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        help="Name their certificates are checked against instead of the URL's host (the "
+        "supervisor's tls_host_monitor_server_name).",
     )
     return parser
 
@@ -96,10 +108,13 @@ def build_state(args: argparse.Namespace, nodes: dict[str, str], token: str) -> 
     )
 
 
-async def wait_for_nodes(state: ClusterState, wait_s: float) -> None:
+async def wait_for_nodes(
+    state: ClusterState, wait_s: float, ssl_context: ssl.SSLContext | None = None
+) -> None:
     deadline = time.monotonic() + wait_s
     headers = {"Authorization": f"Bearer {state.actuator_token}"}
-    async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
+    verify = ssl_context if ssl_context is not None else client_context()
+    async with httpx.AsyncClient(timeout=2.0, headers=headers, verify=verify) as http:
         for name, info in state.nodes.items():
             while True:
                 try:
@@ -114,8 +129,10 @@ async def wait_for_nodes(state: ClusterState, wait_s: float) -> None:
                 await asyncio.sleep(0.5)
 
 
-async def bootstrap(state: ClusterState) -> dict[str, object]:
-    cluster = LocalCluster(state)
+async def bootstrap(
+    state: ClusterState, ssl_context: ssl.SSLContext | None = None
+) -> dict[str, object]:
+    cluster = LocalCluster(state, ssl_context=ssl_context)
     try:
         # Workers of a previous run: stopped, and their nodes made spares again.
         nodes = list(state.nodes)
@@ -144,10 +161,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bootstrap: {TOKEN_ENV} is not set (the host monitors' actuator token)")
     try:
         state = build_state(args, parse_nodes(args.node), token)
+        tls = client_context(
+            args.tls_ca_file, server_name=args.tls_server_name, ca_name="--tls-ca-file"
+        )
         args.run_dir.mkdir(parents=True, exist_ok=True)
-        asyncio.run(wait_for_nodes(state, args.wait_s))
-        started = asyncio.run(bootstrap(state))
-    except (ValueError, RuntimeError, OSError, httpx.HTTPError, ClusterError) as exc:
+        asyncio.run(wait_for_nodes(state, args.wait_s, tls))
+        started = asyncio.run(bootstrap(state, tls))
+    except (ValueError, RuntimeError, OSError, httpx.HTTPError, ClusterError, TLSError) as exc:
         raise SystemExit(f"bootstrap: {exc}") from None
     assert state.job is not None
     print(

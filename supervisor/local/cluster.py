@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
+
+from supervisor.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +127,21 @@ class LocalCluster:
     """Operations on the cluster through the host monitors' HTTP API."""
 
     def __init__(
-        self, state: ClusterState, *, stop_grace_s: float = 5.0, request_timeout_s: float = 10.0
+        self,
+        state: ClusterState,
+        *,
+        stop_grace_s: float = 5.0,
+        request_timeout_s: float = 10.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """`ssl_context`: how host monitors at https:// addresses are verified (default:
+        the system's trust store)."""
         self.state = state
         self.stop_grace_s = stop_grace_s
         self._http = httpx.AsyncClient(
             timeout=request_timeout_s,
             headers={"Authorization": f"Bearer {state.actuator_token}"},
+            verify=ssl_context if ssl_context is not None else client_context(),
         )
         self._lock = asyncio.Lock()
 

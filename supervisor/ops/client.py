@@ -14,6 +14,7 @@ from urllib.parse import quote
 import httpx
 
 from supervisor.ops.errors import CliError, ExitCode
+from supervisor.tls import TLSError, client_context
 
 API_PREFIX = "/api/v1"
 #: The most items one page of events or actions holds (the API's bound on `limit`).
@@ -44,18 +45,30 @@ class Client:
         *,
         timeout_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        ca_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
+        """`ca_file`: the CA bundle (PEM) that verifies an https:// server; None: the
+        system's trust store. `tls_server_name`: the name its certificate is checked
+        against; None: the URL's host."""
         self.server = server.rstrip("/")
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._timeout_s = timeout_s
+        try:
+            verify = client_context(
+                ca_file, server_name=tls_server_name, ca_name="certificate-authority"
+            )
+        except TLSError as exc:
+            raise CliError(str(exc), ExitCode.USAGE) from None
         self._http = httpx.Client(
             base_url=self.server,
             headers=headers,
             timeout=timeout_s,
             transport=transport,
             follow_redirects=True,
+            verify=verify,
         )
 
     def __enter__(self) -> Client:
@@ -145,7 +158,14 @@ class Client:
                 ExitCode.UNAVAILABLE,
             ) from None
         except httpx.HTTPError as exc:
-            raise CliError(f"cannot reach {self.server}: {exc}", ExitCode.UNAVAILABLE) from None
+            hint = ""
+            if "mismatch, certificate is not valid" in str(exc):
+                hint = " (the name its certificate holds: --tls-server-name)"
+            elif "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                hint = " (the CA that issued its certificate: --certificate-authority)"
+            raise CliError(
+                f"cannot reach {self.server}: {exc}{hint}", ExitCode.UNAVAILABLE
+            ) from None
 
 
 def raise_for_status(response: httpx.Response) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from supervisor.ops import output
 from supervisor.ops.client import Client, StreamMessage, api_path
 from supervisor.ops.config import (
+    CA_ENV,
     CONFIG_ENV,
     SERVER_ENV,
     TOKEN_ENV,
@@ -53,6 +54,18 @@ def connection_options(
     where.add_argument("--token", help=f"Operator token (env {TOKEN_ENV}; else the context's).")
     where.add_argument("--context", help="Context of the config file to use (default: current).")
     where.add_argument(
+        "--certificate-authority",
+        metavar="FILE",
+        help=f"CA bundle (PEM) that verifies an https:// server (env {CA_ENV}; else the "
+        "context's; else the system's trust store).",
+    )
+    where.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="Name the server's certificate is checked against instead of the URL's host "
+        "(e.g. the Service's, through a port-forward; else the context's).",
+    )
+    where.add_argument(
         "--config",
         dest="cli_config",
         metavar="FILE",
@@ -74,9 +87,20 @@ def connection_options(
 @contextmanager
 def connect(args: argparse.Namespace) -> Iterator[Client]:
     connection = resolve(
-        server=args.server, token=args.token, context=args.context, config=args.cli_config
+        server=args.server,
+        token=args.token,
+        context=args.context,
+        config=args.cli_config,
+        ca_file=args.certificate_authority,
+        tls_server_name=args.tls_server_name,
     )
-    with Client(connection.server, connection.token, timeout_s=args.timeout) as client:
+    with Client(
+        connection.server,
+        connection.token,
+        timeout_s=args.timeout,
+        ca_file=connection.ca_file,
+        tls_server_name=connection.tls_server_name,
+    ) as client:
         yield client
 
 
@@ -292,6 +316,16 @@ def _add_config(sub: Any) -> None:
     token = put.add_mutually_exclusive_group()
     token.add_argument("--token", help="Operator token, stored in the file.")
     token.add_argument("--token-file", help="File holding the operator token.")
+    put.add_argument(
+        "--certificate-authority",
+        metavar="FILE",
+        help="CA bundle (PEM) that verifies the server (https://); its path is stored.",
+    )
+    put.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="Name the server's certificate is checked against instead of the URL's host.",
+    )
     put.set_defaults(config_handler=_set_context)
 
 
@@ -647,7 +681,12 @@ def _set_context(args: argparse.Namespace) -> None:
     token, token_file = (old.token, old.token_file) if old else (None, None)
     if args.token is not None or args.token_file is not None:
         token, token_file = args.token, args.token_file
-    file.put(Context(args.name, check_server(server), token, token_file))
+    ca = old.certificate_authority if old else None
+    if args.certificate_authority is not None:
+        # Absolute: a relative path in the file is read relative to the file.
+        ca = os.path.abspath(os.path.expanduser(args.certificate_authority))
+    server_name = args.tls_server_name or (old.tls_server_name if old else None)
+    file.put(Context(args.name, check_server(server), token, token_file, ca, server_name))
     if file.current_context is None:
         file.current_context = args.name
     file.save()

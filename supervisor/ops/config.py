@@ -8,12 +8,17 @@ a kubeconfig::
     - name: prod
       server: https://supervisor.example.com
       token-file: ~/.secrets/supervisor-operator-token
+      certificate-authority: ~/.secrets/supervisor-ca.crt
+      tls-server-name: resiliency-supervisor.training.svc  # through a port-forward
     - name: local
       server: http://127.0.0.1:8080
       token: ...
 
 A context's token is only ever sent to that context's server: a `--server` or
-`SUPERVISOR_URL` pointing elsewhere does not pick it up.
+`SUPERVISOR_URL` pointing elsewhere does not pick it up (nor its certificate-authority,
+the CA bundle that verifies an https:// server, default the system's trust store, nor its
+tls-server-name, the name the server's certificate is checked against instead of the
+URL's host).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ CONFIG_ENV = "SUPERVISOR_CONFIG"
 SERVER_ENV = "SUPERVISOR_URL"
 #: The variable `supervisor serve` reads its operator token from: one shell can run both.
 TOKEN_ENV = "SUPERVISOR_OPERATOR_TOKEN"
+#: The CA bundle (PEM) that verifies an https:// server.
+CA_ENV = "SUPERVISOR_CA_FILE"
 
 
 def default_config_path() -> Path:
@@ -61,6 +68,14 @@ class Context:
     server: str
     token: str | None = None
     token_file: str | None = None
+    certificate_authority: str | None = None
+    tls_server_name: str | None = None
+
+    def ca_path(self, config_dir: Path) -> str | None:
+        """certificate-authority, relative to the config file as kubeconfig paths are."""
+        if self.certificate_authority is None:
+            return None
+        return str(config_dir / Path(self.certificate_authority).expanduser())
 
     def read_token(self, config_dir: Path) -> str | None:
         if self.token is not None:
@@ -82,6 +97,10 @@ class Context:
             out["token"] = self.token
         if self.token_file is not None:
             out["token-file"] = self.token_file
+        if self.certificate_authority is not None:
+            out["certificate-authority"] = self.certificate_authority
+        if self.tls_server_name is not None:
+            out["tls-server-name"] = self.tls_server_name
         return out
 
 
@@ -172,17 +191,33 @@ def _context(entry: Any, path: Path, index: int) -> Context:
     token_file = _optional_str(entry.get("token-file"), path, f"context {name!r}: token-file")
     if token is not None and token_file is not None:
         raise _usage(f"{path}: context {name!r}: give token or token-file, not both")
-    return Context(name, server, token, token_file)
+    ca = _optional_str(
+        entry.get("certificate-authority"), path, f"context {name!r}: certificate-authority"
+    )
+    server_name = _optional_str(
+        entry.get("tls-server-name"), path, f"context {name!r}: tls-server-name"
+    )
+    return Context(name, server, token, token_file, ca, server_name)
 
 
 @dataclass(frozen=True, slots=True)
 class Connection:
     server: str
     token: str | None
+    #: The CA bundle that verifies an https:// server; None: the system's trust store.
+    ca_file: str | None = None
+    #: The name its certificate is checked against; None: the URL's host.
+    tls_server_name: str | None = None
 
 
 def resolve(
-    *, server: str | None, token: str | None, context: str | None, config: str | None
+    *,
+    server: str | None,
+    token: str | None,
+    context: str | None,
+    config: str | None,
+    ca_file: str | None = None,
+    tls_server_name: str | None = None,
 ) -> Connection:
     """Flags over environment over the context (`--context`, else current-context).
 
@@ -191,8 +226,9 @@ def resolve(
     """
     server = server or os.environ.get(SERVER_ENV) or None
     token = token or os.environ.get(TOKEN_ENV) or None
+    ca_file = ca_file or os.environ.get(CA_ENV) or None
     if server is not None and token is not None and context is None:
-        return Connection(check_server(server), token)
+        return Connection(check_server(server), token, ca_file, tls_server_name)
     path, named = config_path(config)
     file = ConfigFile.load(path, must_exist=named or context is not None)
     chosen: Context | None = None
@@ -211,6 +247,11 @@ def resolve(
             )
         server = chosen.server
     server = check_server(server)
-    if token is None and chosen is not None and chosen.server.rstrip("/") == server:
-        token = chosen.read_token(path.parent)
-    return Connection(server, token)
+    if chosen is not None and chosen.server.rstrip("/") == server:
+        if token is None:
+            token = chosen.read_token(path.parent)
+        if ca_file is None:
+            ca_file = chosen.ca_path(path.parent)
+        if tls_server_name is None:
+            tls_server_name = chosen.tls_server_name
+    return Connection(server, token, ca_file, tls_server_name)

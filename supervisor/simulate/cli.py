@@ -10,13 +10,11 @@ from typing import Any
 
 import yaml
 
-from supervisor.config import load_settings
-from supervisor.controller.loader import PolicyLoadError
-from supervisor.simulate.cluster import SimulatedCluster
-from supervisor.simulate.faults import TraceError, faults_from_events, write_trace
-from supervisor.simulate.report import as_html, as_json, as_table, scenario_summary
-from supervisor.simulate.runner import run_variant, scenario_faults
+from supervisor.simulate.faults import TraceError
 from supervisor.simulate.scenario import ScenarioError, load_scenario
+
+# The runner and what it runs (the whole supervisor) are imported by `run`: the other
+# subcommands of `supervisor` start without them.
 
 COMMANDS = ("simulate", "export-trace")
 
@@ -67,6 +65,11 @@ def _variants(values: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from supervisor.controller.loader import PolicyLoadError
+    from supervisor.simulate.cluster import SimulatedCluster
+    from supervisor.simulate.report import as_html, as_json, as_table, scenario_summary
+    from supervisor.simulate.runner import run_variant, scenario_faults
+
     try:
         if args.command == "export-trace":
             return _export(args)
@@ -100,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from supervisor.config import load_settings
+    from supervisor.simulate.faults import faults_from_events, write_trace
     from supervisor.store import EventFilter, open_store
 
     settings = load_settings(args.config)

@@ -16,6 +16,14 @@ from typing import Any
 
 import httpx
 
+from training.worker_client import (
+    ENV_CA_FILE,
+    ENV_MONITOR_URL,
+    ENV_SERVER_NAME,
+    ENV_TOKEN,
+    ssl_context_for,
+)
+
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 5.0
@@ -23,27 +31,42 @@ _TIMEOUT_S = 5.0
 
 class PeerTier:
     def __init__(
-        self, monitor_url: str | None, token: str | None, rank: int, *, fetch_timeout_s: float
+        self,
+        monitor_url: str | None,
+        token: str | None,
+        rank: int,
+        *,
+        fetch_timeout_s: float,
+        ca_file: str | None = None,
+        server_name: str | None = None,
     ) -> None:
+        """An https:// monitor is verified as the worker client does (`ca_file`, else the
+        system's trust store; `server_name`, else the URL's host)."""
         self.rank = rank
         self.fetch_timeout_s = fetch_timeout_s
         self._http: httpx.Client | None = None
         self._warned: set[str] = set()
         if monitor_url:
+            ssl_context = ssl_context_for(monitor_url, ca_file, server_name)
             self._http = httpx.Client(
                 base_url=monitor_url.rstrip("/"),
                 headers={"Authorization": f"Bearer {token}"} if token else {},
                 timeout=_TIMEOUT_S,
                 trust_env=False,
+                verify=ssl_context if ssl_context is not None else True,
             )
 
     @classmethod
     def from_env(cls, rank: int, *, fetch_timeout_s: float = 300.0) -> PeerTier:
+        """The worker client's variables: HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN,
+        HOST_MONITOR_CA_FILE and HOST_MONITOR_SERVER_NAME."""
         return cls(
-            os.environ.get("HOST_MONITOR_URL") or None,
-            os.environ.get("HOST_MONITOR_WORKER_TOKEN") or None,
+            os.environ.get(ENV_MONITOR_URL) or None,
+            os.environ.get(ENV_TOKEN) or None,
             rank,
             fetch_timeout_s=fetch_timeout_s,
+            ca_file=os.environ.get(ENV_CA_FILE) or None,
+            server_name=os.environ.get(ENV_SERVER_NAME) or None,
         )
 
     @property

@@ -66,6 +66,28 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-host-monitor" (include "rs.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* TLS: the Secrets, where they are mounted, and the names the certificates must hold. */}}
+{{- define "rs.tlsSecret" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "rs.fullname" .)) -}}
+{{- end -}}
+
+{{- define "rs.hostMonitorTlsSecret" -}}
+{{- .Values.tls.hostMonitorExistingSecret | default .Values.tls.existingSecret | default (printf "%s-tls" (include "rs.hostMonitorService" .)) -}}
+{{- end -}}
+
+{{- define "rs.scheme" -}}{{ ternary "https" "http" .Values.tls.enabled }}{{- end -}}
+{{- define "rs.tlsDir" -}}/etc/resiliency-supervisor/tls{{- end -}}
+
+{{/* The DNS name of the supervisor's Service, and of the host monitors' (which their
+certificate is checked against, whatever address they are reached at). */}}
+{{- define "rs.serviceName" -}}
+{{- printf "%s.%s.svc" (include "rs.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "rs.hostMonitorServiceName" -}}
+{{- printf "%s.%s.svc" (include "rs.hostMonitorService" .) .Release.Namespace -}}
+{{- end -}}
+
 {{/* Where the supervisor reads its settings and its policy. */}}
 {{- define "rs.configDir" -}}/etc/resiliency-supervisor{{- end -}}
 {{- define "rs.policyDir" -}}/etc/resiliency-supervisor/policy{{- end -}}
@@ -99,5 +121,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- else if not (or .Values.database.url .Values.database.existingSecret) -}}
 {{- fail "database.type postgresql needs database.url or database.existingSecret" -}}
+{{- end -}}
+{{- $t := .Values.tls -}}
+{{- if and $t.enabled (not $t.existingSecret) (not $t.certManager.issuerRef.name) -}}
+{{- fail "tls.enabled needs tls.existingSecret or tls.certManager.issuerRef.name (cert-manager)" -}}
 {{- end -}}
 {{- end -}}
