@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from host_monitor.wire import Name
-from supervisor.domain import NodeState, WorkerState
+from resiliency_protocol.states import NodeState, WorkerState
 
 # --- worker -> host monitor -------------------------------------------------------------
 

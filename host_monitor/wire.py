@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import StringConstraints
 
-from supervisor.domain import NAME_PATTERN
+from resiliency_protocol.states import NAME_PATTERN
 from supervisor.sensor.heartbeat import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 
 #: The supervisor's rule for node and job names, for the agent's pydantic settings.

@@ -8,35 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-#: Node and job names: what Kubernetes allows in a name, plus underscores.
-NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$"
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-class NodeState(StrEnum):
-    """What a host monitor says its node is doing (the host states of Google's supervisor)."""
-
-    UNDEFINED = "undefined"
-    RUNNING = "running"
-    SPARE = "spare"
-    FAILED = "failed"
-    COMPLETE = "complete"
-
-
-class WorkerState(StrEnum):
-    STARTING = "starting"
-    RUNNING = "running"
-    EXITED = "exited"
-    # The host monitor stopped hearing from the worker although its process may live.
-    LOST = "lost"
-    STOPPED = "stopped"
+# What crosses to the host monitors and the training side lives in the neutral package;
+# the names stay importable from here for the rest of the supervisor and the policies.
+from resiliency_protocol.states import NAME_PATTERN as NAME_PATTERN
+from resiliency_protocol.states import NodeState as NodeState
+from resiliency_protocol.states import WorkerState as WorkerState
+from resiliency_protocol.states import utcnow as utcnow
 
 
 class EventType(StrEnum):
