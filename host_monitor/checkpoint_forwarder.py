@@ -35,8 +35,8 @@ import httpx
 
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.protocol import CheckpointReport
+from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import utcnow
-from supervisor.api.errors import error_message
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import msgspec
 
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
+from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import NodeState
-from supervisor.api.errors import error_message
 
 log = logging.getLogger(__name__)
 

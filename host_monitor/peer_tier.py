@@ -62,8 +62,8 @@ from host_monitor.peer_store import (
     write_all,
 )
 from host_monitor.protocol import CheckpointPeer
+from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import utcnow
-from supervisor.api.errors import error_message
 
 log = logging.getLogger(__name__)
 
