@@ -19,6 +19,7 @@ COPY supervisor ./supervisor
 COPY host_monitor ./host_monitor
 COPY policies ./policies
 COPY training ./training
+COPY resiliency_protocol ./resiliency_protocol
 # A regular (not editable) install: the runtime stage gets /opt/venv and no source tree.
 # Byte-code is compiled here because the root filesystem is read-only at run time. The
 # `demo` extra (NumPy) is for the demo workload the compose stack and the example JobSet

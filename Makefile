@@ -34,6 +34,7 @@ lint: $(DEPLOY_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never its
 # own browser download): installed here when missing, nothing to do when present.
@@ -54,4 +55,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from bench.loops import run as run_loop
 from bench.payload import heartbeat_json
+from resiliency_protocol.heartbeat import decode_heartbeat
 from supervisor.config import Settings
 from supervisor.sensor import Sensor
-from supervisor.sensor.heartbeat import decode_heartbeat
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,9 @@ import httpx
 
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.protocol import CheckpointReport
-from supervisor.api.errors import error_message
-from supervisor.domain import utcnow
-from supervisor.tls import client_context
+from resiliency_protocol.errors import error_message
+from resiliency_protocol.states import utcnow
+from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import logging
 import sys
 
 from host_monitor.config import ConfigError, HostMonitorSettings, load_settings
-from supervisor.tls import TLSError
+from resiliency_protocol.tls import TLSError
 
 PROG = "host-monitor"
 # Short aliases for the flags people type most.

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from host_monitor.credentials import BearerCredential
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
-from supervisor.tls import client_context, server_context
+from resiliency_protocol.tls import client_context, server_context
 
 DEV_KMSG = "/dev/kmsg"
 # `kernel_log` values that turn the XID watchdog off explicitly.

@@ -28,9 +28,9 @@ import msgspec
 
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
-from supervisor.api.errors import error_message
-from supervisor.domain import NodeState
-from supervisor.tls import client_context
+from resiliency_protocol.errors import error_message
+from resiliency_protocol.states import NodeState
+from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from host_monitor.protocol import (
 from host_monitor.standby import Standbys
 from host_monitor.wire import Name, WorkerReport
 from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
-from supervisor.domain import NodeState, utcnow
+from resiliency_protocol.states import NodeState, utcnow
 
 log = logging.getLogger(__name__)
 

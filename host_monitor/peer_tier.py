@@ -63,9 +63,9 @@ from host_monitor.peer_store import (
     write_all,
 )
 from host_monitor.protocol import CheckpointPeer
-from supervisor.api.errors import error_message
-from supervisor.domain import utcnow
-from supervisor.tls import client_context
+from resiliency_protocol.errors import error_message
+from resiliency_protocol.states import utcnow
+from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
 

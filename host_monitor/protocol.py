@@ -3,6 +3,10 @@
 Workers on the node call the `/v1/workers/...` routes with the node's worker token
 (env `HOST_MONITOR_WORKER_TOKEN`). The supervisor's actuator calls the other routes with
 the actuator token. Both are bearer tokens.
+
+The emergency checkpoint's bodies (`EmergencyAck`, `EmergencyCheckpointRequest`,
+`EmergencyCheckpointResult`) are the actuator's as well: they live in
+resiliency_protocol.emergency, beside the client that sends the request.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from host_monitor.wire import Name
-from supervisor.domain import NodeState, WorkerState
+from resiliency_protocol.emergency import EmergencyAck as EmergencyAck
+from resiliency_protocol.emergency import EmergencyCheckpointRequest as EmergencyCheckpointRequest
+from resiliency_protocol.emergency import EmergencyCheckpointResult as EmergencyCheckpointResult
+from resiliency_protocol.states import NodeState, WorkerState
 
 # --- worker -> host monitor -------------------------------------------------------------
 
@@ -129,36 +136,7 @@ class CheckpointReport(BaseModel):
     )
 
 
-class EmergencyAck(BaseModel):
-    """POST /v1/workers/{rank}/emergency-ack: the worker saved (or could not save)."""
-
-    model_config = ConfigDict(extra="forbid")
-    request_id: str = Field(min_length=1, max_length=200)
-    ok: bool
-    step: int | None = Field(None, ge=0)
-    duration_s: float | None = Field(None, ge=0)
-    error: str | None = Field(None, max_length=2000)
-
-
 # --- actuator -> host monitor -----------------------------------------------------------
-
-
-class EmergencyCheckpointRequest(BaseModel):
-    """POST /v1/emergency-checkpoint: signal the workers (SIGUSR1), wait for their acks.
-
-    Idempotent by `request_id`: asking again waits for (or returns) the same round.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    request_id: str = Field(min_length=1, max_length=200)
-    timeout_s: float = Field(gt=0, le=3600)
-
-
-class EmergencyCheckpointResult(BaseModel):
-    request_id: str
-    acked: dict[int, EmergencyAck] = Field(description="By rank.")
-    missing: list[int] = Field(description="Ranks that did not answer in time.")
-    elapsed_s: float
 
 
 class WorkerSpec(BaseModel):

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from host_monitor.emergency import UnknownRound
+from host_monitor.errors import http_error, validation_error
 from host_monitor.faults import NODE_DOWN_EXIT_CODE, FaultActor, FaultOutcome
 from host_monitor.node import InvalidRequest, Node
 from host_monitor.peer_routes import peer_router
@@ -51,7 +52,6 @@ from host_monitor.protocol import (
     WorldAssignment,
 )
 from host_monitor.workers import WorkerConflict, WorkerNotFound
-from supervisor.api.errors import http_error, validation_error
 
 Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
 

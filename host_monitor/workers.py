@@ -28,7 +28,7 @@ from pathlib import Path
 
 from host_monitor import pidns
 from host_monitor.protocol import WorkerRegistration, WorkerStatus, WorkerStopping
-from supervisor.domain import WorkerState
+from resiliency_protocol.states import WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from resiliency_protocol.tls import TLSError, server_context
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.goodput import cli as goodput_cli
 from supervisor.identity.node_keys import node_credential
 from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
 from supervisor.ops import commands as ops_commands
 from supervisor.simulate import cli as simulate_cli
-from supervisor.tls import TLSError, server_context
 
 if TYPE_CHECKING:
     # The server side is imported where it runs: the operator commands start in a

@@ -21,8 +21,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from resiliency_protocol.tls import client_context
 from supervisor.notifications.settings import Routes
-from supervisor.tls import client_context
 from supervisor.xid import XidResponse
 
 CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"

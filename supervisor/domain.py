@@ -6,60 +6,20 @@ it freely.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-#: Node and job names: what Kubernetes allows in a name, plus underscores.
-NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$"
-
-
-#: Unix time as the supervisor reads it: the real clock, except inside `wall_clock`
-#: (the simulator runs the same code on a virtual clock).
-_wall_time: Callable[[], float] = time.time
-
-
-def wall_time() -> float:
-    """Unix time now (seconds)."""
-    return _wall_time()
-
-
-def utcnow() -> datetime:
-    return datetime.fromtimestamp(_wall_time(), UTC)
-
-
-@contextmanager
-def wall_clock(read: Callable[[], float]) -> Iterator[None]:
-    """Read Unix time from `read` instead of the real clock, within the block."""
-    global _wall_time
-    saved, _wall_time = _wall_time, read
-    try:
-        yield
-    finally:
-        _wall_time = saved
-
-
-class NodeState(StrEnum):
-    """What a host monitor says its node is doing (the host states of Google's supervisor)."""
-
-    UNDEFINED = "undefined"
-    RUNNING = "running"
-    SPARE = "spare"
-    FAILED = "failed"
-    COMPLETE = "complete"
-
-
-class WorkerState(StrEnum):
-    STARTING = "starting"
-    RUNNING = "running"
-    EXITED = "exited"
-    # The host monitor stopped hearing from the worker although its process may live.
-    LOST = "lost"
-    STOPPED = "stopped"
+# What crosses to the host monitors and the training side lives in the neutral package;
+# the names stay importable from here for the rest of the supervisor and the policies.
+from resiliency_protocol.states import NAME_PATTERN as NAME_PATTERN
+from resiliency_protocol.states import NodeState as NodeState
+from resiliency_protocol.states import WorkerState as WorkerState
+from resiliency_protocol.states import utcnow as utcnow
+from resiliency_protocol.states import wall_clock as wall_clock
+from resiliency_protocol.states import wall_time as wall_time
 
 
 class EventType(StrEnum):

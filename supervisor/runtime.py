@@ -256,6 +256,27 @@ class Supervisor:
         if self._store is not None:
             self._store.close()
 
+    # --- leadership (supervisor.kube.leader.LeaderRuntime) ------------------------------
+
+    def set_fence(self, fence: Fence) -> None:
+        """Before `start`: the actuator and the backend check `fence` before acting."""
+        self.fence = fence
+
+    def stand_by(self, identity: str, leader: str | None, detail: str) -> None:
+        """What /readyz answers while this replica waits for the Lease."""
+        self.readiness = {
+            "status": "standby",
+            "identity": identity,
+            "leader": leader,
+            "detail": detail,
+        }
+
+    def step_down(self, reason: str) -> None:
+        """This replica lost the Lease: not ready, not acting, from now on."""
+        self.ready = False
+        self.metrics.acting.set(0)
+        self.readiness = {"status": "lost leadership", "detail": reason}
+
     async def settle(self) -> None:
         """Wait until recorded changes are persisted and their handling is done."""
         await self._pending.join()

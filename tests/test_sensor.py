@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from resiliency_protocol.heartbeat import HeartbeatError, decode_heartbeat
 from supervisor.config import Settings
 from supervisor.domain import (
     Event,
@@ -22,7 +23,6 @@ from supervisor.domain import (
     WorkerView,
 )
 from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor, WorkerReport
-from supervisor.sensor.heartbeat import HeartbeatError, decode_heartbeat
 from supervisor.sensor.sensor import RankClaimed
 
 E = EventType

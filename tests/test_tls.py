@@ -29,13 +29,13 @@ import yaml
 
 from host_monitor.config import ConfigError as HostMonitorConfigError
 from host_monitor.config import load_settings as load_host_monitor_settings
+from resiliency_protocol.tls import client_context
 from supervisor.actuator.backend import ActionError
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.domain import ActionType
 from supervisor.local.backend import LocalBackend
 from supervisor.local.cluster import ClusterState, NodeInfo, free_port
 from supervisor.ops.errors import ExitCode
-from supervisor.tls import client_context
 from tests.conftest import SettingsFactory
 from tests.kube import FakeKube
 from tests.kube.harness import Hooks, action, kube_settings, setup_cluster, started
@@ -672,10 +672,3 @@ def test_unusable_tls_files_stop_start_up_with_one_line(pki: Pki, tmp_path: Path
     done = _run([*monitor, "--tls-key-file", str(pki.monitor_key)], {})
     assert done.returncode == 2, done.stderr
     assert "tls_key_file is set without tls_cert_file" in done.stderr
-
-
-def test_the_training_sides_copy_of_the_tls_module_is_the_same() -> None:
-    """training/ imports nothing of the supervisor: it keeps its own copy, kept equal."""
-    assert (ROOT / "training" / "tls.py").read_bytes() == (
-        ROOT / "supervisor" / "tls.py"
-    ).read_bytes()

@@ -65,8 +65,8 @@ from typing import Any, Literal
 
 import httpx
 
+from resiliency_protocol.tls import TLSError, client_context
 from training.process_identity import self_identity
-from training.tls import TLSError, client_context
 
 __all__ = ["CheckpointTier", "WorkerClient"]
 

@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from resiliency_protocol.errors import ErrorOut
+from resiliency_protocol.heartbeat import heartbeat_json_schema
 from supervisor.api.routes.heartbeats import MAX_BODY, openapi_operation
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
-from supervisor.api.schemas import ErrorOut
-from supervisor.sensor.heartbeat import heartbeat_json_schema
 
 #: Bodies the API takes, at most: the heartbeat's limit, for every route.
 MAX_BODY_BYTES = MAX_BODY

@@ -405,13 +405,3 @@ class FaultOut(BaseModel):
             events=events or [],
             actions=actions or [],
         )
-
-
-class ErrorOut(BaseModel):
-    """Every error answer of the API (4xx and 5xx alike)."""
-
-    message: str = Field(description="One line; names the offending field where there is one.")
-    detail: Any = Field(
-        description="As FastAPI gives it: a string, or for a 422 of validation the list of "
-        "errors with `loc`, `msg` and `type`."
-    )

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 from kubernetes import client
 
+from resiliency_protocol.emergency import emergency_checkpoint
 from supervisor.actuator.backend import ActionError, Backend, BackendHooks, ClusterNode
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType, JobView
@@ -536,55 +537,32 @@ class KubeBackend(Backend):
             raise ActionError(f"no running pod of {jobset} outside {sorted(exclude)}")
         # Leave some of the actuator's time for the answers to come back.
         budget = max(0.5, self.settings.emergency_checkpoint_timeout_s * 0.9)
-        body = {"request_id": action.idempotency_key, "timeout_s": budget}
-
-        async def ask(node: str) -> dict[str, Any]:
-            url = self._host_monitor_url(node)
-            if url is None:
-                raise ActionError(f"no address for the host monitor of {node}")
-            self.calls.fence()
-            response = await self._http.post(
-                f"{url}/v1/emergency-checkpoint", json=body, timeout=budget + 2
-            )
-            if response.status_code != 200:
-                raise ActionError(f"HTTP {response.status_code}: {response.text[:200]}")
-            answer: dict[str, Any] = response.json()
-            return answer
-
-        answers = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
-        acked: dict[str, int | None] = {}
-        problems: list[str] = []
-        for node, answer in zip(nodes, answers, strict=True):
-            if isinstance(answer, BaseException):
-                if not isinstance(answer, Exception):
-                    raise answer
-                problems.append(f"{node}: {type(answer).__name__}: {answer}")
-                continue
-            for rank, ack in (answer.get("acked") or {}).items():
-                if ack.get("ok"):
-                    acked[str(rank)] = ack.get("step")
-                else:
-                    problems.append(f"{node}: rank {rank} failed: {ack.get('error')}")
-            if answer.get("missing"):
-                problems.append(f"{node}: no answer from ranks {answer['missing']}")
+        checkpoint = await emergency_checkpoint(
+            self._http,
+            {node: self._host_monitor_url(node) for node in nodes},
+            request_id=action.idempotency_key,
+            timeout_s=budget,
+            http_timeout_s=budget + 2,
+            before_each=lambda: self.calls.fence(),
+        )
         js = self.discovery.jobset(jobset)
-        if problems or not acked:
-            what = f"emergency checkpoint incomplete: {'; '.join(problems) or 'no worker acked'}"
+        if not checkpoint.succeeded:
+            what = f"emergency checkpoint incomplete: {checkpoint.failure}"
             if js is not None:
                 await self._event(
                     js, "JobSet", action, "EmergencyCheckpointFailed", what, warning=True
                 )
             raise ActionError(what)
-        steps = sorted({s for s in acked.values() if s is not None})
+        saved, steps = checkpoint.saved, checkpoint.steps
         if js is not None:
             await self._event(
                 js,
                 "JobSet",
                 action,
                 "EmergencyCheckpoint",
-                f"{len(acked)} workers on {len(nodes)} nodes saved step(s) {steps}",
+                f"{len(saved)} workers on {len(nodes)} nodes saved step(s) {steps}",
             )
-        return {"nodes": nodes, "acked_ranks": sorted(acked, key=int), "steps": steps}
+        return {"nodes": nodes, "acked_ranks": [str(r) for r in sorted(saved)], "steps": steps}
 
     # --- restart in place: evict the pods of one node ---------------------------------------
 

@@ -45,16 +45,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from supervisor.actuator import Fenced
+from supervisor.actuator import Fence, Fenced
 from supervisor.config import Settings
 from supervisor.kube.client import api_client
-from supervisor.runtime import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +67,30 @@ Obj = dict[str, Any]
 
 class LeadershipLost(Exception):
     """This replica no longer holds the Lease; the message says why."""
+
+
+class LeaderRuntime(Protocol):
+    """What leadership needs of the runtime it runs (supervisor.runtime.Supervisor): it
+    starts and stops it, fences its actions, and says what its readiness answers while
+    it waits or once it lost the Lease."""
+
+    def set_fence(self, fence: Fence) -> None:
+        """Before `start`: every action and backend call checks `fence` first."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stand_by(self, identity: str, leader: str | None, detail: str) -> None:
+        """Not ready: this replica (`identity`) waits while `leader` (None: nobody yet)
+        leads."""
+        ...
+
+    def step_down(self, reason: str) -> None:
+        """Lost the Lease: refuse requests and stop counting as the acting replica, at
+        once."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +411,7 @@ def exit_process(reason: str) -> None:
 class Leadership:
     """Runs the supervisor only while this replica holds the Lease.
 
-    A standby serves HTTP but is not ready (`supervisor.readiness` says who leads), so
+    A standby serves HTTP but is not ready (the runtime's readiness says who leads), so
     the Service sends heartbeats and requests to the leader. On winning the Lease the
     runtime starts, which takes back the picture, unfinished actions and unhandled
     events from the database. On losing it, `on_lost` is called: by default the process
@@ -398,7 +421,7 @@ class Leadership:
     def __init__(
         self,
         settings: Settings,
-        supervisor: Supervisor,
+        supervisor: LeaderRuntime,
         *,
         api: client.ApiClient | None = None,
         on_lost: OnLost = exit_process,
@@ -408,7 +431,7 @@ class Leadership:
             client.CoordinationV1Api(self._api), ElectionConfig.from_settings(settings)
         )
         self.supervisor = supervisor
-        supervisor.fence = self.fence
+        supervisor.set_fence(self.fence)
         #: Why this replica lost the Lease, once it has.
         self.lost: str | None = None
         self._on_lost = on_lost
@@ -459,9 +482,7 @@ class Leadership:
         if self.lost is not None:
             return  # told once
         self.lost = reason
-        self.supervisor.ready = False  # refuse requests from now on
-        self.supervisor.metrics.acting.set(0)
-        self.supervisor.readiness = {"status": "lost leadership", "detail": reason}
+        self.supervisor.step_down(reason)  # refuse requests from now on
         self._on_lost(reason)
 
     def _show_standby(self) -> None:
@@ -470,13 +491,12 @@ class Leadership:
             return
         self._shown = (me, leader)
         who = f"the leader is {leader}" if leader else "no leader yet (an election is on)"
-        self.supervisor.readiness = {
-            "status": "standby",
-            "identity": me,
-            "leader": leader,
-            "detail": f"this replica ({me}) is a standby; {who}. Only the leader serves the "
+        self.supervisor.stand_by(
+            me,
+            leader,
+            f"this replica ({me}) is a standby; {who}. Only the leader serves the "
             "API: send requests to the Service, which routes to the ready replica",
-        }
+        )
         log.info("standby: %s", who)
 
     async def stop(self) -> None:

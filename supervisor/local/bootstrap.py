@@ -28,9 +28,9 @@ from pathlib import Path
 
 import httpx
 
+from resiliency_protocol.tls import TLSError, client_context
 from supervisor.local.cluster import ClusterError, ClusterState, LocalCluster, NodeInfo
 from supervisor.local.demo import DemoOptions
-from supervisor.tls import TLSError, client_context
 
 TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token
 # What a previous job left in the run directory (see LocalCluster.worker_env).

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
-from supervisor.tls import client_context
+from resiliency_protocol.emergency import emergency_checkpoint
+from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -417,31 +418,21 @@ class LocalCluster:
     ) -> dict[str, Any]:
         job = self.job(job_name)
         nodes = [n for n in dict.fromkeys(job.placement) if n not in set(exclude)]
-        body = {"request_id": key, "timeout_s": timeout_s}
-        results = await self._each(
-            "/v1/emergency-checkpoint", {n: body for n in nodes}, timeout=timeout_s + 5
+        hosts = {n: info.address if (info := self.state.nodes.get(n)) else None for n in nodes}
+        checkpoint = await emergency_checkpoint(
+            self._http, hosts, request_id=key, timeout_s=timeout_s, http_timeout_s=timeout_s + 5
         )
-        acked: dict[int, int | None] = {}
-        missing: list[str] = []
-        for node, result in results.items():
-            if isinstance(result, Exception):
-                missing.append(node)
-                continue
-            for rank, ack in result.get("acked", {}).items():
-                if ack.get("ok"):
-                    acked[int(rank)] = ack.get("step")
-            if result.get("missing"):
-                missing.append(node)
-        # Complete when every shard was saved by at least one replica at one step.
+        if not checkpoint.succeeded:
+            raise ClusterError(f"emergency checkpoint incomplete: {checkpoint.failure}")
+        # The step to resume from: the newest one at which every shard of the model (rank
+        # modulo the nodes of a replica) was saved, by any replica; None if there is none
+        # (success does not look at shards: every node asked may hold the same ones).
         n = job.num_nodes_per_dp
         steps_by_shard: dict[int, set[int | None]] = {}
-        for rank, step in acked.items():
+        for rank, step in checkpoint.saved.items():
             steps_by_shard.setdefault(rank % n, set()).add(step)
         common = set.intersection(*steps_by_shard.values()) if len(steps_by_shard) == n else set()
         saved = max((s for s in common if s is not None), default=None)
-        if saved is None:
-            raise ClusterError(
-                f"no complete emergency checkpoint: acks from ranks {sorted(acked)}, "
-                f"missing nodes {sorted(missing)}"
-            )
-        return {"step": saved, "acked_ranks": sorted(acked), "missing_nodes": sorted(missing)}
+        # `missing_nodes` stays for readers of the result; it is empty, as a node that does
+        # not answer fails the checkpoint.
+        return {"step": saved, "acked_ranks": sorted(checkpoint.saved), "missing_nodes": []}

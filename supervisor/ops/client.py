@@ -13,8 +13,8 @@ from urllib.parse import quote
 
 import httpx
 
+from resiliency_protocol.tls import TLSError, client_context
 from supervisor.ops.errors import CliError, ExitCode
-from supervisor.tls import TLSError, client_context
 
 API_PREFIX = "/api/v1"
 #: The most items one page of events or actions holds (the API's bound on `limit`).

@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from resiliency_protocol.heartbeat import (
+    GpuReport,
+    HostHeartbeat,
+    WorkerReport,
+    check_heartbeat,
+    parse_heartbeat,
+)
 from supervisor.config import Settings
 from supervisor.domain import (
     Event,
@@ -28,13 +35,6 @@ from supervisor.domain import (
 )
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
-from supervisor.sensor.heartbeat import (
-    GpuReport,
-    HostHeartbeat,
-    WorkerReport,
-    check_heartbeat,
-    parse_heartbeat,
-)
 from supervisor.sensor.progress import HangParams, JobProgress
 from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
 from supervisor.xid import HEALTH, classify

@@ -18,10 +18,10 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from resiliency_protocol.heartbeat import HeartbeatError, parse_heartbeat
 from supervisor.identity.authenticator import AgentAuthenticator, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
-from supervisor.sensor.heartbeat import HeartbeatError, parse_heartbeat
 from supervisor.sensor.sensor import UNCHANGED, RankClaimed
 
 PATH = "/api/v1/heartbeats"

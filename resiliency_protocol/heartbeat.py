@@ -1,6 +1,9 @@
 """The heartbeat a host monitor sends: what one node and its workers look like right now.
 
-This is the hottest path of the service (every node, every few seconds), so it is
+The host monitor encodes these types and the supervisor decodes them, so the two cannot
+drift apart; imports nothing from supervisor, host_monitor or training.
+
+Decoding it is the supervisor's hottest path (every node, every few seconds), so it is
 decoded and validated by msgspec straight from the request bytes: about a third of
 pydantic's cost for the same checks. The JSON Schema in /openapi.json is generated from
 these same types. The structs hold no references back to anything, so they are kept out
@@ -28,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from supervisor.domain import NAME_PATTERN, NodeState, WorkerState
+from resiliency_protocol.states import NAME_PATTERN, NodeState, WorkerState
 
 # Node and job names follow NAME_PATTERN. The pattern is checked in `check_heartbeat`
 # rather than by msgspec: a regex match on every heartbeat cost more than the rest of the

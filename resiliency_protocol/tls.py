@@ -5,8 +5,7 @@ is given; verification is never turned off. `server_name` checks the server's ce
 against a fixed name instead of the host dialled: host monitors are reached at an address
 (a pod IP, a node name) but hold a certificate issued for one DNS name (their Service's).
 
-Kept twice, identical (a test compares them): supervisor/tls.py for the supervisor and the
-host monitor, training/tls.py for the training side, which imports neither of them.
+Shared by the supervisor, the host monitor and the training side.
 """
 
 from __future__ import annotations
