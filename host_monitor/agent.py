@@ -216,6 +216,7 @@ class Agent:
             address=address,
             on_delivered=node.delivered,
             ssl_context=self._ssl,
+            mirrors=s.shadow_supervisor_urls,
         )
         node.on_change = sender.trigger
         node.wait_for_delivery = True

@@ -7,12 +7,13 @@ Names match the supervisor's where they mean the same thing (`heartbeat_polling_
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from host_monitor.credentials import BearerCredential
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
@@ -36,6 +37,9 @@ CREDENTIALS = (
 )
 
 
+_URL = re.compile(r"https?://[^\s/]+(/\S*)?")
+
+
 class HostMonitorSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="HOST_MONITOR_",
@@ -50,6 +54,12 @@ class HostMonitorSettings(BaseSettings):
         None,
         pattern=r"^https?://[^\s/]+(/\S*)?$",
         description="Base URL of the supervisor. Unset: no heartbeats (local API only).",
+    )
+    shadow_supervisor_urls: Annotated[list[str], NoDecode] = Field(
+        [],
+        description="Supervisors in dry run that shadow the acting one (comma-separated "
+        "base URLs): each is sent a copy of every heartbeat, best effort, with the same "
+        "credential; one that is down or slow never delays the acting supervisor's.",
     )
     agent_token: SecretStr | None = Field(
         None,
@@ -186,6 +196,21 @@ class HostMonitorSettings(BaseSettings):
         f"launched workers get it as {ENV_WORKER_SERVER_NAME}. Unset: the address.",
     )
 
+    @field_validator("shadow_supervisor_urls", mode="before")
+    @classmethod
+    def _split_shadow_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("shadow_supervisor_urls")
+    @classmethod
+    def _check_shadow_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not _URL.fullmatch(url):
+                raise ValueError(f"{url!r} is not an http(s) base URL")
+        return urls
+
     @model_validator(mode="after")
     def _check_relations(self) -> Self:
         if self.initial_state == "running" and self.job is None:
@@ -195,6 +220,8 @@ class HostMonitorSettings(BaseSettings):
         credentials = [name for name in CREDENTIALS if getattr(self, name) is not None]
         if self.supervisor_url is not None and not credentials:
             raise ValueError(f"one of {', '.join(CREDENTIALS)} is required with supervisor_url")
+        if self.shadow_supervisor_urls and self.supervisor_url is None:
+            raise ValueError("shadow_supervisor_urls needs supervisor_url (they shadow it)")
         if len(credentials) > 1:
             raise ValueError(f"give one credential for the supervisor, not {credentials}")
         if self.node_credential is not None:

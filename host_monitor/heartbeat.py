@@ -20,7 +20,7 @@ import contextlib
 import logging
 import random
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -59,9 +59,11 @@ class HeartbeatSender:
         address: str | None = None,
         on_delivered: Callable[[NodeSnapshot], None] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        mirrors: Sequence[str] = (),
     ) -> None:
         """`ssl_context`: how an https:// supervisor is verified (default: the system's
-        trust store)."""
+        trust store). `mirrors`: base URLs of dry-run supervisors shadowing this one,
+        each sent a copy of every heartbeat (see `HeartbeatMirror`)."""
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
@@ -76,6 +78,7 @@ class HeartbeatSender:
         self.delivered = 0  # heartbeats accepted, for status and tests
         self._failures = 0
         self._last_problem: str | None = None
+        self.mirrors = [HeartbeatMirror(url, self._credential, self._ssl) for url in mirrors]
 
     # --- used by the rest of the agent ----------------------------------------------------
 
@@ -101,12 +104,23 @@ class HeartbeatSender:
         # the next one.
         timeout = httpx.Timeout(min(max(self.period_s, 1.0), 5.0), connect=1.0)
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self._ssl) as client:
-            while not self._silenced:
-                self._wake.clear()
-                ok = await self._send(client)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._delay(ok))
+        mirroring = [
+            asyncio.create_task(m.run(timeout), name=f"heartbeat-mirror:{m.url}")
+            for m in self.mirrors
+        ]
+        try:
+            async with httpx.AsyncClient(
+                timeout=timeout, limits=limits, verify=self._ssl
+            ) as client:
+                while not self._silenced:
+                    self._wake.clear()
+                    ok = await self._send(client)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self._delay(ok))
+        finally:
+            for task in mirroring:
+                task.cancel()
+            await asyncio.gather(*mirroring, return_exceptions=True)
 
     def _delay(self, ok: bool) -> float:
         if ok:
@@ -144,6 +158,8 @@ class HeartbeatSender:
             return False
         sent = len(body.gpu_reports)
         content = msgspec.json.encode(body)
+        for mirror in self.mirrors:
+            mirror.offer(content)
         try:
             headers = {
                 "Authorization": self._credential.header(),
@@ -194,3 +210,59 @@ class HeartbeatSender:
             self._last_problem = problem
         else:
             log.debug("heartbeat to %s failed again (%s)", self.url, problem)
+
+
+class HeartbeatMirror:
+    """Sends copies of the heartbeats to a dry-run supervisor shadowing the acting one.
+
+    Best effort, on its own task and connection: only the newest heartbeat waits (one
+    that was not sent yet is replaced by the next), a failure is logged once per distinct
+    problem and not retried, and nothing here can delay or fail the acting supervisor's
+    heartbeat.
+    """
+
+    def __init__(
+        self, base_url: str, credential: BearerCredential, ssl_context: ssl.SSLContext
+    ) -> None:
+        self.url = base_url.rstrip("/") + "/api/v1/heartbeats"
+        self._credential = credential
+        self._ssl = ssl_context
+        self._latest: bytes | None = None
+        self._ready = asyncio.Event()
+        self.delivered = 0
+        self._last_problem: str | None = None
+
+    def offer(self, content: bytes) -> None:
+        self._latest = content
+        self._ready.set()
+
+    async def run(self, timeout: httpx.Timeout) -> None:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self._ssl) as client:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                content, self._latest = self._latest, None
+                if content is not None:
+                    await self._send(client, content)
+
+    async def _send(self, client: httpx.AsyncClient, content: bytes) -> None:
+        try:
+            headers = {
+                "Authorization": self._credential.header(),
+                "Content-Type": "application/json",
+            }
+            response = await client.post(self.url, content=content, headers=headers)
+        except (CredentialError, httpx.HTTPError) as exc:
+            self._problem(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return
+        if response.is_success:
+            self.delivered += 1
+            self._last_problem = None
+            return
+        self._problem(f"HTTP {response.status_code}: {error_message(response)}")
+
+    def _problem(self, problem: str) -> None:
+        if problem != self._last_problem:
+            log.warning("heartbeat copy to shadow %s failed (%s)", self.url, problem)
+            self._last_problem = problem

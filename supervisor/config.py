@@ -146,7 +146,10 @@ class Settings(BaseSettings):
         "world) not done in this long falls back to a full restart of every rank.",
     )
     dry_run: bool = Field(
-        False, description="Record what the policy decides without touching anything."
+        False,
+        description="Record what the policy decides, and do nothing: the actions are marked "
+        "dry run and counted apart from those carried out; on Kubernetes the cluster is "
+        "still watched, read only. A shadow of the acting supervisor.",
     )
     policy: str = Field(
         "policies.default:DefaultPolicy",

@@ -183,6 +183,8 @@ class ActionRecord:
     result: Mapping[str, Any] | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    #: Recorded by a dry-run supervisor: what it would have done; nothing was done.
+    dry_run: bool = False
 
     @property
     def request(self) -> ActionRequest:

@@ -74,6 +74,12 @@ RANDOM_KINDS = ("worker_crash", "worker_hang", "node_down")
 
 
 def make_backend(settings: Settings) -> Backend:
+    if settings.dry_run and settings.backend == "kubernetes":
+        # Sensing stays on: the cluster is watched (read only) as the acting supervisor
+        # watches it, and no action reaches it.
+        from supervisor.kube.backend import KubeBackend
+
+        return DryRunBackend(watching=KubeBackend(settings, read_only=True))
     if settings.dry_run or settings.backend == "dry_run":
         return DryRunBackend()
     if settings.backend == "kubernetes":
@@ -159,7 +165,9 @@ class Supervisor:
     # --- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._store = await asyncio.to_thread(open_store, self.settings.database_url)
+        self._store = await asyncio.to_thread(
+            open_store, self.settings.database_url, dry_run=self.settings.dry_run
+        )
         # Listening before anything is published: resumed actions finish and notify too.
         self.notifier = Notifier(self.settings, self.store, self.hub, self.metrics)
         await self.notifier.start()

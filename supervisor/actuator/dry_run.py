@@ -1,6 +1,9 @@
 """A backend that records what it is asked to do and touches nothing.
 
-Used by the unit tests and by `dry_run: true`, to watch what a policy would decide.
+Used by the unit tests and by `dry_run: true`, to watch what a policy would decide. Under
+a dry-run supervisor it may wrap a backend that only watches the cluster (Kubernetes, read
+only): its events, jobs and spares are seen as the acting supervisor sees them, and no
+action ever reaches it.
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.actuator.backend import Backend
-from supervisor.domain import ActionRecord, ActionType
+from supervisor.actuator.backend import Backend, BackendHooks, ClusterNode
+from supervisor.domain import ActionRecord, ActionType, JobView
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +31,25 @@ class RecordedCall:
 class DryRunBackend(Backend):
     name = "dry_run"
 
-    def __init__(self) -> None:
+    def __init__(self, watching: Backend | None = None) -> None:
         self.calls: list[RecordedCall] = []
         self._keys: set[str] = set()
+        #: Watches the cluster for us (read only); never asked to act.
+        self.watching = watching
+
+    async def start(self, hooks: BackendHooks) -> None:
+        if self.watching is not None:
+            await self.watching.start(hooks)
+
+    def job_views(self) -> Mapping[str, JobView]:
+        return self.watching.job_views() if self.watching is not None else {}
+
+    def cluster_nodes(self) -> Mapping[str, ClusterNode]:
+        return self.watching.cluster_nodes() if self.watching is not None else {}
+
+    async def close(self) -> None:
+        if self.watching is not None:
+            await self.watching.close()
 
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
         if action.idempotency_key in self._keys:

@@ -138,6 +138,11 @@ class ActionOut(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     duration_s: float | None = Field(description="From the first attempt's start to the end.")
+    dry_run: bool = Field(
+        False,
+        description="Recorded by a supervisor in dry run: what it would have done; nothing "
+        "was done, and it counts only toward that supervisor's own restart budget.",
+    )
 
     @classmethod
     def of(cls, a: ActionRecord) -> ActionOut:
@@ -163,6 +168,7 @@ class ActionOut(BaseModel):
             started_at=a.started_at,
             finished_at=a.finished_at,
             duration_s=duration,
+            dry_run=a.dry_run,
         )
 
 

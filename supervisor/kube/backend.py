@@ -100,7 +100,11 @@ class KubeBackend(Backend):
         api_backoff_s: tuple[float, float] = (0.2, 5.0),
         eviction_patience_s: float | None = None,
         controller_patience_s: float | None = None,
+        read_only: bool = False,
     ) -> None:
+        #: Watch the cluster and never change it, nor tell host monitors anything (the
+        #: backend under a dry-run supervisor, which may run beside the acting one).
+        self.read_only = read_only
         if api is None:
             from supervisor.kube.client import api_client
 
@@ -163,7 +167,8 @@ class KubeBackend(Backend):
             hooks.raise_events,
         )
         self.recovery.start()
-        self.links.start()
+        if not self.read_only:
+            self.links.start()
         if not await self.discovery.synced(SYNC_TIMEOUT_S):
             log.warning("kubernetes watches not synced after %.0fs; going on", SYNC_TIMEOUT_S)
 
@@ -207,6 +212,8 @@ class KubeBackend(Backend):
     # --- dispatch -------------------------------------------------------------------------
 
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        if self.read_only:
+            raise ActionError(f"{action.type.value}: this backend only watches (dry run)")
         self._start_watches()
         if not await self.discovery.synced(SYNC_TIMEOUT_S):
             raise ActionError("the Kubernetes watches have not listed yet", retryable=True)

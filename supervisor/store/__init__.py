@@ -29,8 +29,9 @@ __all__ = [
 ]
 
 
-def open_store(url: str) -> Store:
-    """Connect, migrate to the newest schema, and return the repository."""
+def open_store(url: str, *, dry_run: bool = False) -> Store:
+    """Connect, migrate to the newest schema, and return the repository (of a dry-run
+    supervisor: its actions marked and counted apart)."""
     engine = make_engine(url)
     migrate(engine)
-    return Store(engine)
+    return Store(engine, dry_run=dry_run)

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -149,6 +150,8 @@ class ActionRow(Base):
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # Recorded by a dry-run supervisor: what it would have done, nothing was done.
+    dry_run: Mapped[bool] = mapped_column(default=False, server_default=false())
 
 
 class CounterRow(Base):

@@ -49,6 +49,8 @@ from supervisor.xid import blames_node
 
 NODE_SCOPE = "node"
 JOB_SCOPE = "job"
+#: A dry-run supervisor's own action counts: never read by a live one, nor the reverse.
+DRY_RUN_JOB_SCOPE = "job:dry_run"
 FAILURES = "failures"
 MAX_ID = 2**63 - 1  # BIGINT
 
@@ -80,6 +82,8 @@ class ActionFilter:
     event_id: int | None = None
     since: datetime | None = None
     until: datetime | None = None
+    #: Only what a dry-run supervisor would have done (True), or only what was done.
+    dry_run: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +140,13 @@ def _decode_cursor(cursor: str | None) -> int | None:
 
 
 class Store:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, dry_run: bool = False) -> None:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        #: Actions recorded here are what a dry-run supervisor would have done: marked so,
+        #: and counted apart (restart budget, in-job restarts) from those carried out.
+        self.dry_run = dry_run
+        self._job_scope = DRY_RUN_JOB_SCOPE if dry_run else JOB_SCOPE
 
     def close(self) -> None:
         self.engine.dispose()
@@ -358,10 +366,11 @@ class Store:
             fault_id=fault_id,
             attempts=0,
             created_at=now,
+            dry_run=self.dry_run,
         )
         session.add(row)
         if request.job:
-            self._bump(session, JOB_SCOPE, request.job, request.type.value, now)
+            self._bump(session, self._job_scope, request.job, request.type.value, now)
         return row
 
     def get_action(self, action_id: int) -> ActionRecord | None:
@@ -425,6 +434,8 @@ class Store:
             query = query.where(ActionRow.job == filters.job)
         if filters.event_id is not None:
             query = query.where(ActionRow.event_id == filters.event_id)
+        if filters.dry_run is not None:
+            query = query.where(ActionRow.dry_run == filters.dry_run)
         if filters.since:
             query = query.where(ActionRow.created_at >= filters.since)
         if filters.until:
@@ -448,6 +459,7 @@ class Store:
                 .where(ActionRow.type.in_(restart_types))
                 .where(ActionRow.created_at >= window_start)
                 .where(ActionRow.job.is_not(None))
+                .where(ActionRow.dry_run == self.dry_run)
                 .group_by(ActionRow.job)
             ).all()
         node_failures = {
@@ -456,7 +468,7 @@ class Store:
         action_counts = {
             (c.key, ActionType(c.name)): c.value
             for c in counters
-            if c.scope == JOB_SCOPE and c.name in ActionType.__members__.values()
+            if c.scope == self._job_scope and c.name in ActionType.__members__.values()
         }
         return PolicyCounts(
             node_failures=node_failures,
@@ -826,6 +838,7 @@ def _action(row: ActionRow) -> ActionRecord:
         result=row.result,
         started_at=row.started_at,
         finished_at=row.finished_at,
+        dry_run=row.dry_run,
     )
 
 

@@ -28,6 +28,13 @@ async def list_actions(
     event_id: RecordIdFilter = None,
     since: UtcTime | None = None,
     until: UtcTime | None = None,
+    dry_run: Annotated[
+        bool | None,
+        Query(
+            description="true: only what a dry-run supervisor would have done; false: "
+            "only what was done."
+        ),
+    ] = None,
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[ActionOut]:
@@ -40,6 +47,7 @@ async def list_actions(
         event_id=event_id,
         since=as_utc(since),
         until=as_utc(until),
+        dry_run=dry_run,
     )
     page = await page_of(supervisor.store.list_actions, filters, cursor, limit)
     return Page[ActionOut](

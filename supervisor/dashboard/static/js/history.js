@@ -393,7 +393,7 @@ export class History {
       .map((a) =>
         h(this.actions.has(a.id) ? "a" : "span",
           { href: this.actions.has(a.id) ? `#action-${a.id}` : null, class: `badge ${a.status}`, title: `action #${a.id}` },
-          `${words(a.type)}: ${a.status}`),
+          `${a.dry_run ? "would " : ""}${words(a.type)}: ${a.status}`),
       );
     return h(
       "tr",
@@ -424,7 +424,10 @@ export class History {
       h("td", {}, timeEl(a.created_at)),
       h("td", {}, words(a.type), a.reason ? h("div", { class: "summary" }, a.reason) : null),
       h("td", {}, target || "—"),
-      h("td", {}, h("span", { class: `badge ${a.status}` }, a.status)),
+      h("td", {},
+        h("span", { class: `badge ${a.status}` }, a.status),
+        // A dry-run supervisor's record: what it would have done, nothing was done.
+        a.dry_run ? h("span", { class: "badge dry-run", title: "dry run: nothing was done" }, "would have") : null),
       h("td", { class: "num" }, dur),
       h("td", { class: "num" }, a.attempts),
       h("td", { class: "error-cell" }, a.error ?? ""),
