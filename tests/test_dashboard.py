@@ -544,3 +544,22 @@ def test_goodput_panel_and_advice(browser: Browser, tmp_path: Path) -> None:
             size = f"{advice['ramdisk']['size_mib']:,} MiB"
             expect(page.locator("#advice-ramdisk")).to_contain_text(size)
             shot(page, "goodput")
+
+
+def test_a_dry_run_supervisor_shows_what_it_would_have_done(
+    browser: Browser, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, dry_run="true") as server, dashboard(browser, server) as page:
+        expect(page.locator("#about")).to_contain_text("(dry run)")
+        fault = api(
+            server, "POST", "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}
+        )
+        fault = wait_fault_settled(server, fault["id"])
+        (event_id,) = fault["events"]
+        for action_id in fault["actions"]:
+            action = api(server, "GET", f"/api/v1/actions/{action_id}")
+            assert action["dry_run"] is True
+            row = page.locator(f"#actions-table tbody tr[data-id='{action_id}']")
+            expect(row.locator(".badge.dry-run")).to_have_text("would have")
+        expect(event_row(page, event_id)).to_contain_text("would hot swap: succeeded")
+        shot(page, "dry-run")
