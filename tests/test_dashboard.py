@@ -6,8 +6,11 @@ Screenshots go to test-artifacts/ (look at them: they are how a person sees the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -563,3 +566,71 @@ def test_a_dry_run_supervisor_shows_what_it_would_have_done(
             expect(row.locator(".badge.dry-run")).to_have_text("would have")
         expect(event_row(page, event_id)).to_contain_text("would hot swap: succeeded")
         shot(page, "dry-run")
+
+
+def test_the_simulated_runs_page_shows_a_simulation(browser: Browser, tmp_path: Path) -> None:
+    """`supervisor simulate -o json`, opened in the dashboard's page of simulated runs:
+    a bar per run split by badput category, and the figures side by side."""
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(
+        "days: 3\nseed: 2\n"
+        "cluster: {num_dp_replicas: 2, num_nodes_per_dp: 2, spares: 1}\n"
+        "failures: {rates: {host: 0.01, software: 0.01}}\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "simulate",
+            "--scenario",
+            str(scenario),
+            "--compare",
+            "default:",
+            "--compare",
+            "slow:heartbeat_timeout_s=300",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")},
+    )
+    assert done.returncode == 0, done.stderr
+    result = tmp_path / "simulation.json"
+    result.write_text(done.stdout)
+    runs = json.loads(done.stdout)["runs"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": []}')
+    server = Server(tmp_path / "server")
+    (tmp_path / "server").mkdir()
+    server.start()
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{server.url}/simulate")
+        page.set_input_files("#sim-file", str(bad))
+        expect(page.locator("#sim-error")).to_contain_text("no runs")
+        expect(page.locator("#sim-result")).to_be_hidden()
+        page.set_input_files("#sim-file", str(result))
+        expect(page.locator("#sim-result")).to_be_visible()
+        expect(page.locator("#sim-error")).to_have_text("")
+        head = page.locator("#sim-table thead th")
+        expect(head).to_have_text(["", "default", "slow"])
+        goodput = page.locator("#sim-table tbody tr").first.locator("td")
+        expect(goodput).to_have_text([f"{r['goodput'] * 100:.2f}%" for r in runs])
+        detection = page.locator("#sim-chart rect[data-category='detection']")
+        expect(detection).to_have_count(2)  # both runs lost time to detection
+        widths = [
+            float(w) for w in detection.evaluate_all("els => els.map(e => e.getAttribute('width'))")
+        ]
+        assert widths[1] > widths[0]  # the slow detection shows
+        assert not errors, errors
+        shot(page, "simulated-runs")
+    finally:
+        context.close()
+        server.stop()

@@ -1,4 +1,5 @@
-"""The dashboard: one page and its static files, served by the supervisor at `/`.
+"""The dashboard: its page and static files, served by the supervisor at `/` (and the
+page of simulated runs at `/simulate`).
 
 Plain HTML, CSS and JavaScript modules shipped in the package: no build step, no CDN,
 so it works offline. The page reads the same REST API and live stream as any client,
@@ -29,8 +30,18 @@ router = APIRouter(include_in_schema=False)
 
 @router.get("/")
 async def index() -> FileResponse:
+    return _page("index.html")
+
+
+@router.get("/simulate")
+async def simulate() -> FileResponse:
+    """Renders the JSON of `supervisor simulate -o json`, read in the browser."""
+    return _page("simulate.html")
+
+
+def _page(name: str) -> FileResponse:
     return FileResponse(
-        STATIC / "index.html",
+        STATIC / name,
         headers={
             "Content-Security-Policy": CONTENT_SECURITY_POLICY,
             "Cache-Control": "no-cache",
