@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Engine, Insert, func, insert, select, update
+from sqlalchemy import Engine, Insert, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -150,6 +150,11 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def ping(self) -> None:
+        """Raise unless the database answers a trivial query (the readiness probe)."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
 
     # --- sensor output ----------------------------------------------------------------
 

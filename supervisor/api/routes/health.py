@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response, status
 from prometheus_client import CONTENT_TYPE_LATEST
-from sqlalchemy import text
 
 from supervisor.api.deps import SupervisorDep
 from supervisor.api.job_metrics import JobMetrics
@@ -32,16 +31,11 @@ async def readyz(supervisor: SupervisorDep, response: Response) -> dict[str, Any
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
         return supervisor.readiness
     try:
-        await asyncio.wait_for(asyncio.to_thread(_ping, supervisor), timeout=2)
+        await asyncio.wait_for(asyncio.to_thread(supervisor.store.ping), timeout=2)
     except Exception as exc:
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
         return {"status": f"database unavailable: {type(exc).__name__}"}
     return {"status": "ready"}
-
-
-def _ping(supervisor: SupervisorDep) -> None:
-    with supervisor.store.engine.connect() as conn:
-        conn.execute(text("SELECT 1"))
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
