@@ -26,6 +26,7 @@ from supervisor.actuator import (
     Fence,
     no_fence,
 )
+from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
@@ -402,7 +403,7 @@ class Supervisor:
                 self._database_down = False  # everything held is written: in order
 
     async def _record_with_retry(self, changes: Changes) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while True:
             try:
                 await self.record(changes)
@@ -414,10 +415,9 @@ class Supervisor:
                 # were never acknowledged to anyone, so nothing is lost by waiting.
                 if isinstance(exc, UNAVAILABLE):
                     self._database_down = True
-                if delay == 0.1 or not isinstance(exc, UNAVAILABLE):
+                if backoff.fresh or not isinstance(exc, UNAVAILABLE):
                     log.exception("cannot persist %d events; retrying", len(changes.events))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     # --- effects of finished actions --------------------------------------------------------
 

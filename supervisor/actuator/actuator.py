@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from supervisor.actuator.backend import ActionError, Backend, Fence, Fenced, no_fence
+from supervisor.backoff import attempt_delay
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.metrics import Metrics
@@ -111,8 +112,9 @@ class Actuator:
                 break
             await asyncio.to_thread(self.store.note_attempt_error, action.id, error)
             self.changed(replace(action, error=error))
-            delay = self.settings.action_retry_backoff_s * 2 ** (action.attempts - 1)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(
+                attempt_delay(self.settings.action_retry_backoff_s, action.attempts)
+            )
         else:
             error = f"no attempts left ({action.attempts}/{limit} used before a restart)"
         return await self._finish(action, ActionStatus.FAILED, started, error=error)

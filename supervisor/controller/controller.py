@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from supervisor.actuator import Actuator, Fenced
+from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics
@@ -123,7 +124,7 @@ class Controller:
         again (backing off), so that the lane goes on in order once it is back. Both
         are safe to repeat: handling an event again returns the actions recorded the
         first time, and an action already finished is returned as it is."""
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         retry = False
         while True:
             try:
@@ -140,8 +141,7 @@ class Controller:
                 if not retry:
                     log.warning("database unavailable: %r waits for it", item)
                 retry = True
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     # --- decisions -------------------------------------------------------------------
 

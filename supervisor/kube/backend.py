@@ -34,6 +34,7 @@ from kubernetes import client
 
 from resiliency_protocol.emergency import emergency_checkpoint
 from supervisor.actuator.backend import ActionError, Backend, BackendHooks, ClusterNode
+from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType, JobView
 from supervisor.kube import objects as o
@@ -461,7 +462,7 @@ class KubeBackend(Backend):
             "deleteOptions": {"preconditions": {"uid": uid}},
         }
         deadline = time.monotonic() + self.eviction_patience_s
-        delay = self.calls.backoff_s[0]
+        backoff = Backoff(*self.calls.backoff_s)
         while True:
             try:
                 await self.calls.run(
@@ -478,10 +479,9 @@ class KubeBackend(Backend):
             except TooManyRequests as exc:
                 # A PDB refuses for now; it may allow it once another pod is back.
                 why = str(exc)
-                if time.monotonic() + delay > deadline:
+                if time.monotonic() + backoff.peek() > deadline:
                     break
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.calls.backoff_s[1])
+                await asyncio.sleep(backoff.next())
             except ActionError as exc:
                 if exc.retryable and "HTTP 500" not in str(exc):
                     raise  # the API server is unreachable or overloaded: the action is retried

@@ -23,6 +23,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from supervisor.actuator.backend import ActionError, Fence, no_fence
+from supervisor.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class Calls:
         **kwargs: Any,
     ) -> Any:
         """`func(*args, **kwargs)` with a request timeout; see the module docstring."""
-        delay = self.backoff_s[0]
+        backoff = Backoff(*self.backoff_s)
         last = ""
         for attempt in range(1, self.attempts + 1):
             self.fence()
@@ -107,14 +108,14 @@ class Calls:
                     if exc.status == 429:
                         raise TooManyRequests(last, retryable=True) from None
                     raise ActionError(last) from None
-                wait = max(delay, _retry_after(exc) or 0.0)
+                wait = max(backoff.peek(), _retry_after(exc) or 0.0)
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 last = f"{what}: {type(exc).__name__}: {exc}"
-                wait = delay
+                wait = backoff.peek()
             if attempt < self.attempts:
                 log.info("%s; retry %d in %.1fs", last, attempt, wait)
                 await asyncio.sleep(wait)
-                delay = min(delay * 2, self.backoff_s[1])
+                backoff.next()
         if "HTTP 429" in last:
             raise TooManyRequests(last, retryable=True)
         raise ActionError(last, retryable=True)

@@ -28,6 +28,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from supervisor.backoff import Backoff
 from supervisor.kube.objects import Obj, key_of
 
 log = logging.getLogger(__name__)
@@ -101,14 +102,14 @@ class Informer:
     # --- the loop (thread side) -------------------------------------------------------------
 
     def _run(self) -> None:
-        delay = self._backoff_s[0]
+        backoff = Backoff(*self._backoff_s)
         version: str | None = None
         while not self._stop.is_set():
             try:
                 if version is None:
                     version = self._relist()
                 version = self._watch(version)
-                delay = self._backoff_s[0]
+                backoff.reset()
             except Gone:
                 self.stats["gone"] += 1
                 log.info("%s watch expired (410): listing again", self.kind)
@@ -120,11 +121,11 @@ class Informer:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     version = None
                     continue
+                delay = backoff.next()
                 log.warning(
                     "%s watch failed (%s); retrying in %.1fs", self.kind, _brief(exc), delay
                 )
                 self._stop.wait(delay)
-                delay = min(delay * 2, self._backoff_s[1])
 
     def _relist(self) -> str:
         items: list[Obj] = []

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from supervisor.backoff import Backoff, attempt_delay
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, Event
 from supervisor.metrics import Metrics
@@ -163,7 +164,7 @@ class Notifier:
                 return
 
     async def _create(self, new: list[NewDelivery]) -> list[Delivery]:
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while True:
             try:
                 return await asyncio.to_thread(self._store.create_deliveries, new)
@@ -171,8 +172,7 @@ class Notifier:
                 # The database is down: keep them in memory (the subscription goes on
                 # filling, bounded) and try again.
                 log.exception("cannot record %d notifications; retrying", len(new))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     def _count_dropped(self, subscription: Subscription) -> None:
         dropped = subscription.dropped - self._dropped
@@ -263,7 +263,7 @@ class Notifier:
         return f"HTTP {code}: {text}", code >= 500 or code in RETRYABLE_STATUS
 
     async def _record(self, delivery_id: int, status: DeliveryStatus, error: str | None) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while True:
             try:
                 await asyncio.to_thread(
@@ -272,14 +272,12 @@ class Notifier:
                 return
             except Exception:
                 log.exception("cannot record notification %d; retrying", delivery_id)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     def _backoff(self, attempts: int) -> float:
         """Doubling from notification_retry_backoff_s, capped, each wait drawn between
         half and all of it: receivers recovering from an outage are not hit in step."""
-        ceiling = min(self.backoff_s * 2.0 ** (attempts - 1), MAX_BACKOFF_S)
-        return ceiling * (0.5 + 0.5 * self._jitter())
+        return attempt_delay(self.backoff_s, attempts, MAX_BACKOFF_S, jitter=self._jitter)
 
 
 def _notice(item: Event | ActionRecord) -> Notice | None:
