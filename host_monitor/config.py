@@ -175,7 +175,7 @@ class HostMonitorSettings(BaseSettings):
         ge=1,
         description="Largest checkpoint file the partner may upload to us.",
     )
-    # TLS (README.md, "TLS"): HTTPS for the local API, and how we verify who we call.
+    # TLS (docs/security.md, "TLS"): HTTPS for the local API, and how we verify who we call.
     tls_cert_file: Path | None = Field(
         None,
         description="Certificate (PEM, its chain after it) the local API presents: with "

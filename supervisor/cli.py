@@ -231,7 +231,7 @@ def _demo_settings(pairs: list[str]) -> dict[str, str]:
         if not sep or name not in Settings.model_fields:
             raise SystemExit(
                 f"supervisor demo: --set {pair!r}: expected SETTING=VALUE, where "
-                "SETTING is one of the settings in the README's table"
+                "SETTING is one of the settings in docs/configuration.md"
             )
         env[f"SUPERVISOR_{name.upper()}"] = value
     return env

@@ -1,6 +1,6 @@
 """Settings, read from `SUPERVISOR_*` environment variables and an optional YAML file.
 
-Names follow the systems our users already run (see README, "Configuration"), so a
+Names follow the systems our users already run (see docs/configuration.md), so a
 `heartbeat_timeout_s` means here what it means there.
 """
 
@@ -30,7 +30,7 @@ CONFIG_FILE_ENV = "SUPERVISOR_CONFIG_FILE"
 SECONDS_PER_DAY = 86400.0
 
 BackendName = Literal["dry_run", "local", "kubernetes"]
-# How a host monitor proves who it is (README, "Agent identity").
+# How a host monitor proves who it is (docs/security.md, "Agent identity").
 AgentAuth = Literal["shared", "node_key", "kubernetes"]
 NODE_KEY_MIN_CHARS = 32
 # system:serviceaccount:<namespace>:<name>, both DNS names.
@@ -277,7 +277,7 @@ class Settings(BaseSettings):
         "pauses, beside the service's work).",
     )
 
-    # --- notifications (see README, "Notifications") -------------------------------------
+    # --- notifications (see docs/notifications.md) ---------------------------------------
     notification_routes: Routes = Field(
         [],
         description="Where events and finished actions are sent (webhook, Slack, "
@@ -322,7 +322,7 @@ class Settings(BaseSettings):
     operator_token: SecretStr | None = Field(
         None, description="Bearer token of operators. Generated and logged when unset."
     )
-    # --- agent identity (README, "Agent identity") ----------------------------------------
+    # --- agent identity (docs/security.md, "Agent identity") -----------------------------
     agent_auth: Annotated[list[AgentAuth], NoDecode] = Field(
         ["shared"],
         min_length=1,
@@ -364,7 +364,7 @@ class Settings(BaseSettings):
         "info", description="Log level."
     )
 
-    # --- TLS (README, "TLS") ------------------------------------------------------------
+    # --- TLS (docs/security.md, "TLS") --------------------------------------------------
     tls_cert_file: str | None = Field(
         None,
         description="Certificate (PEM, its chain after it) `supervisor serve` presents: with "

@@ -41,7 +41,7 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class PolicyLimits:
-    """The remediation settings a policy honours (see README, "Configuration")."""
+    """The remediation settings a policy honours (see docs/configuration.md)."""
 
     max_in_job_restarts: int
     max_workload_restarts: int

@@ -236,7 +236,7 @@ def test_settings_refused_in_a_job_stop_it_with_the_message(tmp_path: Path) -> N
 
 
 def test_the_readme_example_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "training.md").read_text()
     start = readme.index("# example: checkpoint tiers")
     code = readme[start : readme.index("```", start)]
     script = tmp_path / "train.py"

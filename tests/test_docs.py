@@ -1,4 +1,4 @@
-"""The README documents every setting with its real default."""
+"""docs/configuration.md documents every setting with its real default."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from supervisor.config import Settings
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+CONFIGURATION = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
 
 
 def test_every_setting_is_in_the_readme_table() -> None:
@@ -20,5 +20,5 @@ def test_every_setting_is_in_the_readme_table() -> None:
             else str(default)
         )
         row = f"| `{name}` | `SUPERVISOR_{name.upper()}` | `{shown}` |"
-        assert row in README, f"README lacks or misstates setting {name}"
+        assert row in CONFIGURATION, f"docs/configuration.md lacks or misstates setting {name}"
         assert field.description, f"setting {name} has no description"

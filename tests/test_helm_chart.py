@@ -1408,8 +1408,8 @@ def test_example_jobset_is_wired_to_the_host_monitor_and_the_worker_client() -> 
     ]
     (replicated,) = jobset["spec"]["replicatedJobs"]
     job_spec = replicated["template"]["spec"]
-    # What README.md, "JobSet requirements", asks of a supervised JobSet.
-    readme = (ROOT / "README.md").read_text()
+    # What docs/kubernetes.md, "JobSet requirements", asks of a supervised JobSet.
+    readme = (ROOT / "docs" / "kubernetes.md").read_text()
     section = readme.split("### JobSet requirements", 1)[1]
     required = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])["spec"]
     rules = [{k: v for k, v in r.items() if k != "name"} for r in policy["rules"]]

@@ -258,7 +258,7 @@ def test_thresholds_durations_and_severities_come_from_values() -> None:
 
 
 def test_readme_lists_each_per_job_series_and_only_exported_ones(exported: set[str]) -> None:
-    readme = (CHART.parent.parent / "README.md").read_text()
+    readme = (CHART.parent.parent / "docs" / "dashboard-and-metrics.md").read_text()
     section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(supervisor_\w+)` \|", section, re.MULTILINE))
     for name in listed:

@@ -152,8 +152,9 @@ async def test_restart_in_place_evicts_the_pod_once(
     kube: FakeKube, make_settings: SettingsFactory
 ) -> None:
     """Eviction (policy/v1) of the pod on the node: DisruptionTarget, the JobSet restarts
-    it (the README's failure policy: not counted against maxRestarts); the same key again
-    sends no write at all; an Event on the pod and the JobSet says what and why."""
+    it (the failure policy of docs/kubernetes.md: not counted against maxRestarts); the
+    same key again sends no write at all; an Event on the pod and the JobSet says what and
+    why."""
     pods = setup_cluster(kube)
     node = pods[0]["spec"]["nodeName"]
     async with started(kube, kube_settings(make_settings)) as backend:

@@ -136,7 +136,7 @@ RESTARTED_1 = "already restarted by the JobSet controller (restart-attempt 1)"
 async def test_restart_after_the_jobset_restarted_itself_is_skipped(
     kube: FakeKube, make_settings: SettingsFactory
 ) -> None:
-    """The README's failure policy: a crashed worker fails its Job (backoffLimit 0) and
+    """The failure policy of docs/kubernetes.md: a crashed worker fails its Job (backoffLimit 0) and
     the JobSet controller restarts the JobSet (restart-attempt 1). The restart the policy
     asked for the same crash, in place or of the workload, finds that done since the
     event: a no-op with its reason, an Event on the JobSet, the new pods untouched. A

@@ -3,7 +3,7 @@
 The supervisor's certificate names 127.0.0.1, where the tests reach it, and a DNS name.
 The host monitors share one certificate that names only their Service's DNS name, as on
 Kubernetes, and are reached at 127.0.0.1: whoever calls them (the supervisor, a partner,
-a worker) checks the certificate against that name (README, "TLS"). A second CA that
+a worker) checks the certificate against that name (docs/security.md, "TLS"). A second CA that
 issued nothing of ours stands for a wrong CA; the system's trust store knows neither.
 """
 

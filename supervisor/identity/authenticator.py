@@ -1,6 +1,6 @@
 """Turns the bearer token of a host monitor's request into the node it may speak for.
 
-Three kinds of token are taken, as `agent_auth` allows (README, "Agent identity"):
+Three kinds of token are taken, as `agent_auth` allows (docs/security.md, "Agent identity"):
 
 - `shared`: the one `agent_token` of every host monitor; it may speak for any node.
 - `node_key`: `node.<node>.<mac>` (node_keys.py); it speaks for that node only.

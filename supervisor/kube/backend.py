@@ -13,7 +13,7 @@ Generations: a disruptive action acts on the pods or Jobs that existed at the ti
 the event it answers, never on those the JobSet controller created since; if the JobSet
 has restarted by itself meanwhile, the action is skipped (see `generations.py`).
 
-How each action is done (and why) is in the README, "Backends".
+How each action is done (and why) is in docs/kubernetes.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ pods, read from the JobSet's spec: restart the whole JobSet without using up
 A workload restart is best done that way: the JobSet controller then restarts the
 JobSet as after any failure, so `status.restarts` and the `restart-attempt` label of
 the new Jobs and pods go up, and workers that key their rendezvous or collective state
-on that label start afresh. It takes the failure policy of the README ("JobSet
+on that label start afresh. It takes the failure policy of docs/kubernetes.md ("JobSet
 requirements"); a JobSet without it is restarted by deleting its child Jobs instead.
 
 Only what can be known in advance counts: a pod failure policy rule on exit codes

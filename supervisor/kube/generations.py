@@ -1,7 +1,7 @@
 """Which generation of a JobSet's pods and Jobs a disruptive action was decided for, and
 whether it was replaced since, so that an action never restarts a job twice.
 
-With the failure policy of the README ("JobSet requirements"), a worker that crashes
+With the failure policy of docs/kubernetes.md ("JobSet requirements"), a worker that crashes
 fails its Job, and the JobSet controller restarts the whole JobSet by itself (its
 `status.restarts` and the `restart-attempt` label of the new Jobs and pods go up by
 one). The supervisor sees the same crash (the host monitor reports the worker exited)

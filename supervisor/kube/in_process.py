@@ -1,7 +1,7 @@
 """In-process healing of a JobSet: `restart_in_place` and `hot_swap` replace only the pods
 of the bad node, and the surviving pods keep their processes and their state.
 
-The JobSet has to allow it (README, "In-process recovery on Kubernetes"): annotated
+The JobSet has to allow it (docs/training.md, "In-process recovery on Kubernetes"): annotated
 `resiliency.supervisor.io/in-process-restart: "true"`, each Job answering an evicted pod
 (DisruptionTarget) with `Ignore` (the Job replaces that pod alone, the JobSet is not
 restarted), its workers waiting for their world (WORLD_WAIT_S). Then:

@@ -1,6 +1,6 @@
 """The request each kind of receiver expects for a notice: URL, headers and JSON body.
 
-- webhook: the notice as a flat JSON object (documented in README, "Notifications");
+- webhook: the notice as a flat JSON object (documented in docs/notifications.md);
 - slack: an incoming-webhook message, a `text` line plus two blocks;
 - alertmanager: a list of alerts for `POST /api/v2/alerts`. Every alert ends by itself
   (`endsAt` = its start + `alert_duration_s`), since nothing sends it again; an event that

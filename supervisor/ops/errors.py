@@ -27,7 +27,7 @@ class CliError(Exception):
         self.code = code
 
 
-#: For the commands' --help (the README has the full table).
+#: For the commands' --help (docs/operator-cli.md has the full table).
 EXIT_CODES_HELP = "exit codes: " + ", ".join(
     f"{code.value} {code.name.lower().replace('_', ' ')}" for code in ExitCode
 )

@@ -66,7 +66,7 @@ def jobset(
     env: dict[str, str] | None = None,
     failure_policy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A JobSet as the README's "JobSet requirements" ask: backoffLimit 0 and a pod
+    """A JobSet as "JobSet requirements" (docs/kubernetes.md) asks: backoffLimit 0 and a pod
     failure policy that fails the Job on DisruptionTarget, restarts not counted."""
     container: dict[str, Any] = {
         "name": "trainer",
