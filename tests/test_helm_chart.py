@@ -47,6 +47,7 @@ TOKENS = {
     "operatorToken": "operator-token-0123456789",
     "actuatorToken": "actuator-token-0123456789",
     "workerToken": "worker-token-0123456789",
+    "peerToken": "peer-token-0123456789",
 }
 POSTGRES: dict[str, Any] = {"database": {"url": PG_URL}}
 SQLITE: dict[str, Any] = {"database": {"type": "sqlite"}, "supervisor": {"replicas": 1}}
@@ -1329,6 +1330,8 @@ CONTEXTS = [
             "prometheusRule": {"enabled": True},
             "database": {"url": "", "existingSecret": "pg"},
             "supervisor": {"replicas": 1},
+            # TLS off, but ready to be turned on.
+            "tls": {"certManager": {"issuerRef": {"name": "team-ca"}}},
         },
     ),
     merged(CERT_MANAGER, {"auth": TOKENS}),
