@@ -11,6 +11,7 @@ every render (on a cluster they are read back from the Secret).
 from __future__ import annotations
 
 import base64
+import collections
 import copy
 import importlib.util
 import json
@@ -47,6 +48,7 @@ TOKENS = {
     "operatorToken": "operator-token-0123456789",
     "actuatorToken": "actuator-token-0123456789",
     "workerToken": "worker-token-0123456789",
+    "peerToken": "peer-token-0123456789",
 }
 POSTGRES: dict[str, Any] = {"database": {"url": PG_URL}}
 SQLITE: dict[str, Any] = {"database": {"type": "sqlite"}, "supervisor": {"replicas": 1}}
@@ -70,6 +72,10 @@ CERT_MANAGER: dict[str, Any] = {
     "tls": {"enabled": True, "certManager": {"issuerRef": {"name": "team-ca"}}},
 }
 EXISTING_TLS: dict[str, Any] = {**POSTGRES, "tls": {"enabled": True, "existingSecret": "rs-tls"}}
+# The shadow supervisor: a supervisor in dry run beside the acting one.
+SHADOW = f"{FULLNAME}-shadow"
+SHADOW_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"
+SHADOW_ON: dict[str, Any] = {**POSTGRES, "shadow": {"enabled": True}}
 # The parameter names users of Google's resiliency supervisor know.
 STANDARD_NAMES = [
     "heartbeat_polling_period_s",
@@ -130,8 +136,8 @@ def kinds(docs: list[dict[str, Any]]) -> list[str]:
     return sorted(d["kind"] for d in docs)
 
 
-def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    pod = find(docs, kind)["spec"]["template"]["spec"]
+def container(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    pod = find(docs, kind, name)["spec"]["template"]["spec"]
     (only,) = pod["containers"]
     result: dict[str, Any] = only
     return result
@@ -164,13 +170,22 @@ def resolve_env(docs: list[dict[str, Any]], env: list[dict[str, Any]]) -> dict[s
 
 
 def supervisor_settings(
-    docs: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    docs: list[dict[str, Any]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str | None = None,
 ) -> Settings:
-    """Load the rendered settings file and environment with the supervisor's own loader."""
-    settings_yaml = find(docs, "ConfigMap", f"{FULLNAME}-settings")["data"]["settings.yaml"]
+    """Load the rendered settings file and environment with the supervisor's own loader:
+    of the only Deployment, or of Deployment `name` (FULLNAME, SHADOW)."""
+    deployment = find(docs, "Deployment", name)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    configmap = volumes["settings"]["configMap"]["name"]
+    assert configmap == f"{deployment['metadata']['name']}-settings"
+    settings_yaml = find(docs, "ConfigMap", configmap)["data"]["settings.yaml"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "settings.yaml"
     path.write_text(settings_yaml)
-    c = container(docs, "Deployment")
+    c = container(docs, "Deployment", name)
     assert c["command"] == [
         "supervisor",
         "serve",
@@ -191,7 +206,8 @@ def supervisor_settings(
 
 
 def test_chart_lints_clean_in_strict_mode() -> None:
-    for values in (POSTGRES, SQLITE, INLINE_POLICY, CERT_MANAGER, EXISTING_TLS):
+    shadow = merged(CERT_MANAGER, SHADOW_ON, {"shadow": {"policy": SHADOW_POLICY}})
+    for values in (POSTGRES, SQLITE, INLINE_POLICY, CERT_MANAGER, EXISTING_TLS, shadow):
         report = helm.lint(CHART, values, strict=True, kube_version=f"v{K8S_VERSION}")
         assert report["errors"] == []
         # Only the "icon is recommended" hint may remain.
@@ -215,6 +231,14 @@ def test_chart_lints_clean_in_strict_mode() -> None:
         ({"tls": {"enabeld": True}}, "additional properties 'enabeld'"),
         ({"tls": {"certManager": {"duration": "90d"}}}, "/tls/certManager/duration"),
         ({"tls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}, "/tls/certManager/issuerRef"),
+        ({"shadow": {"enabeld": True}}, "additional properties 'enabeld'"),
+        ({"shadow": {"policy": "not a module"}}, "/shadow/policy"),
+        (
+            {"shadow": {"settings": {"heartbeat_timout_s": 30}}},
+            "additional properties 'heartbeat_timout_s'",
+        ),
+        ({"shadow": {"settings": {"heartbeat_timeout_s": -1}}}, "/shadow/settings"),
+        ({"shadow": {"database": {"url": "mysql://x"}}}, "/shadow/database/url"),
     ],
 )
 def test_schema_rejects_bad_values_at_install_and_lint(
@@ -242,6 +266,32 @@ def test_schema_rejects_bad_values_at_install_and_lint(
         (
             merged(POSTGRES, {"tls": {"enabled": True}}),
             "tls.enabled needs tls.existingSecret or tls.certManager.issuerRef.name",
+        ),
+        (
+            merged(SHADOW_ON, {"shadow": {"settings": {"dry_run": False}}}),
+            "shadow.settings.dry_run: the shadow always runs in dry run",
+        ),
+        (
+            merged(SHADOW_ON, {"serviceAccount": {"name": SHADOW}}),
+            f"serviceAccount.name {SHADOW} is the shadow's ServiceAccount",
+        ),
+        (
+            merged(SHADOW_ON, {"shadow": {"database": {"url": PG_URL}}}),
+            "shadow.database is the acting supervisor's database",
+        ),
+        (
+            merged(SHADOW_ON, {"shadow": {"database": {"existingSecret": f"{FULLNAME}-database"}}}),
+            "shadow.database is the acting supervisor's database",
+        ),
+        (
+            merged(
+                SHADOW_ON,
+                {
+                    "database": {"url": "", "existingSecret": "pg", "existingSecretKey": "dsn"},
+                    "shadow": {"database": {"existingSecret": "pg", "existingSecretKey": "dsn"}},
+                },
+            ),
+            "shadow.database is the acting supervisor's database",
         ),
     ],
 )
@@ -276,6 +326,14 @@ def test_config_schema_is_the_supervisors_own() -> None:
 
 # --- Kubernetes schemas -----------------------------------------------------------------------
 
+INFRA_AFFINITY: dict[str, Any] = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "infra", "operator": "Exists"}]}]
+        }
+    }
+}
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": POSTGRES,
     "sqlite": SQLITE,
@@ -300,6 +358,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tls-cert-manager": merged(CERT_MANAGER, {"serviceMonitor": {"enabled": True}}),
     "tls-existing-secrets": merged(
         EXISTING_TLS, {"tls": {"hostMonitorExistingSecret": "rs-host-monitor-tls"}}
+    ),
+    "shadow": merged(KUBE_IDENTITY, INLINE_POLICY, SHADOW_ON),
+    "shadow-everything": merged(
+        CERT_MANAGER,
+        SHADOW_ON,
+        {
+            "workloadNamespace": "jobs",
+            "imagePullSecrets": [{"name": "regcred"}],
+            "shadow": {
+                "policy": SHADOW_POLICY,
+                "settings": {"heartbeat_timeout_s": 30.0},
+                "database": {"url": "postgresql+psycopg://shadow:secret@db.example:5432/shadow"},
+                "nodeSelector": {"pool": "infra"},
+                "tolerations": [{"key": "infra", "operator": "Exists"}],
+                "affinity": INFRA_AFFINITY,
+                "podAnnotations": {"team": "ml"},
+            },
+        },
     ),
 }
 
@@ -742,11 +818,15 @@ def test_sqlite_on_a_volume_claim_for_one_replica(
 
 
 def _load_mounted_policy(
-    docs: list[dict[str, Any]], configmap: dict[str, Any], spec: str, root: Path
+    docs: list[dict[str, Any]],
+    configmap: dict[str, Any],
+    spec: str,
+    root: Path,
+    deployment_name: str | None = None,
 ) -> Policy:
     """Lay the ConfigMap out as the kubelet mounts it (under `root`), then load `spec`
     with the supervisor's own loader."""
-    deployment = find(docs, "Deployment")["spec"]["template"]["spec"]
+    deployment = find(docs, "Deployment", deployment_name)["spec"]["template"]["spec"]
     volume = next(v for v in deployment["volumes"] if v["name"] == "policy")
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
     mount = next(m for m in deployment["containers"][0]["volumeMounts"] if m["name"] == "policy")
@@ -1141,6 +1221,342 @@ def test_tls_from_existing_secrets() -> None:
     assert set(certificates(alone)) == {f"{FULLNAME}-tls"}
 
 
+# --- the shadow supervisor --------------------------------------------------------------------
+
+
+def pod_spec(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = find(docs, kind, name)["spec"]["template"]["spec"]
+    return spec
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_shadow_is_off_by_default_and_its_values_change_nothing_while_off() -> None:
+    tokens = {**TOKENS, "peerToken": "peer-token-0123456789"}  # nothing generated: comparable
+    plain = render_files(merged(POSTGRES, {"auth": tokens}))
+    ignored = {
+        "enabled": False,
+        "policy": SHADOW_POLICY,
+        "settings": {"heartbeat_timeout_s": 30.0},
+        "database": {"url": "postgresql://shadow@db/x", "sizeLimit": "2Gi"},
+        "nodeSelector": {"pool": "infra"},
+    }
+    assert render_files(merged(POSTGRES, {"auth": tokens, "shadow": ignored})) == plain
+    docs = render(merged(POSTGRES, {"auth": tokens}))
+    assert not [d for d in docs if "shadow" in d["metadata"]["name"]]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == [FULLNAME]
+    env = {v["name"] for v in container(docs, "DaemonSet")["env"]}
+    assert "HOST_MONITOR_SHADOW_SUPERVISOR_URLS" not in env
+    assert host_monitor_settings(docs).shadow_supervisor_urls == []
+
+
+def test_shadow_runs_its_policy_in_dry_run_with_the_acting_settings_and_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = merged(
+        SHADOW_ON,
+        {
+            "config": {
+                "num_dp_replicas": 8,
+                "max_num_dp_replicas": 8,
+                "log_level": "debug",
+                "enable_workload_scaling": True,
+            },
+            "notifications": {
+                "routes": [{"name": "hook", "sink": {"type": "webhook", "url": "https://h/x"}}]
+            },
+            "shadow": {
+                "policy": SHADOW_POLICY,
+                # Over config: a value of its own, and a false over a true.
+                "settings": {"heartbeat_timeout_s": 30.0, "enable_workload_scaling": False},
+            },
+        },
+    )
+    docs = render(values)
+    deployment = find(docs, "Deployment", SHADOW)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+    acting = supervisor_settings(docs, tmp_path / "acting", monkeypatch, FULLNAME)
+    shadow = supervisor_settings(docs, tmp_path / "shadow", monkeypatch, SHADOW)
+    assert (acting.dry_run, acting.leader_election) == (False, True)
+    assert (shadow.dry_run, shadow.leader_election) == (True, False)
+    assert acting.policy == "policies.default:DefaultPolicy"
+    assert shadow.policy == SHADOW_POLICY
+    assert type(load_policy(shadow.policy)).__name__ == "PeriodicCheckpointsOnly"
+    # Its own settings over the acting supervisor's, which it otherwise shares.
+    assert (acting.heartbeat_timeout_s, shadow.heartbeat_timeout_s) == (15.0, 30.0)
+    assert (acting.enable_workload_scaling, shadow.enable_workload_scaling) == (True, False)
+    assert shadow.num_dp_replicas == acting.num_dp_replicas == 8
+    assert shadow.log_level == acting.log_level == "debug"
+    for name in ("backend", "kube_namespace", "host", "port", "host_monitor_port", "agent_auth"):
+        assert getattr(shadow, name) == getattr(acting, name), name
+    # Its events are the acting supervisor's again: nobody is notified twice.
+    assert len(acting.notification_routes) == 1
+    assert shadow.notification_routes == []
+    # It accepts what host monitors present to the acting supervisor, and the operators';
+    # it cannot call a host monitor, and elects no leader.
+    assert shadow.agent_token == acting.agent_token is not None
+    assert shadow.operator_token == acting.operator_token is not None
+    assert acting.host_monitor_actuator_token is not None
+    assert shadow.host_monitor_actuator_token is None
+    env = {v["name"] for v in container(docs, "Deployment", SHADOW)["env"]}
+    assert env == {"SUPERVISOR_AGENT_TOKEN", "SUPERVISOR_OPERATOR_TOKEN"}
+    # Probed, bounded and locked down as the acting supervisor.
+    c, main = container(docs, "Deployment", SHADOW), container(docs, "Deployment", FULLNAME)
+    for key in ("securityContext", "livenessProbe", "readinessProbe", "ports", "command"):
+        assert c[key] == main[key], key
+    assert c["resources"] == DEFAULT_VALUES["shadow"]["resources"]
+    pod = pod_spec(docs, "Deployment", SHADOW)
+    assert pod["securityContext"] == pod_spec(docs, "Deployment", FULLNAME)["securityContext"]
+    # A change of its settings restarts it.
+    checksum = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/settings"]
+    other = merged(values, {"shadow": {"settings": {"heartbeat_timeout_s": 45.0}}})
+    other_deployment = find(render(other), "Deployment", SHADOW)
+    assert other_deployment["spec"]["template"]["metadata"]["annotations"]["checksum/settings"] != (
+        checksum
+    )
+
+
+def test_shadow_without_a_policy_of_its_own_runs_the_acting_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(merged(INLINE_POLICY, SHADOW_ON))
+    acting = supervisor_settings(docs, tmp_path / "acting", monkeypatch, FULLNAME)
+    shadow = supervisor_settings(docs, tmp_path / "shadow", monkeypatch, SHADOW)
+    assert shadow.policy == acting.policy
+    configmap = find(docs, "ConfigMap", f"{FULLNAME}-policy")
+    policy = _load_mounted_policy(docs, configmap, shadow.policy, tmp_path / "root", SHADOW)
+    assert type(policy).__name__ == "CordonOnXid"
+    # A policy of its own: nothing mounted.
+    docs = render(merged(INLINE_POLICY, SHADOW_ON, {"shadow": {"policy": SHADOW_POLICY}}))
+    assert not [v for v in pod_spec(docs, "Deployment", SHADOW)["volumes"] if v["name"] == "policy"]
+
+
+def test_shadow_and_acting_supervisor_share_no_pod_account_or_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(SHADOW_ON)
+    acting_pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]
+    shadow_pod = find(docs, "Deployment", SHADOW)["spec"]["template"]
+    acting_labels, shadow_labels = (
+        acting_pod["metadata"]["labels"],
+        shadow_pod["metadata"]["labels"],
+    )
+    # Each Service, the budget and each Deployment select their own pods only.
+    acting_service, shadow_service = find(docs, "Service", FULLNAME), find(docs, "Service", SHADOW)
+    assert selects(acting_service["spec"]["selector"], acting_labels)
+    assert not selects(acting_service["spec"]["selector"], shadow_labels)
+    assert selects(shadow_service["spec"]["selector"], shadow_labels)
+    assert not selects(shadow_service["spec"]["selector"], acting_labels)
+    assert not selects(
+        find(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], shadow_labels
+    )
+    for name, labels in ((FULLNAME, shadow_labels), (SHADOW, acting_labels)):
+        assert not selects(
+            find(docs, "Deployment", name)["spec"]["selector"]["matchLabels"], labels
+        )
+    assert shadow_service["spec"]["type"] == "ClusterIP"
+    # Its own ServiceAccount.
+    assert acting_pod["spec"]["serviceAccountName"] == FULLNAME
+    assert shadow_pod["spec"]["serviceAccountName"] == SHADOW
+    assert find(docs, "ServiceAccount", SHADOW)["metadata"]["namespace"] == NAMESPACE
+
+    # Its own database: SQLite on an emptyDir of its pod, by default.
+    shadow = supervisor_settings(docs, tmp_path, monkeypatch, SHADOW)
+    data = next(
+        m for m in container(docs, "Deployment", SHADOW)["volumeMounts"] if m["name"] == "data"
+    )
+    assert shadow.database_url == f"sqlite:///{data['mountPath']}/supervisor.db"
+    volume = next(v for v in shadow_pod["spec"]["volumes"] if v["name"] == "data")
+    assert volume == {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}}
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    # Or a PostgreSQL database of its own, from a Secret.
+    url = "postgresql+psycopg://shadow:secret@db.example:5432/shadow"
+    docs = render(merged(SHADOW_ON, {"shadow": {"database": {"url": url}}}))
+    env = {v["name"]: v for v in container(docs, "Deployment", SHADOW)["env"]}
+    ref = env["SUPERVISOR_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": f"{SHADOW}-database", "key": "url"}
+    assert secret_value(docs, f"{SHADOW}-database", "url") == url
+    assert secret_value(docs, f"{FULLNAME}-database", "url") == PG_URL
+    assert not [v for v in pod_spec(docs, "Deployment", SHADOW)["volumes"] if v["name"] == "data"]
+    settings_yaml = find(docs, "ConfigMap", f"{SHADOW}-settings")["data"]["settings.yaml"]
+    assert "postgresql" not in settings_yaml and "sqlite" not in settings_yaml
+    # The acting supervisor's Secret under another key is another database.
+    docs = render(
+        merged(
+            SHADOW_ON,
+            {
+                "database": {"url": "", "existingSecret": "pg", "existingSecretKey": "dsn"},
+                "shadow": {"database": {"existingSecret": "pg", "existingSecretKey": "shadow"}},
+            },
+        )
+    )
+    env = {v["name"]: v for v in container(docs, "Deployment", SHADOW)["env"]}
+    assert env["SUPERVISOR_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "pg",
+        "key": "shadow",
+    }
+
+
+def granted_to(docs: list[dict[str, Any]], account: str) -> set[tuple[str, str, str, str]]:
+    """(namespace or "", group, resource, verb) for every rule bound to the ServiceAccount."""
+    out = set()
+    for binding in docs:
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        subject = {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+        if subject not in binding["subjects"]:
+            continue
+        ref = binding["roleRef"]
+        namespace = binding["metadata"].get("namespace", "")
+        role = next(
+            d
+            for d in docs
+            if d["kind"] == ref["kind"]
+            and d["metadata"]["name"] == ref["name"]
+            and d["metadata"].get("namespace", "") == namespace
+        )
+        for rule in role["rules"]:
+            assert "resourceNames" not in rule or ref["kind"] == "Role"
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        out.add((namespace, group, resource, verb))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("values", "workload_ns", "kube_identity"),
+    [
+        (SHADOW_ON, NAMESPACE, False),
+        (merged(KUBE_IDENTITY, SHADOW_ON), NAMESPACE, True),
+        (merged(SHADOW_ON, {"workloadNamespace": "jobs"}), "jobs", False),
+    ],
+)
+def test_shadow_may_only_read(
+    values: dict[str, Any], workload_ns: str, kube_identity: bool
+) -> None:
+    """The shadow's ServiceAccount may list and watch what the informers of
+    supervisor/kube/discovery.py list and watch (the only calls a dry-run supervisor makes),
+    and, with the kubernetes identity, review tokens: no other verb, nowhere."""
+    informers: set[tuple[str, str, str]] = set()
+    for call in API_CALL.findall((ROOT / "supervisor" / "kube" / "discovery.py").read_text()):
+        informers |= set(CLIENT_CALLS[call])
+    assert {verb for _, _, verb in informers} == {"list", "watch"}, "the scan is broken"
+    docs = render(values)
+    granted = granted_to(docs, SHADOW)
+    token_review = ("", "authentication.k8s.io", "tokenreviews", "create")
+    reads = {g for g in granted if g != token_review}
+    assert {verb for *_, verb in reads} <= {"get", "list", "watch"}
+    assert (token_review in granted) == kube_identity
+    expected = {
+        ("" if resource == "nodes" else workload_ns, group, resource, verb)
+        for group, resource, verb in informers
+    }
+    assert reads == expected
+    # Nothing of the acting supervisor's is bound to it, nor its to the acting supervisor.
+    acting = granted_to(docs, FULLNAME)
+    assert ("", "", "nodes", "patch") in acting and (workload_ns, "", "events", "create") in acting
+    assert not any(
+        SHADOW in [s["name"] for s in b["subjects"]]
+        and b["roleRef"]["name"] in (FULLNAME, f"{NAMESPACE}-{FULLNAME}-nodes")
+        for b in docs
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+    )
+    assert all(
+        s["name"] != SHADOW
+        for b in docs
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and "shadow" not in b["metadata"]["name"]
+        for s in b["subjects"]
+    )
+    # Without rbac.create, none of it (and the cluster admin grants what is above).
+    docs = render(merged(values, {"rbac": {"create": False}}))
+    assert granted_to(docs, SHADOW) == set()
+
+
+def test_host_monitors_copy_their_heartbeats_to_the_shadow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(merged(KUBE_IDENTITY, SHADOW_ON))
+    hm = host_monitor_settings(docs)
+    service = find(docs, "Service", SHADOW)
+    port = service["spec"]["ports"][0]["port"]
+    assert hm.shadow_supervisor_urls == [f"http://{SHADOW}.{NAMESPACE}.svc:{port}"]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in container(
+        docs, "Deployment", SHADOW
+    )["ports"]
+    # The shadow accepts what they present to the acting supervisor: here, their own
+    # service account token, reviewed for the same audience and account.
+    acting = supervisor_settings(docs, tmp_path / "acting", monkeypatch, FULLNAME)
+    shadow = supervisor_settings(docs, tmp_path / "shadow", monkeypatch, SHADOW)
+    assert shadow.agent_auth == acting.agent_auth == ["kubernetes"]
+    assert shadow.agent_kube_audience == acting.agent_kube_audience
+    assert shadow.agent_kube_service_account == acting.agent_kube_service_account
+
+
+@pytest.mark.parametrize("source", ["cert-manager", "existing-secret"])
+def test_shadow_serves_https_under_a_name_the_supervisor_certificate_holds(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tls = CERT_MANAGER if source == "cert-manager" else EXISTING_TLS
+    docs = render(merged(tls, SHADOW_ON))
+    secret = f"{FULLNAME}-tls" if source == "cert-manager" else "rs-tls"
+    pod = pod_spec(docs, "Deployment", SHADOW)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert volume["secret"] == {"secretName": secret, "defaultMode": 0o440}
+    c = container(docs, "Deployment", SHADOW)
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+    assert mount == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+    assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    shadow = supervisor_settings(docs, tmp_path, monkeypatch, SHADOW)
+    assert (shadow.tls_cert_file, shadow.tls_key_file) == (
+        f"{TLS_DIR}/tls.crt",
+        f"{TLS_DIR}/tls.key",
+    )
+    (url,) = host_monitor_settings(docs).shadow_supervisor_urls
+    parts = urllib.parse.urlsplit(url)
+    assert parts.scheme == "https" and parts.hostname == f"{SHADOW}.{NAMESPACE}.svc"
+    if source == "cert-manager":
+        names = certificates(docs)[secret]["dnsNames"]
+        assert parts.hostname in names and SHADOW in names
+        assert f"{FULLNAME}.{NAMESPACE}.svc" in names  # still the acting supervisor's
+        # Without the shadow, the certificate names the acting supervisor only.
+        alone = certificates(render(tls))[secret]["dnsNames"]
+        assert not [n for n in alone if "shadow" in n]
+    else:
+        assert certificates(docs) == {}
+
+
+def test_shadow_names_never_are_the_acting_ones() -> None:
+    """Names are cut at 63 characters: with the longest release name Helm allows, the
+    shadow's are still its own (were they the acting supervisor's, one would replace the
+    other, and the shadow might get the acting supervisor's rights)."""
+    release = "r" * 53
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(merged(KUBE_IDENTITY, SHADOW_ON), name=release, namespace=NAMESPACE)
+    docs = [d for p, t in files.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    names = collections.Counter(
+        (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs
+    )
+    shadow = [
+        d
+        for d in docs
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") == "shadow-supervisor"
+    ]
+    assert len(shadow) == 9  # ServiceAccount, Service, Deployment, ConfigMap, RBAC
+    for d in shadow:
+        name = d["metadata"]["name"]
+        assert names[(d["kind"], d["metadata"].get("namespace"), name)] == 1, name
+        assert len(name) <= (253 if d["kind"] == "ConfigMap" else 63), name  # a DNS label
+        assert re.search(r"-shadow(-settings|-nodes|-tokenreviews)?$", name)
+
+
 # --- ServiceMonitor, NOTES --------------------------------------------------------------------
 
 
@@ -1177,6 +1593,24 @@ def test_notes_tell_how_to_open_the_dashboard_and_inject_a_fault() -> None:
     # The body it shows is one the API accepts.
     body = next(line for line in notes.splitlines() if "-d '" in line)
     FaultIn.model_validate_json(shlex.split(body.strip())[-1].replace("<node>", "gpu-node-1"))
+    assert "shadow" not in notes
+
+
+def test_notes_tell_how_to_reach_the_shadow() -> None:
+    values = merged(SHADOW_ON, {"shadow": {"policy": SHADOW_POLICY}})
+    notes = render_files(values)["resiliency-supervisor/templates/NOTES.txt"]
+    assert f"port-forward svc/{SHADOW} 8081:8080" in notes
+    assert "http://127.0.0.1:8081/" in notes
+    assert SHADOW_POLICY in notes and "would have" in notes
+    # Its Service is the one the notes name, on the port they forward.
+    service = find(render(values), "Service", SHADOW)
+    assert service["spec"]["ports"][0]["port"] == 8080
+
+    notes = render_files(merged(CERT_MANAGER, SHADOW_ON))[
+        "resiliency-supervisor/templates/NOTES.txt"
+    ]
+    assert f"--tls-server-name {SHADOW}.{NAMESPACE}.svc" in notes
+    assert "https://127.0.0.1:8081/" in notes
 
 
 # --- every value documented and used ----------------------------------------------------------
@@ -1282,6 +1716,12 @@ MUTATIONS: dict[str, Any] = {
     "tls.certManager.renewBefore": "240h",
     "supervisor.resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
     "hostMonitor.resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+    "shadow.policy": "policies.examples.hot_swap_on_xid:HotSwapOnXid",
+    "shadow.settings": {"heartbeat_timeout_s": 30.0},
+    "shadow.database.url": "postgresql://shadow@db/x",
+    "shadow.database.existingSecret": "other-shadow-pg",
+    "shadow.database.existingSecretKey": "dsn",
+    "shadow.tolerations": [{"key": "infra", "operator": "Exists"}],
 }
 
 
@@ -1317,7 +1757,7 @@ def with_leaf(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 # the rendered output in at least one of them. Tokens are fixed so renders compare.
 CONTEXTS = [
     merged(POSTGRES, {"auth": TOKENS}),
-    merged(SQLITE, {"auth": TOKENS}),
+    merged(SQLITE, {"auth": TOKENS}, {"shadow": {"enabled": True}}),  # its SQLite
     merged(INLINE_POLICY, {"auth": TOKENS}),
     merged(
         POSTGRES,
@@ -1329,6 +1769,10 @@ CONTEXTS = [
             "prometheusRule": {"enabled": True},
             "database": {"url": "", "existingSecret": "pg"},
             "supervisor": {"replicas": 1},
+            # Its own PostgreSQL, from a Secret.
+            "shadow": {"enabled": True, "database": {"existingSecret": "shadow-pg"}},
+            # TLS off, but ready to be turned on.
+            "tls": {"certManager": {"issuerRef": {"name": "team-ca"}}},
         },
     ),
     merged(CERT_MANAGER, {"auth": TOKENS}),

@@ -109,6 +109,127 @@ certificate is checked against, whatever address they are reached at). */}}
 {{- .Values.policy.existingConfigMap | default (printf "%s-policy" (include "rs.fullname" .)) -}}
 {{- end -}}
 
+{{/* The settings the chart decides, as YAML (read back with fromYaml): those of the acting
+supervisor (configmap.yaml) and the base of the shadow's (shadow-configmap.yaml). The
+database URL is not here: each has its own. */}}
+{{- define "rs.managedSettings" -}}
+{{- $managed := dict
+  "backend" "kubernetes"
+  "host" "0.0.0.0"
+  "port" 8080
+  "policy" (include "rs.policy" .)
+  "kube_namespace" (include "rs.workloadNamespace" .)
+  "leader_election" .Values.supervisor.leaderElection
+  "host_monitor_port" .Values.hostMonitor.port
+  "notification_routes" .Values.notifications.routes
+-}}
+{{- $identity := .Values.hostMonitor.identity }}
+{{- if eq $identity.mode "kubernetes" }}
+{{- $_ := set $managed "agent_auth" (ternary (list "shared" "kubernetes") (list "kubernetes") $identity.acceptSharedToken) }}
+{{- $_ := set $managed "agent_kube_audience" $identity.audience }}
+{{- $_ := set $managed "agent_kube_service_account" (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "rs.hostMonitorService" .)) }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+{{- $dir := include "rs.tlsDir" . }}
+{{- $_ := set $managed "tls_cert_file" (printf "%s/tls.crt" $dir) }}
+{{- $_ := set $managed "tls_key_file" (printf "%s/tls.key" $dir) }}
+{{- $_ := set $managed "tls_ca_file" (printf "%s/ca.crt" $dir) }}
+{{- $_ := set $managed "tls_host_monitor_server_name" (include "rs.hostMonitorServiceName" .) }}
+{{- end }}
+{{- toYaml $managed }}
+{{- end -}}
+
+{{/* The pod and container security contexts, and the probes, of a supervisor's pod (the
+acting one and the shadow). */}}
+{{- define "rs.supervisorPodSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "rs.supervisorSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{- define "rs.supervisorLivenessProbe" -}}
+{{- $p := .Values.supervisor.livenessProbe -}}
+httpGet:
+  path: /healthz
+  port: http
+  {{- if .Values.tls.enabled }}
+  scheme: HTTPS
+  {{- end }}
+periodSeconds: {{ $p.periodSeconds }}
+timeoutSeconds: {{ $p.timeoutSeconds }}
+failureThreshold: {{ $p.failureThreshold }}
+{{- end -}}
+
+{{- define "rs.supervisorReadinessProbe" -}}
+{{- $p := .Values.supervisor.readinessProbe -}}
+httpGet:
+  path: /readyz
+  port: http
+  {{- if .Values.tls.enabled }}
+  scheme: HTTPS
+  {{- end }}
+periodSeconds: {{ $p.periodSeconds }}
+timeoutSeconds: {{ $p.timeoutSeconds }}
+failureThreshold: {{ $p.failureThreshold }}
+{{- end -}}
+
+{{/* The shadow supervisor (values `shadow`): a supervisor in dry run beside the acting one.
+Its names end in -shadow whatever the length of the release's: never the acting one's. */}}
+{{- define "rs.shadowName" -}}
+{{- printf "%s-shadow" (include "rs.fullname" . | trunc 56 | trimSuffix "-") -}}
+{{- end -}}
+
+{{- define "rs.shadowServiceName" -}}
+{{- printf "%s.%s.svc" (include "rs.shadowName" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* What the host monitors send their copies of the heartbeats to. */}}
+{{- define "rs.shadowUrl" -}}
+{{- printf "%s://%s:%v" (include "rs.scheme" .) (include "rs.shadowServiceName" .) .Values.supervisor.service.port -}}
+{{- end -}}
+
+{{/* Its cluster-scoped names (dict "root" . "suffix" "nodes"): namespace, release, suffix. */}}
+{{- define "rs.shadowClusterName" -}}
+{{- $prefix := printf "%s-%s" .root.Release.Namespace (include "rs.fullname" .root) -}}
+{{- printf "%s-shadow-%s" ($prefix | trunc (int (sub 55 (len .suffix))) | trimSuffix "-") .suffix -}}
+{{- end -}}
+
+{{/* Its policy: shadow.policy, else the acting supervisor's (a mounted file, maybe). */}}
+{{- define "rs.shadowPolicy" -}}
+{{- .Values.shadow.policy | default (include "rs.policy" .) -}}
+{{- end -}}
+
+{{- define "rs.shadowMountsPolicy" -}}
+{{- if and (not .Values.shadow.policy) (or .Values.policy.inline .Values.policy.existingConfigMap) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Its database: PostgreSQL of its own (a URL in a Secret), else SQLite in an emptyDir. */}}
+{{- define "rs.shadowPostgres" -}}
+{{- if or .Values.shadow.database.url .Values.shadow.database.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{- define "rs.shadowDatabaseSecret" -}}
+{{- .Values.shadow.database.existingSecret | default (printf "%s-database" (include "rs.shadowName" .)) -}}
+{{- end -}}
+
+{{- define "rs.shadowDatabaseSecretKey" -}}
+{{- ternary .Values.shadow.database.existingSecretKey "url" (not (empty .Values.shadow.database.existingSecret)) -}}
+{{- end -}}
+
+{{- define "rs.databaseSecretKey" -}}
+{{- ternary .Values.database.existingSecretKey "url" (not (empty .Values.database.existingSecret)) -}}
+{{- end -}}
+
 {{/* Combinations the values schema cannot express; each fails with what to change. */}}
 {{- define "rs.validate" -}}
 {{- $s := .Values.supervisor -}}
@@ -125,5 +246,21 @@ certificate is checked against, whatever address they are reached at). */}}
 {{- $t := .Values.tls -}}
 {{- if and $t.enabled (not $t.existingSecret) (not $t.certManager.issuerRef.name) -}}
 {{- fail "tls.enabled needs tls.existingSecret or tls.certManager.issuerRef.name (cert-manager)" -}}
+{{- end -}}
+{{- $sh := .Values.shadow -}}
+{{- if $sh.enabled -}}
+{{- if and (hasKey $sh.settings "dry_run") (not $sh.settings.dry_run) -}}
+{{- fail "shadow.settings.dry_run: the shadow always runs in dry run (it must never act); leave dry_run out" -}}
+{{- end -}}
+{{- if eq (include "rs.serviceAccountName" .) (include "rs.shadowName" .) -}}
+{{- fail (printf "serviceAccount.name %s is the shadow's ServiceAccount: the shadow must not hold the acting supervisor's permissions" (include "rs.shadowName" .)) -}}
+{{- end -}}
+{{- if and (eq .Values.database.type "postgresql") (include "rs.shadowPostgres" .) -}}
+{{- $sameUrl := and $sh.database.url (eq $sh.database.url .Values.database.url) -}}
+{{- $sameSecret := and $sh.database.existingSecret (eq (include "rs.shadowDatabaseSecret" .) (include "rs.databaseSecret" .)) (eq (include "rs.shadowDatabaseSecretKey" .) (include "rs.databaseSecretKey" .)) -}}
+{{- if or $sameUrl $sameSecret -}}
+{{- fail "shadow.database is the acting supervisor's database: the shadow needs its own (leave shadow.database.url and existingSecret empty for SQLite in the pod)" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
