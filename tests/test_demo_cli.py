@@ -166,7 +166,9 @@ def test_demo_takes_a_policy_and_settings_and_survives_its_supervisor(tmp_path: 
         api = f"http://127.0.0.1:{port}/api/v1"
 
         def step() -> int:
-            return int(httpx.get(f"{api}/jobs/demo", headers=headers).json().get("last_step") or 0)
+            # A generous timeout: a loaded machine may take seconds to answer.
+            reply = httpx.get(f"{api}/jobs/demo", headers=headers, timeout=30)
+            return int(reply.json().get("last_step") or 0)
 
         deadline = time.monotonic() + 60
         while step() < 3:
