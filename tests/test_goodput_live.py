@@ -34,7 +34,6 @@ from sqlalchemy import update
 from host_monitor.checkpoint_forwarder import CheckpointForwarder
 from supervisor.actuator import DryRunBackend
 from supervisor.api import create_app
-from supervisor.api.routes.goodput import ResultCache
 from supervisor.config import Settings
 from supervisor.domain import (
     ActionRequest,
@@ -45,6 +44,7 @@ from supervisor.domain import (
     EventType,
     ProgressSample,
 )
+from supervisor.goodput.service import ResultCache
 from supervisor.local.cluster import free_port
 from supervisor.runtime import Supervisor
 from supervisor.store import Store, open_store

@@ -39,11 +39,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from supervisor.api.routes.goodput import job_timeline
 from supervisor.domain import ActionStatus, NodeState, ProgressSample, utcnow
 from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.model import Timeline
 from supervisor.goodput.sampler import sensor_steps
+from supervisor.goodput.service import GoodputService
 from supervisor.metrics import RestartKind
 from supervisor.runtime import Supervisor
 
@@ -294,8 +294,9 @@ class JobMetrics(Collector):
         self, jobs: Sequence[str], live: dict[str, list[ProgressSample]]
     ) -> tuple[dict[str, HistoryFigures], dict[str, int]]:
         figures = {}
+        goodput = GoodputService(self.supervisor.store, self.supervisor.sensor)
         for job in jobs:
-            timeline, _ = job_timeline(self.supervisor, job, live=live.get(job, ()))
+            timeline, _ = goodput.timeline(job, live=live.get(job, ()))
             figures[job] = history_figures(timeline)
         # The restart budget as the policy counts it (controller.context).
         window = timedelta(seconds=self.supervisor.settings.restart_window_s)

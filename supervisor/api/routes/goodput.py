@@ -1,42 +1,30 @@
-"""Goodput and checkpoint advice per job, computed from the supervisor's own history.
+"""Goodput and checkpoint advice per job: the routes and their response models.
 
-Both read the job's events, actions, the workers' checkpoint reports and the sampled
-step progress from the store, build the job's timeline
-(:mod:`supervisor.goodput.history`) and run the goodput model on it, in a worker thread.
-A long history takes a while (see `python -m bench.goodput`: under a second for a day
-of a job at one step per second), and dashboards poll: requests for the same figures
-share one computation, and its result is served for max(1 s, twice what it cost) before
-being computed again. The response models below are the stable contract (the dashboard's
-goodput panel reads them).
+The figures come from :class:`supervisor.goodput.service.GoodputService` (the job's
+history and live step, computations shared). The response models below are the stable
+contract (the dashboard's goodput panel reads them).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from supervisor.api.deps import Reader, SupervisorDep
 from supervisor.api.routes.common import check_known
-from supervisor.domain import ProgressSample, utcnow
 from supervisor.goodput.advice import (
     CheckpointAdvice,
     advise_from_report,
     estimate_mtbf,
     ramdisk_sizing,
 )
-from supervisor.goodput.breakdown import compute_goodput
-from supervisor.goodput.history import HistorySources, timeline_from_history
-from supervisor.goodput.model import Badput, GoodputReport, Timeline
-from supervisor.goodput.sampler import sensor_steps
-from supervisor.runtime import Supervisor
+from supervisor.goodput.history import HistorySources
+from supervisor.goodput.model import Badput, GoodputReport
+from supervisor.goodput.service import GoodputService
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["goodput"], dependencies=[Reader])
 
@@ -225,56 +213,6 @@ def _time(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
 
 
-def job_goodput(
-    supervisor: Supervisor,
-    job: str,
-    *,
-    points: int = 0,
-    reference_step_time_s: float | None = None,
-    live: Sequence[ProgressSample] = (),
-) -> tuple[GoodputReport, HistorySources]:
-    """The job's goodput report (with ``points`` of series) and the record counts (runs
-    in a thread).
-
-    ``live``: the step the sensor holds now, newer than the last stored sample by up to
-    a sample period.
-    """
-    timeline, sources = job_timeline(supervisor, job, live=live)
-    report = compute_goodput(
-        timeline, reference_step_time_s=reference_step_time_s, series_points=points
-    )
-    return report, sources
-
-
-def job_timeline(
-    supervisor: Supervisor, job: str, *, live: Sequence[ProgressSample] = ()
-) -> tuple[Timeline, HistorySources]:
-    """The job's timeline from its stored history and ``live`` (runs in a thread)."""
-    history = supervisor.store.job_history(job)
-    view = supervisor.sensor.job_view(job) or history.job
-    timeline, sources = timeline_from_history(
-        job,
-        created_at=history.created_at,
-        events=history.events,
-        actions=history.actions,
-        checkpoints=history.checkpoints,
-        samples=[*history.samples, *live],
-        now=utcnow(),
-        max_replicas=view.max_num_dp_replicas if view is not None else None,
-    )
-    # The store summarises the ranks' reports of one checkpoint: count what is stored.
-    return timeline, replace(sources, checkpoint_reports=history.checkpoint_reports)
-
-
-def live_step(supervisor: Supervisor, job: str) -> list[ProgressSample]:
-    """The job's newest step as the sensor holds it now (call on the event loop)."""
-    return [
-        ProgressSample(job=name, step=step, time=_time(at))
-        for name, step, at in sensor_steps(supervisor.sensor)
-        if name == job
-    ]
-
-
 def goodput_out(job: str, report: GoodputReport, sources: HistorySources) -> GoodputOut:
     return GoodputOut(
         job=job,
@@ -329,56 +267,16 @@ def advice_out(
     )
 
 
-# --- shared computations ---------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-@dataclass
-class _Entry:
-    computed_at: float  # monotonic
-    fresh_for_s: float
-    value: Any
-
-
-class ResultCache:
-    """One computation per key at a time; its result reused for max(min_age_s, 2 x cost)."""
-
-    def __init__(self, min_age_s: float = 1.0, max_entries: int = 256) -> None:
-        self.min_age_s = min_age_s
-        self.max_entries = max_entries
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._locks: dict[Hashable, asyncio.Lock] = {}
-
-    async def get(self, key: Hashable, compute: Callable[[], T]) -> T:
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            entry = self._entries.get(key)
-            if entry is not None and time.monotonic() - entry.computed_at < entry.fresh_for_s:
-                value: T = entry.value
-                return value
-            started = time.monotonic()
-            value = await asyncio.to_thread(compute)
-            done = time.monotonic()
-            self._entries[key] = _Entry(done, max(self.min_age_s, 2 * (done - started)), value)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                old, _ = self._entries.popitem(last=False)
-                old_lock = self._locks.get(old)
-                if old_lock is not None and not old_lock.locked():
-                    del self._locks[old]
-            return value
-
-
-def get_cache(request: Request) -> ResultCache:
+def get_goodput_service(request: Request, supervisor: SupervisorDep) -> GoodputService:
+    """The app's goodput service (made on first use: the store exists once started)."""
     state = request.app.state
-    cache: ResultCache | None = getattr(state, "goodput_cache", None)
-    if cache is None:
-        cache = state.goodput_cache = ResultCache()
-    return cache
+    service: GoodputService | None = getattr(state, "goodput", None)
+    if service is None:
+        service = state.goodput = GoodputService(supervisor.store, supervisor.sensor)
+    return service
 
 
-Cache = Annotated[ResultCache, Depends(get_cache)]
+Goodput = Annotated[GoodputService, Depends(get_goodput_service)]
 
 
 # --- routes ------------------------------------------------------------------------------
@@ -387,7 +285,7 @@ Cache = Annotated[ResultCache, Depends(get_cache)]
 @router.get("/{job}/goodput", response_model=GoodputOut, summary="Goodput and badput of a job")
 async def get_goodput(
     supervisor: SupervisorDep,
-    cache: Cache,
+    goodput: Goodput,
     job: str,
     points: Annotated[
         int, Query(ge=0, le=200, description="Points of the `series` (0: none).")
@@ -398,16 +296,8 @@ async def get_goodput(
     ] = None,
 ) -> GoodputOut:
     check_known(supervisor, job=job)
-    live = live_step(supervisor, job)
-    report, sources = await cache.get(
-        (job, points, reference_step_time_s),
-        lambda: job_goodput(
-            supervisor,
-            job,
-            points=points,
-            reference_step_time_s=reference_step_time_s,
-            live=live,
-        ),
+    report, sources = await goodput.report(
+        job, points=points, reference_step_time_s=reference_step_time_s
     )
     return goodput_out(job, report, sources)
 
@@ -415,7 +305,7 @@ async def get_goodput(
 @router.get("/{job}/advice", response_model=AdviceOut, summary="Checkpoint advice for a job")
 async def get_advice(
     supervisor: SupervisorDep,
-    cache: Cache,
+    goodput: Goodput,
     job: str,
     mtbf_s: Annotated[
         float | None, Query(gt=0, description="MTBF to use instead of the observed one.")
@@ -453,8 +343,7 @@ async def get_advice(
         ramdisk = RamdiskOut(**asdict(sizing), size_mib=sizing.size_mib)
     elif hosts is not None:
         raise HTTPException(422, "parameters: required with hosts (ramdisk sizing)")
-    live = live_step(supervisor, job)
-    report, _ = await cache.get((job, 0, None), lambda: job_goodput(supervisor, job, live=live))
+    report, _ = await goodput.report(job)
     try:
         advice = advise_from_report(report, mtbf_s=mtbf_s, durable_mtbf_s=durable_mtbf_s)
     except ValueError as exc:
