@@ -10,7 +10,7 @@ from supervisor.api.deps import Operator, Reader, SupervisorDep
 from supervisor.api.routes.common import RecordId, RecordIdFilter, as_utc, check_known, page_of
 from supervisor.api.schemas import ActionIn, ActionOut, Page, UtcTime
 from supervisor.domain import ActionRequest, ActionStatus, ActionType
-from supervisor.runtime import RequestRefused, UnknownTarget
+from supervisor.errors import RequestRefused, UnknownTarget
 from supervisor.store import ActionFilter
 
 router = APIRouter(prefix="/api/v1/actions", tags=["actions"])

@@ -9,7 +9,8 @@ from fastapi import APIRouter, HTTPException, status
 from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
 from supervisor.api.routes.common import RecordId
 from supervisor.api.schemas import FaultIn, FaultOut
-from supervisor.runtime import FaultNotSupported, FaultSpec, UnknownTarget
+from supervisor.errors import FaultNotSupported, UnknownTarget
+from supervisor.faults import FaultSpec
 
 router = APIRouter(
     prefix="/api/v1/faults", tags=["faults"], dependencies=[Operator, FaultInjection]
