@@ -595,8 +595,7 @@ class SimulatedCluster:
         spare.slot = slot
         self.slots[slot] = spare.name
         self.counters.spares_used += 1
-        if old.up:
-            old.up = True
+        if old.up:  # its host monitor says it left the job
             await self._report(old)
         self._begin_attempt(startup_s=self.job.startup_s)
 

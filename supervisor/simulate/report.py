@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from supervisor.goodput.model import BADPUT_CATEGORIES
@@ -186,4 +185,4 @@ def scenario_summary(scenario: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["as_html", "as_json", "as_table", "asdict", "scenario_summary"]
+__all__ = ["as_html", "as_json", "as_table", "scenario_summary"]

@@ -13,7 +13,7 @@ Stragglers are not simulated: the periodic straggler scan is not run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from supervisor.config import Settings
@@ -110,10 +110,10 @@ class SimulatedSensor(Sensor):
         self._heard(self.nodes)
         return super().snapshot()
 
-    def _heard(self, names: object) -> None:
+    def _heard(self, names: Iterable[str]) -> None:
         """Nodes that heartbeat were heard from just now (their last heartbeat is read)."""
         now = self._clock()
-        for name in list(names):  # type: ignore[call-overload]
+        for name in list(names):
             node = self.nodes.get(name)
             if node is not None and node.alive and self.cluster.heartbeating(name):
                 node.last_seen = now
