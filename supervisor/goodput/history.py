@@ -263,6 +263,29 @@ def _monotonic(steps: Sequence[StepReported], boundaries: Sequence[float]) -> li
     return out
 
 
+def failures_by_incident(
+    events: Sequence[Event], starts: Sequence[float], *, origin: float = 0.0
+) -> list[FailureDetected]:
+    """The failures among `events`, one per incident: a failure detected before the job
+    was started again (`starts`, sorted) after the previous one belongs to it. Times are
+    Unix seconds minus `origin`."""
+    failing = sorted((e for e in events if is_failure(e)), key=lambda e: (e.time, e.id or 0))
+    failures: list[FailureDetected] = []
+    last_detected: float | None = None
+    for e in failing:
+        detected = ts(e.time) - origin
+        if last_detected is not None:
+            i = bisect.bisect_right(starts, last_detected)
+            if i == len(starts) or starts[i] > detected:
+                continue  # not started again since the previous failure: same incident
+        at = fault_time(e)
+        failures.append(
+            FailureDetected(detected, None if at is None else at - origin, e.type.value, e.node)
+        )
+        last_detected = detected
+    return failures
+
+
 def timeline_from_history(
     job: str,
     *,
@@ -352,19 +375,7 @@ def timeline_from_history(
     all_starts = sorted(set(starts) | set(extra))
     steps = _monotonic(steps, [*all_starts, *(ld.time for ld in loads)])
 
-    # Failures, one per incident: a failure detected before the job was started again
-    # after the previous one belongs to it.
-    failing = sorted((e for e in events if is_failure(e)), key=lambda e: (e.time, e.id or 0))
-    failures: list[FailureDetected] = []
-    last_detected: float | None = None
-    for e in failing:
-        detected = ts(e.time)
-        if last_detected is not None:
-            i = bisect.bisect_right(all_starts, last_detected)
-            if i == len(all_starts) or all_starts[i] > detected:
-                continue  # not started again since the previous failure: same incident
-        failures.append(FailureDetected(detected, fault_time(e), e.type.value, e.node))
-        last_detected = detected
+    failures = failures_by_incident(events, all_starts)
 
     stops = [
         JobStopped(ts(e.time), "workers exited with code 0")
@@ -403,7 +414,7 @@ def timeline_from_history(
     )
     sources = HistorySources(
         events=len(events),
-        failure_events=len(failing),
+        failure_events=sum(1 for e in events if is_failure(e)),
         actions=len(actions),
         checkpoint_reports=len(checkpoints),
         progress_samples=len(samples),

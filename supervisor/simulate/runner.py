@@ -4,22 +4,21 @@ simulated cluster on a virtual clock, once per variant, on the same faults."""
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import os
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.domain import ActionRecord, Event
 from supervisor.goodput.breakdown import compute_goodput
-from supervisor.goodput.history import fault_time, is_failure
-from supervisor.goodput.model import FailureDetected, GoodputReport, Remediation, Timeline
+from supervisor.goodput.history import failures_by_incident
+from supervisor.goodput.model import GoodputReport, Remediation, Timeline
 from supervisor.runtime import Supervisor
 from supervisor.sensor import Changes, HostHeartbeat
 from supervisor.simulate.clock import run_virtual
@@ -200,26 +199,11 @@ def _timeline(
     incident, as the live goodput counts them)."""
     records = [r for r in cluster.records if getattr(r, "time", 0.0) <= end]
     starts = sorted(r.time for r in records if type(r).__name__ == "JobStarted")
-    failures: list[FailureDetected] = []
-    last: float | None = None
-    for event in sorted((e for e in events if is_failure(e)), key=lambda e: (e.time, e.id or 0)):
-        detected = event.time.timestamp() - EPOCH
-        if detected > end:
-            continue
-        if last is not None:
-            i = bisect.bisect_right(starts, last)
-            if i == len(starts) or starts[i] > detected:
-                continue  # the job did not start again since: the same incident
-        at = fault_time(event)
-        failures.append(
-            FailureDetected(
-                detected,
-                None if at is None else max(0.0, min(detected, at - EPOCH)),
-                event.type.value,
-                event.node,
-            )
-        )
-        last = detected
+    failures = [
+        replace(f, fault_at=None if f.fault_at is None else max(0.0, f.fault_at))
+        for f in failures_by_incident(events, starts, origin=EPOCH)
+        if f.detected_at <= end
+    ]
     remediations = []
     for action in actions:
         if action.started_at is None:
