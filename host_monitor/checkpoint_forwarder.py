@@ -36,6 +36,7 @@ import httpx
 
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.protocol import CheckpointReport
+from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import utcnow
 from resiliency_protocol.tls import client_context
@@ -150,8 +151,7 @@ class CheckpointForwarder:
                     await asyncio.sleep(self._delay())
 
     def _delay(self) -> float:
-        backoff = min(self.max_backoff_s, 0.05 * 2.0 ** min(self._failures - 1, 30))
-        return backoff * random.uniform(0.5, 1.0)
+        return attempt_delay(0.05, self._failures, self.max_backoff_s, jitter=random.random)
 
     async def _send(self, client: httpx.AsyncClient) -> bool:
         size = 1 if self._one_by_one else BATCH

@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from host_monitor.credentials import BearerCredential
+from host_monitor.errors import HostMonitorError
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
 from resiliency_protocol.tls import client_context, server_context
 
@@ -314,7 +315,7 @@ class HostMonitorSettings(BaseSettings):
         return Path(DEFAULT_PEER_STORE_PARENT) / self.node
 
 
-class ConfigError(Exception):
+class ConfigError(HostMonitorError):
     """Settings that cannot be used; the message is one line meant for the operator."""
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from host_monitor.errors import HostMonitorError
 
-class CredentialError(ValueError):
+
+class CredentialError(HostMonitorError, ValueError):
     """The credential file cannot be read, or is empty."""
 
 

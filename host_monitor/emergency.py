@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host_monitor.errors import HostMonitorError
 from host_monitor.protocol import (
     EmergencyAck,
     EmergencyCheckpointRequest,
@@ -38,7 +39,7 @@ KEEP_ROUNDS = 64  # finished rounds remembered for idempotency
 CHECK_PERIOD_S = 0.05  # how often a round looks for workers that died without acking
 
 
-class UnknownRound(KeyError):
+class UnknownRound(HostMonitorError, KeyError):
     """No round with this request_id (HTTP 404)."""
 
 

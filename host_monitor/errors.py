@@ -1,24 +1,26 @@
-"""The host monitor's FastAPI handlers for errors, answering with the supervisor's error
-body (resiliency_protocol.errors), so one client reads both APIs' errors alike."""
+"""The host monitor's exceptions, under one root. Each is defined beside the code that
+raises it; the routes map the ones a request can meet to an HTTP status.
+
+HostMonitorError
+├── ConfigError          settings that cannot be used (config.py)
+├── CredentialError      a credential file that cannot be read, or is empty (credentials.py)
+├── InvalidRequest       a request naming a bad field: 422 (node.py)
+├── WorkerNotFound       no worker with this rank on this node: 404 (workers.py)
+├── WorkerConflict       the request does not fit the workers' state: 409 (workers.py)
+├── PidNotFound          no single process matches a worker's identity (pidns.py)
+├── UnknownRound         no emergency-checkpoint round with this id: 404 (emergency.py)
+├── NvidiaSmiError       nvidia-smi failed, timed out or printed nonsense (watchdogs/nvidia_smi.py)
+├── PeerTierError        a worker's peer-tier request that cannot be served (peer_tier.py)
+└── PeerStoreError       a partner's upload or read the store refuses (peer_store.py)
+    ├── Invalid          422
+    ├── NotFound         404
+    ├── TooLarge         413
+    ├── Mismatch         409: the files do not match the manifest
+    └── Superseded       409: a newer copy or the job's departure dropped this one
+"""
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from resiliency_protocol.errors import error_body, validation_error_body
-
-
-async def validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """422 whose `message` names each offending field in one line."""
-    assert isinstance(exc, RequestValidationError)
-    return JSONResponse(validation_error_body(exc.errors()), status_code=422)
-
-
-async def http_error(request: Request, exc: Exception) -> JSONResponse:
-    """An error raised in route code: `message` (one line) and `detail` as FastAPI gives it."""
-    assert isinstance(exc, StarletteHTTPException)
-    body = error_body(str(exc.detail), exc.detail)
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+class HostMonitorError(Exception):
+    """Root of the host monitor's errors."""

@@ -28,6 +28,7 @@ import msgspec
 
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
+from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
@@ -128,8 +129,7 @@ class HeartbeatSender:
         # Backoff: period/20, doubling per failure, capped at the period; "equal jitter"
         # (half fixed, half random) keeps the growth and spreads a fleet's retries.
         base = max(self.period_s / 20, 0.01)
-        backoff = min(self.period_s, base * 2.0 ** min(self._failures - 1, 30))
-        return backoff * random.uniform(0.5, 1.0)
+        return attempt_delay(base, self._failures, self.period_s, jitter=random.random)
 
     def body(self, snap: NodeSnapshot | None = None) -> HostHeartbeat:
         if snap is None:

@@ -30,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from host_monitor.config import HostMonitorSettings, env_without_secrets
 from host_monitor.emergency import EmergencyRounds
+from host_monitor.errors import HostMonitorError
 from host_monitor.heartbeat import NodeSnapshot
 from host_monitor.protocol import (
     AssignWorldRequest,
@@ -78,7 +79,7 @@ def _rank(worker: Worker) -> int:
     return worker.rank
 
 
-class InvalidRequest(Exception):
+class InvalidRequest(HostMonitorError):
     """A request that names a bad field (HTTP 422): `field` and a one-line message."""
 
     def __init__(self, field: str, message: str) -> None:

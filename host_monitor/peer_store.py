@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from host_monitor.errors import HostMonitorError
 from host_monitor.peer_protocol import MANIFEST, Checksum, CommitResult, Manifest, PeerCopy
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ PART_PREFIX = "~"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 
-class PeerStoreError(Exception):
+class PeerStoreError(HostMonitorError):
     """A request the store refuses: `field` names what is wrong."""
 
     def __init__(self, field: str, message: str) -> None:

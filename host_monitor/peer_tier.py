@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from host_monitor.checkpoint_forwarder import CheckpointForwarder
 from host_monitor.config import HostMonitorSettings
+from host_monitor.errors import HostMonitorError
 from host_monitor.node import Node
 from host_monitor.peer_protocol import (
     MANIFEST,
@@ -63,6 +64,7 @@ from host_monitor.peer_store import (
     write_all,
 )
 from host_monitor.protocol import CheckpointPeer
+from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import utcnow
 from resiliency_protocol.tls import client_context
@@ -83,7 +85,7 @@ O_OVERWRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEX
 T = TypeVar("T")
 
 
-class PeerTierError(Exception):
+class PeerTierError(HostMonitorError):
     """A worker's request that cannot be served: HTTP `status`, `field` names why."""
 
     def __init__(self, status: int, field: str, message: str) -> None:
@@ -93,7 +95,7 @@ class PeerTierError(Exception):
         self.message = message
 
 
-class _Transient(Exception):
+class _Transient(HostMonitorError):
     """A failed attempt worth retrying."""
 
 
@@ -360,7 +362,7 @@ class PeerTier:
             if number == attempts:
                 break
             log.info("%s: %s (attempt %d of %d)", what, problem, number, attempts)
-            await asyncio.sleep(BACKOFF_S * 2 ** (number - 1) * random.uniform(0.5, 1.0))
+            await asyncio.sleep(attempt_delay(BACKOFF_S, number, jitter=random.random))
         raise PeerTierError(
             503, "peer", f"partner {peer.node} ({peer.url}) unreachable: {what}: {problem}"
         )

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from host_monitor.errors import HostMonitorError
+
 PROC = Path("/proc")
 
 
@@ -35,7 +37,7 @@ class PidIdentity:
     start_time: int | None  # clock ticks since boot (field 22 of /proc/self/stat)
 
 
-class PidNotFound(LookupError):
+class PidNotFound(HostMonitorError, LookupError):
     """No single process of this node matches a worker's identity (the message says why)."""
 
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from host_monitor.emergency import UnknownRound
-from host_monitor.errors import http_error, validation_error
+from host_monitor.error_handlers import http_error, validation_error
 from host_monitor.faults import NODE_DOWN_EXIT_CODE, FaultActor, FaultOutcome
 from host_monitor.node import InvalidRequest, Node
 from host_monitor.peer_routes import peer_router

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from host_monitor import pidns
+from host_monitor.errors import HostMonitorError
 from host_monitor.protocol import WorkerRegistration, WorkerStatus, WorkerStopping
 from resiliency_protocol.states import WorkerState
 
@@ -39,11 +40,11 @@ KILL_WAIT_S = 5.0
 STOP_POLL_S = 0.02
 
 
-class WorkerNotFound(KeyError):
+class WorkerNotFound(HostMonitorError, KeyError):
     """No worker with this rank on this node."""
 
 
-class WorkerConflict(Exception):
+class WorkerConflict(HostMonitorError):
     """The request does not fit the workers' current state (HTTP 409)."""
 
 

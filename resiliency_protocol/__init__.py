@@ -1,8 +1,9 @@
 """What crosses a process boundary between the supervisor, the host monitors and the
 training processes: node and worker states and the name rule (`states`), the heartbeat
-(`heartbeat`), the error body of the HTTP APIs and its reader (`errors`), and the
-emergency checkpoint across nodes (`emergency`), and TLS for the clients and servers
-of all three (`tls`).
+(`heartbeat`), the error body of the HTTP APIs and its reader (`errors`), the emergency
+checkpoint across nodes (`emergency`), TLS for the clients and servers of all three
+(`tls`), the retry rule every client waits by (`backoff`) and the package's exception
+root (`exceptions`).
 
 Each side imports these from here, so the two ends of a wire cannot drift apart; nothing
 here imports the supervisor, the host monitor, the training side or the policies (an

@@ -3,7 +3,7 @@ their clients read it back.
 
 Every error answer is an `ErrorOut`: `message`, one line that names the offending field
 where there is one, and `detail` as FastAPI gives it. Each server answers with it from its
-own FastAPI handlers (supervisor/api/errors.py, host_monitor/errors.py), which build it
+own FastAPI handlers (supervisor/api/errors.py, host_monitor/error_handlers.py), which build it
 here. Imports nothing from supervisor, host_monitor or training.
 """
 

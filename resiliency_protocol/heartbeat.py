@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from resiliency_protocol.exceptions import ProtocolError
 from resiliency_protocol.states import NAME_PATTERN, NodeState, WorkerState
 
 # Node and job names follow NAME_PATTERN. The pattern is checked in `check_heartbeat`
@@ -109,7 +110,7 @@ class HostHeartbeat(
 _rank = operator.attrgetter("rank")
 
 
-class HeartbeatError(ValueError):
+class HeartbeatError(ProtocolError, ValueError):
     """The body is not a valid heartbeat. `loc` is the path of the offending field."""
 
     def __init__(self, loc: tuple[str | int, ...], message: str) -> None:

@@ -14,10 +14,12 @@ import socket
 import ssl
 from pathlib import Path
 
+from resiliency_protocol.exceptions import ProtocolError
+
 __all__ = ["TLSError", "client_context", "server_context"]
 
 
-class TLSError(Exception):
+class TLSError(ProtocolError):
     """A certificate, key or CA file that cannot be used; the message is one line."""
 
 

@@ -22,6 +22,7 @@ from pydantic_settings import (
 )
 
 from resiliency_protocol.tls import client_context
+from supervisor.errors import SupervisorError
 from supervisor.notifications.settings import Routes
 from supervisor.xid import XidResponse
 
@@ -488,7 +489,7 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
-class ConfigError(Exception):
+class ConfigError(SupervisorError):
     """Settings that cannot be used; the message is one line meant for the operator."""
 
 

@@ -1,9 +1,24 @@
-"""The supervisor's own refusals, under one root, for the API to map to statuses.
+"""The supervisor's exceptions, under one root. Each is defined beside the code that
+raises it (its module in brackets); the API maps the ones a request can meet to a status.
 
 SupervisorError
-├── UnknownTarget      a fault or action names a node or job not known (404)
-├── RequestRefused     well formed, but cannot be taken as it stands (409/422)
-└── FaultNotSupported  the fault cannot be acted out with this backend (422)
+├── UnknownTarget        a fault or action names a node or job not known: 404
+├── RequestRefused       well formed, but cannot be taken as it stands: 409/422
+├── FaultNotSupported    the fault cannot be acted out with this backend: 422
+├── ConfigError          settings that cannot be used (config)
+├── PolicyLoadError      the configured policy cannot be loaded (controller.loader)
+├── InvalidCursor        a page cursor this API did not hand out: 422 (store.repository)
+├── RankClaimed          a heartbeat claims a rank another live node runs (sensor.sensor)
+├── ReviewUnavailable    a token could not be reviewed now (identity.authenticator)
+├── ActionError          a backend could not carry out an action (actuator.backend)
+├── Fenced               this replica lost leadership and may not act (actuator.backend)
+├── ClusterError         the local cluster cannot do what was asked (local.cluster)
+│   └── InProcessFailed
+├── CalculatorLogError   a bad line of a goodput calculator log (goodput.calculator_log)
+├── CliError             an operator command's failure, with its exit code (ops.errors)
+├── ScenarioError        a simulation scenario that cannot be run (simulate.scenario)
+├── TraceError           a fault trace that cannot be read (simulate.faults)
+└── SimulationStalled    the simulated system waits forever (simulate.clock)
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from resiliency_protocol.backoff import Backoff
 from supervisor.actuator import (
     Actuator,
     Backend,
@@ -24,7 +25,6 @@ from supervisor.actuator import (
     Fence,
     no_fence,
 )
-from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.backoff import Backoff, attempt_delay
+from resiliency_protocol.backoff import Backoff, attempt_delay
 
 
 def test_backoff_doubles_to_its_cap_and_starts_over_after_a_reset() -> None:

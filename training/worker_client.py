@@ -65,6 +65,7 @@ from typing import Any, Literal
 
 import httpx
 
+from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.tls import TLSError, client_context
 from training.process_identity import self_identity
 
@@ -268,7 +269,7 @@ class WorkerClient:
                 self._registered = {"pid": me.pid, "pid_namespace": me.pid_namespace}
                 break
             if attempt + 1 < attempts:
-                time.sleep(retry_delay_s * (2**attempt))
+                time.sleep(attempt_delay(retry_delay_s, attempt + 1))
         # Even when not registered yet: the thread may register later (see _REREGISTER_*),
         # and the handler reports only once registered.
         self._install_term_handler()

@@ -12,6 +12,8 @@ import contextlib
 import logging
 import re
 
+from host_monitor.errors import HostMonitorError
+
 log = logging.getLogger(__name__)
 
 NVIDIA_SMI_TIMEOUT_S = 10.0
@@ -25,7 +27,7 @@ _PCI_RE = re.compile(
 )
 
 
-class NvidiaSmiError(Exception):
+class NvidiaSmiError(HostMonitorError):
     """nvidia-smi failed, timed out or printed something we cannot read."""
 
 

@@ -11,8 +11,8 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from resiliency_protocol.backoff import attempt_delay
 from supervisor.actuator.backend import ActionError, Backend, Fence, Fenced, no_fence
-from supervisor.backoff import attempt_delay
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.metrics import Metrics

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView
+from supervisor.errors import SupervisorError
 
 
-class ActionError(Exception):
+class ActionError(SupervisorError):
     """An action could not be carried out. `retryable` errors are tried again."""
 
     def __init__(self, message: str, *, retryable: bool = False) -> None:
@@ -18,7 +19,7 @@ class ActionError(Exception):
         self.retryable = retryable
 
 
-class Fenced(Exception):
+class Fenced(SupervisorError):
     """This replica may no longer act: its leadership has lapsed (e.g. it was frozen for
     longer than the Lease lasts) and another replica may be acting already. The action
     is left as it stands in the store, for the leader to resume."""

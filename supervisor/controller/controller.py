@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+from resiliency_protocol.backoff import Backoff
 from supervisor.actuator import Actuator, Fenced
-from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics

@@ -11,10 +11,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from supervisor.errors import SupervisorError
 from supervisor.policy import Policy
 
 
-class PolicyLoadError(Exception):
+class PolicyLoadError(SupervisorError):
     """The configured policy cannot be loaded; the message says why, in one line."""
 
 

@@ -48,6 +48,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from supervisor.errors import SupervisorError
+
 
 class CalculatorEventType(StrEnum):
     USER_SCHEDULED = "user_scheduled"
@@ -83,7 +85,7 @@ JOB_KEYS = ("job_name", "job", "jobName", "job_id")
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
-class CalculatorLogError(ValueError):
+class CalculatorLogError(SupervisorError, ValueError):
     """A bad line of a calculator log: ``line`` (1-based) and ``field`` say where."""
 
     def __init__(self, message: str, *, line: int | None = None, field: str | None = None):

@@ -34,6 +34,7 @@ from hmac import compare_digest
 from typing import Literal, Protocol
 
 from supervisor.config import Settings
+from supervisor.errors import SupervisorError
 from supervisor.identity.node_keys import credential_node
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Review:
     error: str = ""
 
 
-class ReviewUnavailable(Exception):
+class ReviewUnavailable(SupervisorError):
     """The token could not be reviewed now (the API server did not answer): try again."""
 
 

@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 from kubernetes import client
 
+from resiliency_protocol.backoff import Backoff
 from resiliency_protocol.emergency import emergency_checkpoint
 from supervisor.actuator.backend import ActionError, Backend, BackendHooks, ClusterNode
-from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType, JobView
 from supervisor.kube import objects as o

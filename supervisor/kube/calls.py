@@ -22,8 +22,8 @@ from typing import Any
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from resiliency_protocol.backoff import Backoff
 from supervisor.actuator.backend import ActionError, Fence, no_fence
-from supervisor.backoff import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from supervisor.backoff import Backoff
+from resiliency_protocol.backoff import Backoff
 from supervisor.kube.objects import Obj, key_of
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 
 from resiliency_protocol.emergency import emergency_checkpoint
 from resiliency_protocol.tls import client_context
+from supervisor.errors import SupervisorError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def free_port() -> int:
         return port
 
 
-class ClusterError(Exception):
+class ClusterError(SupervisorError):
     """The cluster cannot do what was asked (no spare, no node answers, ...)."""
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from supervisor.backoff import Backoff, attempt_delay
+from resiliency_protocol.backoff import Backoff, attempt_delay
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, Event
 from supervisor.metrics import Metrics

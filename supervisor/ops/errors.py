@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from supervisor.errors import SupervisorError
+
 
 class ExitCode(IntEnum):
     OK = 0
@@ -18,7 +20,7 @@ class ExitCode(IntEnum):
     UNAUTHORIZED = 5
 
 
-class CliError(Exception):
+class CliError(SupervisorError):
     """A failure to report in one line, with the exit code it maps to."""
 
     def __init__(self, message: str, code: ExitCode) -> None:

@@ -33,6 +33,7 @@ from supervisor.domain import (
     utcnow,
     wall_time,
 )
+from supervisor.errors import SupervisorError
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.progress import HangParams, JobProgress
@@ -80,7 +81,7 @@ class Changes:
 UNCHANGED = Changes()
 
 
-class RankClaimed(Exception):
+class RankClaimed(SupervisorError):
     """A heartbeat's worker claims a rank of its job that another alive node reports
     running or starting: two nodes cannot run one rank at once. `index` is the worker's
     position in the heartbeat."""

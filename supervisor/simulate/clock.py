@@ -18,11 +18,12 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from supervisor.domain import wall_clock
+from supervisor.errors import SupervisorError
 
 T = TypeVar("T")
 
 
-class SimulationStalled(RuntimeError):
+class SimulationStalled(SupervisorError, RuntimeError):
     """Nothing is scheduled and nothing is ready: the simulated system waits forever."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.domain import Event, EventType
+from supervisor.errors import SupervisorError
 
 #: What the simulated cluster can act out.
 KINDS = frozenset({"node_down", "network", "gpu_xid", "gpu_ecc", "worker_crash", "worker_hang"})
@@ -36,7 +37,7 @@ CAUSES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-class TraceError(ValueError):
+class TraceError(SupervisorError, ValueError):
     """A trace that cannot be read; the message says which line and field."""
 
 

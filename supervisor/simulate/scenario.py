@@ -10,6 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from supervisor.errors import SupervisorError
+
 #: How far a checkpoint tier's copies reach: `process` (the node's host memory: survives
 #: a worker's crash or restart, not the node's loss), `node` (copies on peer nodes too:
 #: survives a node's loss), `all` (durable storage).
@@ -132,7 +134,7 @@ class Scenario(_Model):
         return self.days * 86400.0
 
 
-class ScenarioError(ValueError):
+class ScenarioError(SupervisorError, ValueError):
     """A scenario that cannot be run; the message names the field."""
 
 

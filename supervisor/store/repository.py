@@ -32,6 +32,7 @@ from supervisor.domain import (
     WorkerView,
     utcnow,
 )
+from supervisor.errors import SupervisorError
 from supervisor.notifications.notice import Delivery, DeliveryStatus, NewDelivery, Notice
 from supervisor.store.models import (
     ActionRow,
@@ -123,8 +124,8 @@ class JobHistory:
     checkpoint_reports: int = 0
 
 
-class InvalidCursor(ValueError):
-    pass
+class InvalidCursor(SupervisorError, ValueError):
+    """A page cursor that is not one this API handed out."""
 
 
 def _decode_cursor(cursor: str | None) -> int | None:

@@ -63,6 +63,7 @@ from training.checkpoint.reader import DirectReader
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
 from training.checkpoint.settings import CheckpointSettings
 from training.checkpoint.state import Snapshot, StagingBuffers, Stateful, TrainingState
+from training.errors import TrainingError
 from training.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ MAX_RESTORE_ROUNDS = 16
 _VERIFY_FIRST_BYTES = 1 << 20
 
 
-class EmergencyCheckpointError(RuntimeError):
+class EmergencyCheckpointError(TrainingError, RuntimeError):
     """An emergency save could not be made (the message says why)."""
 
 

@@ -42,6 +42,8 @@ from typing import Any
 
 import crc32c
 
+from training.errors import TrainingError
+
 FORMAT = "resiliency-checkpoint/2"
 #: What each format sums its files with: (the manifest's key, the function, which takes
 #: any buffer and the running value).
@@ -58,7 +60,7 @@ _TMP_PREFIX = ".tmp-"
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
-class CheckpointCorrupt(Exception):
+class CheckpointCorrupt(TrainingError):
     """A checkpoint directory failed verification (the message names the file)."""
 
 

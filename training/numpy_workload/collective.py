@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from training.errors import TrainingError
 from training.numpy_workload.model import Vector, mean_in_order
 
 POLL_FIRST_S = 0.002
@@ -33,7 +34,7 @@ POLL_BACKOFF = 1.5
 KEEP_STEP_DIRS = 2
 
 
-class CollectiveTimeout(Exception):
+class CollectiveTimeout(TrainingError):
     """A collective waited longer than its timeout (a peer is gone or stuck)."""
 
 

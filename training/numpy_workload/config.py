@@ -36,10 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from training.errors import TrainingError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(TrainingError, ValueError):
     """A setting is missing or invalid; the message names it."""
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from types import FrameType
 
+from training.errors import TrainingError
 from training.numpy_workload.checkpoint import CheckpointStore, write_output
 from training.numpy_workload.collective import CollectiveTimeout, FileCollective
 from training.numpy_workload.config import ConfigError, WorkloadConfig
@@ -37,7 +38,7 @@ COMPUTE_SLICE_S = 0.005
 log = logging.getLogger("training.numpy_workload")
 
 
-class Terminated(Exception):
+class Terminated(TrainingError):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum

@@ -32,8 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from training.errors import TrainingError
 
-class ConfigError(ValueError):
+
+class ConfigError(TrainingError, ValueError):
     """A setting is missing or invalid; the message names it."""
 
 

@@ -1,4 +1,5 @@
-"""Capped exponential backoff: the one rule every retry loop of the supervisor waits by.
+"""Capped exponential backoff: the one rule every retry loop waits by, the supervisor's,
+the host monitor's and the training side's alike (hence here, in the neutral package).
 
 `Backoff` is for a loop that retries until it succeeds (first wait, then twice as long,
 up to a cap; `reset` after a success); `attempt_delay` for a numbered attempt (the n-th
@@ -54,7 +55,8 @@ def attempt_delay(
     """The wait before retry `attempt` (1: the first retry): `base_s` doubled per attempt,
     capped; with `jitter` (a draw in [0, 1), e.g. `random.random`), between half and all
     of it."""
-    ceiling = min(base_s * 2.0 ** max(attempt - 1, 0), cap_s)
+    # The exponent is bounded: a loop failing for days must not overflow a float.
+    ceiling = min(base_s * 2.0 ** min(max(attempt - 1, 0), 64), cap_s)
     if jitter is None:
         return ceiling
     return ceiling * (0.5 + 0.5 * jitter())

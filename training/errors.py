@@ -1,0 +1,20 @@
+"""The training side's exceptions, under one root. Each is defined beside the code that
+raises it.
+
+TrainingError
+├── CheckpointCorrupt         a checkpoint directory failed verification (checkpoint/format.py)
+├── EmergencyCheckpointError  an emergency save could not be made (checkpoint/checkpointer.py)
+├── ConfigError               a workload setting is missing or invalid
+│                             (torch_workload/config.py, numpy_workload/config.py)
+├── CollectiveTimeout         a NumPy collective waited past its timeout
+│                             (numpy_workload/collective.py)
+└── Terminated                the NumPy workload was signalled to stop (numpy_workload/train.py)
+
+Imports nothing: the on-disk format module stays standard library only.
+"""
+
+from __future__ import annotations
+
+
+class TrainingError(Exception):
+    """Root of the training side's errors."""
