@@ -40,6 +40,15 @@ from supervisor.domain import (
     Event,
     EventType,
 )
+from supervisor.event_details import (
+    GpuClassDetails,
+    GpuXidDetails,
+    PodStuckTerminatingDetails,
+    StragglerDetails,
+    WorkerExitedDetails,
+    WorkloadDownDetails,
+    details_of,
+)
 from supervisor.policy import Policy, PolicyContext, actions, handles
 from supervisor.xid import XidResponse, response_of
 
@@ -52,10 +61,10 @@ HARDWARE_FAULTS = frozenset({EventType.GPU_XID, EventType.GPU_ECC, EventType.NOD
 def describe(event: Event) -> str:
     """A short human description of an event, the start of every action's reason."""
     text = event.type.value
-    if event.type is EventType.GPU_XID and "code" in event.details:
-        text += f" {event.details['code']}"
+    if event.type is EventType.GPU_XID and (code := GpuXidDetails.of(event).code) is not None:
+        text += f" {code}"
     if event.type is EventType.WORKER_EXITED:
-        text += f" (exit code {event.details.get('exit_code')})"
+        text += f" (exit code {WorkerExitedDetails.of(event).exit_code})"
     if event.node:
         text += f" on {event.node}"
     if event.rank is not None:
@@ -167,9 +176,11 @@ class DefaultPolicy(Policy):
         failures, limit = ctx.failures_of(node), ctx.limits.max_workload_restarts
         if event.type is EventType.NODE_FLAPPING:
             return self._evict(event, ctx, job, node, "a flapping node must go")
-        hardware = event.details.get("origin") == "hardware"
+        gpu = details_of(event)
+        hardware = isinstance(gpu, GpuClassDetails) and gpu.origin == "hardware"
         if response_of(event) is XidResponse.REPLACE_NODE and hardware:
-            meaning = event.details.get("meaning", "")
+            assert isinstance(gpu, GpuClassDetails)
+            meaning = gpu.meaning or ""
             return self._evict(event, ctx, job, node, f"{meaning}: the GPU needs service")
         if failures <= limit:
             action = actions.restart_workload(
@@ -185,7 +196,7 @@ class DefaultPolicy(Policy):
 
     @handles(EventType.WORKER_EXITED, EventType.WORKER_HEARTBEAT_LOST)
     def on_worker_failure(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
-        if event.type is EventType.WORKER_EXITED and event.details.get("exit_code") == 0:
+        if event.type is EventType.WORKER_EXITED and WorkerExitedDetails.of(event).exit_code == 0:
             return []  # normal completion
         view = ctx.node(event.node)
         job = event.job or (view.job if view else None)
@@ -241,7 +252,10 @@ class DefaultPolicy(Policy):
         the same nodes; no cordon, and it does not count against the node."""
         if job is None or self.budget_exhausted(ctx, job):
             return []
-        origin, meaning = event.details.get("origin"), event.details.get("meaning")
+        gpu = details_of(event)
+        origin, meaning = (
+            (gpu.origin, gpu.meaning) if isinstance(gpu, GpuClassDetails) else (None, None)
+        )
         action = actions.restart_workload(
             job, reason=f"{describe(event)}: {meaning} ({origin}), the node stays in service"
         )
@@ -279,7 +293,7 @@ class DefaultPolicy(Policy):
         if event.job is None:
             return []
         view = ctx.job(event.job)
-        unschedulable = int(event.details.get("unschedulable_pods") or 0)
+        unschedulable = WorkloadDownDetails.of(event).unschedulable_pods or 0
         if (
             unschedulable
             and ctx.limits.enable_workload_scaling
@@ -308,30 +322,30 @@ class DefaultPolicy(Policy):
         spares = [s for s in ctx.spares if s != node]
         if not spares:
             return []
-        slowdown = event.details.get("slowdown_pct")
+        straggler = StragglerDetails.of(event)
         action = actions.hot_swap(
             job,
             node,
             spare=spares[0],
-            reason=f"{describe(event)}: {slowdown}% slower than its job for"
-            f" {event.details.get('for_s')}s, spare {spares[0]} available",
+            reason=f"{describe(event)}: {straggler.slowdown_pct}% slower than its job for"
+            f" {straggler.for_s}s, spare {spares[0]} available",
         )
         return self._remedy(ctx, action, failed_node=node)
 
     @handles(EventType.POD_STUCK_TERMINATING)
     def on_pod_stuck(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
         """Its kubelet will not finish the graceful termination: delete it with grace 0."""
-        pod = event.details.get("pod")
-        if not isinstance(pod, str):
+        stuck = PodStuckTerminatingDetails.of(event)
+        if not stuck.pod:
             return []
         return [
             actions.force_delete_pod(
                 event.job,
                 event.node,
-                pod=pod,
-                namespace=event.details.get("namespace"),
-                uid=event.details.get("uid"),
-                reason=f"{describe(event)}: pod {pod} terminating for"
-                f" {event.details.get('terminating_for_s')}s",
+                pod=stuck.pod,
+                namespace=stuck.namespace,
+                uid=stuck.uid,
+                reason=f"{describe(event)}: pod {stuck.pod} terminating for"
+                f" {stuck.terminating_for_s}s",
             )
         ]

@@ -11,6 +11,10 @@ it and is trivial to unit-test.
         @handles(EventType.GPU_XID)
         def on_xid(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
             return [actions.hot_swap(event.job, event.node, reason="xid")]
+
+An event's details are read typed through its model in supervisor.event_details (for
+example `GpuXidDetails.of(event).code`); supervisor.action_params holds the params of
+each action type.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+from supervisor.action_params import (
+    EmergencyCheckpointParams,
+    ForceDeletePodParams,
+    HotSwapParams,
+    RestartInPlaceParams,
+    ScaleDownParams,
+    ScaleUpParams,
+)
 from supervisor.domain import (
     ActionRequest,
     ActionType,
@@ -140,7 +152,8 @@ Policy._handlers = {}
 
 
 class actions:
-    """Constructors for the actions a policy may request."""
+    """Constructors for the actions a policy may request; each action's params are built
+    from its model in supervisor.action_params."""
 
     @staticmethod
     def emergency_checkpoint(
@@ -150,7 +163,7 @@ class actions:
         return ActionRequest(
             ActionType.EMERGENCY_CHECKPOINT,
             job=job,
-            params={"exclude_nodes": sorted(exclude_nodes)},
+            params=EmergencyCheckpointParams(exclude_nodes=sorted(exclude_nodes)).mapping(),
             reason=reason,
         )
 
@@ -164,7 +177,7 @@ class actions:
     ) -> ActionRequest:
         """`in_process`: True asks the backend to heal in-process (the survivors keep their
         processes), False for a full restart; None: the job's default."""
-        params = {} if in_process is None else {"in_process": in_process}
+        params = RestartInPlaceParams(in_process=in_process).mapping()
         return ActionRequest(
             ActionType.RESTART_IN_PLACE, job=job, node=node, params=params, reason=reason
         )
@@ -183,24 +196,25 @@ class actions:
         in_process: bool | None = None,
     ) -> ActionRequest:
         """`in_process` as for `restart_in_place`."""
-        params: dict[str, Any] = {"spare": spare} if spare else {}
-        if in_process is not None:
-            params["in_process"] = in_process
+        params = HotSwapParams(spare=spare or None, in_process=in_process).mapping()
         return ActionRequest(ActionType.HOT_SWAP, job=job, node=node, params=params, reason=reason)
 
     @staticmethod
     def scale_down(
         job: str | None, *, to_replicas: int, exclude_node: str | None = None, reason: str = ""
     ) -> ActionRequest:
-        params: dict[str, Any] = {"to_replicas": to_replicas}
-        if exclude_node:
-            params["exclude_node"] = exclude_node
+        params = ScaleDownParams(
+            to_replicas=to_replicas, exclude_node=exclude_node or None
+        ).mapping()
         return ActionRequest(ActionType.SCALE_DOWN, job=job, params=params, reason=reason)
 
     @staticmethod
     def scale_up(job: str | None, *, to_replicas: int, reason: str = "") -> ActionRequest:
         return ActionRequest(
-            ActionType.SCALE_UP, job=job, params={"to_replicas": to_replicas}, reason=reason
+            ActionType.SCALE_UP,
+            job=job,
+            params=ScaleUpParams(to_replicas=to_replicas).mapping(),
+            reason=reason,
         )
 
     @staticmethod
@@ -222,11 +236,7 @@ class actions:
         reason: str = "",
     ) -> ActionRequest:
         """Delete a pod stuck terminating at once (grace period 0), that very pod only."""
-        params = {"pod": pod, "namespace": namespace, "uid": uid}
+        params = ForceDeletePodParams(pod=pod, namespace=namespace, uid=uid).mapping()
         return ActionRequest(
-            ActionType.FORCE_DELETE_POD,
-            job=job,
-            node=node,
-            params={k: v for k, v in params.items() if v is not None},
-            reason=reason,
+            ActionType.FORCE_DELETE_POD, job=job, node=node, params=params, reason=reason
         )

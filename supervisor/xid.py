@@ -19,6 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from supervisor.domain import Event, EventType
+from supervisor.event_details import GpuClassDetails
 
 
 class XidOrigin(StrEnum):
@@ -107,7 +108,7 @@ def response_of(event: Event) -> XidResponse | None:
     if event.type not in (EventType.GPU_XID, EventType.GPU_HEALTH):
         return None
     try:
-        return XidResponse(event.details.get("response", _REPLACE))
+        return XidResponse(GpuClassDetails.from_mapping(event.details).response or _REPLACE)
     except ValueError:
         return _REPLACE
 

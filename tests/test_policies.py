@@ -637,9 +637,12 @@ def test_a_straggler_already_moved_off_is_left_alone() -> None:
 # --- purity -----------------------------------------------------------------------------
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"
-# The domain (with its XID table), the policy API, the default policy to build on.
+# The domain (with its XID table and the event details and action params models), the
+# policy API, the default policy to build on.
 ALLOWED = {
     "supervisor.domain",
+    "supervisor.event_details",
+    "supervisor.action_params",
     "supervisor.xid",
     "supervisor.policy",
     "policies.default",

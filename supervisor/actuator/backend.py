@@ -5,10 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
+from supervisor.action_params import ActionParams, InvalidParams, check_params
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView
 from supervisor.errors import SupervisorError
+
+P = TypeVar("P", bound=ActionParams)
 
 
 class ActionError(SupervisorError):
@@ -23,6 +26,23 @@ class Fenced(SupervisorError):
     """This replica may no longer act: its leadership has lapsed (e.g. it was frozen for
     longer than the Lease lasts) and another replica may be acting already. The action
     is left as it stands in the store, for the leader to resume."""
+
+
+def checked_params(action: ActionRecord) -> ActionParams:
+    """The action's params, typed by its type (supervisor.action_params): how a backend
+    reads them. Params that do not fit are an ActionError, not retried."""
+    try:
+        return check_params(action.type, action.params)
+    except InvalidParams as exc:
+        raise ActionError(str(exc)) from None
+
+
+def params_for(action: ActionRecord, model: type[P]) -> P:
+    """`checked_params` for a backend that already knows the action's type."""
+    params = checked_params(action)
+    if not isinstance(params, model):
+        raise ActionError(f"{action.type.value}: not an action {model.__name__} describes")
+    return params
 
 
 #: Raises Fenced when this replica may no longer act; called before every attempt and

@@ -6,7 +6,7 @@ from the app itself rather than from a route's signature: 400 and 413 where ther
 body, 401 where a token is checked, 403 where fault injection may be off or a report may
 name another node than the agent's, 404 where a path, a filter or a body names a
 record, 503 while the replica is not ready. All of them, and 422, have the body
-`ErrorOut`.
+`ErrorOut`. And the fields of an event's `details` and an action's `params` per type.
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from resiliency_protocol.errors import ErrorOut
 from resiliency_protocol.heartbeat import heartbeat_json_schema
+from supervisor.action_params import ACTION_PARAMS
 from supervisor.api.routes.heartbeats import MAX_BODY, openapi_operation
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
+from supervisor.event_details import EVENT_DETAILS
 
 #: Bodies the API takes, at most: the heartbeat's limit, for every route.
 MAX_BODY_BYTES = MAX_BODY
@@ -53,9 +56,32 @@ def build(app: FastAPI) -> dict[str, Any]:
         for method, operation in operations.items():
             _document_errors(path, method, operation)
     schema["paths"] = {HEARTBEATS: openapi_operation(ref["$ref"]), **schema["paths"]}
+    _fields_by_type(components)
     _exact_integer_bounds(schema)
     app.openapi_schema = schema
     return schema
+
+
+def _fields_by_type(components: dict[str, Any]) -> None:
+    """An event's `details` and an action's `params` are objects whose fields depend on
+    its `type`: each models' schema becomes a component, and the property names them per
+    type under `x-fields-by-type` (the schema keeps accepting any object: events stored
+    by older versions, and params an operator adds, are served as they are)."""
+
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    by_event = {t.value: ref(m) for t, m in EVENT_DETAILS.items()}
+    by_action = {t.value: ref(m) for t, m in ACTION_PARAMS.items()}
+    for name, prop, by_type in (
+        ("EventOut", "details", by_event),
+        ("ActionOut", "params", by_action),
+        ("ActionIn", "params", by_action),
+    ):
+        components[name]["properties"][prop]["x-fields-by-type"] = by_type
 
 
 def _document_errors(path: str, method: str, operation: dict[str, Any]) -> None:

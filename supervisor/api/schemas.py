@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from supervisor.action_params import check_params
 from supervisor.domain import (
     NAME_PATTERN,
     ActionRecord,
@@ -174,8 +175,6 @@ class ActionOut(BaseModel):
 
 #: An action's params as JSON: the actions take a few small values, never a document.
 MAX_PARAMS_BYTES = 16 * 1024
-#: Replicas an operator may ask for: far above any job, far below what overflows.
-MAX_REPLICAS = 100_000
 
 
 def _storable(value: Any, where: str) -> None:
@@ -222,16 +221,7 @@ class ActionIn(BaseModel):
             raise ValueError(f"node is required for {self.type.value}")
         if self.type not in {ActionType.CORDON, ActionType.UNCORDON} and self.job is None:
             raise ValueError(f"job is required for {self.type.value}")
-        if self.type in {ActionType.SCALE_DOWN, ActionType.SCALE_UP}:
-            to = self.params.get("to_replicas")
-            if not isinstance(to, int) or isinstance(to, bool) or not 1 <= to <= MAX_REPLICAS:
-                raise ValueError(
-                    f"params.to_replicas must be a positive integer (at most {MAX_REPLICAS})"
-                )
-        if self.type is ActionType.FORCE_DELETE_POD:
-            pod = self.params.get("pod")
-            if not isinstance(pod, str) or not pod:
-                raise ValueError("params.pod must name the pod to delete")
+        check_params(self.type, self.params)  # InvalidParams (a ValueError) names the field
         return self
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from supervisor.action_params import InvalidParams, ScaleDownParams, ScaleUpParams, check_params
 from supervisor.domain import (
     DISRUPTIVE_ACTIONS,
     ActionRecord,
@@ -192,30 +193,31 @@ def group_checkpoints(
 def _replica_changes(
     actions: Sequence[ActionRecord], start: float, max_replicas: int
 ) -> list[ReplicaChange]:
-    scales = [
-        a
-        for a in actions
-        if a.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP)
-        and a.status is ActionStatus.SUCCEEDED
-        and a.finished_at is not None
-        and isinstance(a.params.get("to_replicas"), int)
-    ]
-    scales.sort(key=lambda a: ts(a.finished_at) if a.finished_at else 0.0)
+    scales: list[tuple[float, ActionType, int]] = []
+    for a in actions:
+        if (
+            a.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP)
+            and a.status is ActionStatus.SUCCEEDED
+            and a.finished_at is not None
+        ):
+            try:
+                params = check_params(a.type, a.params)
+            except InvalidParams:
+                continue  # not a scale it could have carried out
+            assert isinstance(params, ScaleDownParams | ScaleUpParams)
+            scales.append((ts(a.finished_at), a.type, params.to_replicas))
+    scales.sort(key=lambda s: s[0])
 
     def clamp(n: int) -> int:
         return max(0, min(max_replicas, n))
 
     if not scales:
         return []  # never scaled: the job ran its full size throughout
-    first = scales[0]
-    to = int(first.params["to_replicas"])
-    before = to + 1 if first.type is ActionType.SCALE_DOWN else to - 1
+    _, first_type, to = scales[0]
+    before = to + 1 if first_type is ActionType.SCALE_DOWN else to - 1
     out = [ReplicaChange(start, clamp(before), max_replicas)]
-    for a in scales:
-        assert a.finished_at is not None
-        out.append(
-            ReplicaChange(ts(a.finished_at), clamp(int(a.params["to_replicas"])), max_replicas)
-        )
+    for finished, _, to in scales:
+        out.append(ReplicaChange(finished, clamp(to), max_replicas))
     return out
 
 

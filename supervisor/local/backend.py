@@ -25,7 +25,17 @@ from typing import Any
 
 import httpx
 
-from supervisor.actuator.backend import ActionError, Backend
+from supervisor.action_params import (
+    CordonParams,
+    EmergencyCheckpointParams,
+    HotSwapParams,
+    RestartInPlaceParams,
+    RestartWorkloadParams,
+    ScaleDownParams,
+    ScaleUpParams,
+    UncordonParams,
+)
+from supervisor.actuator.backend import ActionError, Backend, checked_params
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType
 from supervisor.local.cluster import (
@@ -77,48 +87,45 @@ class LocalBackend(Backend):
 
     async def _dispatch(self, action: ActionRecord) -> dict[str, Any]:
         key = action.idempotency_key
-        params = action.params
-        match action.type:
-            case ActionType.EMERGENCY_CHECKPOINT:
+        if action.type is ActionType.FORCE_DELETE_POD:  # no pods here
+            raise ActionError(f"local backend cannot {action.type.value}")
+        match checked_params(action):
+            case EmergencyCheckpointParams(exclude_nodes=exclude):
                 # Leave the workers some of the actuator's time to answer before it gives up.
                 budget = max(0.5, self.settings.emergency_checkpoint_timeout_s * 0.9)
-                exclude = [str(n) for n in params.get("exclude_nodes", ())]
                 return await self.cluster.emergency_checkpoint(key, action.job, exclude, budget)
-            case ActionType.RESTART_IN_PLACE:
+            case RestartInPlaceParams(in_process=in_process):
                 job = self.cluster.job(action.job)
-                if self._in_process(action, job) and action.node in job.placement:
+                if self._in_process(in_process, job) and action.node in job.placement:
                     return await self._restart(key, [action.node])
                 return await self.cluster.restart_job(key)
-            case ActionType.RESTART_WORKLOAD:
+            case RestartWorkloadParams():
                 self.cluster.job(action.job)
                 return await self.cluster.restart_job(key)
-            case ActionType.HOT_SWAP:
+            case HotSwapParams(spare=spare, in_process=in_process):
                 job = self.cluster.job(action.job)
                 return await self._hot_swap(
-                    key, action.job, action.node, params.get("spare"), self._in_process(action, job)
+                    key, action.job, action.node, spare, self._in_process(in_process, job)
                 )
-            case ActionType.SCALE_DOWN:
-                return await self._scale(
-                    key, action.job, int(params["to_replicas"]), params.get("exclude_node")
-                )
-            case ActionType.SCALE_UP:
-                return await self._scale(key, action.job, int(params["to_replicas"]), None)
-            case ActionType.UNCORDON:
+            case ScaleDownParams(to_replicas=to, exclude_node=excluded):
+                return await self._scale(key, action.job, to, excluded)
+            case ScaleUpParams(to_replicas=to):
+                return await self._scale(key, action.job, to, None)
+            case UncordonParams():
                 result = self._cordon(action.node, False)
                 if self.cluster.state.job is not None:  # a spare again: warm it up
                     await self.cluster.prepare_spares(self.cluster.state.job)
                 return result
-            case ActionType.CORDON:
-                return self._cordon(action.node, action.type is ActionType.CORDON)
+            case CordonParams():
+                return self._cordon(action.node, True)
         raise ActionError(f"local backend cannot {action.type.value}")
 
     # --- actions ---------------------------------------------------------------------------
 
     @staticmethod
-    def _in_process(action: ActionRecord, job: JobSpec) -> bool:
+    def _in_process(wanted: bool | None, job: JobSpec) -> bool:
         """Whether to heal in-process: the policy's choice (params `in_process`), else the
         job's default."""
-        wanted = action.params.get("in_process")
         return bool(job.in_process_restart if wanted is None else wanted)
 
     async def _restart(self, key: str, fresh: list[str]) -> dict[str, Any]:
@@ -172,7 +179,7 @@ class LocalBackend(Backend):
         raise ClusterError("no reachable spare node")
 
     async def _scale(
-        self, key: str, job_name: str | None, to_replicas: int, exclude: object
+        self, key: str, job_name: str | None, to_replicas: int, exclude: str | None
     ) -> dict[str, Any]:
         state = self.cluster.state
         job = self.cluster.job(job_name)

@@ -27,8 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from supervisor.action_params import (
+    EmergencyCheckpointParams,
+    HotSwapParams,
+    ScaleDownParams,
+    ScaleUpParams,
+)
 from supervisor.actuator import ActionError, Backend, BackendHooks
-from supervisor.actuator.backend import ClusterNode
+from supervisor.actuator.backend import ClusterNode, checked_params, params_for
 from supervisor.domain import (
     ActionRecord,
     ActionRequest,
@@ -538,7 +544,7 @@ class SimulatedCluster:
         return {"simulated": True}
 
     async def _emergency_checkpoint(self, action: ActionRecord) -> Mapping[str, Any]:
-        excluded = set(action.params.get("exclude_nodes") or ())
+        excluded = set(params_for(action, EmergencyCheckpointParams).exclude_nodes)
         nodes = self.job_nodes()
         missing = [n.name for n in nodes if not n.up or n.name in excluded]
         if missing and self.job.emergency_checkpoint_survives == "process":
@@ -582,11 +588,12 @@ class SimulatedCluster:
 
     async def _hot_swap(self, action: ActionRecord) -> None:
         old = self.nodes.get(action.node or "")
-        spare = self.nodes.get(str(action.params.get("spare") or ""))
+        wanted = params_for(action, HotSwapParams).spare
+        spare = self.nodes.get(wanted or "")
         if old is None or old.slot is None:
             raise ActionError(f"node: {action.node!r} does not run the job")
         if spare is None or spare not in self._free():
-            raise ActionError(f"params.spare: {action.params.get('spare')!r} is not a free spare")
+            raise ActionError(f"params.spare: {wanted!r} is not a free spare")
         self._stall(f"hot swap of {old.name}")
         slot = old.slot
         self._vacate(old)
@@ -600,15 +607,19 @@ class SimulatedCluster:
         self._begin_attempt(startup_s=self.job.startup_s)
 
     async def _scale(self, action: ActionRecord) -> None:
-        to = action.params.get("to_replicas")
-        if not isinstance(to, int) or not 1 <= to <= self.max_replicas:
+        params = checked_params(action)
+        if not isinstance(params, ScaleDownParams | ScaleUpParams):
+            raise ActionError(f"{action.type.value} is not a scale action")
+        to = params.to_replicas
+        if not 1 <= to <= self.max_replicas:
             raise ActionError(
                 f"params.to_replicas: {to!r} is not between 1 and {self.max_replicas}"
             )
         k = self.model.num_nodes_per_dp
         self._stall(f"scale to {to}")
         if to < self.replicas:
-            excluded = self.nodes.get(str(action.params.get("exclude_node") or ""))
+            exclude = params.exclude_node if isinstance(params, ScaleDownParams) else None
+            excluded = self.nodes.get(exclude or "")
             for _ in range(self.replicas - to):
                 replica = self.replicas - 1
                 if excluded is not None and excluded.slot is not None:
