@@ -22,6 +22,21 @@ from pydantic_settings import (
 )
 
 from resiliency_protocol.tls import client_context
+from supervisor.config_parts import (
+    AccessSettings,
+    ActuatorSettings,
+    HistorySettings,
+    KubernetesSettings,
+    LeaderElectionSettings,
+    LocalSettings,
+    NotificationSettings,
+    RemediationSettings,
+    RuntimeSettings,
+    SensingSettings,
+    ServiceSettings,
+    TlsSettings,
+    WorkloadSettings,
+)
 from supervisor.errors import SupervisorError
 from supervisor.notifications.settings import Routes
 from supervisor.xid import XidResponse
@@ -457,6 +472,60 @@ class Settings(BaseSettings):
                 "(system:serviceaccount:<namespace>:<name> of the host monitors)"
             )
         return self
+
+    # --- the settings by the part they configure (supervisor/config_parts.py) ----------
+
+    @property
+    def sensing(self) -> SensingSettings:
+        return SensingSettings.of(self)
+
+    @property
+    def workload(self) -> WorkloadSettings:
+        return WorkloadSettings.of(self)
+
+    @property
+    def remediation(self) -> RemediationSettings:
+        return RemediationSettings.of(self)
+
+    @property
+    def actuator(self) -> ActuatorSettings:
+        return ActuatorSettings.of(self)
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        return RuntimeSettings.of(self)
+
+    @property
+    def local(self) -> LocalSettings:
+        return LocalSettings.of(self)
+
+    @property
+    def kubernetes(self) -> KubernetesSettings:
+        return KubernetesSettings.of(self)
+
+    @property
+    def high_availability(self) -> LeaderElectionSettings:
+        return LeaderElectionSettings.of(self)
+
+    @property
+    def history(self) -> HistorySettings:
+        return HistorySettings.of(self)
+
+    @property
+    def notifications(self) -> NotificationSettings:
+        return NotificationSettings.of(self)
+
+    @property
+    def service(self) -> ServiceSettings:
+        return ServiceSettings.of(self)
+
+    @property
+    def access(self) -> AccessSettings:
+        return AccessSettings.of(self)
+
+    @property
+    def tls(self) -> TlsSettings:
+        return TlsSettings.of(self)
 
     def host_monitor_ssl_context(self) -> ssl.SSLContext:
         """How the supervisor's clients verify host monitors (tls_ca_file, else the system's

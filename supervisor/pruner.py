@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
-from supervisor.config import Settings
+from supervisor.config_parts import HistorySettings
 from supervisor.domain import utcnow
 from supervisor.metrics import Metrics
 from supervisor.store import PRUNE_ORDER, HistoryTable, Store
@@ -30,14 +30,16 @@ PAUSE_S = 0.05
 FIRST_PASS_DELAY_S = 60.0
 
 
-def retention_ages(settings: Settings) -> dict[HistoryTable, timedelta]:
+def retention_ages(
+    settings: HistorySettings, restart_window_s: float
+) -> dict[HistoryTable, timedelta]:
     """How old a row of each table may get; tables kept forever are left out."""
     ages: dict[HistoryTable, timedelta] = {}
     history = settings.history_retention_days
     if history > 0:
         # The settings refuse a shorter retention; the bound is kept here too so that
         # no way of building settings can shorten the window the policy counts over.
-        age = max(timedelta(days=history), timedelta(seconds=settings.restart_window_s))
+        age = max(timedelta(days=history), timedelta(seconds=restart_window_s))
         ages[HistoryTable.ACTIONS] = ages[HistoryTable.EVENTS] = age
         ages[HistoryTable.NOTIFICATION_DELIVERIES] = age
     goodput = settings.goodput_retention_days

@@ -139,19 +139,24 @@ class Supervisor:
             open_store, self.settings.database_url, dry_run=self.settings.dry_run
         )
         # Listening before anything is published: resumed actions finish and notify too.
-        self.notifier = Notifier(self.settings, self.store, self.hub, self.metrics)
+        self.notifier = Notifier(self.settings.notifications, self.store, self.hub, self.metrics)
         await self.notifier.start()
         self._actuator = Actuator(
             self.store,
             self.backend,
-            self.settings,
+            self.settings.actuator,
             self.metrics,
             self._apply_effects,
             on_change=self._action_changed,
             fence=self.fence,
         )
         self._controller = Controller(
-            self.settings, self.policy, self.store, self._actuator, self._snapshot, self.metrics
+            self.settings.remediation,
+            self.policy,
+            self.store,
+            self._actuator,
+            self._snapshot,
+            self.metrics,
         )
         nodes, jobs = await asyncio.gather(
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)
@@ -176,7 +181,7 @@ class Supervisor:
             self.store.record_progress_samples,
         )
         self._sampling = asyncio.create_task(self._sampler.run(), name="progress-sampler")
-        ages = retention_ages(self.settings)
+        ages = retention_ages(self.settings.history, self.settings.restart_window_s)
         if ages:
             self.pruner = HistoryPruner(
                 self.store, ages, self.metrics, period_s=self.settings.history_prune_period_s

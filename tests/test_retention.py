@@ -334,17 +334,21 @@ def test_retention_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         load_settings()
 
 
+def ages_of(settings: Settings) -> dict[T, timedelta]:
+    return retention_ages(settings.history, settings.restart_window_s)
+
+
 def test_retention_ages() -> None:
-    assert retention_ages(Settings()) == EVERYTHING_30_DAYS
-    ages = retention_ages(Settings(history_retention_days=0, goodput_retention_days=3))
+    assert ages_of(Settings()) == EVERYTHING_30_DAYS
+    ages = ages_of(Settings(history_retention_days=0, goodput_retention_days=3))
     assert ages == {T.CHECKPOINT_REPORTS: 3 * DAY, T.PROGRESS_SAMPLES: 3 * DAY}
-    assert retention_ages(Settings(history_retention_days=2))[T.NOTIFICATION_DELIVERIES] == 2 * DAY
-    assert retention_ages(Settings(history_retention_days=0)) == {}
+    assert ages_of(Settings(history_retention_days=2))[T.NOTIFICATION_DELIVERIES] == 2 * DAY
+    assert ages_of(Settings(history_retention_days=0)) == {}
     # Settings built past their validation still never shorten the restart window.
     unchecked = Settings.model_construct(
         **{**Settings().model_dump(), "history_retention_days": 0.001, "restart_window_s": 7200}
     )
-    assert retention_ages(unchecked)[T.ACTIONS] == timedelta(seconds=7200)
+    assert ages_of(unchecked)[T.ACTIONS] == timedelta(seconds=7200)
 
 
 # --- the service -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from resiliency_protocol.backoff import attempt_delay
 from supervisor.actuator.backend import ActionError, Backend, Fence, Fenced, no_fence
-from supervisor.config import Settings
+from supervisor.config_parts import ActuatorSettings
 from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.metrics import Metrics
 from supervisor.store import Store
@@ -30,7 +30,7 @@ class Actuator:
         self,
         store: Store,
         backend: Backend,
-        settings: Settings,
+        settings: ActuatorSettings,
         metrics: Metrics,
         on_succeeded: OnFinished | None = None,
         *,

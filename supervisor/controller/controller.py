@@ -15,10 +15,10 @@ from datetime import timedelta
 
 from resiliency_protocol.backoff import Backoff
 from supervisor.actuator import Actuator, Fenced
-from supervisor.config import Settings
+from supervisor.config_parts import RemediationSettings
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics
-from supervisor.policy import Policy, PolicyContext, PolicyLimits
+from supervisor.policy import Policy, PolicyContext
 from supervisor.store import UNAVAILABLE, Store
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ _Work = _HandleEvent | _RunActions
 class Controller:
     def __init__(
         self,
-        settings: Settings,
+        settings: RemediationSettings,
         policy: Policy,
         store: Store,
         actuator: Actuator,
@@ -56,13 +56,7 @@ class Controller:
         self.store = store
         self.actuator = actuator
         self._snapshot = snapshot
-        self._limits = PolicyLimits(
-            max_in_job_restarts=settings.max_in_job_restarts,
-            max_workload_restarts=settings.max_workload_restarts,
-            enable_workload_scaling=settings.enable_workload_scaling,
-            restart_window_s=settings.restart_window_s,
-            max_restarts_in_window=settings.max_restarts_in_window,
-        )
+        self._limits = settings.limits
         self._lanes: dict[str, asyncio.Queue[_Work]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._busy = 0

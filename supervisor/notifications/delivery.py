@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from resiliency_protocol.backoff import Backoff, attempt_delay
-from supervisor.config import Settings
+from supervisor.config_parts import NotificationSettings
 from supervisor.domain import ActionRecord, Event
 from supervisor.metrics import Metrics
 from supervisor.notifications.notice import (
@@ -62,7 +62,7 @@ ROUTE_GONE = "route no longer configured"
 class Notifier:
     def __init__(
         self,
-        settings: Settings,
+        settings: NotificationSettings,
         store: Store,
         hub: Hub,
         metrics: Metrics,
