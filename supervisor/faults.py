@@ -116,14 +116,14 @@ class FaultInjector:
                 window += 2 * self.settings.straggler_window_s
                 # and what it causes while it lasts (a hang, a restart) is its doing too
                 window += float(spec.params.get("duration_s") or 0)
-            self.sensor.expect_fault(spec.node, fault.id, window)
+            self.sensor.fault_marks.expect(spec.node, fault.id, window)
             # `schedule` links the fault record to its schedule; the node is told only
             # what the kind itself takes (its host monitor refuses anything else).
             own = {k: v for k, v in spec.params.items() if k != "schedule"}
             try:
                 await self.backend.inject_fault(spec.kind, spec.node, own)
             except ActionError as exc:
-                self.sensor.fault_not_injected(fault.id)
+                self.sensor.fault_marks.withdraw(fault.id)
                 await self.end(fault.id)
                 raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None
             if spec.kind in ONE_SHOT_FAULTS:
@@ -137,7 +137,7 @@ class FaultInjector:
             return fault, []
         if spec.kind == "heartbeat_loss":
             duration = spec.params.get("duration_s")
-            self.sensor.inject_heartbeat_loss(spec.node, fault.id, duration)
+            self.sensor.fault_marks.mute(spec.node, fault.id, duration)
             if duration is not None:
                 loop = asyncio.get_running_loop()
                 self._fault_timers[fault.id] = loop.call_later(
@@ -231,5 +231,5 @@ class FaultInjector:
         timer = self._fault_timers.pop(fault_id, None)
         if timer is not None:
             timer.cancel()
-        self.sensor.end_fault(fault_id)
+        self.sensor.fault_marks.end(fault_id)
         return await asyncio.to_thread(self.store.end_fault, fault_id)

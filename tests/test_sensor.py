@@ -447,13 +447,13 @@ async def test_a_fault_the_node_refused_claims_no_later_failure(
 ) -> None:
     sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
     sensor.ingest(hb("n1", workers=[worker(0, 10)]))
-    sensor.expect_fault("n1", 7, 60.0)
-    sensor.fault_not_injected(7)  # e.g. its worker was already down
+    sensor.fault_marks.expect("n1", 7, 60.0)
+    sensor.fault_marks.withdraw(7)  # e.g. its worker was already down
     [event] = sensor.ingest(hb("n1", workers=[worker(0, 10, "exited", exit_code=1)])).events
     assert event.type is E.WORKER_EXITED and event.fault_id is None
     # One that was injected claims what follows.
     sensor.ingest(hb("n1", workers=[worker(0, 11)]))
-    sensor.expect_fault("n1", 8, 60.0)
+    sensor.fault_marks.expect("n1", 8, 60.0)
     [event] = sensor.ingest(hb("n1", workers=[worker(0, 11, "exited", exit_code=9)])).events
     assert event.fault_id == 8
 
@@ -896,7 +896,7 @@ async def test_injected_heartbeat_loss_and_end_fault(make_sensor: SensorFactory)
     pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
     try:
         await asyncio.sleep(0.05)
-        sensor.inject_heartbeat_loss("n1", fault_id=7, duration_s=None)
+        sensor.fault_marks.mute("n1", 7, duration_s=None)
         await until(lambda: bool(emitted.events))
         [event] = emitted.events
         assert event.type is E.HOST_HEARTBEAT_LOST
@@ -907,11 +907,11 @@ async def test_injected_heartbeat_loss_and_end_fault(make_sensor: SensorFactory)
         view = sensor.node_view("n1")
         assert view is not None and not view.alive
 
-        sensor.end_fault(99)  # some other fault: no effect
+        sensor.fault_marks.end(99)  # some other fault: no effect
         await asyncio.sleep(0.1)
         assert pump.events == []
 
-        sensor.end_fault(7)
+        sensor.fault_marks.end(7)
         await until(lambda: bool(pump.events))
     finally:
         await pump.stop()
@@ -926,7 +926,7 @@ async def test_injected_heartbeat_loss_with_duration_ends_by_itself(
 ) -> None:
     sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
     sensor.ingest(hb("n1", "j1"))
-    sensor.inject_heartbeat_loss("n1", fault_id=3, duration_s=0.3)
+    sensor.fault_marks.mute("n1", 3, duration_s=0.3)
     injected_at = now()
     pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
     try:
@@ -938,10 +938,16 @@ async def test_injected_heartbeat_loss_with_duration_ends_by_itself(
     assert types(pump.events) == [E.NODE_RECOVERED]
 
 
-async def test_inject_heartbeat_loss_on_unknown_node(make_sensor: SensorFactory) -> None:
+async def test_a_node_muted_before_it_is_known_is_heard_once_the_fault_ends(
+    make_sensor: SensorFactory,
+) -> None:
     sensor, _ = make_sensor()
-    with pytest.raises(KeyError):
-        sensor.inject_heartbeat_loss("ghost", fault_id=1, duration_s=None)
+    sensor.fault_marks.mute("ghost", 1, duration_s=None)
+    assert not sensor.ingest(hb("ghost"))
+    assert sensor.node_view("ghost") is None
+    sensor.fault_marks.end(1)
+    assert sensor.ingest(hb("ghost")).events == []
+    assert sensor.node_view("ghost") is not None
 
 
 # --- restore ------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from supervisor.domain import (
 )
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
+from supervisor.sensor.fault_marks import FaultMarks
 from supervisor.sensor.progress import HangParams, JobProgress
 from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
 from supervisor.xid import HEALTH, classify
@@ -108,7 +109,6 @@ class NodeRecord:
     last_seen: float
     alive: bool = True
     flapping: bool = False
-    muted_by_fault: int | None = None
     # Ranks and states of `workers`, compared with each heartbeat's (`ingest`'s fast path);
     # None: not computed yet. A str and a tuple of ints: objects the cyclic GC skips.
     ranks: tuple[int, ...] | None = None
@@ -130,12 +130,6 @@ class NodeRecord:
     losses: list[float] = field(default_factory=list)
     ecc_counts: dict[int | None, int] | None = None
     gpu_seen: dict[tuple[str, int | None, int | None], float] | None = None
-    muted_until: float | None = None
-    loss_fault: int | None = None
-    # A process-level fault injected on this node: failures seen until `expected_until`
-    # (event-loop time) are attributed to it.
-    expected_fault: int | None = None
-    expected_until: float = 0.0
     deadline_key: DeadlineKey = ("", "")  # (NODE, name), built once
     # The workers' views as last built, and the reports they were built from: a policy's
     # snapshot of thousands of nodes rebuilds only those whose workers changed.
@@ -237,6 +231,9 @@ class Sensor:
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(
             self._expired, extended=self._extended
         )
+        #: Injected faults' marks: muted nodes, and the faults failures are attributed to
+        #: (fault injection writes them, see `supervisor.faults`; the sensor reads them).
+        self.fault_marks = FaultMarks(self._deadlines.time)
         self._timeout_s = settings.heartbeat_timeout_s
         # The event loop's clock, bound on first use (the loop may not exist yet).
         self._clock: Callable[[], float] = self._bind_clock
@@ -292,7 +289,7 @@ class Sensor:
             node is not None
             and node.alive
             and not node.flapping
-            and node.muted_by_fault is None
+            and hb.node not in self.fault_marks.muted
             and hb.state is node.state
             and hb.job == node.job
             and not hb.gpu_reports
@@ -336,10 +333,8 @@ class Sensor:
         now = self._clock()
         self.metrics.heartbeats_received += 1
         changes = Changes()
-        if node is not None and node.muted_by_fault is not None:
-            if node.muted_until is None or now < node.muted_until:
-                return changes  # an injected fault: drop it as a lost packet would be
-            node.muted_by_fault = node.muted_until = None
+        if self.fault_marks.is_muted(hb.node):
+            return changes  # an injected fault: drop it as a lost packet would be
         if node is None:
             node = self._register(hb, now, changes)
         else:
@@ -356,43 +351,15 @@ class Sensor:
             self.metrics.events.labels(event.type.value).inc()
         return changes
 
-    def inject_heartbeat_loss(
-        self, node_name: str, fault_id: int, duration_s: float | None
-    ) -> None:
-        """Drop the node's heartbeats from now on, as if its network were down."""
-        node = self._require(node_name)
-        now = self._deadlines.time()
-        node.muted_by_fault = fault_id
-        node.muted_until = None if duration_s is None else now + duration_s
-        node.loss_fault = fault_id
-
     def inject_gpu_report(self, node_name: str, report: GpuReport, fault_id: int) -> Changes:
+        """Act out a GPU error injected as a fault: as if the node had reported it, its
+        events carrying the fault's id. KeyError for a node the sensor does not know."""
         node = self._require(node_name)
         changes = Changes()
         self._gpu_report(node, report, self._deadlines.time(), fault_id, changes)
         for event in changes.events:
             self.metrics.events.labels(event.type.value).inc()
         return changes
-
-    def expect_fault(self, node_name: str, fault_id: int, within_s: float) -> None:
-        """Attribute the node's next failures (within `within_s`) to this fault."""
-        node = self._require(node_name)
-        node.expected_fault = fault_id
-        node.expected_until = self._deadlines.time() + within_s
-        node.loss_fault = fault_id
-
-    def end_fault(self, fault_id: int) -> None:
-        for node in self.nodes.values():
-            if node.muted_by_fault == fault_id:
-                node.muted_by_fault = node.muted_until = None
-
-    def fault_not_injected(self, fault_id: int) -> None:
-        """The fault never happened (its node refused it): what fails next is not its doing."""
-        for node in self.nodes.values():
-            if node.expected_fault == fault_id:
-                node.expected_fault = None
-            if node.loss_fault == fault_id:
-                node.loss_fault = None
 
     def set_cordoned(self, node_name: str, cordoned: bool) -> Changes:
         """The node's record, and `spare_available` when uncordoning makes a spare of it."""
@@ -528,7 +495,7 @@ class Sensor:
         if not node.alive:
             node.alive = True
             node.up_since = now
-            fault, node.loss_fault = node.loss_fault, None
+            fault = self.fault_marks.recovered(node.name)
             changed = True
             if node.flapping:
                 self.metrics.events_suppressed.labels(EventType.NODE_RECOVERED.value).inc()
@@ -857,6 +824,7 @@ class Sensor:
         window = self.settings.flap_window_s
         node.losses = [t for t in node.losses if now - t <= window]
         node.losses.append(now)
+        cause = self.fault_marks.loss_cause(node.name)
         details: dict[str, Any] = {
             "last_heartbeat": datetime.fromtimestamp(
                 node.last_heartbeat(self._wall_offset()), UTC
@@ -872,7 +840,7 @@ class Sensor:
                 self._event(
                     EventType.NODE_FLAPPING,
                     node,
-                    fault_id=node.loss_fault,
+                    fault_id=cause,
                     losses=len(node.losses),
                     window_s=window,
                     **details,
@@ -880,9 +848,7 @@ class Sensor:
             )
         else:
             changes.events.append(
-                self._event(
-                    EventType.HOST_HEARTBEAT_LOST, node, fault_id=node.loss_fault, **details
-                )
+                self._event(EventType.HOST_HEARTBEAT_LOST, node, fault_id=cause, **details)
             )
         changes.nodes.append(node.view(self._wall_offset()))
 
@@ -979,11 +945,8 @@ class Sensor:
         fault_id: int | None = None,
         **details: Any,
     ) -> Event:
-        if fault_id is None and node.expected_fault is not None:
-            if self._deadlines.time() <= node.expected_until:
-                fault_id = node.expected_fault
-            else:
-                node.expected_fault = None
+        if fault_id is None:
+            fault_id = self.fault_marks.attributed(node.name)
         return Event(
             type=type_,
             time=utcnow(),
