@@ -96,7 +96,7 @@ class FaultInjector:
         """
         if spec.schedule is not None:
             return await self._start_schedule(spec), []
-        if spec.node is None or spec.node not in self.sensor.nodes:
+        if spec.node is None or not self.sensor.has_node(spec.node):
             raise UnknownTarget(f"node {spec.node!r} is not known")
         through_backend = spec.kind in self.backend.process_faults
         if not through_backend and spec.kind not in SENSOR_FAULTS:
@@ -173,7 +173,7 @@ class FaultInjector:
         unsupported = [k for k in kinds if k not in self.backend.process_faults | SENSOR_FAULTS]
         if unsupported:
             raise FaultNotSupported(f"schedule: {unsupported[0]} faults need the local backend")
-        if spec.job is not None and spec.job not in self.sensor.jobs:
+        if spec.job is not None and not self.sensor.has_job(spec.job):
             raise UnknownTarget(f"job {spec.job!r} is not known")
         fault = await asyncio.to_thread(
             lambda: self.store.create_fault("schedule", node=None, job=spec.job, params=spec.params)

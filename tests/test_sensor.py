@@ -296,7 +296,7 @@ async def test_a_steady_node_is_lost_one_timeout_after_its_last_heartbeat(
         if changes is not UNCHANGED:  # only the job's learned step interval, to persist
             assert changes.events == [] and changes.nodes == []
             [job] = changes.jobs
-            assert job.step_interval_s == sensor.jobs["j1"].progress.longest_interval_s
+            assert job.step_interval_s == sensor._jobs["j1"].progress.longest_interval_s
             learned += 1
         last, last_wall = now(), datetime.now(UTC)
         await asyncio.sleep(0.02)
@@ -1192,7 +1192,7 @@ async def test_a_steady_heartbeat_is_kept_as_its_body_and_read_back_exactly(
     restarted = [worker(0, 7), WorkerReport(rank=1, local_rank=1, pid=4242, state="running")]
     restarted[1] = msgspec.structs.replace(restarted[1], step=8)
     assert sent(hb("n1", workers=restarted)) is UNCHANGED  # a new pid, steps: still steady
-    node = sensor.nodes["n1"]
+    node = sensor._nodes["n1"]  # its record: how the heartbeat is kept
     assert node.body is not None  # kept undecoded
     assert [(w.pid, w.step) for w in sensor.node_view("n1").workers] == [(1000, 7), (4242, 8)]
     assert node.body is None  # decoded once, on reading
@@ -1253,7 +1253,7 @@ async def test_a_rank_moves_only_once_its_holder_lets_it_go(make_sensor: SensorF
         sensor.ingest(hb("n2", workers=[worker(2), worker(1, state="starting")]))
     assert str(refused.value) == "workers.1.rank: rank 1 of job j1 is running on node n1"
     assert (refused.value.rank, refused.value.holder) == (1, "n1")
-    assert "n2" not in sensor.nodes
+    assert not sensor.has_node("n2")
     # Exited and lost workers hold nothing; stopped ones neither.
     sensor.ingest(hb("n2", workers=[worker(0, state="exited", exit_code=1)]))
     sensor.ingest(hb("n1", workers=[worker(0, state="stopped"), worker(1)]))
@@ -1265,13 +1265,13 @@ async def test_a_rank_moves_only_once_its_holder_lets_it_go(make_sensor: SensorF
     await asyncio.sleep(0.1)
     sensor.ingest(hb("n1", workers=[worker(1)]))
     await asyncio.sleep(0.15)
-    assert not sensor.nodes["n2"].alive and sensor.nodes["n1"].alive
+    assert not sensor.node_view("n2").alive and sensor.node_view("n1").alive
     sensor.ingest(hb("n3", workers=[worker(0, state="starting")]))
     with pytest.raises(RankClaimed):
         sensor.ingest(hb("n2", workers=[worker(0)]))
-    assert not sensor.nodes["n2"].alive
+    assert not sensor.node_view("n2").alive
     sensor.ingest(hb("n2", workers=[worker(0, state="stopped")]))
-    assert sensor.nodes["n2"].alive
+    assert sensor.node_view("n2").alive
 
     # After a restart, the nodes that were alive hold their ranks again.
     nodes, jobs = sensor.snapshot()

@@ -226,8 +226,8 @@ class Sensor:
         self.settings = settings
         self._emit = emit
         self.metrics = metrics or Metrics()
-        self.nodes: dict[str, NodeRecord] = {}
-        self.jobs: dict[str, JobRecord] = {}
+        self._nodes: dict[str, NodeRecord] = {}
+        self._jobs: dict[str, JobRecord] = {}
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(
             self._expired, extended=self._extended
         )
@@ -249,10 +249,10 @@ class Sensor:
         )
         # Counted when scraped: cheaper than keeping counts right on every transition.
         self.metrics.nodes.labels("true").set_function(
-            lambda: sum(1 for n in self.nodes.values() if n.alive)
+            lambda: sum(1 for n in self._nodes.values() if n.alive)
         )
         self.metrics.nodes.labels("false").set_function(
-            lambda: sum(1 for n in self.nodes.values() if not n.alive)
+            lambda: sum(1 for n in self._nodes.values() if not n.alive)
         )
 
     def close(self) -> None:
@@ -284,7 +284,7 @@ class Sensor:
         the JSON `hb` was parsed from, may be kept in place of `hb`'s worker reports
         (see NodeRecord.body); it must not change afterwards.
         """
-        node = self.nodes.get(hb.node)
+        node = self._nodes.get(hb.node)
         if (
             node is not None
             and node.alive
@@ -323,7 +323,7 @@ class Sensor:
                 if step is None:
                     learned = self._progress(node, workers, now)
                 else:
-                    learned = self._observe(self.jobs[node.job], node.name, step, now)
+                    learned = self._observe(self._jobs[node.job], node.name, step, now)
                 # What the job learned of its step intervals is kept across restarts:
                 # it changes only a few times in a run (a new longest interval).
                 return Changes(jobs=[learned]) if learned is not None else UNCHANGED
@@ -363,7 +363,7 @@ class Sensor:
 
     def set_cordoned(self, node_name: str, cordoned: bool) -> Changes:
         """The node's record, and `spare_available` when uncordoning makes a spare of it."""
-        node = self.nodes.get(node_name)
+        node = self._nodes.get(node_name)
         if node is None or node.cordoned == cordoned:
             return Changes()
         node.cordoned = cordoned
@@ -375,14 +375,14 @@ class Sensor:
     def job_restarted(self, job_name: str) -> None:
         """The job's workers were restarted (a remediation): until they step again, past
         a warm-up, the job is not watched for hangs (a start-up is no hang)."""
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         if job is None:
             return
         job.progress.restarted()
         self._deadlines.disarm((HANG, job_name))
 
     def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         if job is None:
             return None
         job.num_dp_replicas = num_dp_replicas
@@ -426,7 +426,7 @@ class Sensor:
                 flapping=nv.flapping,
                 up_since=now,
             )
-            self.nodes[nv.name] = record
+            self._nodes[nv.name] = record
             if nv.job is not None:
                 self._job(nv.job).nodes.add(nv.name)
                 if nv.alive:  # a node that is not alive holds no rank
@@ -435,30 +435,79 @@ class Sensor:
                 self._deadlines.arm((NODE, nv.name), now + self.settings.heartbeat_timeout_s)
 
     # --- reads ------------------------------------------------------------------------
+    # The records are the sensor's own: others read them through these.
+
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes
+
+    def has_job(self, name: str) -> bool:
+        return name in self._jobs
+
+    def node_names(self) -> list[str]:
+        """Every node the sensor knows (alive or not), sorted."""
+        return sorted(self._nodes)
+
+    def job_names(self) -> list[str]:
+        """Every job the sensor knows, sorted."""
+        return sorted(self._jobs)
+
+    def node_address(self, name: str) -> str | None:
+        """Where the node's host monitor listens, as its last heartbeat said."""
+        node = self._nodes.get(name)
+        return node.address if node is not None else None
+
+    def healthy_nodes(self) -> list[tuple[str, NodeState, bool]]:
+        """(name, state, cordoned) of each node alive and not flapping: those that may
+        serve as spares. Read from the records, without building every node's view."""
+        return [
+            (node.name, node.state, node.cordoned)
+            for node in self._nodes.values()
+            if node.alive and not node.flapping
+        ]
+
+    def running_jobs(self) -> set[str]:
+        """The jobs of which some node reports running."""
+        running = NodeState.RUNNING
+        nodes = self._nodes
+        return {
+            name
+            for name, job in self._jobs.items()
+            if any((node := nodes.get(n)) is not None and node.state is running for n in job.nodes)
+        }
+
+    def job_steps(self) -> list[tuple[str, int, float]]:
+        """(job, newest step, Unix time the sensor first saw it) for each job with a step."""
+        loop_now = self._clock()
+        wall_now = wall_time()
+        return [
+            (name, job.progress.max_step, wall_now - (loop_now - job.progress.last_progress))
+            for name, job in self._jobs.items()
+            if job.progress.max_step >= 0
+        ]
 
     def node_view(self, name: str) -> NodeView | None:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         return node.view(self._wall_offset()) if node else None
 
     def job_view(self, name: str) -> JobView | None:
-        job = self.jobs.get(name)
+        job = self._jobs.get(name)
         return job.view() if job else None
 
     def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
         offset = self._wall_offset()
         return (
-            {name: n.view(offset) for name, n in self.nodes.items()},
-            {name: j.view() for name, j in self.jobs.items()},
+            {name: n.view(offset) for name, n in self._nodes.items()},
+            {name: j.view() for name, j in self._jobs.items()},
         )
 
     def heartbeat_age_s(self, name: str) -> float | None:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         if node is None:
             return None
         return max(0.0, wall_time() - node.last_heartbeat(self._wall_offset()))
 
     def hang_timeout_s(self, job_name: str) -> float | None:
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         return job.progress.timeout_s if job and job.progress.watching else None
 
     # --- heartbeat handling ---------------------------------------------------------------
@@ -477,7 +526,7 @@ class Sensor:
             topology=dict(hb.topology),
             up_since=now,
         )
-        self.nodes[hb.node] = node
+        self._nodes[hb.node] = node
         if hb.job is not None:
             self._join(node, hb.job, changes)
             self._reclaim(node.name, None, [], hb.job, hb.workers)
@@ -668,7 +717,7 @@ class Sensor:
         """Take the node's newest step: the highest of its running workers' steps. The
         job's view when what it learned of its step intervals changed (to persist)."""
         assert node.job is not None
-        job = self.jobs[node.job]
+        job = self._jobs[node.job]
         running = WorkerState.RUNNING
         step = max(
             [w.step for w in workers if w.state is running and w.step is not None], default=-1
@@ -699,14 +748,14 @@ class Sensor:
 
     def _rearm_hang(self, job_name: str | None, now: float) -> None:
         """Watch the job for hangs again (after a lost node of it came back)."""
-        job = self.jobs.get(job_name) if job_name else None
+        job = self._jobs.get(job_name) if job_name else None
         if job is not None and job.progress.watching and not job.hang_reported:
             self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
 
     # --- membership ---------------------------------------------------------------------
 
     def _job(self, name: str) -> JobRecord:
-        job = self.jobs.get(name)
+        job = self._jobs.get(name)
         if job is None:
             s = self.settings
             job = JobRecord(
@@ -717,11 +766,11 @@ class Sensor:
                 num_nodes_per_dp=s.num_nodes_per_dp,
                 progress=JobProgress(self._hang),
             )
-            self.jobs[name] = job
+            self._jobs[name] = job
         return job
 
     def _join(self, node: NodeRecord, job_name: str, changes: Changes) -> None:
-        new = job_name not in self.jobs
+        new = job_name not in self._jobs
         job = self._job(job_name)
         job.nodes.add(node.name)
         node.job = job_name
@@ -734,7 +783,7 @@ class Sensor:
     def _leave(self, node: NodeRecord) -> None:
         if node.job is None:
             return
-        job = self.jobs.get(node.job)
+        job = self._jobs.get(node.job)
         if job is not None:
             job.nodes.discard(node.name)
             job.progress.forget(node.name)
@@ -745,7 +794,7 @@ class Sensor:
         another node of the job, alive, reports running or starting. A node that is not
         alive holds nothing: a spare swapped in for it takes its ranks."""
         assert hb.job is not None
-        job = self.jobs.get(hb.job)
+        job = self._jobs.get(hb.job)
         if job is None or not job.claims:
             return
         claims = job.claims
@@ -755,7 +804,7 @@ class Sensor:
             holder = claims.get(worker.rank)
             if holder is None or holder == hb.node:
                 continue
-            other = self.nodes.get(holder)
+            other = self._nodes.get(holder)
             if other is not None and other.alive and other.job == hb.job:
                 raise RankClaimed(hb.job, worker.rank, holder, index)
 
@@ -769,7 +818,7 @@ class Sensor:
     ) -> None:
         """Move the node's rank claims from its previous workers to its current ones
         (`_check_claims` allowed them)."""
-        if old_job is not None and (job := self.jobs.get(old_job)) is not None:
+        if old_job is not None and (job := self._jobs.get(old_job)) is not None:
             for worker in before:
                 if job.claims.get(worker.rank) == node_name:
                     del job.claims[worker.rank]
@@ -780,7 +829,7 @@ class Sensor:
                     claims[worker.rank] = node_name
 
     def _require(self, name: str) -> NodeRecord:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         if node is None:
             raise KeyError(name)
         return node
@@ -791,7 +840,7 @@ class Sensor:
         """The key's latest deadline: steady heartbeats move a node's on without arming."""
         kind, name = key
         if kind == NODE:
-            node = self.nodes.get(name)
+            node = self._nodes.get(name)
             if node is not None and node.alive:
                 return node.last_seen + self._timeout_s
         return deadline
@@ -811,7 +860,7 @@ class Sensor:
             self._emit(changes)
 
     def _node_lost(self, name: str, deadline: float, changes: Changes) -> None:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         if node is None or not node.alive:
             return
         now = self._deadlines.time()
@@ -857,7 +906,7 @@ class Sensor:
         time, then the stragglers and recoveries that became due (see stragglers.py)."""
         now = self._deadlines.time()
         self._deadlines.arm((STRAGGLERS, ""), now + self.settings.heartbeat_polling_period_s)
-        for node in self.nodes.values():
+        for node in self._nodes.values():
             if not node.alive or node.job is None:
                 continue
             # Most nodes' newest heartbeat is kept as its bytes: decoded only if it has
@@ -869,7 +918,7 @@ class Sensor:
                     self.stragglers.observe(node.job, worker.rank, node.name, worker.compute_s, now)
         params = self.stragglers.params
         for verdict in self.stragglers.evaluate(now):
-            record = self.nodes.get(verdict.node)
+            record = self._nodes.get(verdict.node)
             if record is None or record.job != verdict.job:
                 continue
             changes.events.append(
@@ -888,10 +937,10 @@ class Sensor:
             )
 
     def _job_hung(self, name: str, changes: Changes) -> None:
-        job = self.jobs.get(name)
+        job = self._jobs.get(name)
         if job is None or job.hang_reported:
             return
-        alive = [self.nodes[n] for n in job.nodes if n in self.nodes and self.nodes[n].alive]
+        alive = [self._nodes[n] for n in job.nodes if n in self._nodes and self._nodes[n].alive]
         if not alive:
             return  # every node is gone: the heartbeat-lost events already tell
         if not any(w.state in _MAY_HANG for node in alive for w in node.workers):
@@ -912,7 +961,7 @@ class Sensor:
             return
         job.hang_reported = True
         suspect = job.progress.laggard()
-        node = self.nodes.get(suspect[0]) if suspect else None
+        node = self._nodes.get(suspect[0]) if suspect else None
         rank = None
         if node is not None:
             ranks = [w.rank for w in node.workers if w.state is WorkerState.RUNNING]
