@@ -1,10 +1,12 @@
 """Fault injection: faults acted out on request (over REST, off unless enabled), their
 schedules and timers, and the records that link what they cause to them.
 
-`heartbeat_loss` acts in the sensor. GPU errors go through the node's real watchdogs
-when the backend runs processes (local mode), else straight to the sensor. Worker and
-node faults need a backend that runs processes. A schedule injects faults at random
-until ended, and outlives a restart of the supervisor.
+`heartbeat_loss` acts in the sensor: its fault marks mute the node. GPU errors go
+through the node's real watchdogs when the backend runs processes (local mode), else
+straight to the sensor. Worker and node faults need a backend that runs processes; the
+sensor's fault marks then expect their consequences on the node, so that the events they
+cause carry the fault's id. A schedule injects faults at random until ended, and
+outlives a restart of the supervisor.
 """
 
 from __future__ import annotations

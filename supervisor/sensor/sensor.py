@@ -4,6 +4,17 @@ A heartbeat only updates memory and moves a deadline. Events come from state cha
 (a worker exits, a GPU error is reported, a node comes back) and from deadlines passing
 (a node goes silent, a job stops making progress). The caller persists what
 `ingest` returns before acknowledging; timer-driven changes go to the `emit` callback.
+
+The node and job records (`NodeRecord`, `JobRecord`) are the sensor's own: the rest of
+the supervisor reads them through its read methods (views, names, a few facts), never
+the records themselves. What the sensor does is in this module; the parts it uses are
+beside it in the package:
+
+- `deadlines.py`: the timers (a node's loss, a job's hang, the straggler check);
+- `progress.py`: a job's step progress and the hang timeout learned from it;
+- `stragglers.py`: which ranks compute slower than their peers, and for how long;
+- `fault_marks.py`: what fault injection (`supervisor.faults`) tells the sensor: which
+  nodes' heartbeats a fault mutes, and which fault a node's failures are due to.
 """
 
 from __future__ import annotations
@@ -217,6 +228,15 @@ class JobRecord:
 
 
 class Sensor:
+    """Heartbeats, silence and timers in; events, and node and job records to persist, out.
+
+    Inputs: `ingest` (a heartbeat), `restore` (the persisted picture, at start-up), and
+    what the supervisor tells of its own actions (`set_cordoned`, `job_restarted`,
+    `set_replicas`). Faults injected in the sensor: a GPU error (`inject_gpu_report`), and
+    `fault_marks` (muted heartbeats, expected failures), which fault injection writes.
+    Reads: the "reads" section below.
+    """
+
     def __init__(
         self,
         settings: Settings,
