@@ -46,7 +46,7 @@ async def _measure(nodes: int, heartbeats_each: int) -> MemoryResult:
     finally:
         tracemalloc.stop()
         sensor.close()
-    assert len(sensor.nodes) == nodes
+    assert len(sensor.node_names()) == nodes
     return MemoryResult(
         nodes=nodes,
         bytes_per_node=(after - before) / nodes,

@@ -1,10 +1,12 @@
 """Fault injection: faults acted out on request (over REST, off unless enabled), their
 schedules and timers, and the records that link what they cause to them.
 
-`heartbeat_loss` acts in the sensor. GPU errors go through the node's real watchdogs
-when the backend runs processes (local mode), else straight to the sensor. Worker and
-node faults need a backend that runs processes. A schedule injects faults at random
-until ended, and outlives a restart of the supervisor.
+`heartbeat_loss` acts in the sensor: its fault marks mute the node. GPU errors go
+through the node's real watchdogs when the backend runs processes (local mode), else
+straight to the sensor. Worker and node faults need a backend that runs processes; the
+sensor's fault marks then expect their consequences on the node, so that the events they
+cause carry the fault's id. A schedule injects faults at random until ended, and
+outlives a restart of the supervisor.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class FaultInjector:
         """
         if spec.schedule is not None:
             return await self._start_schedule(spec), []
-        if spec.node is None or spec.node not in self.sensor.nodes:
+        if spec.node is None or not self.sensor.has_node(spec.node):
             raise UnknownTarget(f"node {spec.node!r} is not known")
         through_backend = spec.kind in self.backend.process_faults
         if not through_backend and spec.kind not in SENSOR_FAULTS:
@@ -116,14 +118,14 @@ class FaultInjector:
                 window += 2 * self.settings.straggler_window_s
                 # and what it causes while it lasts (a hang, a restart) is its doing too
                 window += float(spec.params.get("duration_s") or 0)
-            self.sensor.expect_fault(spec.node, fault.id, window)
+            self.sensor.fault_marks.expect(spec.node, fault.id, window)
             # `schedule` links the fault record to its schedule; the node is told only
             # what the kind itself takes (its host monitor refuses anything else).
             own = {k: v for k, v in spec.params.items() if k != "schedule"}
             try:
                 await self.backend.inject_fault(spec.kind, spec.node, own)
             except ActionError as exc:
-                self.sensor.fault_not_injected(fault.id)
+                self.sensor.fault_marks.withdraw(fault.id)
                 await self.end(fault.id)
                 raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None
             if spec.kind in ONE_SHOT_FAULTS:
@@ -137,7 +139,7 @@ class FaultInjector:
             return fault, []
         if spec.kind == "heartbeat_loss":
             duration = spec.params.get("duration_s")
-            self.sensor.inject_heartbeat_loss(spec.node, fault.id, duration)
+            self.sensor.fault_marks.mute(spec.node, fault.id, duration)
             if duration is not None:
                 loop = asyncio.get_running_loop()
                 self._fault_timers[fault.id] = loop.call_later(
@@ -173,7 +175,7 @@ class FaultInjector:
         unsupported = [k for k in kinds if k not in self.backend.process_faults | SENSOR_FAULTS]
         if unsupported:
             raise FaultNotSupported(f"schedule: {unsupported[0]} faults need the local backend")
-        if spec.job is not None and spec.job not in self.sensor.jobs:
+        if spec.job is not None and not self.sensor.has_job(spec.job):
             raise UnknownTarget(f"job {spec.job!r} is not known")
         fault = await asyncio.to_thread(
             lambda: self.store.create_fault("schedule", node=None, job=spec.job, params=spec.params)
@@ -231,5 +233,5 @@ class FaultInjector:
         timer = self._fault_timers.pop(fault_id, None)
         if timer is not None:
             timer.cancel()
-        self.sensor.end_fault(fault_id)
+        self.sensor.fault_marks.end(fault_id)
         return await asyncio.to_thread(self.store.end_fault, fault_id)

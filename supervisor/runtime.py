@@ -40,7 +40,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import RequestRefused, UnknownTarget
 from supervisor.faults import FaultInjector, FaultSpec
-from supervisor.goodput.sampler import ProgressSampler, sensor_steps
+from supervisor.goodput.sampler import ProgressSampler
 from supervisor.metrics import Metrics
 from supervisor.notifications.delivery import Notifier
 from supervisor.notify import Hub
@@ -177,7 +177,7 @@ class Supervisor:
         # Step progress for goodput: a sample per job every period, never per heartbeat.
         self._sampler = ProgressSampler(
             self.settings.goodput_sample_period_s,
-            lambda: sensor_steps(self.sensor),
+            self.sensor.job_steps,
             self.store.record_progress_samples,
         )
         self._sampling = asyncio.create_task(self._sampler.run(), name="progress-sampler")
@@ -342,15 +342,14 @@ class Supervisor:
             self.controller.submit_actions([action])
 
     def _node_address(self, name: str) -> str | None:
-        node = self.sensor.nodes.get(name)
-        return node.address if node is not None else None
+        return self.sensor.node_address(name)
 
     async def _event(self, event_id: int) -> Event | None:
         return await asyncio.to_thread(self.store.get_event, event_id)
 
     def _node_heartbeating(self, name: str) -> bool | None:
-        node = self.sensor.nodes.get(name)
-        return node.alive if node is not None else None
+        view = self.sensor.node_view(name)
+        return view.alive if view is not None else None
 
     def _on_timer_changes(self, changes: Changes) -> None:
         self._hold(changes)
@@ -428,9 +427,9 @@ class Supervisor:
 
     async def request_action(self, request: ActionRequest, key: str) -> tuple[ActionRecord, bool]:
         """Record an operator's action and queue it on its job's lane. Idempotent by key."""
-        if request.node and request.node not in self.sensor.nodes:
+        if request.node and not self.sensor.has_node(request.node):
             raise UnknownTarget(f"node {request.node!r} is not known")
-        if request.job and request.job not in self.sensor.jobs:
+        if request.job and not self.sensor.has_job(request.job):
             raise UnknownTarget(f"job {request.job!r} is not known")
         view = self.sensor.job_view(request.job) if request.job else None
         to = request.params.get("to_replicas")

@@ -77,13 +77,13 @@ async def test_a_node_credential_speaks_for_its_node_only(api: Api) -> None:
     n1 = bearer(node_credential(NODE_KEY, "n1"))
     ok = await api.beat(heartbeat("n1"), headers=n1)
     assert ok.status_code == 204, ok.text
-    assert "n1" in api.supervisor.sensor.nodes
+    assert api.supervisor.sensor.has_node("n1")
 
     events_before = await api.get("/api/v1/events")
     other = await api.beat(heartbeat("n2", gpu_reports=[{"kind": "xid", "code": 79}]), headers=n1)
     assert other.status_code == 403
     assert other.json()["message"] == "node: 'n2' is not the node of this credential ('n1')"
-    assert "n2" not in api.supervisor.sensor.nodes
+    assert not api.supervisor.sensor.has_node("n2")
     assert await api.get("/api/v1/events") == events_before  # no XID, no event of any kind
     assert (await refused(api))["other_node"] == 1
 
@@ -118,7 +118,7 @@ async def test_forged_credentials_and_the_shared_token_are_401_when_not_allowed(
         assert r.status_code == 401, token
     # agent_auth without `shared`: the agent token opens nothing.
     assert (await api.beat(heartbeat("n1"), headers=AGENT)).status_code == 401
-    assert api.supervisor.sensor.nodes == {}
+    assert api.supervisor.sensor.node_names() == []
     assert (await refused(api))["invalid_credential"] == 2 * len(forged) + 1
 
 
@@ -197,12 +197,12 @@ async def test_a_rank_another_alive_node_runs_is_refused_but_a_hot_swap_takes_it
         r = await api.beat(running_on("n3", 4, 1, state="starting"))
         assert r.status_code == 409
         assert r.json()["message"] == "workers.1.rank: rank 1 of job j1 is running on node n1"
-        assert "n3" not in api.supervisor.sensor.nodes
+        assert not api.supervisor.sensor.has_node("n3")
         assert (await refused(api))["rank_claimed"] == 1
         # A node already known is refused the same, and keeps what it had.
         r = await api.beat(running_on("n2", 2, 3, 0))
         assert r.status_code == 409 and "rank 0 of job j1 is running on node n1" in r.text
-        assert [w.rank for w in api.supervisor.sensor.nodes["n2"].workers] == [2, 3]
+        assert [w.rank for w in api.supervisor.sensor.node_view("n2").workers] == [2, 3]
 
         # Once n1 no longer runs rank 1 (stopped on purpose), another node may take it.
         assert (await api.beat(running_on("n1", 0))).status_code in (202, 204)
@@ -210,7 +210,7 @@ async def test_a_rank_another_alive_node_runs_is_refused_but_a_hot_swap_takes_it
 
         # Hot swap: n2 goes silent and is lost; the spare s1 takes its ranks.
         async def lost(node: str) -> bool:
-            while api.supervisor.sensor.nodes[node].alive:
+            while api.supervisor.sensor.node_view(node).alive:
                 await asyncio.sleep(0.05)
                 for alive in ("n1", "n3"):  # the others keep beating
                     ranks = (0,) if alive == "n1" else (1,)
@@ -224,10 +224,10 @@ async def test_a_rank_another_alive_node_runs_is_refused_but_a_hot_swap_takes_it
         # n2 comes back still claiming them: refused while s1 runs them...
         r = await api.beat(running_on("n2", 2, 3))
         assert r.status_code == 409 and "rank 2 of job j1 is running on node s1" in r.text
-        assert not api.supervisor.sensor.nodes["n2"].alive
+        assert not api.supervisor.sensor.node_view("n2").alive
         # ...and welcome once its workers are stopped.
         assert (await api.beat(running_on("n2", 2, 3, state="stopped"))).status_code == 202
-        assert api.supervisor.sensor.nodes["n2"].alive
+        assert api.supervisor.sensor.node_view("n2").alive
         assert (await refused(api))["rank_claimed"] == 3
 
 
@@ -283,7 +283,7 @@ async def test_a_service_account_token_speaks_for_the_node_of_its_pod(
         r = await api.beat(heartbeat("gpu-1", job=None), headers=bearer(token))
         assert r.status_code == 403
         assert r.json()["message"] == "node: 'gpu-1' is not the node of this credential ('gpu-0')"
-        assert "gpu-1" not in api.supervisor.sensor.nodes
+        assert not api.supervisor.sensor.has_node("gpu-1")
         r = await api.client.post(
             "/api/v1/checkpoints",
             json={"reports": [checkpoint("gpu-1", "c")]},
@@ -306,7 +306,7 @@ async def test_a_service_account_token_speaks_for_the_node_of_its_pod(
         for why, bad in wrong.items():
             r = await api.beat(heartbeat("gpu-1", job=None), headers=bearer(bad))
             assert r.status_code == 401, why
-        assert "gpu-1" not in api.supervisor.sensor.nodes
+        assert not api.supervisor.sensor.has_node("gpu-1")
         assert (await refused(api)) == {
             "invalid_credential": len(wrong),
             "other_node": 2,

@@ -216,8 +216,9 @@ async def test_recoveries_are_counted_once_and_jobs_that_go_take_their_series(
         # A job that finished: its node reports complete, it no longer runs.
         await api.beat({"node": "n3", "state": "complete", "job": "j2"})
         assert (await scrape(api))["supervisor_job_running"][job("j2")] == 0
-        # A job the sensor no longer knows has no series left, counters included.
-        del api.supervisor.sensor.jobs["j2"]
+        # A job the sensor no longer knows has no series left, counters included (taken
+        # out of its records by hand: nothing the sensor is told makes it forget a job).
+        del api.supervisor.sensor._jobs["j2"]
         gone = await scrape(api)
         for name in (
             "supervisor_job_last_step",

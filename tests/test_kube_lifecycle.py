@@ -450,7 +450,7 @@ async def test_a_crash_the_jobset_restarts_by_itself_is_not_restarted_twice(
     async with supervising(kube, settings) as (supervisor, http, beats):
         for rank, pod in enumerate(pods):
             beats.running(pod["spec"]["nodeName"], rank)
-        await wait(lambda: node in supervisor.sensor.nodes)
+        await wait(lambda: supervisor.sensor.has_node(node))
         kube.stick_pod(slow["metadata"]["name"])
         kube.fail_pod(crashed["metadata"]["name"])
         kube.wait_for(
@@ -492,15 +492,15 @@ async def test_the_cluster_says_which_nodes_are_spares_and_cordoned(
         # Its workers were moved off; its host monitor still names the job.
         beats.says[stale] = {"node": stale, "state": "complete", "job": "train"}
         beats.says[silent] = {"node": silent, "state": "spare"}
-        await wait(lambda: {stale, silent} <= set(supervisor.sensor.nodes))
+        await wait(lambda: {stale, silent} <= set(supervisor.sensor.node_names()))
         del beats.says[silent]
-        await wait(lambda: not supervisor.sensor.nodes[silent].alive)
+        await wait(lambda: not supervisor.sensor.node_view(silent).alive)
 
         context = await supervisor.controller.context()
         assert context.spares == (stale,)
         view = context.nodes[stale]
         assert view.state is NodeState.SPARE and view.job is None and not view.cordoned
-        assert supervisor.sensor.nodes[stale].state is NodeState.COMPLETE
+        assert supervisor.sensor.node_view(stale).state is NodeState.COMPLETE
         assert unmonitored not in context.nodes
         assert {context.nodes[n].state for n in used} == {NodeState.RUNNING}
 
@@ -538,8 +538,8 @@ async def test_the_policy_hot_swaps_onto_a_spare_only_kubernetes_knows(
         for rank, name in enumerate(used):
             beats.running(name, rank)
         beats.says[spare] = {"node": spare, "state": "complete", "job": "train"}
-        await wait(lambda: {*used, spare} <= set(supervisor.sensor.nodes))
-        assert supervisor.sensor.nodes[spare].state is NodeState.COMPLETE
+        await wait(lambda: {*used, spare} <= set(supervisor.sensor.node_names()))
+        assert supervisor.sensor.node_view(spare).state is NodeState.COMPLETE
         r = await http.post(
             "/api/v1/faults", json={"kind": "heartbeat_loss", "node": bad}, headers=OPERATOR
         )

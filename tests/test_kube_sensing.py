@@ -231,7 +231,7 @@ async def test_lost_heartbeat_leads_to_a_hot_swap_on_the_cluster(
 
             beats = asyncio.create_task(beating())
             try:
-                await wait(lambda: supervisor.sensor.nodes.get(spare) is not None)
+                await wait(lambda: supervisor.sensor.has_node(spare))
                 job = (await http.get("/api/v1/jobs/train", headers=OPERATOR)).json()
                 r = await http.post(
                     "/api/v1/faults",

@@ -296,7 +296,7 @@ async def test_a_steady_node_is_lost_one_timeout_after_its_last_heartbeat(
         if changes is not UNCHANGED:  # only the job's learned step interval, to persist
             assert changes.events == [] and changes.nodes == []
             [job] = changes.jobs
-            assert job.step_interval_s == sensor.jobs["j1"].progress.longest_interval_s
+            assert job.step_interval_s == sensor._jobs["j1"].progress.longest_interval_s
             learned += 1
         last, last_wall = now(), datetime.now(UTC)
         await asyncio.sleep(0.02)
@@ -447,13 +447,13 @@ async def test_a_fault_the_node_refused_claims_no_later_failure(
 ) -> None:
     sensor, _ = make_sensor(heartbeat_timeout_s=5.0)
     sensor.ingest(hb("n1", workers=[worker(0, 10)]))
-    sensor.expect_fault("n1", 7, 60.0)
-    sensor.fault_not_injected(7)  # e.g. its worker was already down
+    sensor.fault_marks.expect("n1", 7, 60.0)
+    sensor.fault_marks.withdraw(7)  # e.g. its worker was already down
     [event] = sensor.ingest(hb("n1", workers=[worker(0, 10, "exited", exit_code=1)])).events
     assert event.type is E.WORKER_EXITED and event.fault_id is None
     # One that was injected claims what follows.
     sensor.ingest(hb("n1", workers=[worker(0, 11)]))
-    sensor.expect_fault("n1", 8, 60.0)
+    sensor.fault_marks.expect("n1", 8, 60.0)
     [event] = sensor.ingest(hb("n1", workers=[worker(0, 11, "exited", exit_code=9)])).events
     assert event.fault_id == 8
 
@@ -896,7 +896,7 @@ async def test_injected_heartbeat_loss_and_end_fault(make_sensor: SensorFactory)
     pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
     try:
         await asyncio.sleep(0.05)
-        sensor.inject_heartbeat_loss("n1", fault_id=7, duration_s=None)
+        sensor.fault_marks.mute("n1", 7, duration_s=None)
         await until(lambda: bool(emitted.events))
         [event] = emitted.events
         assert event.type is E.HOST_HEARTBEAT_LOST
@@ -907,11 +907,11 @@ async def test_injected_heartbeat_loss_and_end_fault(make_sensor: SensorFactory)
         view = sensor.node_view("n1")
         assert view is not None and not view.alive
 
-        sensor.end_fault(99)  # some other fault: no effect
+        sensor.fault_marks.end(99)  # some other fault: no effect
         await asyncio.sleep(0.1)
         assert pump.events == []
 
-        sensor.end_fault(7)
+        sensor.fault_marks.end(7)
         await until(lambda: bool(pump.events))
     finally:
         await pump.stop()
@@ -926,7 +926,7 @@ async def test_injected_heartbeat_loss_with_duration_ends_by_itself(
 ) -> None:
     sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
     sensor.ingest(hb("n1", "j1"))
-    sensor.inject_heartbeat_loss("n1", fault_id=3, duration_s=0.3)
+    sensor.fault_marks.mute("n1", 3, duration_s=0.3)
     injected_at = now()
     pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
     try:
@@ -938,10 +938,16 @@ async def test_injected_heartbeat_loss_with_duration_ends_by_itself(
     assert types(pump.events) == [E.NODE_RECOVERED]
 
 
-async def test_inject_heartbeat_loss_on_unknown_node(make_sensor: SensorFactory) -> None:
+async def test_a_node_muted_before_it_is_known_is_heard_once_the_fault_ends(
+    make_sensor: SensorFactory,
+) -> None:
     sensor, _ = make_sensor()
-    with pytest.raises(KeyError):
-        sensor.inject_heartbeat_loss("ghost", fault_id=1, duration_s=None)
+    sensor.fault_marks.mute("ghost", 1, duration_s=None)
+    assert not sensor.ingest(hb("ghost"))
+    assert sensor.node_view("ghost") is None
+    sensor.fault_marks.end(1)
+    assert sensor.ingest(hb("ghost")).events == []
+    assert sensor.node_view("ghost") is not None
 
 
 # --- restore ------------------------------------------------------------------------------
@@ -1186,7 +1192,7 @@ async def test_a_steady_heartbeat_is_kept_as_its_body_and_read_back_exactly(
     restarted = [worker(0, 7), WorkerReport(rank=1, local_rank=1, pid=4242, state="running")]
     restarted[1] = msgspec.structs.replace(restarted[1], step=8)
     assert sent(hb("n1", workers=restarted)) is UNCHANGED  # a new pid, steps: still steady
-    node = sensor.nodes["n1"]
+    node = sensor._nodes["n1"]  # its record: how the heartbeat is kept
     assert node.body is not None  # kept undecoded
     assert [(w.pid, w.step) for w in sensor.node_view("n1").workers] == [(1000, 7), (4242, 8)]
     assert node.body is None  # decoded once, on reading
@@ -1247,7 +1253,7 @@ async def test_a_rank_moves_only_once_its_holder_lets_it_go(make_sensor: SensorF
         sensor.ingest(hb("n2", workers=[worker(2), worker(1, state="starting")]))
     assert str(refused.value) == "workers.1.rank: rank 1 of job j1 is running on node n1"
     assert (refused.value.rank, refused.value.holder) == (1, "n1")
-    assert "n2" not in sensor.nodes
+    assert not sensor.has_node("n2")
     # Exited and lost workers hold nothing; stopped ones neither.
     sensor.ingest(hb("n2", workers=[worker(0, state="exited", exit_code=1)]))
     sensor.ingest(hb("n1", workers=[worker(0, state="stopped"), worker(1)]))
@@ -1259,13 +1265,13 @@ async def test_a_rank_moves_only_once_its_holder_lets_it_go(make_sensor: SensorF
     await asyncio.sleep(0.1)
     sensor.ingest(hb("n1", workers=[worker(1)]))
     await asyncio.sleep(0.15)
-    assert not sensor.nodes["n2"].alive and sensor.nodes["n1"].alive
+    assert not sensor.node_view("n2").alive and sensor.node_view("n1").alive
     sensor.ingest(hb("n3", workers=[worker(0, state="starting")]))
     with pytest.raises(RankClaimed):
         sensor.ingest(hb("n2", workers=[worker(0)]))
-    assert not sensor.nodes["n2"].alive
+    assert not sensor.node_view("n2").alive
     sensor.ingest(hb("n2", workers=[worker(0, state="stopped")]))
-    assert sensor.nodes["n2"].alive
+    assert sensor.node_view("n2").alive
 
     # After a restart, the nodes that were alive hold their ranks again.
     nodes, jobs = sensor.snapshot()

@@ -42,7 +42,6 @@ from prometheus_client.registry import Collector
 from supervisor.domain import ActionStatus, NodeState, ProgressSample, utcnow
 from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.model import Timeline
-from supervisor.goodput.sampler import sensor_steps
 from supervisor.goodput.service import GoodputService
 from supervisor.metrics import RestartKind
 from supervisor.runtime import Supervisor
@@ -269,11 +268,11 @@ class JobMetrics(Collector):
         async with self._lock:
             if time.monotonic() < self._fresh_until:
                 return
-            jobs = list(self.supervisor.sensor.jobs)
+            jobs = self.supervisor.sensor.job_names()
             # Each job's step as the sensor holds it now, newer than its last sample.
             live = {
                 job: [ProgressSample(job, step, datetime.fromtimestamp(at, UTC))]
-                for job, step, at in sensor_steps(self.supervisor.sensor)
+                for job, step, at in self.supervisor.sensor.job_steps()
             }
             started = time.monotonic()
             try:
@@ -318,22 +317,19 @@ class JobMetrics(Collector):
     def _fill(self, f: _Families) -> None:
         supervisor = self.supervisor
         sensor = supervisor.sensor
-        jobs = sensor.jobs
-        self._forget_all_but(jobs.keys())
+        jobs = sensor.job_names()
+        self._forget_all_but(jobs)
         counts = supervisor.metrics.job_actions
         budget = supervisor.settings.max_restarts_in_window
-        progressed = {job: at for job, _, at in sensor_steps(sensor)}
-        for name, job in jobs.items():
+        steps = {job: (step, at) for job, step, at in sensor.job_steps()}
+        running = sensor.running_jobs()
+        for name in jobs:
             labels = [name]
-            if job.progress.max_step >= 0:
-                f.last_step.add_metric(labels, job.progress.max_step)
-            if name in progressed:
-                f.last_progress.add_metric(labels, progressed[name])
-            runs = any(
-                (node := sensor.nodes.get(n)) is not None and node.state is NodeState.RUNNING
-                for n in job.nodes
-            )
-            f.running.add_metric(labels, 1.0 if runs else 0.0)
+            if name in steps:
+                step, at = steps[name]
+                f.last_step.add_metric(labels, step)
+                f.last_progress.add_metric(labels, at)
+            f.running.add_metric(labels, 1.0 if name in running else 0.0)
             by_kind = counts.restarts.get(name, {})
             for kind in RestartKind:
                 f.restarts.add_metric([name, kind.value], by_kind.get(kind, 0))
@@ -367,12 +363,10 @@ def usable_spares(supervisor: Supervisor) -> int:
     records, without building every node's view."""
     cluster = supervisor.backend.cluster_nodes()
     count = 0
-    for name, node in supervisor.sensor.nodes.items():
-        if not node.alive or node.flapping:
-            continue
+    for name, state, own_cordoned in supervisor.sensor.healthy_nodes():
         seen = cluster.get(name)
-        spare = node.state is NodeState.SPARE or (seen is not None and seen.spare)
-        cordoned = seen.cordoned if seen is not None else node.cordoned
+        spare = state is NodeState.SPARE or (seen is not None and seen.spare)
+        cordoned = seen.cordoned if seen is not None else own_cordoned
         if spare and not cordoned:
             count += 1
     return count

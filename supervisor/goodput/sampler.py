@@ -15,25 +15,12 @@ import logging
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
-from supervisor.domain import ProgressSample, wall_time
-from supervisor.sensor import Sensor
+from supervisor.domain import ProgressSample
 
 log = logging.getLogger(__name__)
 
 #: Samples kept in memory while the database cannot take them (about 1 day per job at 10 s).
 MAX_PENDING = 100_000
-
-
-def sensor_steps(sensor: Sensor) -> list[tuple[str, int, float]]:
-    """(job, newest step, Unix time the sensor saw it first) for each job with a step."""
-    loop_now = asyncio.get_running_loop().time()
-    wall_now = wall_time()
-    out = []
-    for name, job in sensor.jobs.items():
-        progress = job.progress
-        if progress.max_step >= 0:
-            out.append((name, progress.max_step, wall_now - (loop_now - progress.last_progress)))
-    return out
 
 
 class ProgressSampler:

@@ -21,7 +21,6 @@ from supervisor.domain import ProgressSample, utcnow
 from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.history import HistorySources, timeline_from_history
 from supervisor.goodput.model import GoodputReport, Timeline
-from supervisor.goodput.sampler import sensor_steps
 from supervisor.sensor import Sensor
 from supervisor.store import Store
 
@@ -123,6 +122,6 @@ class GoodputService:
         """The job's newest step as the sensor holds it now (call on the event loop)."""
         return [
             ProgressSample(job=name, step=step, time=datetime.fromtimestamp(at, UTC))
-            for name, step, at in sensor_steps(self.sensor)
+            for name, step, at in self.sensor.job_steps()
             if name == job
         ]

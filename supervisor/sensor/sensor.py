@@ -4,6 +4,17 @@ A heartbeat only updates memory and moves a deadline. Events come from state cha
 (a worker exits, a GPU error is reported, a node comes back) and from deadlines passing
 (a node goes silent, a job stops making progress). The caller persists what
 `ingest` returns before acknowledging; timer-driven changes go to the `emit` callback.
+
+The node and job records (`NodeRecord`, `JobRecord`) are the sensor's own: the rest of
+the supervisor reads them through its read methods (views, names, a few facts), never
+the records themselves. What the sensor does is in this module; the parts it uses are
+beside it in the package:
+
+- `deadlines.py`: the timers (a node's loss, a job's hang, the straggler check);
+- `progress.py`: a job's step progress and the hang timeout learned from it;
+- `stragglers.py`: which ranks compute slower than their peers, and for how long;
+- `fault_marks.py`: what fault injection (`supervisor.faults`) tells the sensor: which
+  nodes' heartbeats a fault mutes, and which fault a node's failures are due to.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from supervisor.domain import (
 from supervisor.errors import SupervisorError
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
+from supervisor.sensor.fault_marks import FaultMarks
 from supervisor.sensor.progress import HangParams, JobProgress
 from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
 from supervisor.xid import HEALTH, classify
@@ -109,7 +121,6 @@ class NodeRecord:
     last_seen: float
     alive: bool = True
     flapping: bool = False
-    muted_by_fault: int | None = None
     # Ranks and states of `workers`, compared with each heartbeat's (`ingest`'s fast path);
     # None: not computed yet. A str and a tuple of ints: objects the cyclic GC skips.
     ranks: tuple[int, ...] | None = None
@@ -131,12 +142,6 @@ class NodeRecord:
     losses: list[float] = field(default_factory=list)
     ecc_counts: dict[int | None, int] | None = None
     gpu_seen: dict[tuple[str, int | None, int | None], float] | None = None
-    muted_until: float | None = None
-    loss_fault: int | None = None
-    # A process-level fault injected on this node: failures seen until `expected_until`
-    # (event-loop time) are attributed to it.
-    expected_fault: int | None = None
-    expected_until: float = 0.0
     deadline_key: DeadlineKey = ("", "")  # (NODE, name), built once
     # The workers' views as last built, and the reports they were built from: a policy's
     # snapshot of thousands of nodes rebuilds only those whose workers changed.
@@ -224,6 +229,15 @@ class JobRecord:
 
 
 class Sensor:
+    """Heartbeats, silence and timers in; events, and node and job records to persist, out.
+
+    Inputs: `ingest` (a heartbeat), `restore` (the persisted picture, at start-up), and
+    what the supervisor tells of its own actions (`set_cordoned`, `job_restarted`,
+    `set_replicas`). Faults injected in the sensor: a GPU error (`inject_gpu_report`), and
+    `fault_marks` (muted heartbeats, expected failures), which fault injection writes.
+    Reads: the "reads" section below.
+    """
+
     def __init__(
         self,
         settings: Settings,
@@ -233,11 +247,14 @@ class Sensor:
         self.settings = settings
         self._emit = emit
         self.metrics = metrics or Metrics()
-        self.nodes: dict[str, NodeRecord] = {}
-        self.jobs: dict[str, JobRecord] = {}
+        self._nodes: dict[str, NodeRecord] = {}
+        self._jobs: dict[str, JobRecord] = {}
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(
             self._expired, extended=self._extended
         )
+        #: Injected faults' marks: muted nodes, and the faults failures are attributed to
+        #: (fault injection writes them, see `supervisor.faults`; the sensor reads them).
+        self.fault_marks = FaultMarks(self._deadlines.time)
         self._timeout_s = settings.heartbeat_timeout_s
         # The event loop's clock, bound on first use (the loop may not exist yet).
         self._clock: Callable[[], float] = self._bind_clock
@@ -253,10 +270,10 @@ class Sensor:
         )
         # Counted when scraped: cheaper than keeping counts right on every transition.
         self.metrics.nodes.labels("true").set_function(
-            lambda: sum(1 for n in self.nodes.values() if n.alive)
+            lambda: sum(1 for n in self._nodes.values() if n.alive)
         )
         self.metrics.nodes.labels("false").set_function(
-            lambda: sum(1 for n in self.nodes.values() if not n.alive)
+            lambda: sum(1 for n in self._nodes.values() if not n.alive)
         )
 
     def close(self) -> None:
@@ -288,12 +305,12 @@ class Sensor:
         the JSON `hb` was parsed from, may be kept in place of `hb`'s worker reports
         (see NodeRecord.body); it must not change afterwards.
         """
-        node = self.nodes.get(hb.node)
+        node = self._nodes.get(hb.node)
         if (
             node is not None
             and node.alive
             and not node.flapping
-            and node.muted_by_fault is None
+            and hb.node not in self.fault_marks.muted
             and hb.state is node.state
             and hb.job == node.job
             and not hb.gpu_reports
@@ -327,7 +344,7 @@ class Sensor:
                 if step is None:
                     learned = self._progress(node, workers, now)
                 else:
-                    learned = self._observe(self.jobs[node.job], node.name, step, now)
+                    learned = self._observe(self._jobs[node.job], node.name, step, now)
                 # What the job learned of its step intervals is kept across restarts:
                 # it changes only a few times in a run (a new longest interval).
                 return Changes(jobs=[learned]) if learned is not None else UNCHANGED
@@ -337,10 +354,8 @@ class Sensor:
         now = self._clock()
         self.metrics.heartbeats_received += 1
         changes = Changes()
-        if node is not None and node.muted_by_fault is not None:
-            if node.muted_until is None or now < node.muted_until:
-                return changes  # an injected fault: drop it as a lost packet would be
-            node.muted_by_fault = node.muted_until = None
+        if self.fault_marks.is_muted(hb.node):
+            return changes  # an injected fault: drop it as a lost packet would be
         if node is None:
             node = self._register(hb, now, changes)
         else:
@@ -357,17 +372,9 @@ class Sensor:
             self.metrics.events.labels(event.type.value).inc()
         return changes
 
-    def inject_heartbeat_loss(
-        self, node_name: str, fault_id: int, duration_s: float | None
-    ) -> None:
-        """Drop the node's heartbeats from now on, as if its network were down."""
-        node = self._require(node_name)
-        now = self._deadlines.time()
-        node.muted_by_fault = fault_id
-        node.muted_until = None if duration_s is None else now + duration_s
-        node.loss_fault = fault_id
-
     def inject_gpu_report(self, node_name: str, report: GpuReport, fault_id: int) -> Changes:
+        """Act out a GPU error injected as a fault: as if the node had reported it, its
+        events carrying the fault's id. KeyError for a node the sensor does not know."""
         node = self._require(node_name)
         changes = Changes()
         self._gpu_report(node, report, self._deadlines.time(), fault_id, changes)
@@ -375,29 +382,9 @@ class Sensor:
             self.metrics.events.labels(event.type.value).inc()
         return changes
 
-    def expect_fault(self, node_name: str, fault_id: int, within_s: float) -> None:
-        """Attribute the node's next failures (within `within_s`) to this fault."""
-        node = self._require(node_name)
-        node.expected_fault = fault_id
-        node.expected_until = self._deadlines.time() + within_s
-        node.loss_fault = fault_id
-
-    def end_fault(self, fault_id: int) -> None:
-        for node in self.nodes.values():
-            if node.muted_by_fault == fault_id:
-                node.muted_by_fault = node.muted_until = None
-
-    def fault_not_injected(self, fault_id: int) -> None:
-        """The fault never happened (its node refused it): what fails next is not its doing."""
-        for node in self.nodes.values():
-            if node.expected_fault == fault_id:
-                node.expected_fault = None
-            if node.loss_fault == fault_id:
-                node.loss_fault = None
-
     def set_cordoned(self, node_name: str, cordoned: bool) -> Changes:
         """The node's record, and `spare_available` when uncordoning makes a spare of it."""
-        node = self.nodes.get(node_name)
+        node = self._nodes.get(node_name)
         if node is None or node.cordoned == cordoned:
             return Changes()
         node.cordoned = cordoned
@@ -409,14 +396,14 @@ class Sensor:
     def job_restarted(self, job_name: str) -> None:
         """The job's workers were restarted (a remediation): until they step again, past
         a warm-up, the job is not watched for hangs (a start-up is no hang)."""
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         if job is None:
             return
         job.progress.restarted()
         self._deadlines.disarm((HANG, job_name))
 
     def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         if job is None:
             return None
         job.num_dp_replicas = num_dp_replicas
@@ -460,7 +447,7 @@ class Sensor:
                 flapping=nv.flapping,
                 up_since=now,
             )
-            self.nodes[nv.name] = record
+            self._nodes[nv.name] = record
             if nv.job is not None:
                 self._job(nv.job).nodes.add(nv.name)
                 if nv.alive:  # a node that is not alive holds no rank
@@ -469,30 +456,79 @@ class Sensor:
                 self._deadlines.arm((NODE, nv.name), now + self.settings.heartbeat_timeout_s)
 
     # --- reads ------------------------------------------------------------------------
+    # The records are the sensor's own: others read them through these.
+
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes
+
+    def has_job(self, name: str) -> bool:
+        return name in self._jobs
+
+    def node_names(self) -> list[str]:
+        """Every node the sensor knows (alive or not), sorted."""
+        return sorted(self._nodes)
+
+    def job_names(self) -> list[str]:
+        """Every job the sensor knows, sorted."""
+        return sorted(self._jobs)
+
+    def node_address(self, name: str) -> str | None:
+        """Where the node's host monitor listens, as its last heartbeat said."""
+        node = self._nodes.get(name)
+        return node.address if node is not None else None
+
+    def healthy_nodes(self) -> list[tuple[str, NodeState, bool]]:
+        """(name, state, cordoned) of each node alive and not flapping: those that may
+        serve as spares. Read from the records, without building every node's view."""
+        return [
+            (node.name, node.state, node.cordoned)
+            for node in self._nodes.values()
+            if node.alive and not node.flapping
+        ]
+
+    def running_jobs(self) -> set[str]:
+        """The jobs of which some node reports running."""
+        running = NodeState.RUNNING
+        nodes = self._nodes
+        return {
+            name
+            for name, job in self._jobs.items()
+            if any((node := nodes.get(n)) is not None and node.state is running for n in job.nodes)
+        }
+
+    def job_steps(self) -> list[tuple[str, int, float]]:
+        """(job, newest step, Unix time the sensor first saw it) for each job with a step."""
+        loop_now = self._clock()
+        wall_now = wall_time()
+        return [
+            (name, job.progress.max_step, wall_now - (loop_now - job.progress.last_progress))
+            for name, job in self._jobs.items()
+            if job.progress.max_step >= 0
+        ]
 
     def node_view(self, name: str) -> NodeView | None:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         return node.view(self._wall_offset()) if node else None
 
     def job_view(self, name: str) -> JobView | None:
-        job = self.jobs.get(name)
+        job = self._jobs.get(name)
         return job.view() if job else None
 
     def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
         offset = self._wall_offset()
         return (
-            {name: n.view(offset) for name, n in self.nodes.items()},
-            {name: j.view() for name, j in self.jobs.items()},
+            {name: n.view(offset) for name, n in self._nodes.items()},
+            {name: j.view() for name, j in self._jobs.items()},
         )
 
     def heartbeat_age_s(self, name: str) -> float | None:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         if node is None:
             return None
         return max(0.0, wall_time() - node.last_heartbeat(self._wall_offset()))
 
     def hang_timeout_s(self, job_name: str) -> float | None:
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         return job.progress.timeout_s if job and job.progress.watching else None
 
     # --- heartbeat handling ---------------------------------------------------------------
@@ -511,7 +547,7 @@ class Sensor:
             topology=dict(hb.topology),
             up_since=now,
         )
-        self.nodes[hb.node] = node
+        self._nodes[hb.node] = node
         if hb.job is not None:
             self._join(node, hb.job, changes)
             self._reclaim(node.name, None, [], hb.job, hb.workers)
@@ -529,7 +565,7 @@ class Sensor:
         if not node.alive:
             node.alive = True
             node.up_since = now
-            fault, node.loss_fault = node.loss_fault, None
+            fault = self.fault_marks.recovered(node.name)
             changed = True
             if node.flapping:
                 self.metrics.events_suppressed.labels(EventType.NODE_RECOVERED.value).inc()
@@ -702,7 +738,7 @@ class Sensor:
         """Take the node's newest step: the highest of its running workers' steps. The
         job's view when what it learned of its step intervals changed (to persist)."""
         assert node.job is not None
-        job = self.jobs[node.job]
+        job = self._jobs[node.job]
         running = WorkerState.RUNNING
         step = max(
             [w.step for w in workers if w.state is running and w.step is not None], default=-1
@@ -733,14 +769,14 @@ class Sensor:
 
     def _rearm_hang(self, job_name: str | None, now: float) -> None:
         """Watch the job for hangs again (after a lost node of it came back)."""
-        job = self.jobs.get(job_name) if job_name else None
+        job = self._jobs.get(job_name) if job_name else None
         if job is not None and job.progress.watching and not job.hang_reported:
             self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
 
     # --- membership ---------------------------------------------------------------------
 
     def _job(self, name: str) -> JobRecord:
-        job = self.jobs.get(name)
+        job = self._jobs.get(name)
         if job is None:
             s = self.settings
             job = JobRecord(
@@ -751,11 +787,11 @@ class Sensor:
                 num_nodes_per_dp=s.num_nodes_per_dp,
                 progress=JobProgress(self._hang),
             )
-            self.jobs[name] = job
+            self._jobs[name] = job
         return job
 
     def _join(self, node: NodeRecord, job_name: str, changes: Changes) -> None:
-        new = job_name not in self.jobs
+        new = job_name not in self._jobs
         job = self._job(job_name)
         job.nodes.add(node.name)
         node.job = job_name
@@ -768,7 +804,7 @@ class Sensor:
     def _leave(self, node: NodeRecord) -> None:
         if node.job is None:
             return
-        job = self.jobs.get(node.job)
+        job = self._jobs.get(node.job)
         if job is not None:
             job.nodes.discard(node.name)
             job.progress.forget(node.name)
@@ -779,7 +815,7 @@ class Sensor:
         another node of the job, alive, reports running or starting. A node that is not
         alive holds nothing: a spare swapped in for it takes its ranks."""
         assert hb.job is not None
-        job = self.jobs.get(hb.job)
+        job = self._jobs.get(hb.job)
         if job is None or not job.claims:
             return
         claims = job.claims
@@ -789,7 +825,7 @@ class Sensor:
             holder = claims.get(worker.rank)
             if holder is None or holder == hb.node:
                 continue
-            other = self.nodes.get(holder)
+            other = self._nodes.get(holder)
             if other is not None and other.alive and other.job == hb.job:
                 raise RankClaimed(hb.job, worker.rank, holder, index)
 
@@ -803,7 +839,7 @@ class Sensor:
     ) -> None:
         """Move the node's rank claims from its previous workers to its current ones
         (`_check_claims` allowed them)."""
-        if old_job is not None and (job := self.jobs.get(old_job)) is not None:
+        if old_job is not None and (job := self._jobs.get(old_job)) is not None:
             for worker in before:
                 if job.claims.get(worker.rank) == node_name:
                     del job.claims[worker.rank]
@@ -814,7 +850,7 @@ class Sensor:
                     claims[worker.rank] = node_name
 
     def _require(self, name: str) -> NodeRecord:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         if node is None:
             raise KeyError(name)
         return node
@@ -825,7 +861,7 @@ class Sensor:
         """The key's latest deadline: steady heartbeats move a node's on without arming."""
         kind, name = key
         if kind == NODE:
-            node = self.nodes.get(name)
+            node = self._nodes.get(name)
             if node is not None and node.alive:
                 return node.last_seen + self._timeout_s
         return deadline
@@ -845,7 +881,7 @@ class Sensor:
             self._emit(changes)
 
     def _node_lost(self, name: str, deadline: float, changes: Changes) -> None:
-        node = self.nodes.get(name)
+        node = self._nodes.get(name)
         if node is None or not node.alive:
             return
         now = self._deadlines.time()
@@ -858,6 +894,7 @@ class Sensor:
         window = self.settings.flap_window_s
         node.losses = [t for t in node.losses if now - t <= window]
         node.losses.append(now)
+        cause = self.fault_marks.loss_cause(node.name)
         details: dict[str, Any] = {
             "last_heartbeat": datetime.fromtimestamp(
                 node.last_heartbeat(self._wall_offset()), UTC
@@ -873,7 +910,7 @@ class Sensor:
                 self._event(
                     EventType.NODE_FLAPPING,
                     node,
-                    fault_id=node.loss_fault,
+                    fault_id=cause,
                     losses=len(node.losses),
                     window_s=window,
                     **details,
@@ -881,9 +918,7 @@ class Sensor:
             )
         else:
             changes.events.append(
-                self._event(
-                    EventType.HOST_HEARTBEAT_LOST, node, fault_id=node.loss_fault, **details
-                )
+                self._event(EventType.HOST_HEARTBEAT_LOST, node, fault_id=cause, **details)
             )
         changes.nodes.append(node.view(self._wall_offset()))
 
@@ -892,7 +927,7 @@ class Sensor:
         time, then the stragglers and recoveries that became due (see stragglers.py)."""
         now = self._deadlines.time()
         self._deadlines.arm((STRAGGLERS, ""), now + self.settings.heartbeat_polling_period_s)
-        for node in self.nodes.values():
+        for node in self._nodes.values():
             if not node.alive or node.job is None:
                 continue
             # Most nodes' newest heartbeat is kept as its bytes: decoded only if it has
@@ -904,7 +939,7 @@ class Sensor:
                     self.stragglers.observe(node.job, worker.rank, node.name, worker.compute_s, now)
         params = self.stragglers.params
         for verdict in self.stragglers.evaluate(now):
-            record = self.nodes.get(verdict.node)
+            record = self._nodes.get(verdict.node)
             if record is None or record.job != verdict.job:
                 continue
             changes.events.append(
@@ -923,10 +958,10 @@ class Sensor:
             )
 
     def _job_hung(self, name: str, changes: Changes) -> None:
-        job = self.jobs.get(name)
+        job = self._jobs.get(name)
         if job is None or job.hang_reported:
             return
-        alive = [self.nodes[n] for n in job.nodes if n in self.nodes and self.nodes[n].alive]
+        alive = [self._nodes[n] for n in job.nodes if n in self._nodes and self._nodes[n].alive]
         if not alive:
             return  # every node is gone: the heartbeat-lost events already tell
         if not any(w.state in _MAY_HANG for node in alive for w in node.workers):
@@ -947,7 +982,7 @@ class Sensor:
             return
         job.hang_reported = True
         suspect = job.progress.laggard()
-        node = self.nodes.get(suspect[0]) if suspect else None
+        node = self._nodes.get(suspect[0]) if suspect else None
         rank = None
         if node is not None:
             ranks = [w.rank for w in node.workers if w.state is WorkerState.RUNNING]
@@ -980,11 +1015,8 @@ class Sensor:
         fault_id: int | None = None,
         **details: Any,
     ) -> Event:
-        if fault_id is None and node.expected_fault is not None:
-            if self._deadlines.time() <= node.expected_until:
-                fault_id = node.expected_fault
-            else:
-                node.expected_fault = None
+        if fault_id is None:
+            fault_id = self.fault_marks.attributed(node.name)
         return Event(
             type=type_,
             time=utcnow(),

@@ -57,7 +57,7 @@ class SimulatedSensor(Sensor):
     def silence(self, node_name: str, at: float) -> None:
         """The node's last heartbeat was at `at` (loop time): its loss is due a timeout
         after it."""
-        node = self.nodes.get(node_name)
+        node = self._nodes.get(node_name)
         if node is None or not node.alive:
             return
         node.last_seen = at
@@ -65,7 +65,7 @@ class SimulatedSensor(Sensor):
 
     def progressed(self, job_name: str, step: int, at: float) -> None:
         """The job (re)started stepping at `at` from `step`: watch it for hangs anew."""
-        job = self.jobs.get(job_name)
+        job = self._jobs.get(job_name)
         if job is None:
             return
         progress = job.progress
@@ -85,12 +85,12 @@ class SimulatedSensor(Sensor):
         kind, name = key
         now = self._clock()
         if kind == NODE:
-            node = self.nodes.get(name)
+            node = self._nodes.get(name)
             if node is not None and node.alive and self.cluster.heartbeating(name):
                 node.last_seen = now
                 return self.horizon
         elif kind == HANG:
-            job = self.jobs.get(name)
+            job = self._jobs.get(name)
             step = self.cluster.progressing(name) if job is not None else None
             if job is not None and step is not None:
                 job.progress.max_step = max(job.progress.max_step, step)
@@ -103,18 +103,18 @@ class SimulatedSensor(Sensor):
         if kind == STRAGGLERS:
             return  # not simulated; and not armed again
         if kind == HANG:
-            self._heard(self.jobs[name].nodes if name in self.jobs else ())
+            self._heard(self._jobs[name].nodes if name in self._jobs else ())
         super()._expired(key, deadline)
 
     def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
-        self._heard(self.nodes)
+        self._heard(self._nodes)
         return super().snapshot()
 
     def _heard(self, names: Iterable[str]) -> None:
         """Nodes that heartbeat were heard from just now (their last heartbeat is read)."""
         now = self._clock()
         for name in list(names):
-            node = self.nodes.get(name)
+            node = self._nodes.get(name)
             if node is not None and node.alive and self.cluster.heartbeating(name):
                 node.last_seen = now
 

@@ -20,7 +20,7 @@ async def list_nodes(
 ) -> list[NodeOut]:
     sensor = supervisor.sensor
     out = []
-    for name in sorted(sensor.nodes):
+    for name in sensor.node_names():
         view = sensor.node_view(name)
         assert view is not None
         if state is not None and view.state is not state:
@@ -45,7 +45,7 @@ async def get_node(supervisor: SupervisorDep, name: str) -> NodeOut:
 async def list_jobs(supervisor: SupervisorDep) -> list[JobOut]:
     sensor = supervisor.sensor
     out = []
-    for name in sorted(sensor.jobs):
+    for name in sensor.job_names():
         view = sensor.job_view(name)
         assert view is not None
         out.append(JobOut.of(view, sensor.hang_timeout_s(name)))

@@ -24,9 +24,9 @@ F = TypeVar("F")
 
 def check_known(supervisor: Supervisor, *, node: str | None = None, job: str | None = None) -> None:
     """404 for a node or job the supervisor has never seen (most often a typo)."""
-    if node is not None and node not in supervisor.sensor.nodes:
+    if node is not None and not supervisor.sensor.has_node(node):
         raise HTTPException(404, f"node {node!r} not found")
-    if job is not None and job not in supervisor.sensor.jobs:
+    if job is not None and not supervisor.sensor.has_job(job):
         raise HTTPException(404, f"job {job!r} not found")
 
 

@@ -23,10 +23,10 @@ router = APIRouter(
 async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
     job = body.job
     if body.node is not None:
-        node = supervisor.sensor.nodes.get(body.node)
-        if node is None:
+        view = supervisor.sensor.node_view(body.node)
+        if view is None:
             raise HTTPException(404, f"node {body.node!r} not found")
-        job = node.job
+        job = view.job
     spec = FaultSpec(
         kind=body.kind or "schedule",
         node=body.node,
