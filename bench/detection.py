@@ -160,7 +160,7 @@ async def _sensor_run(config: DetectionConfig) -> Lateness:
             if event.type is EventType.HOST_HEARTBEAT_LOST and event.node is not None:
                 driver.report(index[event.node])
 
-    sensor = Sensor(settings, emit)
+    sensor = Sensor(settings.sensing, settings.workload, emit)
 
     def ingest(i: int) -> None:
         sensor.ingest(heartbeats[i])  # no events: the same running heartbeat each time

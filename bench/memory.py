@@ -32,7 +32,7 @@ async def _measure(nodes: int, heartbeats_each: int) -> MemoryResult:
         agent_token="bench-agent-token",
         operator_token="bench-operator-token",
     )
-    sensor = Sensor(settings, lambda _: None)
+    sensor = Sensor(settings.sensing, settings.workload, lambda _: None)
     gc.collect()
     tracemalloc.start()
     try:

@@ -79,7 +79,7 @@ async def _run(
         straggler_window_s=config.window_s,
         straggler_threshold=config.threshold,
     )
-    sensor = Sensor(settings, emit)
+    sensor = Sensor(settings.sensing, settings.workload, emit)
     rng = random.Random(config.seed)
     slow: dict[int, float] = {}
     victim = rng.randrange(config.ranks)

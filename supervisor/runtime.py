@@ -26,6 +26,7 @@ from supervisor.actuator import (
     no_fence,
 )
 from supervisor.config import Settings
+from supervisor.config_parts import SensingSettings, WorkloadSettings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
     DISRUPTIVE_ACTIONS,
@@ -72,7 +73,9 @@ def make_backend(settings: Settings) -> Backend:
 
 #: Builds the sensor from the settings, the callback for its timers' changes and the
 #: metrics (the simulator passes one told by its simulated cluster).
-SensorFactory = Callable[[Settings, Callable[[Changes], None], Metrics], Sensor]
+SensorFactory = Callable[
+    [SensingSettings, WorkloadSettings, Callable[[Changes], None], Metrics], Sensor
+]
 
 
 class Supervisor:
@@ -90,7 +93,9 @@ class Supervisor:
         self.hub = Hub()
         self.policy = policy or load_policy(settings.policy)
         self.backend = backend or make_backend(settings)
-        self.sensor = (sensor or Sensor)(settings, self._on_timer_changes, self.metrics)
+        self.sensor = (sensor or Sensor)(
+            settings.sensing, settings.workload, self._on_timer_changes, self.metrics
+        )
         self._store: Store | None = None
         self._actuator: Actuator | None = None
         self._controller: Controller | None = None

@@ -170,7 +170,8 @@ async def make_sensor(make_settings: Callable[..., Settings]) -> AsyncIterator[S
         }
         values.update(overrides)
         emitted = Emitted()
-        sensor = Sensor(make_settings(**values), emitted)
+        settings = make_settings(**values)
+        sensor = Sensor(settings.sensing, settings.workload, emitted)
         made.append(sensor)
         return sensor, emitted
 

@@ -32,7 +32,7 @@ from resiliency_protocol.heartbeat import (
     check_heartbeat,
     parse_heartbeat,
 )
-from supervisor.config import Settings
+from supervisor.config_parts import SensingSettings, WorkloadSettings
 from supervisor.domain import (
     Event,
     EventType,
@@ -45,6 +45,7 @@ from supervisor.domain import (
     wall_time,
 )
 from supervisor.errors import SupervisorError
+from supervisor.event_details import EVENT_DETAILS, HangDetails
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.fault_marks import FaultMarks
@@ -240,11 +241,14 @@ class Sensor:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: SensingSettings,
+        workload: WorkloadSettings,
         emit: Callable[[Changes], None],
         metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
+        #: A job's shape until its heartbeats or the store say otherwise.
+        self.workload = workload
         self._emit = emit
         self.metrics = metrics or Metrics()
         self._nodes: dict[str, NodeRecord] = {}
@@ -778,7 +782,7 @@ class Sensor:
     def _job(self, name: str) -> JobRecord:
         job = self._jobs.get(name)
         if job is None:
-            s = self.settings
+            s = self.workload
             job = JobRecord(
                 name=name,
                 num_dp_replicas=s.num_dp_replicas,
@@ -994,13 +998,13 @@ class Sensor:
                 node=node.name if node else None,
                 job=name,
                 rank=rank,
-                details={
-                    "last_step": job.progress.max_step,
-                    "stalled_for_s": round(now - job.progress.last_progress, 3),
-                    "hang_timeout_s": round(job.progress.timeout_s, 3),
-                    "timeout_learned": job.progress.learned,
-                    "suspect_step": suspect[1] if suspect else None,
-                },
+                details=HangDetails(
+                    last_step=job.progress.max_step,
+                    stalled_for_s=round(now - job.progress.last_progress, 3),
+                    hang_timeout_s=round(job.progress.timeout_s, 3),
+                    timeout_learned=job.progress.learned,
+                    suspect_step=suspect[1] if suspect else None,
+                ).mapping(),
             )
         )
 
@@ -1023,7 +1027,8 @@ class Sensor:
             node=node.name,
             job=node.job,
             rank=rank,
-            details={k: v for k, v in details.items() if v is not None},
+            # Through the type's model: a field it does not declare cannot be emitted.
+            details=EVENT_DETAILS[type_](**details).mapping(),
             fault_id=fault_id,
         )
 

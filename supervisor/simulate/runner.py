@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import ConfigError, Settings, load_settings
+from supervisor.config_parts import SensingSettings, WorkloadSettings
 from supervisor.domain import ActionRecord, Event
 from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.history import failures_by_incident
@@ -129,9 +130,11 @@ async def _run(
     duration = scenario.duration_s
     horizon = duration + 10 * settings.heartbeat_timeout_s + 1.0
 
-    def sensor(settings: Settings, emit: Any, metrics: Any) -> SimulatedSensor:
+    def sensor(
+        settings: SensingSettings, workload: WorkloadSettings, emit: Any, metrics: Any
+    ) -> SimulatedSensor:
         return SimulatedSensor(
-            settings, emit, metrics, cluster, horizon=horizon, step_s=scenario.job.step_s
+            settings, workload, emit, metrics, cluster, horizon=horizon, step_s=scenario.job.step_s
         )
 
     backend = SimulatedBackend(cluster)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from supervisor.config import Settings
+from supervisor.config_parts import SensingSettings, WorkloadSettings
 from supervisor.domain import JobView, NodeView
 from supervisor.metrics import Metrics
 from supervisor.sensor import Changes, Sensor
@@ -36,7 +36,8 @@ class Liveness(Protocol):
 class SimulatedSensor(Sensor):
     def __init__(
         self,
-        settings: Settings,
+        settings: SensingSettings,
+        workload: WorkloadSettings,
         emit: Callable[[Changes], None],
         metrics: Metrics | None,
         cluster: Liveness,
@@ -44,7 +45,7 @@ class SimulatedSensor(Sensor):
         horizon: float,
         step_s: float,
     ) -> None:
-        super().__init__(settings, emit, metrics)
+        super().__init__(settings, workload, emit, metrics)
         self.cluster = cluster
         #: Loop time past the end of the run: a healthy node's deadline.
         self.horizon = horizon
