@@ -10,6 +10,7 @@ Rules kept here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from resiliency_protocol.backoff import Backoff
+from supervisor.action_params import InvalidParams, ScaleDownParams, ScaleUpParams, check_params
 from supervisor.actuator import (
     Actuator,
     Backend,
@@ -415,13 +417,13 @@ class Supervisor:
         elif action.type is ActionType.UNCORDON and action.node:
             batch.append(self.sensor.set_cordoned(action.node, False))
         elif action.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP) and action.job:
-            replicas = action.params.get("to_replicas")
-            if isinstance(replicas, int):
-                job = self.sensor.set_replicas(action.job, replicas)
+            with contextlib.suppress(InvalidParams):  # a dry run "succeeds" any params
+                scale = check_params(action.type, action.params)
+                assert isinstance(scale, ScaleDownParams | ScaleUpParams)
+                job = self.sensor.set_replicas(action.job, scale.to_replicas)
                 batch.append(Changes(jobs=[job] if job is not None else []))
-            excluded = action.params.get("exclude_node")
-            if action.type is ActionType.SCALE_DOWN and isinstance(excluded, str):
-                batch.append(self.sensor.set_cordoned(excluded, True))
+                if isinstance(scale, ScaleDownParams) and scale.exclude_node:
+                    batch.append(self.sensor.set_cordoned(scale.exclude_node, True))
         changed = Changes.merged(batch)
         if changed.nodes or changed.jobs:
             await asyncio.to_thread(self.store.record, [], changed.nodes, changed.jobs)
@@ -437,10 +439,12 @@ class Supervisor:
         if request.job and not self.sensor.has_job(request.job):
             raise UnknownTarget(f"job {request.job!r} is not known")
         view = self.sensor.job_view(request.job) if request.job else None
-        to = request.params.get("to_replicas")
-        scaling = request.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP)
-        if scaling and view is not None and isinstance(to, int):
-            low, high = view.min_num_dp_replicas, view.max_num_dp_replicas
+        try:
+            params = check_params(request.type, request.params)
+        except InvalidParams as exc:  # the API checked them already; other callers may not
+            raise RequestRefused(str(exc)) from None
+        if isinstance(params, ScaleDownParams | ScaleUpParams) and view is not None:
+            to, low, high = params.to_replicas, view.min_num_dp_replicas, view.max_num_dp_replicas
             if not low <= to <= high:
                 raise RequestRefused(
                     f"params.to_replicas: {to} is outside job {view.name!r}'s bounds "

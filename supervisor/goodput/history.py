@@ -49,6 +49,7 @@ from supervisor.domain import (
     EventType,
     ProgressSample,
 )
+from supervisor.event_details import WorkerExitedDetails
 from supervisor.goodput.model import (
     CheckpointLoaded,
     CheckpointSaved,
@@ -116,7 +117,7 @@ def is_failure(event: Event) -> bool:
     if event.type not in FAILURE_EVENTS:
         return False
     if event.type is EventType.WORKER_EXITED:
-        return event.details.get("exit_code") != 0
+        return WorkerExitedDetails.of(event).exit_code != 0
     return True
 
 
@@ -382,7 +383,7 @@ def timeline_from_history(
     stops = [
         JobStopped(ts(e.time), "workers exited with code 0")
         for e in events
-        if e.type is EventType.WORKER_EXITED and e.details.get("exit_code") == 0
+        if e.type is EventType.WORKER_EXITED and WorkerExitedDetails.of(e).exit_code == 0
     ]
     stops = stops[:1] if stops else []
 

@@ -21,6 +21,13 @@ from typing import Any
 
 from supervisor.domain import Event, EventType
 from supervisor.errors import SupervisorError
+from supervisor.event_details import (
+    GpuEccDetails,
+    GpuXidDetails,
+    HostHeartbeatLostDetails,
+    WorkerExitedDetails,
+    details_of,
+)
 
 #: What the simulated cluster can act out.
 KINDS = frozenset({"node_down", "network", "gpu_xid", "gpu_ecc", "worker_crash", "worker_hang"})
@@ -198,21 +205,18 @@ def faults_from_events(events: Iterable[Event]) -> list[Fault]:
             continue
         details: dict[str, Any] = {"event": event.type.value}
         when = event.time.timestamp()
-        if event.type is EventType.WORKER_EXITED:
-            code = event.details.get("exit_code")
-            if code == 0:
-                continue
-            details["exit_code"] = code
-        elif event.type is EventType.HOST_HEARTBEAT_LOST:
-            last = event.details.get("last_heartbeat")
-            if isinstance(last, str):
+        match details_of(event):
+            case WorkerExitedDetails(exit_code=code):
+                if code == 0:
+                    continue
+                details["exit_code"] = code
+            case HostHeartbeatLostDetails(last_heartbeat=str(last)):
                 with contextlib.suppress(ValueError):
                     when = datetime.fromisoformat(last).timestamp()
-        elif kind == "gpu_xid":
-            details["code"] = event.details.get("code")
-            details["gpu"] = event.details.get("gpu")
-        elif kind == "gpu_ecc":
-            details["gpu"] = event.details.get("gpu")
+            case GpuXidDetails(code=code, gpu=gpu):
+                details["code"], details["gpu"] = code, gpu
+            case GpuEccDetails(gpu=gpu):
+                details["gpu"] = gpu
         out.append(
             Fault(when, event.node, kind, {k: v for k, v in details.items() if v is not None})
         )
