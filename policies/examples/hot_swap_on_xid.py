@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from policies.default import DefaultPolicy
 from supervisor.domain import ActionRequest, Event, EventType
+from supervisor.event_details import GpuXidDetails
 from supervisor.policy import PolicyContext
 
 
@@ -39,7 +40,4 @@ class HotSwapOnXid(DefaultPolicy):
 
     @staticmethod
     def _xid(event: Event) -> int | None:
-        try:
-            return int(event.details["code"])
-        except (KeyError, TypeError, ValueError):
-            return None
+        return GpuXidDetails.of(event).code
