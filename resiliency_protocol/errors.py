@@ -9,6 +9,7 @@ here. Imports nothing from supervisor, host_monitor or training.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -44,13 +45,14 @@ def validation_error_body(errors: Iterable[Mapping[str, Any]]) -> dict[str, Any]
 
 
 def error_message(response: httpx.Response) -> str:
-    """The one line an error answer of ours carries (`message`, else `detail`)."""
+    """The one line an error answer carries: our `message`, else `detail`, else the body
+    (a proxy's page, a standby's readiness), else the status's reason."""
     try:
         data = response.json()
     except ValueError:
-        return response.text[:200]
+        return " ".join(response.text.split())[:200] or response.reason_phrase
     if isinstance(data, dict):
         for key in ("message", "detail"):
             if key in data:
                 return str(data[key])[:500]
-    return str(data)[:200]
+    return json.dumps(data)[:200]

@@ -374,9 +374,15 @@ class LocalDemo:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-        for pid in leftover_processes(self.run_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        # Until none is left: a killed process takes a moment to go (one in the kernel,
+        # writing a checkpoint, dies on its way out), and one may have been starting a
+        # child of its own while the first scan ran.
+        deadline = time.monotonic() + 10
+        while (left := leftover_processes(self.run_dir)) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         for log in self._logs:
             log.close()
 

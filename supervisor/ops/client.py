@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 import httpx
 
+from resiliency_protocol.errors import error_message
 from resiliency_protocol.tls import TLSError, client_context
 from supervisor.ops.errors import CliError, ExitCode
 
@@ -182,20 +183,6 @@ def raise_for_status(response: httpx.Response) -> None:
     else:
         code = ExitCode.REFUSED
     raise CliError(f"{error_message(response)} (HTTP {status})", code)
-
-
-def error_message(response: httpx.Response) -> str:
-    """The one line an error answer carries: the API's `message`, else `detail`, else
-    the body (a proxy's page, a standby's readiness)."""
-    try:
-        data = response.json()
-    except ValueError:
-        return " ".join(response.text.split())[:200] or response.reason_phrase
-    if isinstance(data, dict):
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])[:500]
-    return json.dumps(data)[:200]
 
 
 def parse_event_stream(lines: Iterable[str]) -> Iterator[StreamMessage]:
