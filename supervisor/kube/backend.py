@@ -38,8 +38,9 @@ from supervisor.backoff import Backoff
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType, JobView
 from supervisor.kube import objects as o
-from supervisor.kube.calls import Calls, Conflict, NotFound, TooManyRequests
+from supervisor.kube.calls import Calls
 from supervisor.kube.discovery import Discovery
+from supervisor.kube.errors import ApiError, Conflict, KubeError, NotFound, TooManyRequests
 from supervisor.kube.events import EventRecorder, event_name
 from supervisor.kube.failure_policy import eviction_restart_refusal
 from supervisor.kube.generations import (
@@ -220,10 +221,8 @@ class KubeBackend(Backend):
             raise ActionError("the Kubernetes watches have not listed yet", retryable=True)
         try:
             return await self._dispatch(action)
-        except NotFound as exc:
-            raise ActionError(str(exc)) from None
-        except Conflict as exc:
-            raise ActionError(str(exc), retryable=True) from None
+        except KubeError as exc:
+            raise ActionError(str(exc), retryable=exc.retryable) from None
 
     async def _dispatch(self, action: ActionRecord) -> dict[str, Any]:
         match action.type:
@@ -482,9 +481,12 @@ class KubeBackend(Backend):
                 if time.monotonic() + backoff.peek() > deadline:
                     break
                 await asyncio.sleep(backoff.next())
-            except ActionError as exc:
-                if exc.retryable and "HTTP 500" not in str(exc):
-                    raise  # the API server is unreachable or overloaded: the action is retried
+            except ApiError as exc:
+                # 500: the pod is covered by more than one PDB, which eviction does not
+                # support. Other transient statuses (and no answer at all): the API
+                # server is unreachable or overloaded; the action is retried.
+                if exc.retryable and exc.status != 500:
+                    raise
                 why = str(exc)
                 break
         log.warning("eviction of %s impossible (%s); deleting it instead", name, why)

@@ -40,7 +40,7 @@ from kubernetes import client
 from supervisor.actuator.backend import ActionError
 from supervisor.domain import ActionRecord, ActionType
 from supervisor.kube import objects as o
-from supervisor.kube.calls import Conflict, NotFound
+from supervisor.kube.errors import Conflict, KubeError, NotFound
 from supervisor.kube.failure_policy import in_process_refusal
 from supervisor.kube.journal import journal_of, set_journal
 from supervisor.kube.objects import Obj
@@ -228,8 +228,13 @@ class InProcessHealing:
         result: dict[str, Any] = {"path": "full_restart", "in_process_error": why, **restarted}
         if swap:
             result.update(node=node, spare=action.params.get("spare"))
-        # The Journal entry of the action itself (the full restart has its own): done.
-        with contextlib.suppress(ActionError):
+        # The Journal entry of the action itself (the full restart has its own): done, as
+        # far as it can be marked; only a JobSet gone meanwhile fails the action.
+        try:
             await b._plan("JobSet", jobset, key, lambda _: {"type": action.type.value})
             await b._finish("JobSet", jobset, key, result)
+        except NotFound:
+            raise
+        except (ActionError, KubeError):
+            pass
         return result
