@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -50,7 +51,14 @@ from supervisor.kube.generations import (
     reference_time,
 )
 from supervisor.kube.in_process import InProcessHealing
-from supervisor.kube.journal import journal_of, set_journal
+from supervisor.kube.journal import (
+    JournalEntry,
+    Target,
+    entry_of,
+    journal_of,
+    set_journal,
+    target_of,
+)
 from supervisor.kube.objects import Obj
 from supervisor.kube.pod_links import PodLinks
 from supervisor.kube.recovery import NodeRecovery
@@ -312,9 +320,9 @@ class KubeBackend(Backend):
         kind: str,
         name: str,
         key: str,
-        plan: Callable[[Obj], dict[str, Any]],
+        plan: Callable[[Obj], JournalEntry],
         also: Callable[[Obj], bool] | None = None,
-    ) -> tuple[Obj, dict[str, Any]]:
+    ) -> tuple[Obj, JournalEntry]:
         """The journal entry of `key` on the object: the existing one, or `plan(obj)`,
         written together with whatever `also` changes on the object."""
 
@@ -322,7 +330,7 @@ class KubeBackend(Backend):
             changed = also(obj) if also is not None else False
             journal = journal_of(obj)
             if key not in journal:
-                journal[key] = {**plan(obj), "done": False}
+                journal[key] = plan(obj)
                 set_journal(obj, journal)
                 changed = True
             return changed
@@ -333,10 +341,10 @@ class KubeBackend(Backend):
     async def _finish(self, kind: str, name: str, key: str, result: dict[str, Any]) -> None:
         def change(obj: Obj) -> bool:
             journal = journal_of(obj)
-            entry = journal.get(key, {})
-            if entry.get("done"):
+            entry = journal.get(key) or JournalEntry()
+            if entry.done:
                 return False
-            journal[key] = {**entry, "done": True, "result": result}
+            journal[key] = entry.finished(result)
             set_journal(obj, journal)
             return True
 
@@ -400,8 +408,8 @@ class KubeBackend(Backend):
         action: ActionRecord,
         when: datetime,
         decide: Callable[[Obj], Verdict],
-        how: Callable[[Obj], dict[str, Any]] | None = None,
-    ) -> tuple[Obj, dict[str, Any]]:
+        how: Callable[[Obj, JournalEntry], JournalEntry] | None = None,
+    ) -> tuple[Obj, JournalEntry]:
         """The journal entry of a restart: its targets, or why it is skipped.
 
         While pods or Jobs of its generation have failed and the Job or JobSet controller
@@ -416,20 +424,21 @@ class KubeBackend(Backend):
             js = self.discovery.jobset(jobset)
             return js is None or key in journal_of(js) or not decide(js).wait
 
-        def plan(js: Obj) -> dict[str, Any]:
+        def plan(js: Obj) -> JournalEntry:
             verdict = decide(js)
             if verdict.wait and time.monotonic() < deadline:
                 raise _Unsettled()
-            entry: dict[str, Any] = {
-                "type": action.type.value,
-                "since": when.isoformat(),
-                "restart_attempt": verdict.generation.at_event,
-            }
+            entry = JournalEntry(
+                type=action.type.value,
+                since=when.isoformat(),
+                restart_attempt=verdict.generation.at_event,
+            )
             if verdict.skipped:
-                return {**entry, "skipped": verdict.skipped}
+                return dataclasses.replace(entry, skipped=verdict.skipped)
             if not verdict.targets:
                 raise ActionError(verdict.error or "nothing to restart", retryable=verdict.wait)
-            return {**entry, "targets": verdict.targets, **(how(js) if how else {})}
+            entry = dataclasses.replace(entry, targets=tuple(verdict.targets))
+            return how(js, entry) if how else entry
 
         while True:
             # The watches' streams are separate (a Job may be seen failed before its pod):
@@ -440,8 +449,8 @@ class KubeBackend(Backend):
             except _Unsettled:
                 await asyncio.sleep(self.calls.backoff_s[0])  # the cache lags the read
 
-    async def _skip(self, js: Obj, action: ActionRecord, entry: dict[str, Any]) -> dict[str, Any]:
-        result = {"skipped": str(entry["skipped"])}
+    async def _skip(self, js: Obj, action: ActionRecord, entry: JournalEntry) -> dict[str, Any]:
+        result = {"skipped": str(entry.skipped)}
         what = f"{action.type.value} not done: {result['skipped']}"
         await self._event(js, "JobSet", action, ALREADY_RESTARTED, what)
         await self._finish("JobSet", o.name_of(js), action.idempotency_key, result)
@@ -503,7 +512,7 @@ class KubeBackend(Backend):
         return "deleted"
 
     async def _evict_targets(
-        self, action: ActionRecord, targets: list[list[str]], reason: str, what: str
+        self, action: ActionRecord, targets: Sequence[Target], reason: str, what: str
     ) -> dict[str, str]:
         """Evict the pods together: one eviction_patience_s for all, not one each."""
 
@@ -517,9 +526,9 @@ class KubeBackend(Backend):
         results = await asyncio.gather(*(one(name, uid) for name, uid in targets))
         return {name: result for (name, _), result in zip(targets, results, strict=True)}
 
-    def _running_pods(self, jobset: str, node: str | None) -> list[list[str]]:
+    def _running_pods(self, jobset: str, node: str | None) -> list[Target]:
         return sorted(
-            [o.name_of(p), o.uid_of(p)]
+            target_of(p)
             for p in self.discovery.pods_of(jobset)
             if (node is None or o.node_of(p) == node)
             and not o.terminating(p)
@@ -585,12 +594,12 @@ class KubeBackend(Backend):
             return pods_to_restart(self.discovery, js, action.node, when)
 
         js, entry = await self._plan_restart(action, when, decide)
-        if entry.get("done"):
-            return {"repeated": True, **entry.get("result", {})}
-        if "skipped" in entry:
+        if entry.done:
+            return {"repeated": True, **(entry.result or {})}
+        if entry.skipped is not None:
             return await self._skip(js, action, entry)
         outcome = await self._evict_targets(
-            action, entry["targets"], "RestartInPlace", "restarting the pod's workers"
+            action, entry.targets or (), "RestartInPlace", "restarting the pod's workers"
         )
         result = {"pods": outcome}
         await self._event(js, "JobSet", action, "RestartInPlace", f"pods {outcome}")
@@ -614,20 +623,25 @@ class KubeBackend(Backend):
             # others: a second restart right after the first would be one too many.
             return jobs_to_restart(self.discovery, js, when)
 
-        def how(js: Obj) -> dict[str, Any]:
+        def how(js: Obj, entry: JournalEntry) -> JournalEntry:
             refusal = eviction_restart_refusal(js)
-            method = {"method": "delete_jobs", "why": refusal} if refusal else {"method": "evict"}
-            return {**method, "restarts_before": o.jobset_restarts(js)}
+            return dataclasses.replace(
+                entry,
+                method="delete_jobs" if refusal else "evict",
+                why=refusal or None,
+                restarts_before=o.jobset_restarts(js),
+            )
 
         js, entry = await self._plan_restart(action, when, decide, how)
-        if entry.get("done"):
-            return {"repeated": True, **entry.get("result", {})}
-        if "skipped" in entry:
+        if entry.done:
+            return {"repeated": True, **(entry.result or {})}
+        if entry.skipped is not None:
             return await self._skip(js, action, entry)
-        old = {uid for _, uid in entry["targets"]}
-        restarts_before = int(entry.get("restarts_before", 0))
+        targets = entry.targets or ()
+        old = {uid for _, uid in targets}
+        restarts_before = entry.restarts_before or 0
         pods = sorted(
-            [o.name_of(p), o.uid_of(p)]
+            target_of(p)
             for p in self.discovery.pods_of(jobset)
             if o.owner_uid(p) in old and not o.terminating(p) and not o.pod_finished(p)
         )
@@ -638,7 +652,7 @@ class KubeBackend(Backend):
         under_way = o.jobset_restarts(current) > restarts_before or any(
             o.job_failed(j) for j in self.discovery.child_jobs(jobset) if o.uid_of(j) in old
         )
-        by_eviction = entry.get("method") == "evict" and (bool(pods) or under_way)
+        by_eviction = entry.method == "evict" and (bool(pods) or under_way)
         result: dict[str, Any]
         if by_eviction:
             outcome = await self._evict_targets(
@@ -646,8 +660,8 @@ class KubeBackend(Backend):
             )
             result = {"method": "evict", "pods": outcome}
         else:
-            await self._delete_jobs(entry["targets"])
-            result = {"method": "delete_jobs", "deleted_jobs": [n for n, _ in entry["targets"]]}
+            await self._delete_jobs(targets)
+            result = {"method": "delete_jobs", "deleted_jobs": [n for n, _ in targets]}
         expected_jobs = sum(
             int(r.get("replicas", 1)) for r in js.get("spec", {}).get("replicatedJobs") or []
         )
@@ -681,13 +695,13 @@ class KubeBackend(Backend):
             what = (
                 f"deleted child Jobs {result['deleted_jobs']}; the JobSet controller"
                 f" recreated them (restart-attempt stays {result['restart_attempt']}:"
-                f" {entry.get('why')})"
+                f" {entry.why})"
             )
         await self._event(js, "JobSet", action, "RestartWorkload", what)
         await self._finish("JobSet", jobset, key, result)
         return result
 
-    async def _delete_jobs(self, targets: list[list[str]]) -> None:
+    async def _delete_jobs(self, targets: Sequence[Target]) -> None:
         for name, uid in targets:
             # Foreground: the Job stays until its pods are gone, so the JobSet controller
             # recreates it only then, and old and new workers never run side by side.
@@ -754,10 +768,10 @@ class KubeBackend(Backend):
     ) -> dict[str, Any]:
         name, key = self._node_name(action), action.idempotency_key
         node, entry = await self._plan(
-            "Node", name, key, lambda _: {"type": action.type.value}, also=change
+            "Node", name, key, lambda _: JournalEntry(type=action.type.value), also=change
         )
-        if entry.get("done"):
-            return {"repeated": True, **entry.get("result", {})}
+        if entry.done:
+            return {"repeated": True, **(entry.result or {})}
         spec = node.get("spec", {})
         result = {
             "unschedulable": bool(spec.get("unschedulable")),
@@ -774,45 +788,44 @@ class KubeBackend(Backend):
         jobset = action.job
         when = await self._reference_time(action)
 
-        def plan(_: Obj) -> dict[str, Any]:
+        def plan(_: Obj) -> JournalEntry:
             # Every pod on the node goes, those created after the event too: the node is
             # bad, and our NoExecute taint would evict them anyway. Pods elsewhere are
             # never touched, whatever their generation.
-            entry: dict[str, Any] = {"type": action.type.value}
+            skipped = None
             if jobset is not None:
-                entry["targets"] = self._running_pods(jobset, name)
+                targets = self._running_pods(jobset, name)
                 js = self.discovery.jobset(jobset)
-                if not entry["targets"] and js is not None:
+                if not targets and js is not None:
                     # Nothing of the job left on the node: restarted elsewhere already?
                     verdict = pods_to_restart(self.discovery, js, None, when)
-                    if verdict.skipped:
-                        entry["skipped"] = verdict.skipped
+                    skipped = verdict.skipped or None
             else:
-                entry["targets"] = sorted(
-                    [o.name_of(p), o.uid_of(p)]
+                targets = sorted(
+                    target_of(p)
                     for p in self.discovery.pods_on(name)
                     if o.jobset_of(p) in self.discovery.jobsets() and not o.terminating(p)
                 )
-            return entry
+            return JournalEntry(type=action.type.value, targets=tuple(targets), skipped=skipped)
 
         node, entry = await self._plan("Node", name, key, plan, also=self._swap_out_node)
-        if entry.get("done"):
-            return {"repeated": True, **entry.get("result", {})}
+        if entry.done:
+            return {"repeated": True, **(entry.result or {})}
         spare = action.params.get("spare")
         outcome = await self._evict_targets(
-            action, entry["targets"], "HotSwap", f"moving off {name} to a spare"
+            action, entry.targets or (), "HotSwap", f"moving off {name} to a spare"
         )
         result = {"node": name, "spare": spare, "pods": outcome, "spares": self.discovery.spares()}
         taint = f"{self.settings.kube_taint_key}:NoExecute"
         what = f"node {name} cordoned, tainted {taint}; pods {outcome}"
-        if entry.get("skipped"):
-            result["skipped"] = f"no pod to move: {entry['skipped']}"
+        if entry.skipped:
+            result["skipped"] = f"no pod to move: {entry.skipped}"
             what = f"{what}; {result['skipped']}"
         await self._event(node, "Node", action, "HotSwap", what)
         js = self.discovery.jobset(jobset) if jobset else None
         if js is not None:
             await self._event(js, "JobSet", action, "HotSwap", what)
-            if entry.get("skipped"):
+            if entry.skipped:
                 await self._event(js, "JobSet", action, ALREADY_RESTARTED, what)
         await self._finish("Node", name, key, result)
         return result
@@ -902,11 +915,11 @@ class KubeBackend(Backend):
         if m.get("ownerReferences"):
             body["metadata"]["ownerReferences"] = m["ownerReferences"]
         journal = journal_of(js)
-        journal[action.idempotency_key] = {
-            "type": action.type.value,
-            "done": True,
-            "result": {"num_dp_replicas": to, "from_replicas": shape.num_dp_replicas},
-        }
+        journal[action.idempotency_key] = JournalEntry(
+            type=action.type.value,
+            done=True,
+            result={"num_dp_replicas": to, "from_replicas": shape.num_dp_replicas},
+        )
         set_journal(body, journal)
         return body
 
@@ -931,9 +944,9 @@ class KubeBackend(Backend):
             js = None
         body = self._recreating.get(key)
         if js is not None and not o.terminating(js):
-            entry = journal_of(js).get(key)
-            if entry and entry.get("done"):
-                return {"repeated": True, **entry.get("result", {})}
+            entry = entry_of(js, key)
+            if entry is not None and entry.done:
+                return {"repeated": True, **(entry.result or {})}
             shape = self.discovery.shape(js)
             low, high = shape.min_num_dp_replicas, shape.max_num_dp_replicas
             if not low <= to <= high:
@@ -1022,13 +1035,13 @@ class KubeBackend(Backend):
             created: Obj = json.loads(response.data)
         except Conflict:
             created = await self._read("JobSet", jobset)
-            entry = journal_of(created).get(key)
-            if not (entry and entry.get("done")):
+            entry = entry_of(created, key)
+            if entry is None or not entry.done:
                 raise ActionError(
                     f"JobSet {jobset} exists again but not from this action", retryable=True
                 ) from None
         self._recreating.pop(key, None)
-        result: dict[str, Any] = journal_of(body)[key]["result"]
+        result = dict(journal_of(body)[key].result or {})
         await self._event(
             created,
             "JobSet",

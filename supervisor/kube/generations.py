@@ -29,6 +29,7 @@ from datetime import datetime, timedelta
 from supervisor.domain import Event, EventType
 from supervisor.kube import objects as o
 from supervisor.kube.discovery import Discovery
+from supervisor.kube.journal import Target, target_of
 from supervisor.kube.objects import Obj
 from supervisor.kube.worlds import current_world, healed_since
 
@@ -52,12 +53,12 @@ class Generation:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """What an action should do: act on `targets` ([name, uid] pairs), or skip (the
+    """What an action should do: act on `targets`, or skip (the
     reason), or fail (the error). `wait`: a controller is replacing failed or
     terminating objects of that generation; look again once it has reacted."""
 
     generation: Generation
-    targets: list[list[str]] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
     skipped: str | None = None
     error: str | None = None
     wait: bool = False
@@ -99,10 +100,6 @@ def generation(discovery: Discovery, js: Obj, when: datetime) -> Generation:
     return Generation(min(seen) if seen else None, o.jobset_restarts(js))
 
 
-def _pair(obj: Obj) -> list[str]:
-    return [o.name_of(obj), o.uid_of(obj)]
-
-
 def pods_to_restart(discovery: Discovery, js: Obj, node: str | None, when: datetime) -> Verdict:
     """Restart in place: the running pods of the JobSet (on `node`) created before `when`."""
     name = o.name_of(js)
@@ -118,7 +115,7 @@ def pods_to_restart(discovery: Discovery, js: Obj, node: str | None, when: datet
         for p in pods
         if (node is None or o.node_of(p) == node) and not o.terminating(p) and not o.pod_finished(p)
     ]
-    old = sorted(_pair(p) for p in live if not discovery.created_after(p, when))
+    old = sorted(target_of(p) for p in live if not discovery.created_after(p, when))
     if old:
         return Verdict(gen, targets=old)
     if live:
@@ -159,4 +156,4 @@ def jobs_to_restart(discovery: Discovery, js: Obj, when: datetime) -> Verdict:
         return Verdict(gen, error=f"JobSet {name} has no child Jobs to restart")
     # A failed Job: the JobSet controller is about to restart the JobSet (or fail it).
     failing = any(o.job_failed(j) and not o.terminating(j) for j in old)
-    return Verdict(gen, targets=sorted(_pair(j) for j in old), wait=failing)
+    return Verdict(gen, targets=sorted(target_of(j) for j in old), wait=failing)

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from kubernetes import client
@@ -42,7 +43,14 @@ from supervisor.domain import ActionRecord, ActionType
 from supervisor.kube import objects as o
 from supervisor.kube.errors import Conflict, KubeError, NotFound
 from supervisor.kube.failure_policy import in_process_refusal
-from supervisor.kube.journal import journal_of, set_journal
+from supervisor.kube.journal import (
+    JournalEntry,
+    Target,
+    entry_of,
+    journal_of,
+    set_journal,
+    target_of,
+)
 from supervisor.kube.objects import Obj
 from supervisor.kube.pod_links import live_pods
 from supervisor.kube.worlds import World, current_world, healed, healed_since, next_world, set_world
@@ -84,16 +92,16 @@ class InProcessHealing:
         if js is None:
             return None
         path, why = choose_path(action, js)
-        entry = journal_of(js).get(action.idempotency_key)
-        if entry is not None and entry.get("done"):
-            return {"repeated": True, **entry.get("result", {})}
+        entry = entry_of(js, action.idempotency_key)
+        if entry is not None and entry.done:
+            return {"repeated": True, **(entry.result or {})}
         if path == "plain":
             if why:
                 log.warning("%s: not healed in-process: %s", action.idempotency_key, why)
             return None
-        if path == "full_restart" or (entry is not None and entry.get("fallback")):
-            why = why or str((entry or {}).get("fallback"))
-            return await self._full_restart(action, node, swap, why)
+        fallback = entry.fallback if entry is not None else None
+        if path == "full_restart" or fallback:
+            return await self._full_restart(action, node, swap, why or str(fallback))
         return await self._in_process(action, node, swap)
 
     async def _in_process(self, action: ActionRecord, node: str, swap: bool) -> dict[str, Any]:
@@ -101,29 +109,29 @@ class InProcessHealing:
         jobset, key = action.job or "", action.idempotency_key
         when = await b._reference_time(action)
 
-        def plan(js: Obj) -> dict[str, Any]:
+        def plan(js: Obj) -> JournalEntry:
             pods = live_pods(b.discovery, jobset)
             targets = sorted(
-                [o.name_of(p), o.uid_of(p)]
+                target_of(p)
                 for p in pods
                 if o.node_of(p) == node and not b.discovery.created_after(p, when)
             )
-            entry: dict[str, Any] = {"type": action.type.value, "since": when.isoformat()}
+            entry = JournalEntry(type=action.type.value, since=when.isoformat())
             if not targets and healed_since(js, when):
                 now = current_world(js, pods).attempt
-                return {**entry, "skipped": f"healed in-process since the event (world {now})"}
+                skipped = f"healed in-process since the event (world {now})"
+                return dataclasses.replace(entry, skipped=skipped)
             world = next_world(js, pods, [uid for _, uid in targets])
-            return {
-                **entry,
-                "path": "in_process",
-                "targets": targets,
-                "world": dataclasses.asdict(world),
-            }
+            return dataclasses.replace(
+                entry, path="in_process", targets=tuple(targets), world=dataclasses.asdict(world)
+            )
 
         js, entry = await b._plan("JobSet", jobset, key, plan)
-        if "skipped" in entry:
+        if entry.skipped is not None:
             return await b._skip(js, action, entry)
-        world = World(**{**entry["world"], "replaced": tuple(entry["world"]["replaced"])})
+        planned = entry.world or {}
+        world = World(**{**planned, "replaced": tuple(planned["replaced"])})
+        targets = entry.targets or ()
 
         def move_to_world(js: Obj) -> bool:
             if current_world(js, []).attempt >= world.attempt:
@@ -135,9 +143,9 @@ class InProcessHealing:
         if swap:
             await b._modify("Node", node, b._swap_out_node)
         what = f"replacing the pods of {node} in-process (world {world.attempt})"
-        outcome = await b._evict_targets(action, entry["targets"], "InProcessRestart", what)
+        outcome = await b._evict_targets(action, targets, "InProcessRestart", what)
         if not self._node_up(node):
-            await self._delete_now(entry["targets"])
+            await self._delete_now(targets)
         timeout = b.settings.in_process_restart_timeout_s
         deadline = time.monotonic() + timeout
         while waiting := await b.links.joined(jobset, world.attempt):
@@ -156,8 +164,7 @@ class InProcessHealing:
             "survivors": sorted(
                 o.name_of(p)
                 for p in live_pods(b.discovery, jobset)
-                if [o.name_of(p), o.uid_of(p)] not in entry["targets"]
-                and not b.discovery.created_after(p, when)
+                if target_of(p) not in targets and not b.discovery.created_after(p, when)
             ),
         }
         if swap:
@@ -187,7 +194,7 @@ class InProcessHealing:
         heartbeating = b._hooks.node_heartbeating(node) if b._hooks is not None else None
         return obj is not None and o.node_ready(obj) and heartbeating is not False
 
-    async def _delete_now(self, targets: list[list[str]]) -> None:
+    async def _delete_now(self, targets: Sequence[Target]) -> None:
         """Delete pods of a node that is down (grace 0): their eviction marked them
         DisruptionTarget; no kubelet will ever confirm their graceful end."""
         b = self.backend
@@ -204,9 +211,9 @@ class InProcessHealing:
         def change(js: Obj) -> bool:
             journal = journal_of(js)
             entry = journal.get(key)
-            if entry is None or entry.get("fallback"):
+            if entry is None or entry.fallback:
                 return False
-            journal[key] = {**entry, "fallback": why}
+            journal[key] = dataclasses.replace(entry, fallback=why)
             set_journal(js, journal)
             return True
 
@@ -231,7 +238,7 @@ class InProcessHealing:
         # The Journal entry of the action itself (the full restart has its own): done, as
         # far as it can be marked; only a JobSet gone meanwhile fails the action.
         try:
-            await b._plan("JobSet", jobset, key, lambda _: {"type": action.type.value})
+            await b._plan("JobSet", jobset, key, lambda _: JournalEntry(type=action.type.value))
             await b._finish("JobSet", jobset, key, result)
         except NotFound:
             raise
