@@ -82,14 +82,17 @@ class HotSwapParams(ActionParams):
 
 class ScaleDownParams(ActionParams):
     action_type = ActionType.SCALE_DOWN
-    to_replicas: int = Field(ge=1, le=MAX_REPLICAS)
+    to_replicas: int = Field(ge=0, le=MAX_REPLICAS)
+    """Data-parallel replicas after it; the job's own bounds
+    (`min_num_dp_replicas`, `max_num_dp_replicas`) are the backend's to check."""
     exclude_node: str | None = None
     """The bad node, left out of the smaller job."""
 
 
 class ScaleUpParams(ActionParams):
     action_type = ActionType.SCALE_UP
-    to_replicas: int = Field(ge=1, le=MAX_REPLICAS)
+    to_replicas: int = Field(ge=0, le=MAX_REPLICAS)
+    """As for `scale_down`."""
 
 
 class CordonParams(ActionParams):

@@ -190,7 +190,7 @@ def _app(settings: Settings, policy: Policy) -> SupervisorApp:
     kube_identity = "kubernetes" in settings.agent_auth
     if not (kube_backend or settings.leader_election or kube_identity):
         return create_app(settings, Supervisor(settings, policy=policy))
-    from supervisor.kube.client import KubeConfigError  # the kubernetes client is heavy
+    from supervisor.kube.errors import KubeConfigError  # the kubernetes client is heavy
 
     try:
         supervisor = Supervisor(settings, policy=policy)

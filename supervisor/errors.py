@@ -8,6 +8,7 @@ SupervisorError
 ├── ConfigError          settings that cannot be used (config)
 ├── PolicyLoadError      the configured policy cannot be loaded (controller.loader)
 ├── InvalidCursor        a page cursor this API did not hand out: 422 (store.repository)
+├── InvalidParams        an action's params do not fit its type: 422 (action_params)
 ├── RankClaimed          a heartbeat claims a rank another live node runs (sensor.sensor)
 ├── ReviewUnavailable    a token could not be reviewed now (identity.authenticator)
 ├── ActionError          a backend could not carry out an action (actuator.backend)
@@ -16,6 +17,7 @@ SupervisorError
 │   └── InProcessFailed
 ├── CalculatorLogError   a bad line of a goodput calculator log (goodput.calculator_log)
 ├── CliError             an operator command's failure, with its exit code (ops.errors)
+├── KubeError            the Kubernetes side; its tree is drawn in kube.errors
 ├── ScenarioError        a simulation scenario that cannot be run (simulate.scenario)
 ├── TraceError           a fault trace that cannot be read (simulate.faults)
 └── SimulationStalled    the simulated system waits forever (simulate.clock)

@@ -53,7 +53,9 @@ class EventDetails(BaseModel):
         return self.model_dump(mode="json", exclude_none=True)
 
 
-class _HeartbeatSilence(EventDetails):
+class HeartbeatSilenceDetails(EventDetails):
+    """A node's heartbeats stopped (lost, or lost once too often: flapping)."""
+
     last_heartbeat: str | None = None
     """When the node's last heartbeat arrived (ISO 8601)."""
     heartbeat_timeout_s: float | None = None
@@ -61,11 +63,11 @@ class _HeartbeatSilence(EventDetails):
     """How long after its deadline the silence was noticed."""
 
 
-class HostHeartbeatLostDetails(_HeartbeatSilence):
+class HostHeartbeatLostDetails(HeartbeatSilenceDetails):
     event_types = frozenset({EventType.HOST_HEARTBEAT_LOST})
 
 
-class NodeFlappingDetails(_HeartbeatSilence):
+class NodeFlappingDetails(HeartbeatSilenceDetails):
     event_types = frozenset({EventType.NODE_FLAPPING})
     losses: int | None = None
     window_s: float | None = None

@@ -111,6 +111,8 @@ def test_policy_constructors_build_params_from_their_models() -> None:
         (ActionType.SCALE_UP, {"to_replicas": "3"}, "params.to_replicas"),
         (ActionType.SCALE_UP, {"to_replicas": True}, "params.to_replicas"),
         (ActionType.SCALE_DOWN, {}, "params.to_replicas"),
+        (ActionType.SCALE_DOWN, {"to_replicas": -1}, "params.to_replicas"),
+        (ActionType.SCALE_UP, {"to_replicas": 2**63}, "params.to_replicas"),
         (ActionType.HOT_SWAP, {"spare": 3}, "params.spare"),
         (ActionType.RESTART_IN_PLACE, {"in_process": "yes"}, "params.in_process"),
         (ActionType.EMERGENCY_CHECKPOINT, {"exclude_nodes": "n1"}, "params.exclude_nodes"),

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from supervisor.action_params import check_params
+from supervisor.action_params import MAX_REPLICAS, ScaleDownParams, ScaleUpParams, check_params
 from supervisor.domain import (
     NAME_PATTERN,
     ActionRecord,
@@ -221,7 +221,11 @@ class ActionIn(BaseModel):
             raise ValueError(f"node is required for {self.type.value}")
         if self.type not in {ActionType.CORDON, ActionType.UNCORDON} and self.job is None:
             raise ValueError(f"job is required for {self.type.value}")
-        check_params(self.type, self.params)  # InvalidParams (a ValueError) names the field
+        params = check_params(self.type, self.params)  # InvalidParams (a ValueError) names it
+        if isinstance(params, ScaleDownParams | ScaleUpParams) and params.to_replicas < 1:
+            raise ValueError(
+                f"params.to_replicas must be a positive integer (at most {MAX_REPLICAS})"
+            )
         return self
 
 

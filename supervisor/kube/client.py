@@ -7,10 +7,7 @@ from kubernetes import client, config
 from kubernetes.config.config_exception import ConfigException
 
 from supervisor.config import Settings
-
-
-class KubeConfigError(RuntimeError):
-    """No usable Kubernetes configuration; the message is one line for the operator."""
+from supervisor.kube.errors import KubeConfigError
 
 
 def api_client(settings: Settings) -> client.ApiClient:

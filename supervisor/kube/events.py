@@ -15,8 +15,8 @@ from typing import Any
 
 from kubernetes import client
 
-from supervisor.actuator.backend import ActionError
-from supervisor.kube.calls import Calls, Conflict, NotFound
+from supervisor.kube.calls import Calls
+from supervisor.kube.errors import Conflict, KubeError, NotFound
 from supervisor.kube.objects import COMPONENT, Obj, rfc3339
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class EventRecorder:
             )
         except Conflict:
             return True  # this action already recorded it (a repeat after a crash)
-        except (ActionError, NotFound) as exc:
+        except KubeError as exc:
             log.warning("could not record event %s on %s %s: %s", reason, kind, name, exc)
             return False
         return True

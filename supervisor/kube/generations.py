@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from supervisor.domain import Event, EventType
+from supervisor.event_details import HangDetails, HeartbeatSilenceDetails, details_of
 from supervisor.kube import objects as o
 from supervisor.kube.discovery import Discovery
+from supervisor.kube.journal import Target, target_of
 from supervisor.kube.objects import Obj
 from supervisor.kube.worlds import current_world, healed_since
 
@@ -52,12 +54,12 @@ class Generation:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """What an action should do: act on `targets` ([name, uid] pairs), or skip (the
+    """What an action should do: act on `targets`, or skip (the
     reason), or fail (the error). `wait`: a controller is replacing failed or
     terminating objects of that generation; look again once it has reacted."""
 
     generation: Generation
-    targets: list[list[str]] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
     skipped: str | None = None
     error: str | None = None
     wait: bool = False
@@ -75,8 +77,9 @@ def reference_time(event: Event, heartbeat_period_s: float) -> datetime:
     heartbeat of a node whose heartbeats were lost; the start of a hang
     (`stalled_for_s`); one heartbeat period before the supervisor recorded an event a
     heartbeat carried; else when it was recorded."""
-    last = event.details.get("last_heartbeat")
-    if isinstance(last, str):
+    details = details_of(event)
+    last = details.last_heartbeat if isinstance(details, HeartbeatSilenceDetails) else None
+    if last is not None:
         try:
             seen: datetime | None = datetime.fromisoformat(last)
         except ValueError:
@@ -84,9 +87,9 @@ def reference_time(event: Event, heartbeat_period_s: float) -> datetime:
         if seen is not None and seen.tzinfo is not None and seen < event.time:
             return seen
     back = heartbeat_period_s if event.type in IN_HEARTBEATS else 0.0
-    stalled = event.details.get("stalled_for_s")
-    if isinstance(stalled, int | float) and not isinstance(stalled, bool):
-        back = max(back, float(stalled))
+    stalled = details.stalled_for_s if isinstance(details, HangDetails) else None
+    if stalled is not None:
+        back = max(back, stalled)
     return event.time - timedelta(seconds=back)
 
 
@@ -97,10 +100,6 @@ def generation(discovery: Discovery, js: Obj, when: datetime) -> Generation:
     if (restarts := discovery.restarts_at(js, when)) is not None:
         seen.append(restarts)
     return Generation(min(seen) if seen else None, o.jobset_restarts(js))
-
-
-def _pair(obj: Obj) -> list[str]:
-    return [o.name_of(obj), o.uid_of(obj)]
 
 
 def pods_to_restart(discovery: Discovery, js: Obj, node: str | None, when: datetime) -> Verdict:
@@ -118,7 +117,7 @@ def pods_to_restart(discovery: Discovery, js: Obj, node: str | None, when: datet
         for p in pods
         if (node is None or o.node_of(p) == node) and not o.terminating(p) and not o.pod_finished(p)
     ]
-    old = sorted(_pair(p) for p in live if not discovery.created_after(p, when))
+    old = sorted(target_of(p) for p in live if not discovery.created_after(p, when))
     if old:
         return Verdict(gen, targets=old)
     if live:
@@ -159,4 +158,4 @@ def jobs_to_restart(discovery: Discovery, js: Obj, when: datetime) -> Verdict:
         return Verdict(gen, error=f"JobSet {name} has no child Jobs to restart")
     # A failed Job: the JobSet controller is about to restart the JobSet (or fail it).
     failing = any(o.job_failed(j) and not o.terminating(j) for j in old)
-    return Verdict(gen, targets=sorted(_pair(j) for j in old), wait=failing)
+    return Verdict(gen, targets=sorted(target_of(j) for j in old), wait=failing)

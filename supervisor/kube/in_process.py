@@ -33,22 +33,34 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, Literal
 
 from kubernetes import client
 
-from supervisor.actuator.backend import ActionError
+from supervisor.action_params import HotSwapParams, RestartInPlaceParams
+from supervisor.actuator.backend import ActionError, checked_params, params_for
 from supervisor.domain import ActionRecord, ActionType
 from supervisor.kube import objects as o
-from supervisor.kube.calls import Conflict, NotFound
+from supervisor.kube import rmw
+from supervisor.kube.action_context import ActionContext, node_name
+from supervisor.kube.errors import Conflict, KubeError, NotFound
+from supervisor.kube.eviction import evict_targets
 from supervisor.kube.failure_policy import in_process_refusal
-from supervisor.kube.journal import journal_of, set_journal
+from supervisor.kube.journal import (
+    JournalEntry,
+    Target,
+    entry_of,
+    journal_of,
+    set_journal,
+    target_of,
+)
+from supervisor.kube.nodes import swap_out_node
 from supervisor.kube.objects import Obj
-from supervisor.kube.pod_links import live_pods
+from supervisor.kube.pod_links import PodLinks, live_pods
+from supervisor.kube.restart import restart_workload, skip
 from supervisor.kube.worlds import World, current_world, healed, healed_since, next_world, set_world
-
-if TYPE_CHECKING:
-    from supervisor.kube.backend import KubeBackend
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +71,8 @@ def choose_path(action: ActionRecord, js: Obj) -> tuple[Path, str]:
     """How to heal: in-process; a full restart (a JobSet that heals in-process, when it
     cannot this time: why); or the plain way of a JobSet that does not (why, when the
     policy asked for in-process)."""
-    wanted = action.params.get("in_process")
+    params = checked_params(action)
+    wanted = params.in_process if isinstance(params, RestartInPlaceParams | HotSwapParams) else None
     if not o.in_process_enabled(js):
         why = f"JobSet {o.name_of(js)} is not annotated {o.IN_PROCESS}: true" if wanted else ""
         return "plain", why
@@ -72,58 +85,59 @@ def choose_path(action: ActionRecord, js: Obj) -> tuple[Path, str]:
 
 
 class InProcessHealing:
-    def __init__(self, backend: KubeBackend) -> None:
-        self.backend = backend
+    def __init__(self, ctx: ActionContext, links: PodLinks) -> None:
+        self.ctx = ctx
+        self.links = links
 
     async def heal(self, action: ActionRecord, *, swap: bool) -> dict[str, Any] | None:
         """Heal the JobSet of `action` (restart_in_place, or hot_swap with `swap`) when it
         heals in-process; None: a JobSet of the plain kind (the caller acts)."""
-        b = self.backend
-        jobset, node = action.job, b._node_name(action)
-        js = b.discovery.jobset(jobset) if jobset else None
+        ctx = self.ctx
+        jobset, node = action.job, node_name(action)
+        js = ctx.discovery.jobset(jobset) if jobset else None
         if js is None:
             return None
         path, why = choose_path(action, js)
-        entry = journal_of(js).get(action.idempotency_key)
-        if entry is not None and entry.get("done"):
-            return {"repeated": True, **entry.get("result", {})}
+        entry = entry_of(js, action.idempotency_key)
+        if entry is not None and entry.done:
+            return rmw.repeated(entry)
         if path == "plain":
             if why:
                 log.warning("%s: not healed in-process: %s", action.idempotency_key, why)
             return None
-        if path == "full_restart" or (entry is not None and entry.get("fallback")):
-            why = why or str((entry or {}).get("fallback"))
-            return await self._full_restart(action, node, swap, why)
+        fallback = entry.fallback if entry is not None else None
+        if path == "full_restart" or fallback:
+            return await self._full_restart(action, node, swap, why or str(fallback))
         return await self._in_process(action, node, swap)
 
     async def _in_process(self, action: ActionRecord, node: str, swap: bool) -> dict[str, Any]:
-        b = self.backend
+        ctx = self.ctx
         jobset, key = action.job or "", action.idempotency_key
-        when = await b._reference_time(action)
+        when = await ctx.reference_time(action)
 
-        def plan(js: Obj) -> dict[str, Any]:
-            pods = live_pods(b.discovery, jobset)
+        def plan(js: Obj) -> JournalEntry:
+            pods = live_pods(ctx.discovery, jobset)
             targets = sorted(
-                [o.name_of(p), o.uid_of(p)]
+                target_of(p)
                 for p in pods
-                if o.node_of(p) == node and not b.discovery.created_after(p, when)
+                if o.node_of(p) == node and not ctx.discovery.created_after(p, when)
             )
-            entry: dict[str, Any] = {"type": action.type.value, "since": when.isoformat()}
+            entry = JournalEntry(type=action.type.value, since=when.isoformat())
             if not targets and healed_since(js, when):
                 now = current_world(js, pods).attempt
-                return {**entry, "skipped": f"healed in-process since the event (world {now})"}
+                skipped = f"healed in-process since the event (world {now})"
+                return dataclasses.replace(entry, skipped=skipped)
             world = next_world(js, pods, [uid for _, uid in targets])
-            return {
-                **entry,
-                "path": "in_process",
-                "targets": targets,
-                "world": dataclasses.asdict(world),
-            }
+            return dataclasses.replace(
+                entry, path="in_process", targets=tuple(targets), world=dataclasses.asdict(world)
+            )
 
-        js, entry = await b._plan("JobSet", jobset, key, plan)
-        if "skipped" in entry:
-            return await b._skip(js, action, entry)
-        world = World(**{**entry["world"], "replaced": tuple(entry["world"]["replaced"])})
+        js, entry = await rmw.plan(ctx, "JobSet", jobset, key, plan)
+        if entry.skipped is not None:
+            return await skip(ctx, js, action, entry)
+        planned = entry.world or {}
+        world = World(**{**planned, "replaced": tuple(planned["replaced"])})
+        targets = entry.targets or ()
 
         def move_to_world(js: Obj) -> bool:
             if current_world(js, []).attempt >= world.attempt:
@@ -131,16 +145,16 @@ class InProcessHealing:
             set_world(js, world)
             return True
 
-        js = await b._modify("JobSet", jobset, move_to_world)
+        js = await rmw.modify(ctx, "JobSet", jobset, move_to_world)
         if swap:
-            await b._modify("Node", node, b._swap_out_node)
+            await rmw.modify(ctx, "Node", node, partial(swap_out_node, ctx.settings))
         what = f"replacing the pods of {node} in-process (world {world.attempt})"
-        outcome = await b._evict_targets(action, entry["targets"], "InProcessRestart", what)
+        outcome = await evict_targets(ctx, action, targets, "InProcessRestart", what)
         if not self._node_up(node):
-            await self._delete_now(entry["targets"])
-        timeout = b.settings.in_process_restart_timeout_s
+            await self._delete_now(targets)
+        timeout = ctx.settings.in_process_restart_timeout_s
         deadline = time.monotonic() + timeout
-        while waiting := await b.links.joined(jobset, world.attempt):
+        while waiting := await self.links.joined(jobset, world.attempt):
             if time.monotonic() >= deadline:
                 why = (
                     f"ranks {waiting} did not join world {world.attempt} within"
@@ -155,20 +169,19 @@ class InProcessHealing:
             "pods": outcome,
             "survivors": sorted(
                 o.name_of(p)
-                for p in live_pods(b.discovery, jobset)
-                if [o.name_of(p), o.uid_of(p)] not in entry["targets"]
-                and not b.discovery.created_after(p, when)
+                for p in live_pods(ctx.discovery, jobset)
+                if target_of(p) not in targets and not ctx.discovery.created_after(p, when)
             ),
         }
         if swap:
-            result.update(node=node, spare=action.params.get("spare"))
+            result.update(node=node, spare=params_for(action, HotSwapParams).spare)
         what = (
             f"pods {outcome} of {node} replaced; every rank trains in world {world.attempt},"
             f" the survivors in the same processes"
         )
-        await b._event(js, "JobSet", action, "InProcessRestart", what)
-        if swap and (node_obj := b.discovery.node(node)) is not None:
-            await b._event(node_obj, "Node", action, "HotSwap", what)
+        await rmw.event(ctx, js, "JobSet", action, "InProcessRestart", what)
+        if swap and (node_obj := ctx.discovery.node(node)) is not None:
+            await rmw.event(ctx, node_obj, "Node", action, "HotSwap", what)
 
         def mark_healed(js: Obj) -> bool:
             now = current_world(js, [])
@@ -177,59 +190,66 @@ class InProcessHealing:
             set_world(js, healed(now))
             return True
 
-        await b._modify("JobSet", jobset, mark_healed)
-        await b._finish("JobSet", jobset, key, result)
+        await rmw.modify(ctx, "JobSet", jobset, mark_healed)
+        await rmw.finish(ctx, "JobSet", jobset, key, result)
         return result
 
     def _node_up(self, node: str) -> bool:
-        b = self.backend
-        obj = b.discovery.node(node)
-        heartbeating = b._hooks.node_heartbeating(node) if b._hooks is not None else None
+        ctx = self.ctx
+        obj = ctx.discovery.node(node)
+        heartbeating = ctx.hooks.node_heartbeating(node) if ctx.hooks is not None else None
         return obj is not None and o.node_ready(obj) and heartbeating is not False
 
-    async def _delete_now(self, targets: list[list[str]]) -> None:
+    async def _delete_now(self, targets: Sequence[Target]) -> None:
         """Delete pods of a node that is down (grace 0): their eviction marked them
         DisruptionTarget; no kubelet will ever confirm their graceful end."""
-        b = self.backend
+        ctx = self.ctx
         for name, uid in targets:
             options = client.V1DeleteOptions(
                 grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
             )
             with contextlib.suppress(NotFound, Conflict):
-                await b.calls.run(
-                    f"delete pod {name}", b.core.delete_namespaced_pod, name, b.ns, body=options
+                await ctx.calls.run(
+                    f"delete pod {name}", ctx.core.delete_namespaced_pod, name, ctx.ns, body=options
                 )
 
     async def _mark_fallback(self, jobset: str, key: str, why: str) -> None:
         def change(js: Obj) -> bool:
             journal = journal_of(js)
             entry = journal.get(key)
-            if entry is None or entry.get("fallback"):
+            if entry is None or entry.fallback:
                 return False
-            journal[key] = {**entry, "fallback": why}
+            journal[key] = dataclasses.replace(entry, fallback=why)
             set_journal(js, journal)
             return True
 
-        await self.backend._modify("JobSet", jobset, change)
+        await rmw.modify(self.ctx, "JobSet", jobset, change)
 
     async def _full_restart(
         self, action: ActionRecord, node: str, swap: bool, why: str
     ) -> dict[str, Any]:
         """Restart the whole JobSet in a new world (its child Jobs recreated)."""
-        b = self.backend
+        ctx = self.ctx
         jobset, key = action.job or "", action.idempotency_key
         log.warning("JobSet %s: %s not healed in-process (%s): restarting it", jobset, key, why)
         if swap:
-            await b._modify("Node", node, b._swap_out_node)
+            await rmw.modify(ctx, "Node", node, partial(swap_out_node, ctx.settings))
         full = dataclasses.replace(
             action, type=ActionType.RESTART_WORKLOAD, idempotency_key=f"{key}/full"
         )
-        restarted = await b._restart_workload(full)
+        restarted = await restart_workload(ctx, full)
         result: dict[str, Any] = {"path": "full_restart", "in_process_error": why, **restarted}
         if swap:
-            result.update(node=node, spare=action.params.get("spare"))
-        # The Journal entry of the action itself (the full restart has its own): done.
-        with contextlib.suppress(ActionError):
-            await b._plan("JobSet", jobset, key, lambda _: {"type": action.type.value})
-            await b._finish("JobSet", jobset, key, result)
+            result.update(node=node, spare=params_for(action, HotSwapParams).spare)
+        # The Journal entry of the action itself (the full restart has its own): done, as
+        # far as it can be marked; only a JobSet gone meanwhile fails the action.
+        try:
+            await rmw.plan(
+                ctx, "JobSet", jobset, key, lambda _: JournalEntry(type=action.type.value)
+            )
+            await rmw.finish(ctx, "JobSet", jobset, key, result)
+        except NotFound:
+            raise
+        except (ActionError, KubeError):
+            pass
         return result

@@ -29,6 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from resiliency_protocol.backoff import Backoff
+from supervisor.kube.errors import ApiError, Gone, api_error, status_error
 from supervisor.kube.objects import Obj, key_of
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,6 @@ log = logging.getLogger(__name__)
 #: (event type "ADDED" | "MODIFIED" | "DELETED", the object, the object before or None)
 Listener = Callable[[str, Obj, Obj | None], None]
 ListCall = Callable[..., Any]
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old (HTTP 410): list again."""
 
 
 class Informer:
@@ -110,7 +107,7 @@ class Informer:
                     version = self._relist()
                 version = self._watch(version)
                 backoff.reset()
-            except Gone:
+            except Gone:  # an ERROR event in the stream
                 self.stats["gone"] += 1
                 log.info("%s watch expired (410): listing again", self.kind)
                 version = None
@@ -118,13 +115,19 @@ class Informer:
                 if self._stop.is_set():
                     break
                 self.stats["errors"] += 1
-                if isinstance(exc, ApiException) and exc.status == 410:
+                error = (
+                    api_error(exc, f"list/watch {self.kind}")
+                    if isinstance(exc, ApiException)
+                    else exc
+                )
+                if isinstance(error, Gone):  # the answer to the watch request itself
                     version = None
                     continue
-                delay = backoff.next()
-                log.warning(
-                    "%s watch failed (%s); retrying in %.1fs", self.kind, _brief(exc), delay
+                brief = (
+                    str(error) if isinstance(error, ApiError) else f"{type(exc).__name__}: {exc}"
                 )
+                delay = backoff.next()
+                log.warning("%s watch failed (%s); retrying in %.1fs", self.kind, brief, delay)
                 self._stop.wait(delay)
 
     def _relist(self) -> str:
@@ -167,10 +170,8 @@ class Informer:
                     continue
                 event = json.loads(line)
                 kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone()
-                    raise ApiException(status=obj.get("code"), reason=obj.get("message"))
+                if kind == "ERROR":  # obj is a Status
+                    raise status_error(f"watch {self.kind}", int(obj.get("code") or 0), obj)
                 version = str(obj.get("metadata", {}).get("resourceVersion") or version)
                 self.resource_version = version
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
@@ -223,9 +224,3 @@ class Informer:
                 listener(kind, obj, before)
             except Exception:
                 log.exception("%s listener failed", self.kind)
-
-
-def _brief(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"HTTP {exc.status} {exc.reason}"
-    return f"{type(exc).__name__}: {exc}"

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import urllib3
 from kubernetes import client
@@ -54,6 +54,7 @@ from kubernetes.client.exceptions import ApiException
 from supervisor.actuator import Fence, Fenced
 from supervisor.config import Settings
 from supervisor.kube.client import api_client
+from supervisor.kube.errors import ApiError, Conflict, KubeError, NotFound, api_error
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,10 @@ EXIT_LEADERSHIP_LOST = 75
 JITTER = 0.2
 
 Obj = dict[str, Any]
+T = TypeVar("T")
 
 
-class LeadershipLost(Exception):
+class LeadershipLost(KubeError):
     """This replica no longer holds the Lease; the message says why."""
 
 
@@ -235,7 +237,7 @@ class LeaderElector:
         except LeadershipLost:
             self._renewed_at = None
             raise
-        except ApiException as exc:
+        except ApiError as exc:
             self._api_error(f"{exc.status} {exc.reason}")
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             self._api_error(f"{type(exc).__name__}: {exc}")
@@ -303,22 +305,20 @@ class LeaderElector:
     # --- API calls (the client is blocking: run in threads, bounded by a timeout) --------
 
     async def _read(self) -> Obj | None:
-        def read() -> Obj | None:
-            try:
-                response = self._raw.read_namespaced_lease(
-                    self.config.lease_name,
-                    self.config.namespace,
-                    _preload_content=False,
-                    _request_timeout=self.config.renew_deadline_s,
-                )
-            except ApiException as exc:
-                if exc.status == 404:
-                    return None
-                raise
+        def read() -> Obj:
+            response = self._raw.read_namespaced_lease(
+                self.config.lease_name,
+                self.config.namespace,
+                _preload_content=False,
+                _request_timeout=self.config.renew_deadline_s,
+            )
             lease: Obj = json.loads(response.data)
             return lease
 
-        return await asyncio.to_thread(read)
+        try:
+            return await self._call(f"get lease {self._where()}", read)
+        except NotFound:
+            return None
 
     async def _write(self, body: Obj, *, create: bool) -> bool:
         """Create or replace (with the resourceVersion read); False on 409 Conflict."""
@@ -336,12 +336,17 @@ class LeaderElector:
                 )
 
         try:
-            await asyncio.to_thread(write)
-        except ApiException as exc:
-            if exc.status == 409:  # another replica wrote first (or created it)
-                return False
-            raise
+            await self._call(f"{'create' if create else 'replace'} lease {self._where()}", write)
+        except Conflict:  # another replica wrote first (or created it)
+            return False
         return True
+
+    @staticmethod
+    async def _call(what: str, func: Callable[[], T]) -> T:
+        try:
+            return await asyncio.to_thread(func)
+        except ApiException as exc:
+            raise api_error(exc, what) from None
 
     # --- loops --------------------------------------------------------------------------
 
@@ -390,7 +395,7 @@ class LeaderElector:
             body = {**lease, "spec": {**(lease.get("spec") or {}), **record.spec()}}
             if await self._write(body, create=False):
                 log.info("released Lease %s", self._where())
-        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        except (ApiError, urllib3.exceptions.HTTPError, OSError) as exc:
             log.warning("could not release Lease %s (%s); it will expire", self._where(), exc)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from supervisor.config import Settings
 from supervisor.domain import ActionRequest, ActionType, Event, EventType, utcnow
+from supervisor.event_details import NodeRecoveredDetails
 from supervisor.kube import objects as o
 from supervisor.kube.discovery import Discovery
 
@@ -82,7 +83,9 @@ class NodeRecovery:
                                 EventType.NODE_RECOVERED,
                                 utcnow(),
                                 node=name,
-                                details={"source": "kubernetes", "uncordoned_by": key},
+                                details=NodeRecoveredDetails(
+                                    source="kubernetes", uncordoned_by=key
+                                ).mapping(),
                             )
                         ]
                     )

@@ -18,11 +18,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 from supervisor.config import Settings
 from supervisor.domain import Event, EventType, utcnow
+from supervisor.event_details import EVENT_DETAILS
 from supervisor.kube import objects as o
 from supervisor.kube.discovery import Discovery
 from supervisor.kube.objects import Obj
@@ -74,6 +76,8 @@ class KubeSensing:
             self._check_jobset(name)
 
     def _emit(self, event: Event) -> None:
+        # Through the type's model: a field it does not declare cannot be emitted.
+        event = replace(event, details=EVENT_DETAILS[event.type](**event.details).mapping())
         log.info(
             "kubernetes: %s node=%s job=%s %s",
             event.type.value,

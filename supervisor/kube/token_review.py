@@ -16,11 +16,11 @@ from typing import Any
 
 from kubernetes import client
 
-from supervisor.actuator.backend import ActionError
 from supervisor.config import Settings
 from supervisor.identity.authenticator import Review, ReviewUnavailable
-from supervisor.kube.calls import Calls, Conflict, NotFound
+from supervisor.kube.calls import Calls
 from supervisor.kube.client import api_client
+from supervisor.kube.errors import KubeError
 
 NODE_NAME = "authentication.kubernetes.io/node-name"
 
@@ -51,7 +51,7 @@ class KubeTokenReviewer:
             response = await self._calls.run(
                 "create TokenReview", self._raw.create_token_review, body, _preload_content=False
             )
-        except (ActionError, NotFound, Conflict) as exc:
+        except KubeError as exc:
             raise ReviewUnavailable(str(exc)) from None
         return review_of(json.loads(response.data))
 

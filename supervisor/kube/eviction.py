@@ -1,0 +1,139 @@
+"""Pods: eviction, with delete as the fallback, and the forced delete of a pod.
+
+Eviction (policy/v1) honours PodDisruptionBudgets and marks the pod DisruptionTarget, the
+condition the Jobs' pod failure policies match on. Every request carries the pod's UID as
+precondition: a pod replaced meanwhile is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kubernetes import client
+
+from resiliency_protocol.backoff import Backoff
+from supervisor.action_params import ForceDeletePodParams
+from supervisor.actuator.backend import params_for
+from supervisor.domain import ActionRecord
+from supervisor.kube import objects as o
+from supervisor.kube import rmw
+from supervisor.kube.action_context import ActionContext
+from supervisor.kube.errors import ApiError, Conflict, NotFound, TooManyRequests
+from supervisor.kube.journal import Target, target_of
+
+log = logging.getLogger(__name__)
+
+
+async def evict(ctx: ActionContext, name: str, uid: str) -> str:
+    """Evict one pod (policy/v1, honours PDBs, marks DisruptionTarget); when eviction is
+    impossible (a PDB refusing, 429, for `eviction_patience_s`; 500 with several PDBs),
+    delete it with `pod_deletion_grace_period_s`. UID preconditions: a pod that was
+    replaced meanwhile is left alone. Returns what happened."""
+    body = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": ctx.ns},
+        "deleteOptions": {"preconditions": {"uid": uid}},
+    }
+    deadline = time.monotonic() + ctx.eviction_patience_s
+    backoff = Backoff(*ctx.calls.backoff_s)
+    while True:
+        try:
+            await ctx.calls.run(
+                f"evict pod {name}",
+                ctx.core.create_namespaced_pod_eviction,
+                name,
+                ctx.ns,
+                body,
+                retry_429=False,
+            )
+            return "evicted"
+        except (NotFound, Conflict):
+            return "gone"
+        except TooManyRequests as exc:
+            # A PDB refuses for now; it may allow it once another pod is back.
+            why = str(exc)
+            if time.monotonic() + backoff.peek() > deadline:
+                break
+            await asyncio.sleep(backoff.next())
+        except ApiError as exc:
+            # 500: the pod is covered by more than one PDB, which eviction does not
+            # support. Other transient statuses (and no answer at all): the API
+            # server is unreachable or overloaded; the action is retried.
+            if exc.retryable and exc.status != 500:
+                raise
+            why = str(exc)
+            break
+    log.warning("eviction of %s impossible (%s); deleting it instead", name, why)
+    options = client.V1DeleteOptions(
+        grace_period_seconds=ctx.settings.pod_deletion_grace_period_s,
+        preconditions=client.V1Preconditions(uid=uid),
+    )
+    try:
+        await ctx.calls.run(
+            f"delete pod {name}", ctx.core.delete_namespaced_pod, name, ctx.ns, body=options
+        )
+    except (NotFound, Conflict):
+        return "gone"
+    return "deleted"
+
+
+async def evict_targets(
+    ctx: ActionContext, action: ActionRecord, targets: Sequence[Target], reason: str, what: str
+) -> dict[str, str]:
+    """Evict the pods together: one eviction_patience_s for all, not one each."""
+
+    async def one(name: str, uid: str) -> str:
+        pod = ctx.discovery.informers["Pod"].items.get(f"{ctx.ns}/{name}")
+        outcome = await evict(ctx, name, uid)
+        if pod is not None and outcome != "gone":
+            await rmw.event(ctx, pod, "Pod", action, reason, f"{what}: {outcome}")
+        return outcome
+
+    results = await asyncio.gather(*(one(name, uid) for name, uid in targets))
+    return {name: result for (name, _), result in zip(targets, results, strict=True)}
+
+
+def running_pods(ctx: ActionContext, jobset: str, node: str | None) -> list[Target]:
+    return sorted(
+        target_of(p)
+        for p in ctx.discovery.pods_of(jobset)
+        if (node is None or o.node_of(p) == node) and not o.terminating(p) and not o.pod_finished(p)
+    )
+
+
+async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str, Any]:
+    params = params_for(action, ForceDeletePodParams)
+    pod_name, ns, uid = params.pod, params.namespace or ctx.ns, params.uid
+    cached = ctx.discovery.informers["Pod"].items.get(f"{ns}/{pod_name}")
+    if cached is None or (uid and o.uid_of(cached) != uid):
+        return {"pod": pod_name, "outcome": "gone"}
+    options = client.V1DeleteOptions(
+        grace_period_seconds=0,
+        preconditions=client.V1Preconditions(uid=uid) if uid else None,
+    )
+    try:
+        await ctx.calls.run(
+            f"force delete pod {pod_name}",
+            ctx.core.delete_namespaced_pod,
+            pod_name,
+            ns,
+            body=options,
+        )
+    except (NotFound, Conflict):
+        return {"pod": pod_name, "outcome": "gone"}
+    js = ctx.discovery.jobset(action.job) if action.job else None
+    if js is not None:
+        await rmw.event(
+            ctx,
+            js,
+            "JobSet",
+            action,
+            "ForceDeletePod",
+            f"pod {pod_name} deleted with grace period 0",
+        )
+    return {"pod": pod_name, "outcome": "deleted"}
