@@ -127,7 +127,7 @@ def create_app(
         from supervisor.kube.token_review import KubeTokenReviewer  # the client, only if used
 
         token_reviewer = KubeTokenReviewer.from_settings(settings)
-    agents = AgentAuthenticator(settings, token_reviewer)
+    agents = AgentAuthenticator(settings.access, token_reviewer)
     leadership = None
     if settings.leader_election:
         from supervisor.kube.leader import Leadership  # the kubernetes client, only if used

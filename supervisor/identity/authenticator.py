@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from hmac import compare_digest
 from typing import Literal, Protocol
 
-from supervisor.config import Settings
+from supervisor.config_parts import AccessSettings
 from supervisor.errors import SupervisorError
 from supervisor.identity.node_keys import credential_node
 
@@ -91,7 +91,7 @@ class TokenReviewer(Protocol):
 class AgentAuthenticator:
     def __init__(
         self,
-        settings: Settings,
+        settings: AccessSettings,
         reviewer: TokenReviewer | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,

@@ -86,7 +86,11 @@ class KubeBackend(Backend):
             request_timeout_s=request_timeout_s, attempts=api_attempts, backoff_s=api_backoff_s
         )
         self.discovery = Discovery(
-            api, settings, watch_timeout_s=watch_timeout_s, request_timeout_s=request_timeout_s
+            api,
+            settings.kubernetes,
+            settings.workload,
+            watch_timeout_s=watch_timeout_s,
+            request_timeout_s=request_timeout_s,
         )
         self.events = EventRecorder(api, self.calls, host=socket.gethostname())
         self.sensing: KubeSensing | None = None
@@ -140,12 +144,12 @@ class KubeBackend(Backend):
     async def start(self, hooks: BackendHooks) -> None:
         self.ctx.hooks = hooks
         self.calls.fence = hooks.fence
-        self.sensing = KubeSensing(self.discovery, self.settings, hooks.raise_events)
+        self.sensing = KubeSensing(self.discovery, self.settings.kubernetes, hooks.raise_events)
         self.sensing.start()
         self._start_watches()
         self.recovery = NodeRecovery(
             self.discovery,
-            self.settings,
+            self.settings.kubernetes,
             hooks.request_action,
             hooks.node_heartbeating,
             hooks.raise_events,

@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes import client
 
-from supervisor.config import Settings
+from supervisor.config_parts import KubernetesSettings, WorkloadSettings
 from supervisor.domain import utcnow
 from supervisor.kube import objects as o
 from supervisor.kube.informer import Informer
@@ -32,12 +32,15 @@ class Discovery:
     def __init__(
         self,
         api: client.ApiClient,
-        settings: Settings,
+        settings: KubernetesSettings,
+        workload: WorkloadSettings,
         *,
         watch_timeout_s: int = 300,
         request_timeout_s: float = 30.0,
     ) -> None:
         self.settings = settings
+        #: A JobSet's shape where its annotations do not say.
+        self.workload = workload
         self._api = api
         self._watch_timeout_s = watch_timeout_s
         self._request_timeout_s = request_timeout_s
@@ -247,7 +250,7 @@ class Discovery:
         return None
 
     def shape(self, jobset: Obj) -> JobShape:
-        s = self.settings
+        s = self.workload
         return o.job_shape(
             jobset,
             min_default=s.min_num_dp_replicas,

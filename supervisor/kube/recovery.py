@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from supervisor.config import Settings
+from supervisor.config_parts import KubernetesSettings
 from supervisor.domain import ActionRequest, ActionType, Event, EventType, utcnow
 from supervisor.event_details import NodeRecoveredDetails
 from supervisor.kube import objects as o
@@ -33,7 +33,7 @@ class NodeRecovery:
     def __init__(
         self,
         discovery: Discovery,
-        settings: Settings,
+        settings: KubernetesSettings,
         request_action: RequestAction,
         heartbeating: Heartbeating,
         raise_events: RaiseEvents,

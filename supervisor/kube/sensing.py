@@ -22,7 +22,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from supervisor.config import Settings
+from supervisor.config_parts import KubernetesSettings
 from supervisor.domain import Event, EventType, utcnow
 from supervisor.event_details import EVENT_DETAILS
 from supervisor.kube import objects as o
@@ -35,7 +35,9 @@ RaiseEvents = Callable[[list[Event]], None]
 
 
 class KubeSensing:
-    def __init__(self, discovery: Discovery, settings: Settings, raise_events: RaiseEvents) -> None:
+    def __init__(
+        self, discovery: Discovery, settings: KubernetesSettings, raise_events: RaiseEvents
+    ) -> None:
         self.discovery = discovery
         self.settings = settings
         self._raise = raise_events
