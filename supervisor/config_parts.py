@@ -3,8 +3,9 @@
 Users set them flat, as `SUPERVISOR_<NAME>` or a YAML key (supervisor/config.py reads
 them, and those names stay as they are); a part of the supervisor takes only its group,
 `settings.<group>`, so a reader knows what it can be tuned by and a test can build it
-from a few values (the backends and the runtime, which span several groups, take all). Every setting belongs to exactly one group (a test
-checks this), and docs/configuration.md lists them under the same headings.
+from a few values (the backends and the runtime, which span several groups, take all).
+Every setting belongs to exactly one group (a test checks this), and
+docs/configuration.md lists them under the same headings.
 
 A group's fields are named exactly as the settings they are taken from.
 """
