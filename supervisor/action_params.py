@@ -4,9 +4,10 @@ the policies (and operators) that ask for an action and the backends that carry 
 An `ActionRequest` keeps its params as a plain mapping (that is what is stored, hashed
 into its idempotency key and sent); `supervisor.policy.actions` builds it from these
 models, the API checks an operator's params against them (`check_params`), and backends
-read them back typed with `params_of(action)`. Keys a model does not declare are kept as
-they are and ignored (an operator may annotate an action). docs/http-api.md's action
-table lists these fields, and a test holds the two together.
+read them back typed (`params_of`; `checked_params` and `params_for` in
+supervisor/actuator/backend.py turn a misfit into an ActionError). Keys a model does not
+declare are kept as they are and ignored (an operator may annotate an action).
+docs/http-api.md's action table lists these fields, and a test holds the two together.
 
 Pure: imports the domain, the error root and pydantic only.
 """

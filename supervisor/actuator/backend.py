@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from supervisor.action_params import ActionParams, InvalidParams, check_params
+from supervisor.action_params import ActionParams, InvalidParams, check_params, params_of
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView
 from supervisor.errors import SupervisorError
 
@@ -39,10 +39,10 @@ def checked_params(action: ActionRecord) -> ActionParams:
 
 def params_for(action: ActionRecord, model: type[P]) -> P:
     """`checked_params` for a backend that already knows the action's type."""
-    params = checked_params(action)
-    if not isinstance(params, model):
-        raise ActionError(f"{action.type.value}: not an action {model.__name__} describes")
-    return params
+    try:
+        return params_of(action, model)
+    except (InvalidParams, TypeError) as exc:
+        raise ActionError(str(exc)) from None
 
 
 #: Raises Fenced when this replica may no longer act; called before every attempt and
