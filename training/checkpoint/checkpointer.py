@@ -47,34 +47,33 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.nn.parallel import DistributedDataParallel
 
 from training.checkpoint import format as fmt
 from training.checkpoint.peer import PeerTier
-from training.checkpoint.reader import DirectReader
+from training.checkpoint.restorer import Loaded, Restorer, Source
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
 from training.checkpoint.settings import CheckpointSettings
-from training.checkpoint.state import Snapshot, StagingBuffers, Stateful, TrainingState
+from training.checkpoint.state import (
+    Snapshot,
+    StagingBuffers,
+    Stateful,
+    TrainingState,
+    local_data_ptr,
+)
 from training.errors import TrainingError
 from training.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
-Source = Literal["memory", "ram", "peer", "durable"]
-
 #: Restore rounds before giving up on agreeing (each drops steps some rank cannot load).
 MAX_RESTORE_ROUNDS = 16
-#: Files up to this size (DCP's metadata) are verified before a load reads them; larger
-#: ones (the shards) as the load reads them.
-_VERIFY_FIRST_BYTES = 1 << 20
 
 
 class EmergencyCheckpointError(TrainingError, RuntimeError):
@@ -89,6 +88,8 @@ class Restored:
     tier: Source | None  # "memory", "ram", "peer" or "durable"; None when starting fresh
     size: int
     seconds: float
+    #: A sharded state's restore: the tier each saving rank's directory was read from.
+    sources: dict[int, Source] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -149,6 +150,17 @@ class Checkpointer:
             durable_keep=s.topk_ckpt,
             sync_files=s.sync_files,
             on_committed=self._on_committed,
+            replicated=self.replicated,
+        )
+        self._restorer = Restorer(
+            self.state,
+            s,
+            rank=self.rank,
+            replicated=self.replicated,
+            ram_root=self.ram_root,
+            durable_root=self.durable_root,
+            peer=self.peer,
+            on_state_changing=self._loading,
         )
         self.last_restore: Restored | None = None
         self._state_loaded = False  # the restore under way has loaded a step into the state
@@ -236,10 +248,10 @@ class Checkpointer:
             # copied in the save's thread while the next step's forward and backward run,
             # and the next optimizer.step() waits for that copy (`_before_optimizer_step`).
             # Everything else (buffers, RNG, scheduler, data position) is copied now.
-            params = {p.data_ptr() for p in self.state.model.parameters()}
+            params = {local_data_ptr(p) for p in self.state.model.parameters()}
 
             def deferred(path: str, tensor: torch.Tensor) -> bool:
-                return path.startswith("/optim/") or tensor.data_ptr() in params
+                return path.startswith("/optim/") or local_data_ptr(tensor) in params
 
             staged = self._buffers.stage(state, defer=deferred)
             self._staged.clear()
@@ -410,13 +422,11 @@ class Checkpointer:
                     f"rank {dist.get_rank()}"
                 )
             self.world_size = self._saver.world_size = dist.get_world_size()
-        candidates = self._candidates()
+        candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.
         held = self._completed if in_memory and not self._mid_step else None
-        if held is not None:
-            candidates.setdefault(held.step, []).insert(0, ("memory", None))
         try:
-            return self._agree_and_load(candidates, started)
+            return self._agree_and_load(candidates, held, started)
         except RuntimeError:
             # A collective failed (another fault): what this rank holds may now be a
             # loaded step rather than its last completed one, so a later in-memory
@@ -426,13 +436,13 @@ class Checkpointer:
             raise
 
     def _agree_and_load(
-        self, candidates: dict[int, list[tuple[Source, Path | None]]], started: float
+        self, candidates: dict[int, Any], held: Snapshot | None, started: float
     ) -> int:
         self._state_loaded = False
         dropped: set[int] = set()
         loaded_before = False  # this rank's tensors hold a step the ranks then dropped
         for _ in range(MAX_RESTORE_ROUNDS):
-            mine = sorted(set(candidates) - dropped)
+            mine = sorted((set(candidates) | ({held.step} if held else set())) - dropped)
             everyone = self._all_gather(
                 {"steps": mine, "world_size": self.world_size, "loaded": loaded_before}
             )
@@ -457,16 +467,17 @@ class Checkpointer:
                 self._step_completed(0)
                 return 0
             step = max(common)
-            loaded = self._load(step, candidates[step])
-            self._state_loaded = self._state_loaded or (
-                loaded is not None and loaded[0] != "memory"
-            )
+            if held is not None and held.step == step:
+                self.state.rewind(held)
+                loaded: Loaded | None = Loaded("memory", 0, {})
+            else:
+                loaded = self._restorer.load(step, candidates.get(step, []))
             oks = self._all_gather(loaded is not None)
             if all(oks):
                 assert loaded is not None
-                tier, size = loaded
+                tier, size = loaded.tier, loaded.size
                 seconds = time.monotonic() - started
-                self.last_restore = Restored(step, tier, size, seconds)
+                self.last_restore = Restored(step, tier, size, seconds, loaded.sources)
                 if self.client is not None and tier != "memory":  # nothing was loaded
                     self.client.report_checkpoint_loaded(
                         step,
@@ -484,102 +495,8 @@ class Checkpointer:
                 loaded_before = True
         raise RuntimeError(f"no checkpoint could be loaded after {MAX_RESTORE_ROUNDS} rounds")
 
-    def _candidates(self) -> dict[int, list[tuple[Source, Path | None]]]:
-        """Steps this rank can load, with their sources fastest first (no file read): a
-        tier and the rank directory to read (None for the peer's copy, fetched first).
-        With a replicated state, other ranks' directories count too, after this rank's own
-        (in RAM: a launcher such as torchrun may give this node another rank this time)."""
-        out: dict[int, list[tuple[Source, Path | None]]] = {}
-        tiers: tuple[tuple[Source, Path | None], ...] = (
-            ("ram", self.ram_root),
-            ("durable", self.durable_root),
-        )
-        for tier, root in tiers:
-            if root is None:
-                continue
-            ranks = [self.rank]
-            if self.replicated:  # another rank's copy (e.g. a rank that moved nodes) serves
-                ranks += [r for r in fmt.committed_ranks(root) if r != self.rank]
-            for rank in ranks:
-                for step in fmt.committed_steps(root, rank):
-                    directory = fmt.rank_dir(root, step, rank)
-                    try:
-                        fmt.read_manifest(directory, step=step, rank=rank)
-                    except fmt.CheckpointCorrupt as exc:
-                        log.warning("checkpoint: skipping %s", exc)
-                        continue
-                    out.setdefault(step, []).append((tier, directory))
-        if self.settings.enable_ckpt_load_replication and self.ram_root is not None:
-            peer_step = self.peer.newest()
-            if peer_step is not None:
-                sources = out.setdefault(peer_step, [])
-                mine_in_ram = bool(sources) and sources[0][0] == "ram"
-                sources.insert(1 if mine_in_ram else 0, ("peer", None))
-        return out
-
-    def _load(
-        self, step: int, sources: list[tuple[Source, Path | None]]
-    ) -> tuple[Source, int] | None:
-        """Load `step` from the first source that verifies; (tier, bytes) or None."""
-        for tier, where in sources:
-            verified = False
-            if tier == "memory":
-                assert self._completed is not None and self._completed.step == step
-                self.state.rewind(self._completed)
-                return tier, 0
-            if where is None:  # the partner's copy
-                assert self.ram_root is not None
-                fetched = self.peer.fetch(step, self.ram_root)
-                if fetched is None:
-                    continue
-                # The host monitor checked sizes and checksums as it downloaded: no second
-                # pass over the files.
-                directory, verified = fetched
-            else:
-                directory = where
-            try:
-                manifest = fmt.read_manifest(directory, step=step)
-                self._load_verified(step, directory, manifest, verified=verified)
-            except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
-                log.warning("checkpoint: step %d from %s not loadable: %s", step, tier, exc)
-                if tier in ("ram", "peer"):
-                    fmt.remove_step(self.ram_root or Path(), step, self.rank)
-                continue
-            return tier, manifest.size
-        return None
-
-    def _load_verified(
-        self, step: int, directory: Path, manifest: fmt.Manifest, *, verified: bool
-    ) -> None:
-        """Load `directory` into the live state, each file checked against the manifest
-        (unless `verified` already): the small ones before (DCP's metadata), the shards as
-        they are read (one pass over the bytes, not two), any file the load left unread
-        after. Raises CheckpointCorrupt when a sum disagrees: the live tensors then hold a
-        part of it, which the next source's load overwrites whole."""
-        threads = self.settings.ckpt_threads_per_rank
-        small = [n for n, e in manifest.files.items() if e.size <= _VERIFY_FIRST_BYTES]
-        if not verified:
-            fmt.verify(directory, manifest, threads=threads, names=small)
-        sums = {} if verified else {n: (e.size, e.checksum) for n, e in manifest.files.items()}
-        reader = DirectReader(
-            directory, thread_count=threads, sums=sums, checksum=manifest.checksum
-        )
-        target = self.state.state_dict(step)
+    def _loading(self) -> None:
         self._state_loaded = True  # from here the live tensors may change
-        try:
-            dcp_load(target, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException):
-            # A damaged shard can fail the load itself rather than its sum: say which.
-            if not verified:
-                fmt.verify(directory, manifest, threads=threads)
-            raise
-        if reader.corrupt:
-            raise fmt.CheckpointCorrupt("; ".join(reader.corrupt))
-        if not verified:
-            unread = [n for n in manifest.files if n not in reader.summed and n not in small]
-            fmt.verify(directory, manifest, threads=threads, names=unread)
-        if self.state.apply(target) != step:
-            raise fmt.CheckpointCorrupt(f"{directory}: holds another step")
 
     def _all_gather(self, mine: Any) -> list[Any]:
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):

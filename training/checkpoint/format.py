@@ -56,7 +56,7 @@ MANIFEST = "manifest.json"
 _CHUNK = 8 * 1024 * 1024
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
 _RANK_RE = re.compile(r"^rank-(\d+)$")
-_TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
@@ -244,7 +244,7 @@ def new_temp_dir(root: Path, step: int, rank: int) -> Path:
     """A fresh hidden directory beside where `rank_dir(root, step, rank)` will be."""
     parent = step_dir(root, step)
     parent.mkdir(parents=True, exist_ok=True)
-    path = parent / f"{_TMP_PREFIX}rank-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = parent / f"{TMP_PREFIX}rank-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
     path.mkdir()
     return path
 
@@ -267,7 +267,7 @@ def commit(temp: Path, manifest: Manifest, final: Path, *, sync: bool = True) ->
         fsync_path(temp)
     old: Path | None = None
     if final.exists():
-        old = final.parent / f"{_TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
+        old = final.parent / f"{TMP_PREFIX}old-{final.name}-{secrets.token_hex(4)}"
         os.replace(final, old)
     os.replace(temp, final)
     if sync:
@@ -334,8 +334,15 @@ def committed_ranks(root: Path) -> list[int]:
 
 def remove_step(root: Path, step: int, rank: int) -> None:
     shutil.rmtree(rank_dir(root, step, rank), ignore_errors=True)
+    parent = step_dir(root, step)
     with contextlib.suppress(OSError):
-        step_dir(root, step).rmdir()  # only when no other rank's directory is left
+        if not any(_RANK_RE.match(child) for child in os.listdir(parent)):
+            # The step's global metadata (global_view.publish) names files now gone.
+            for child in os.listdir(parent):
+                if child == ".metadata" or child.startswith(f"{TMP_PREFIX}.metadata"):
+                    (parent / child).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        parent.rmdir()  # only when no other rank's directory is left
 
 
 def retain(root: Path, rank: int, keep: int, *, protect: Iterable[int] = ()) -> list[int]:
@@ -361,8 +368,8 @@ def remove_temporaries(root: Path, rank: int) -> None:
         parent = Path(root) / name
         with contextlib.suppress(OSError):
             for child in os.listdir(parent):
-                if child.startswith(f"{_TMP_PREFIX}rank-{rank}-") or (
-                    child.startswith(f"{_TMP_PREFIX}old-rank-{rank}-")
+                if child.startswith(f"{TMP_PREFIX}rank-{rank}-") or (
+                    child.startswith(f"{TMP_PREFIX}old-rank-{rank}-")
                 ):
                     shutil.rmtree(parent / child, ignore_errors=True)
         with contextlib.suppress(OSError):

@@ -114,8 +114,8 @@ class DirectReader(FileSystemReader):
         sums: dict[str, tuple[int, int]] | None = None,
         checksum: Checksum | None = None,
     ) -> None:
-        """`sums`: (size, checksum) by file name, to check each file with `checksum` (the
-        manifest's) as it is read."""
+        """`sums`: (size, checksum) by file path relative to `path`, to check each file
+        with `checksum` (the manifest's) as it is read."""
         super().__init__(path)
         self.thread_count = thread_count
         self.sums = sums or {}
@@ -123,6 +123,8 @@ class DirectReader(FileSystemReader):
         #: Files checked as they were read, and those of them whose sum disagreed.
         self.summed: set[str] = set()
         self.corrupt: list[str] = []
+        #: Files the load read from (relative paths): of a view, the ranks it needed.
+        self.opened: set[str] = set()
         self._lock = threading.Lock()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -132,11 +134,12 @@ class DirectReader(FileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(storage[item.storage_index].relative_path, []).append(item)
+        self.opened.update(per_file)
 
         def read_file(relative_path: str, items: list[Any]) -> list[Any]:
             """This file's items read straight into their targets; the others."""
             left = []
-            expected = self.sums.get(os.path.basename(relative_path))
+            expected = self.sums.get(relative_path)
             with open(os.path.join(self.path, relative_path), "rb") as f:
                 summer = (
                     _FileSum(f.fileno(), self.checksum)
@@ -173,9 +176,8 @@ class DirectReader(FileSystemReader):
         summer.upto(size)
         if not summer.in_order:
             return  # not summed: the caller verifies this file from disk
-        name = os.path.basename(relative_path)
         with self._lock:
-            self.summed.add(name)
+            self.summed.add(relative_path)
             if (summer.pos, summer.crc) != (size, crc) or os.fstat(summer.fd).st_size != size:
                 self.corrupt.append(
                     f"{os.path.join(self.path, relative_path)}: checksum {summer.crc:#010x} of "

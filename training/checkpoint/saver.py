@@ -27,6 +27,7 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from training.checkpoint import format as fmt
+from training.checkpoint import global_view
 from training.checkpoint.writer import SummingFileSystemWriter
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,12 @@ class Saver:
         durable_keep: int,
         sync_files: bool,
         on_committed: Callable[[SaveResult], None],
+        replicated: bool = False,
     ) -> None:
+        """`replicated`: rank 0's directory alone is the whole state (DDP); otherwise a
+        step is whole once every rank's directory is committed."""
         self.rank = rank
+        self.replicated = replicated
         self.world_size = world_size
         self.job = job
         self.ram_root = ram_root
@@ -199,7 +204,18 @@ class Saver:
         if job.to_durable and self.durable_root is not None:
             fmt.retain(self.durable_root, self.rank, self.durable_keep)
 
+    def publish(self, root: Path, step: int) -> None:
+        """Write `step`'s global metadata under `root` if every rank has committed."""
+        ranks = [0] if self.replicated else list(range(self.world_size))
+        try:
+            global_view.publish(root, step, ranks, sync=self.sync_files)
+        except (OSError, fmt.CheckpointCorrupt) as exc:
+            # The step still restores here (the restore merges the ranks' metadata itself).
+            log.warning("checkpoint: global metadata of step %d not written: %r", step, exc)
+
     def _committed(self, result: SaveResult) -> None:
+        if result.path is not None:
+            self.publish(result.path.parent.parent, result.step)
         self.results.append(result)
         try:
             self.on_committed(result)

@@ -3,6 +3,11 @@
 The state: model and optimizer (through `torch.distributed.checkpoint.state_dict`, so DDP
 and FSDP models give the same keys), the LR scheduler, the RNG states (torch CPU and CUDA,
 Python's `random`), the user's own stateful objects (data position, ...) and the step.
+
+A sharded model (FSDP2, HSDP, tensor parallel: parameters and optimizer state held as
+DTensors) gives a state dict of DTensors, each rank holding its local shards; staging
+copies each DTensor's local shard to host memory and keeps its sharding (mesh, placements,
+global shape), so that DCP writes it with its global offsets and a later load can reshard.
 """
 
 from __future__ import annotations
@@ -16,6 +21,24 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+
+def is_sharded(state: Any) -> bool:
+    """Whether a state dict holds a DTensor whose shards differ between ranks (a
+    placement other than Replicate): its ranks' checkpoints are pieces of one whole."""
+    if isinstance(state, DTensor):
+        return any(not p.is_replicate() for p in state.placements)
+    if isinstance(state, Mapping):
+        return any(is_sharded(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return any(is_sharded(v) for v in state)
+    return False
+
+
+def local_data_ptr(tensor: torch.Tensor) -> int:
+    """The address of a tensor's (a DTensor's: its local shard's) data."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
 
 
 class Stateful(Protocol):
@@ -31,6 +54,10 @@ class Snapshot:
     step: int
     small: dict[str, Any]  # lr_scheduler, rng, extra
     buffers: dict[int, torch.Tensor]  # the model's buffers by data_ptr, copied
+    #: The model's and optimizer's state dict at that step, by reference (not copied),
+    #: for sharded models: an emergency save cannot take it later, while the main thread
+    #: may hold unsharded parameters in a forward or backward stuck in a collective.
+    weights: dict[str, Any] | None = None
 
 
 class TrainingState:
@@ -46,6 +73,15 @@ class TrainingState:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.extra = dict(extra or {})
+        self._sharded: bool | None = None
+        self._weights_refs: dict[str, Any] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model's state is sharded across ranks (see `is_sharded`)."""
+        if self._sharded is None:
+            self._sharded = is_sharded(self.model.state_dict())
+        return self._sharded
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The live state: its tensors are the model's and optimizer's own (not copies)."""
@@ -77,13 +113,20 @@ class TrainingState:
         `optimizer.step()` changes, it is the state at the end of `step` until the next
         `optimizer.step()`, whatever the forward and backward in between do."""
         buffers = {
-            buffer.data_ptr(): buffer.detach().clone()
+            local_data_ptr(buffer): buffer.detach().clone()
             for module in self.model.modules()
             for name, buffer in module._buffers.items()
             # Non-persistent buffers (masks, rotary caches) are not in the state dict.
             if buffer is not None and name not in module._non_persistent_buffers_set
         }
-        return Snapshot(step, copy.deepcopy(self._small()), buffers)
+        weights = None
+        if self.sharded and self.optimizer is not None:
+            # The same tensors from step to step (updated in place by optimizer.step()):
+            # taken once the optimizer holds state, then reused.
+            if self._weights_refs is None or not self._weights_refs["optim"].get("state"):
+                self._weights_refs = self._weights()
+            weights = self._weights_refs
+        return Snapshot(step, copy.deepcopy(self._small()), buffers, weights)
 
     def rewind(self, snapshot: Snapshot) -> None:
         """Put back what a forward and backward since `snapshot` changed (RNG, scheduler,
@@ -97,7 +140,7 @@ class TrainingState:
             obj.load_state_dict(small["extra"][name])
         with torch.no_grad():
             for buffer in self.model.buffers():
-                saved = snapshot.buffers.get(buffer.data_ptr())
+                saved = snapshot.buffers.get(local_data_ptr(buffer))
                 if saved is not None:
                     buffer.copy_(saved)
         if self.optimizer is not None:
@@ -113,9 +156,9 @@ class TrainingState:
     def state_at(self, snapshot: Snapshot) -> dict[str, Any]:
         """The state of `snapshot`'s step: live parameters and optimizer state (unchanged
         since, as long as no `optimizer.step()` ran), the rest from the snapshot."""
-        weights = self._weights()
+        weights = snapshot.weights if snapshot.weights is not None else self._weights()
         model_sd = {
-            key: snapshot.buffers.get(value.data_ptr(), value)
+            key: snapshot.buffers.get(local_data_ptr(value), value)
             if isinstance(value, torch.Tensor)
             else value
             for key, value in weights["model"].items()
@@ -186,6 +229,14 @@ class StagingBuffers:
         seen: set[str],
         defer: Callable[[str, torch.Tensor], bool] | None,
     ) -> Any:
+        if isinstance(value, DTensor):
+            if defer is not None and defer(path, value):
+                seen.add(path)
+                return value
+            local = self._copy(value.to_local(), path, seen, None)
+            # The local shard in host memory with the DTensor's sharding (the constructor
+            # keeps the tensor where it is; `from_local` would move it to the mesh's device).
+            return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if isinstance(value, torch.Tensor):
             seen.add(path)
             if defer is not None and defer(path, value):

@@ -1,0 +1,317 @@
+"""Where a rank's checkpoint of a step can be read from, and the load itself.
+
+`candidates()` lists, without reading any data, the steps this rank can load and their
+sources fastest first: this node's RAM, the partner's copy (the peer tier), durable
+storage. `load(step, sources)` loads one step into the live state from the first source
+that verifies, checking every file against its manifest's checksums as it reads it.
+
+Two shapes of state:
+- Whole states (DDP, a single process): one rank directory is the whole state. A step's
+  sources are directories, any of which serves (other ranks' too, when the state is
+  replicated: a replacement rank, a rank torchrun moved to another node).
+- Sharded states (FSDP2, HSDP, tensor parallel): a step is the union of its ranks'
+  directories. A step's sources are, per saving rank, that rank's directories fastest
+  first; this rank loads through a view of one directory per saving rank
+  (global_view.open_view), reading only the pieces of other ranks' shards its own
+  layout needs. A step counts as loadable when those directories' metadata cover every
+  tensor of this rank's state (`global_view.missing`): a shard lost with its node but
+  held by another replica (HSDP) is read from that replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from training.checkpoint import format as fmt
+from training.checkpoint import global_view
+from training.checkpoint.peer import PeerTier
+from training.checkpoint.reader import DirectReader
+from training.checkpoint.settings import CheckpointSettings
+from training.checkpoint.state import TrainingState
+
+log = logging.getLogger(__name__)
+
+Source = Literal["memory", "ram", "peer", "durable"]
+#: Sources from fastest to slowest: a sharded restore reports the slowest it read from.
+SPEED: dict[str, int] = {"memory": 0, "ram": 1, "peer": 2, "durable": 3}
+#: Files up to this size (DCP's metadata) are verified before a load reads them; larger
+#: ones (the shards) as the load reads them.
+VERIFY_FIRST_BYTES = 1 << 20
+_RANK_PATH = re.compile(r"rank-(\d+)/")
+
+#: A whole state's sources: (tier, directory; None for the partner's copy, fetched first).
+WholeSources = list[tuple[Source, Path | None]]
+#: A sharded state's sources: per saving rank, (tier, directory) fastest first.
+ShardSources = dict[int, list[tuple[Source, Path]]]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    tier: Source  # the slowest source read from
+    size: int  # bytes of the directories read
+    #: Sharded states: the tier each saving rank's directory was read from.
+    sources: dict[int, Source]
+
+
+class Restorer:
+    def __init__(
+        self,
+        state: TrainingState,
+        settings: CheckpointSettings,
+        *,
+        rank: int,
+        replicated: bool,
+        ram_root: Path | None,
+        durable_root: Path | None,
+        peer: PeerTier,
+        on_state_changing: Callable[[], None],
+    ) -> None:
+        """`on_state_changing`: called right before a load writes into the live tensors."""
+        self.state = state
+        self.settings = settings
+        self.rank = rank
+        self.replicated = replicated
+        self.ram_root = ram_root
+        self.durable_root = durable_root
+        self.peer = peer
+        self._changing = on_state_changing
+
+    @property
+    def sharded(self) -> bool:
+        return self.state.sharded and not self.replicated
+
+    def _tiers(self) -> list[tuple[Source, Path]]:
+        tiers: list[tuple[Source, Path | None]] = [
+            ("ram", self.ram_root),
+            ("durable", self.durable_root),
+        ]
+        return [(tier, root) for tier, root in tiers if root is not None]
+
+    def _committed(self, root: Path, step: int, rank: int) -> Path | None:
+        directory = fmt.rank_dir(root, step, rank)
+        try:
+            fmt.read_manifest(directory, step=step, rank=rank)
+        except fmt.CheckpointCorrupt as exc:
+            log.warning("checkpoint: skipping %s", exc)
+            return None
+        return directory
+
+    # --- whole states -----------------------------------------------------------------
+
+    def candidates(self) -> dict[int, Any]:
+        """Steps this rank can load, with their sources (no data read)."""
+        return self._sharded_candidates() if self.sharded else self._whole_candidates()
+
+    def _whole_candidates(self) -> dict[int, Any]:
+        """Steps with their sources fastest first. With a replicated state, other ranks'
+        directories count too, after this rank's own."""
+        out: dict[int, WholeSources] = {}
+        for tier, root in self._tiers():
+            ranks = [self.rank]
+            if self.replicated:
+                ranks += [r for r in fmt.committed_ranks(root) if r != self.rank]
+            for rank in ranks:
+                for step in fmt.committed_steps(root, rank):
+                    directory = self._committed(root, step, rank)
+                    if directory is not None:
+                        out.setdefault(step, []).append((tier, directory))
+        if self.settings.enable_ckpt_load_replication and self.ram_root is not None:
+            peer_step = self.peer.newest()
+            if peer_step is not None:
+                sources = out.setdefault(peer_step, [])
+                mine_in_ram = bool(sources) and sources[0][0] == "ram"
+                sources.insert(1 if mine_in_ram else 0, ("peer", None))
+        return dict(out)
+
+    def load(self, step: int, sources: Any) -> Loaded | None:
+        """Load `step` from the first of its sources that verifies; None if none does."""
+        if self.sharded:
+            return self._load_sharded(step, sources)
+        for tier, where in sources:
+            verified = False
+            if where is None:  # the partner's copy
+                assert self.ram_root is not None
+                fetched = self.peer.fetch(step, self.ram_root)
+                if fetched is None:
+                    continue
+                # The host monitor checked sizes and checksums as it downloaded.
+                directory, verified = fetched
+            else:
+                directory = where
+            try:
+                manifest = fmt.read_manifest(directory, step=step)
+                self._read(step, directory, {"": (directory, manifest)}, verified=verified)
+            except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
+                log.warning("checkpoint: step %d from %s not loadable: %s", step, tier, exc)
+                if tier in ("ram", "peer"):
+                    fmt.remove_step(self.ram_root or Path(), step, self.rank)
+                continue
+            return Loaded(tier, manifest.size, {})
+        return None
+
+    # --- sharded states ---------------------------------------------------------------
+
+    def _sharded_candidates(self) -> dict[int, Any]:
+        found: dict[int, ShardSources] = {}
+        for tier, root in self._tiers():
+            for rank in fmt.committed_ranks(root):
+                for step in fmt.committed_steps(root, rank):
+                    directory = self._committed(root, step, rank)
+                    if directory is not None:
+                        found.setdefault(step, {}).setdefault(rank, []).append((tier, directory))
+        self._add_peer_copy(found)
+        out: dict[int, ShardSources] = {}
+        for step, sources in found.items():
+            gaps = self._gaps(step, sources)
+            if gaps:
+                log.info("checkpoint: step %d lacks %s here", step, ", ".join(gaps[:3]))
+            else:
+                out[step] = sources
+        return dict(out)
+
+    def _add_peer_copy(self, found: dict[int, ShardSources]) -> None:
+        """The partner's copy of this rank's newest RAM step, fetched now when this node's
+        RAM lacks it (a replacement node): only its metadata tells what it covers."""
+        if not (self.settings.enable_ckpt_load_replication and self.ram_root is not None):
+            return
+        step = self.peer.newest()
+        if step is None:
+            return
+        mine = found.get(step, {}).get(self.rank, [])
+        if any(tier == "ram" for tier, _ in mine):
+            return
+        fetched = self.peer.fetch(step, self.ram_root)
+        if fetched is None:
+            return
+        directory = self._committed(self.ram_root, step, self.rank)
+        if directory is not None:
+            found.setdefault(step, {}).setdefault(self.rank, []).insert(0, ("peer", directory))
+
+    def _gaps(self, step: int, sources: ShardSources) -> list[str]:
+        parts = []
+        for rank in sorted(sources, key=lambda r: (r != self.rank, r)):
+            for _, directory in sources[rank]:
+                try:
+                    parts.append((f"rank-{rank}", global_view.rank_metadata(directory)))
+                    break
+                except fmt.CheckpointCorrupt as exc:
+                    log.warning("checkpoint: skipping %s", exc)
+        if not parts:
+            return ["every rank's directory"]
+        try:
+            merged = global_view.merge(parts)
+        except fmt.CheckpointCorrupt as exc:
+            return [str(exc)]
+        return global_view.missing(merged, self.state.state_dict(step))
+
+    def _load_sharded(self, step: int, sources: ShardSources) -> Loaded | None:
+        left = {rank: list(found) for rank, found in sources.items()}
+        while all(left.values()) and left:
+            chosen = {rank: found[0] for rank, found in left.items()}
+            base = self.ram_root or self.durable_root
+            assert base is not None
+            try:
+                with global_view.open_view(
+                    base, {rank: d for rank, (_, d) in chosen.items()}, self.rank
+                ) as view:
+                    parts = {
+                        f"rank-{rank}": (d, fmt.read_manifest(d, step=step, rank=rank))
+                        for rank, (_, d) in chosen.items()
+                    }
+                    read = self._read(step, view, parts, verified=False)
+            except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
+                bad = {int(m.group(1)) for m in _RANK_PATH.finditer(str(exc))} & set(left)
+                log.warning("checkpoint: step %d not loadable as chosen: %s", step, exc)
+                if not bad:
+                    return None
+                for rank in bad:
+                    tier, _ = left[rank].pop(0)
+                    if tier in ("ram", "peer") and self.ram_root is not None:
+                        fmt.remove_step(self.ram_root, step, rank)
+                if any(not left[rank] for rank in bad) and self._gaps(
+                    step, {r: f for r, f in left.items() if f}
+                ):
+                    return None
+                left = {r: f for r, f in left.items() if f}
+                continue
+            used = {rank: chosen[rank][0] for rank in read if rank in chosen}
+            tier = max(used.values(), key=SPEED.__getitem__, default="ram")
+            size = sum(parts[f"rank-{rank}"][1].size for rank in used)
+            return Loaded(tier, size, used)
+        return None
+
+    # --- the load ---------------------------------------------------------------------
+
+    def _read(
+        self,
+        step: int,
+        path: Path,
+        parts: dict[str, tuple[Path, fmt.Manifest]],
+        *,
+        verified: bool,
+    ) -> set[int]:
+        """Load the checkpoint at `path` (a rank directory, or a view whose `parts` are
+        its rank directories by prefix) into the live state, each file checked against
+        its manifest (unless `verified` already): the small ones before (DCP's metadata),
+        the shards as they are read (one pass over the bytes, not two), any file the load
+        left unread after. Raises CheckpointCorrupt when a sum disagrees: the live tensors
+        then hold a part of it, which the next source's load overwrites whole. Returns
+        the saving ranks whose files were read (views only)."""
+        threads = self.settings.ckpt_threads_per_rank
+        forms = {manifest.format for _, manifest in parts.values()}
+        checksum = next(iter(parts.values()))[1].checksum
+        sums: dict[str, tuple[int, int]] = {}
+        small: dict[str, list[str]] = {}
+        for prefix, (directory, manifest) in parts.items():
+            small[prefix] = [n for n, e in manifest.files.items() if e.size <= VERIFY_FIRST_BYTES]
+            if not verified:
+                fmt.verify(directory, manifest, threads=threads, names=small[prefix])
+                if len(forms) == 1:
+                    sums.update(
+                        {
+                            _joined(prefix, n): (e.size, e.checksum)
+                            for n, e in manifest.files.items()
+                        }
+                    )
+        if not verified and len(forms) > 1:  # mixed checksum formats: verify whole, first
+            for directory, manifest in parts.values():
+                fmt.verify(directory, manifest, threads=threads)
+        reader = DirectReader(path, thread_count=threads, sums=sums, checksum=checksum)
+        target = self.state.state_dict(step)
+        self._changing()
+        try:
+            dcp_load(target, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException):
+            # A damaged shard can fail the load itself rather than its sum: say which.
+            if not verified:
+                for directory, manifest in parts.values():
+                    fmt.verify(directory, manifest, threads=threads)
+            raise
+        if reader.corrupt:
+            raise fmt.CheckpointCorrupt("; ".join(reader.corrupt))
+        if not verified and sums:
+            for prefix, (directory, manifest) in parts.items():
+                unread = [
+                    n
+                    for n in manifest.files
+                    if _joined(prefix, n) not in reader.summed
+                    and n not in small[prefix]
+                    # A view's other ranks' files are read only where this layout needs.
+                    and (not prefix or _joined(prefix, n) in reader.opened)
+                ]
+                fmt.verify(directory, manifest, threads=threads, names=unread)
+        if self.state.apply(target) != step:
+            raise fmt.CheckpointCorrupt(f"{path}: holds another step")
+        return {int(m.group(1)) for f in reader.opened if (m := _RANK_PATH.match(f))}
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
