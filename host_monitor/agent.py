@@ -250,6 +250,7 @@ class Agent:
                 size_bytes=r.bytes,
                 total_s=r.total_s,
                 time=record.time,
+                error=r.error,
             )
 
         node.on_checkpoint = forward

@@ -92,6 +92,7 @@ class CheckpointForwarder:
         size_bytes: int | None = None,
         total_s: float | None = None,
         time: str | None = None,
+        error: str | None = None,
     ) -> str:
         """Keep a report (durably) for sending; returns its id. Call before acking it.
 
@@ -108,6 +109,7 @@ class CheckpointForwarder:
                 "tier": tier,
                 "bytes": size_bytes,
                 "total_s": total_s,
+                "error": error,
             }
         )
         report: dict[str, Any] = {
@@ -127,6 +129,8 @@ class CheckpointForwarder:
             report["bytes"] = checked.bytes
         if checked.total_s is not None:
             report["total_s"] = checked.total_s
+        if checked.error is not None:
+            report["error"] = checked.error
         if len(self._pending) >= MAX_OUTBOX:
             dropped = self._pending.popleft()
             log.error("checkpoint outbox full: dropping the oldest report (%s)", dropped["id"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from host_monitor.wire import Name
 from resiliency_protocol.emergency import EmergencyAck as EmergencyAck
@@ -112,15 +112,19 @@ MAX_CHECKPOINT_BYTES = 2**62
 MAX_CHECKPOINT_TOTAL_S = 604_800.0  # a week
 
 
-class CheckpointReport(BaseModel):
-    """POST /v1/workers/{rank}/checkpoints: a checkpoint saved or loaded, for goodput.
+MAX_CHECKPOINT_ERROR_CHARS = 1000
 
-    A load is reported with the tier that served it. `bytes` and `total_s` are optional:
+
+class CheckpointReport(BaseModel):
+    """POST /v1/workers/{rank}/checkpoints: a checkpoint saved, loaded or failed.
+
+    A load is reported with the tier that served it; a save that did not commit as
+    `failed`, with the tier it was for and the error. `bytes` and `total_s` are optional:
     older clients (and the NumPy demo) leave them out.
     """
 
     model_config = ConfigDict(extra="forbid")
-    event: Literal["saved", "loaded"]
+    event: Literal["saved", "loaded", "failed"]
     step: int = Field(ge=0)
     duration_s: float = Field(ge=0, description="Seconds the training loop was blocked.")
     tier: CheckpointTier
@@ -134,6 +138,19 @@ class CheckpointReport(BaseModel):
         allow_inf_nan=False,
         description="Seconds from the start of the save or load to its commit, in all.",
     )
+    error: str | None = Field(
+        None,
+        validate_default=True,
+        max_length=MAX_CHECKPOINT_ERROR_CHARS,
+        description="Why the save failed (`failed` reports only).",
+    )
+
+    @field_validator("error")
+    @classmethod
+    def _error_with_failed(cls, error: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("event") == "failed") != (error is not None):
+            raise ValueError("given with a `failed` report, and only with one")
+        return error
 
 
 # --- actuator -> host monitor -----------------------------------------------------------

@@ -40,6 +40,8 @@ class EventType(StrEnum):
     POD_STUCK_TERMINATING = "pod_stuck_terminating"
     WORKLOAD_DOWN = "workload_down"
     NODE_NOT_READY = "node_not_ready"
+    # A worker's checkpoint save did not commit (reported through its host monitor).
+    CHECKPOINT_FAILED = "checkpoint_failed"
 
 
 #: Events that mean a node can no longer be trusted to run its share of the job.
@@ -220,13 +222,14 @@ class CheckpointReport:
     node: str
     job: str | None
     rank: int
-    event: str  # "saved" or "loaded"
+    event: str  # "saved", "loaded" or "failed" (a save that did not commit)
     step: int
     duration_s: float
     tier: str  # "local", "ram", "peer", "durable" or "emergency"
     time: datetime
     size_bytes: int | None = None
     total_s: float | None = None
+    error: str | None = None  # why a `failed` save failed
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,6 +198,18 @@ class NodeNotReadyDetails(EventDetails):
     since: str | None = None
 
 
+class CheckpointFailedDetails(EventDetails):
+    event_types = frozenset({EventType.CHECKPOINT_FAILED})
+    rank: int | None = None
+    step: int | None = None
+    """The step whose save did not commit."""
+    tier: str | None = None
+    """The tier it was for: `ram`, `durable`, `emergency`, ..."""
+    error: str | None = None
+    report_id: str | None = None
+    """The checkpoint report that said so (`GET /api/v1/checkpoints`)."""
+
+
 #: Event type -> its details model; every type has one.
 EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
     type_: model
@@ -216,6 +228,7 @@ EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
         PodStuckTerminatingDetails,
         WorkloadDownDetails,
         NodeNotReadyDetails,
+        CheckpointFailedDetails,
     )
     for type_ in model.event_types
 }

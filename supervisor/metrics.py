@@ -10,7 +10,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from supervisor.domain import RESTART_ACTIONS, ActionRecord, ActionStatus, ActionType
+from supervisor.domain import (
+    RESTART_ACTIONS,
+    ActionRecord,
+    ActionStatus,
+    ActionType,
+    CheckpointReport,
+)
 
 
 class HeartbeatRejection(StrEnum):
@@ -73,6 +79,45 @@ class JobActionCounts:
     def keep_only(self, jobs: Collection[str]) -> None:
         """Forget the counts of jobs not in ``jobs``."""
         for counts in (self.restarts, self.emergency_checkpoints):
+            for job in [j for j in counts if j not in jobs]:
+                del counts[job]
+
+
+class JobCheckpoints:
+    """Each job's checkpoints as its workers report them: failed saves by tier, and per
+    tier the newest step every reporting rank has saved, with when the last of them did
+    (its age is what an alert watches). Exported per job at scrape time (see
+    supervisor.api.job_metrics); fed by the checkpoint reports' route."""
+
+    def __init__(self) -> None:
+        self.failures: defaultdict[str, dict[str, int]] = defaultdict(dict)
+        #: job -> tier -> rank -> (newest step saved, its report time, epoch seconds)
+        self._saved: defaultdict[str, dict[str, dict[int, tuple[int, float]]]] = defaultdict(dict)
+
+    def count(self, report: CheckpointReport) -> None:
+        if report.job is None:
+            return
+        if report.event == "failed":
+            by_tier = self.failures[report.job]
+            by_tier[report.tier] = by_tier.get(report.tier, 0) + 1
+        elif report.event == "saved":
+            ranks = self._saved[report.job].setdefault(report.tier, {})
+            have = ranks.get(report.rank)
+            if have is None or report.step >= have[0]:
+                ranks[report.rank] = (report.step, report.time.timestamp())
+
+    def newest(self, job: str) -> dict[str, tuple[int, float]]:
+        """tier -> (the newest step every rank that reported has saved, when the last of
+        them saved theirs)."""
+        out = {}
+        for tier, ranks in self._saved.get(job, {}).items():
+            if ranks:
+                oldest = min(ranks.values())
+                out[tier] = oldest
+        return out
+
+    def keep_only(self, jobs: Collection[str]) -> None:
+        for counts in (self.failures, self._saved):
             for job in [j for j in counts if j not in jobs]:
                 del counts[job]
 
@@ -163,6 +208,7 @@ class Metrics:
         for reason in HeartbeatRejection:  # every reason exported from the start, at 0
             self.heartbeats_rejected.labels(reason.value)
         self.job_actions = JobActionCounts()
+        self.job_checkpoints = JobCheckpoints()
         self.acting = Gauge(
             "supervisor_leader",
             "1 while this replica acts: it holds the leader Lease (or runs without leader "

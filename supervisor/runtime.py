@@ -335,10 +335,14 @@ class Supervisor:
             nodes[name] = replace(view, cordoned=node.cordoned)
         return nodes, jobs
 
-    def _raise_backend_events(self, events: list[Event]) -> None:
-        # Same path as the sensor's timers: persisted in order (retried while the
-        # database is down), then given to the controller.
+    def raise_events(self, events: list[Event]) -> None:
+        """Events raised outside the sensor (a backend's watchers, a worker's failed
+        checkpoint): the sensor's timers' path, persisted in order (retried while the
+        database is down), then given to the controller."""
         self._hold(Changes(events=list(events)))
+
+    def _raise_backend_events(self, events: list[Event]) -> None:
+        self.raise_events(events)
 
     async def _request_backend_action(self, request: ActionRequest, key: str) -> None:
         action, created = await asyncio.to_thread(

@@ -258,6 +258,9 @@ async def test_checkpoint_batches_need_the_agent_token(api: Api) -> None:
         ({"total_s": -0.1}, "reports.1.total_s"),
         ({"total_s": 604_801}, "reports.1.total_s"),
         ({"event": "deleted"}, "reports.1.event"),
+        ({"event": "failed"}, "reports.1.error"),  # a failed save says why
+        ({"error": "disk full"}, "reports.1.error"),  # and only a failed save does
+        ({"event": "failed", "error": "x" * 1001}, "reports.1.error"),
         ({"step": -1}, "reports.1.step"),
         ({"duration_s": -0.1}, "reports.1.duration_s"),
         ({"time": "2026-01-05T12:00:00"}, "reports.1.time"),  # no zone

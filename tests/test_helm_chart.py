@@ -1637,6 +1637,8 @@ def leaves(
 # The alerts of the PrometheusRule, by their key in values.
 ALERTS = (
     "jobStalled",
+    "checkpointStale",
+    "checkpointFailing",
     "goodputLow",
     "restartBudgetSpent",
     "noSpare",
@@ -1645,6 +1647,8 @@ ALERTS = (
 )
 # A different, valid value for leaves whose type alone does not say what is valid.
 MUTATIONS: dict[str, Any] = {
+    "prometheusRule.checkpointStale.tier": "ram",
+    "prometheusRule.checkpointFailing.window": "30m",
     "image.repository": "registry.example/rs",
     "image.tag": "9.9.9",
     "image.pullPolicy": "Always",

@@ -202,6 +202,8 @@ def test_each_alert_is_complete_parses_and_uses_only_exported_series(
     rules = rules_of(render(ENABLED))
     assert set(rules) == {
         "TrainingJobStalled",
+        "TrainingJobCheckpointStale",
+        "TrainingJobCheckpointSavesFailing",
         "TrainingJobGoodputLow",
         "TrainingJobRestartBudgetSpent",
         "SupervisorNoSpareNode",

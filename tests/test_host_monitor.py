@@ -795,10 +795,10 @@ def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Clus
         r = agent.worker_api.post("/v1/workers/4/checkpoints", json=report)
         assert r.status_code == 202
         # An older client's report: no size, no total time.
-        old = {**report, "bytes": None, "total_s": None}
+        old = {**report, "bytes": None, "total_s": None, "error": None}
         assert agent.api.get("/v1/checkpoints").json()[0]["report"] == old
         # The tiers of the PyTorch library, with the size and the time in all.
-        sized = {**report, "tier": "ram", "bytes": 2**40, "total_s": 2.5}
+        sized = {**report, "tier": "ram", "bytes": 2**40, "total_s": 2.5, "error": None}
         loaded = {**sized, "event": "loaded", "tier": "peer", "duration_s": 1.0}
         for body in (sized, loaded):
             r = agent.worker_api.post("/v1/workers/4/checkpoints", json=body)
@@ -809,6 +809,8 @@ def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Clus
             loaded,
         ]
         for change, field in (
+            ({"event": "failed"}, "error"),  # a failed save without its error
+            ({"error": "no space left"}, "error"),  # an error on a save that committed
             ({"bytes": -1}, "bytes"),
             ({"bytes": 2**62 + 1}, "bytes"),
             ({"total_s": -1}, "total_s"),

@@ -4,6 +4,8 @@ raises it.
 TrainingError
 ├── CheckpointCorrupt         a checkpoint directory failed verification (checkpoint/format.py)
 ├── EmergencyCheckpointError  an emergency save could not be made (checkpoint/checkpointer.py)
+├── CheckpointSavesFailing    max_consecutive_save_failures saves in a row failed
+│                             (checkpoint/checkpointer.py)
 ├── ConfigError               a workload setting is missing or invalid
 │                             (torch_workload/config.py, numpy_workload/config.py)
 ├── CollectiveTimeout         a NumPy collective waited past its timeout

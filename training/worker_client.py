@@ -78,6 +78,8 @@ log = logging.getLogger(__name__)
 CheckpointTier = Literal["local", "ram", "peer", "durable", "emergency"]
 _TIERS: frozenset[str] = frozenset({"local", "ram", "peer", "durable", "emergency"})
 _MAX_BYTES = 2**62
+#: The longest error text a failed checkpoint report carries (what the host monitor takes).
+MAX_CHECKPOINT_ERROR_CHARS = 1000
 _MAX_TOTAL_S = 604_800.0  # what the host monitor takes
 
 # Env variables read by `WorkerClient.from_env` and `at_safe_point`.
@@ -165,6 +167,9 @@ class WorkerClient:
         self._compute_sum = 0.0
         self._compute_count = 0
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(_MAX_QUEUED_REPORTS)
+        # Reports queued and not yet sent (or given up on): what `flush` waits for.
+        self._unsent = 0
+        self._sent = threading.Condition()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -320,6 +325,14 @@ class WorkerClient:
         the tier that served the load, the rest as for `report_checkpoint_saved`."""
         self._report_checkpoint("loaded", step, duration_s, tier, size_bytes, total_s)
 
+    def report_checkpoint_failed(
+        self, step: int, tier: CheckpointTier, error: str, *, total_s: float | None = None
+    ) -> None:
+        """Queue a `failed` checkpoint report (sent by the background thread): the save of
+        `step` to `tier` did not commit, with the error (cut to a bounded length). The
+        supervisor raises a `checkpoint_failed` event for it."""
+        self._report_checkpoint("failed", step, 0.0, tier, None, total_s, error=error)
+
     def _report_checkpoint(
         self,
         event: str,
@@ -328,6 +341,8 @@ class WorkerClient:
         tier: CheckpointTier,
         size_bytes: int | None,
         total_s: float | None,
+        *,
+        error: str | None = None,
     ) -> None:
         if tier not in _TIERS:
             raise ValueError(f"unknown checkpoint tier {tier!r}")
@@ -356,8 +371,12 @@ class WorkerClient:
             body["bytes"] = size_bytes
         if total_s is not None:
             body["total_s"] = max(0.0, float(total_s))  # like duration_s: clock jitter
+        if error is not None:
+            body["error"] = error[:MAX_CHECKPOINT_ERROR_CHARS]
         try:
-            self._queue.put_nowait((f"/v1/workers/{self.rank}/checkpoints", body))
+            with self._sent:
+                self._queue.put_nowait((f"/v1/workers/{self.rank}/checkpoints", body))
+                self._unsent += 1
         except queue.Full:
             log.warning("worker client: report queue full, dropping a checkpoint report")
         self._ensure_thread()
@@ -665,7 +684,23 @@ class WorkerClient:
                 path, body = self._queue.get_nowait()
             except queue.Empty:
                 return
-            self._post(path, body, kind="checkpoint")
+            try:
+                self._post(path, body, kind="checkpoint")
+            finally:
+                with self._sent:
+                    self._unsent -= 1
+                    self._sent.notify_all()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the checkpoint reports queued so far are sent to the host monitor
+        (or given up on); False on timeout. Before a process ends on an error: the
+        reports of what led to it reach the supervisor first."""
+        if self._http is None:
+            return True
+        self._ensure_thread()
+        self._wake.set()
+        with self._sent:
+            return self._sent.wait_for(lambda: self._unsent <= 0, timeout=timeout_s)
 
     def _register_again(self, now: float) -> None:
         body = self._register_body

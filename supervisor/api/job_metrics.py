@@ -215,6 +215,29 @@ class _Families:
             labels=[*_JOB, "outcome"],
         )
     )
+    checkpoint_failures: CounterMetricFamily = field(
+        default_factory=lambda: CounterMetricFamily(
+            "supervisor_job_checkpoint_failures",
+            "Checkpoint saves of the job that did not commit, as its workers reported "
+            "them, by tier.",
+            labels=[*_JOB, "tier"],
+        )
+    )
+    checkpoint_step: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "supervisor_job_checkpoint_newest_step",
+            "The newest step every reporting rank of the job has saved, by tier.",
+            labels=[*_JOB, "tier"],
+        )
+    )
+    checkpoint_time: GaugeMetricFamily = field(
+        default_factory=lambda: GaugeMetricFamily(
+            "supervisor_job_checkpoint_newest_timestamp_seconds",
+            "When the last rank saved the job's newest step of the tier (Unix time): "
+            "time() minus this is the age of the newest checkpoint.",
+            labels=[*_JOB, "tier"],
+        )
+    )
     recovery: HistogramMetricFamily = field(
         default_factory=lambda: HistogramMetricFamily(
             "supervisor_job_recovery_seconds",
@@ -240,6 +263,9 @@ class _Families:
             self.restarts_left,
             self.restarts,
             self.emergency,
+            self.checkpoint_failures,
+            self.checkpoint_step,
+            self.checkpoint_time,
             self.recovery,
             self.spares,
         ]
@@ -336,6 +362,12 @@ class JobMetrics(Collector):
             by_outcome = counts.emergency_checkpoints.get(name, {})
             for outcome in EMERGENCY_OUTCOMES:
                 f.emergency.add_metric([name, outcome.value], by_outcome.get(outcome, 0))
+            checkpoints = supervisor.metrics.job_checkpoints
+            for tier, failed in sorted(checkpoints.failures.get(name, {}).items()):
+                f.checkpoint_failures.add_metric([name, tier], failed)
+            for tier, (step, at) in sorted(checkpoints.newest(name).items()):
+                f.checkpoint_step.add_metric([name, tier], step)
+                f.checkpoint_time.add_metric([name, tier], at)
             figures = self._figures.get(name)
             if figures is None:
                 continue  # a job new since the last computation: next time
@@ -351,6 +383,7 @@ class JobMetrics(Collector):
     def _forget_all_but(self, jobs: Iterable[str]) -> None:
         known = set(jobs)
         self.supervisor.metrics.job_actions.keep_only(known)
+        self.supervisor.metrics.job_checkpoints.keep_only(known)
         for cache in (self._figures, self._recovery):
             for job in [j for j in cache if j not in known]:
                 del cache[job]

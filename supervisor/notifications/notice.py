@@ -29,7 +29,12 @@ CLEARS: Mapping[EventType, frozenset[EventType]] = {
     EventType.STRAGGLER_RECOVERED: frozenset({EventType.STRAGGLER}),
 }
 #: Events that stop training or take a node out, rather than inform.
-WARNING_EVENTS = NODE_FAILURE_EVENTS | {EventType.HANG, EventType.WORKLOAD_DOWN}
+WARNING_EVENTS = NODE_FAILURE_EVENTS | {
+    EventType.HANG,
+    EventType.WORKLOAD_DOWN,
+    # A job with no checkpoint committing loses everything since the last one.
+    EventType.CHECKPOINT_FAILED,
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,6 +194,8 @@ class CheckpointReportRow(Base):
     # the seconds from the start of the save or load to its commit.
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     total_s: Mapped[float | None] = mapped_column(Float)
+    # Why a save failed (`failed` reports only).
+    error: Mapped[str | None] = mapped_column(String(1000))
 
 
 class ProgressSampleRow(Base):

@@ -534,8 +534,16 @@ class Store:
 
         Returns (stored, duplicates): a batch sent again stores nothing twice.
         """
+        new, duplicates = self.record_new_checkpoint_reports(reports)
+        return len(new), duplicates
+
+    def record_new_checkpoint_reports(
+        self, reports: Sequence[CheckpointReport]
+    ) -> tuple[list[CheckpointReport], int]:
+        """As `record_checkpoint_reports`; returns the reports stored now (not those
+        stored before) and the number of duplicates."""
         if not reports:
-            return 0, 0
+            return [], 0
         now = utcnow()
         unique = list({r.report_id: r for r in reports}.values())
         with self._sessions.begin() as session:
@@ -565,11 +573,12 @@ class Store:
                             "received_at": now,
                             "bytes": r.size_bytes,
                             "total_s": r.total_s,
+                            "error": r.error,
                         }
                         for r in new
                     ],
                 )
-        return len(new), len(reports) - len(new)
+        return new, len(reports) - len(new)
 
     def _insert_ignoring_duplicates(self) -> Insert:
         dialect = self.engine.dialect.name
@@ -605,7 +614,8 @@ class Store:
                 func.avg(c.bytes),
                 func.avg(c.total_s),
             )
-            .where(c.job == job)
+            # Failed saves are no checkpoint: goodput reads saves and loads.
+            .where(c.job == job, c.event != "failed")
             .group_by(c.event, c.tier, c.step)
         )
         p = ProgressSampleRow
@@ -908,6 +918,7 @@ def _checkpoint(row: CheckpointReportRow) -> CheckpointReport:
         time=row.time,
         size_bytes=row.bytes,
         total_s=row.total_s,
+        error=row.error,
     )
 
 

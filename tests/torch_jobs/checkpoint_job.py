@@ -8,6 +8,8 @@ weights. Env:
 - JOB_STEPS: train until this step; JOB_STOP_AT: stop after this step (saves flushed).
 - JOB_KILL_IN_SAVE_AT: SIGKILL this process while the save of that step is being written
   (after torch.distributed.checkpoint wrote the files, before the commit).
+- JOB_BREAK_DURABLE_AT: after this step, the durable directory becomes a file (a mount
+  gone bad): every later durable save fails.
 - JOB_RESULT: where to write {"restored", "tier", "final_step", "weights_sha256"}.
 - CHECKPOINT_*: the tiers' settings; HOST_MONITOR_*: the node's host monitor.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -94,6 +97,7 @@ def main() -> int:
     steps = int(os.environ["JOB_STEPS"])
     stop_at = int(os.environ.get("JOB_STOP_AT", "0")) or steps
     step = start
+    break_at = int(os.environ.get("JOB_BREAK_DURABLE_AT", "0"))
     while step < min(steps, stop_at):
         step += 1
         generator = torch.Generator().manual_seed(1000 * step + rank)
@@ -105,6 +109,10 @@ def main() -> int:
         optimizer.step()
         scheduler.step()
         position.samples_seen += 32
+        if step == break_at and ckpt.durable_root is not None:
+            ckpt.wait()
+            shutil.rmtree(ckpt.durable_root)
+            ckpt.durable_root.write_text("not a directory any more")
         ckpt.step_done(step)
     ckpt.close()
     result = {

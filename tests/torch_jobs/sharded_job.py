@@ -51,7 +51,9 @@ def full_sha256(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str
     def feed(prefix: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             digest.update(prefix.encode())
-            digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            digest.update(
+                value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            )
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 feed(f"{prefix}.{key}", value[key])

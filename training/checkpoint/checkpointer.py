@@ -68,7 +68,7 @@ from training.checkpoint.state import (
     local_data_ptr,
 )
 from training.errors import TrainingError
-from training.worker_client import WorkerClient
+from training.worker_client import CheckpointTier, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,11 @@ MAX_RESTORE_ROUNDS = 16
 
 class EmergencyCheckpointError(TrainingError, RuntimeError):
     """An emergency save could not be made (the message says why)."""
+
+
+class CheckpointSavesFailing(TrainingError, RuntimeError):
+    """`max_consecutive_save_failures` saves in a row failed: the job is no longer
+    protected by its checkpoints (the message names the last failure)."""
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,12 @@ class Checkpointer:
             durable_keep=s.topk_ckpt,
             sync_files=s.sync_files,
             on_committed=self._on_committed,
+            on_failed=self._on_failed,
             replicated=self.replicated,
         )
+        #: Saves failed per tier since that tier's last commit, and the newest failure.
+        self._failures: dict[str, int] = {}
+        self.last_failure: SaveResult | None = None
         self._restorer = Restorer(
             self.state,
             s,
@@ -209,13 +218,36 @@ class Checkpointer:
         return (bool(ram) and step % ram == 0, bool(durable) and step % durable == 0)
 
     def step_done(self, step: int) -> bool:
-        """Call after each completed step (optimizer stepped); saves when a tier is due."""
+        """Call after each completed step (optimizer stepped); saves when a tier is due.
+
+        Raises CheckpointSavesFailing once `max_consecutive_save_failures` saves in a row
+        have failed (each was reported when it failed): training on would go on with
+        nothing to resume from."""
+        self._check_failures()
         to_ram, to_durable = self.due(step)
         due = to_ram or to_durable
         if due:
             self.save(step, to_ram=to_ram, to_durable=to_durable)
         self._step_completed(step)
         return due
+
+    @property
+    def consecutive_failures(self) -> int:
+        """The most saves failed in a row in one tier (RAM or durable)."""
+        return max(self._failures.values(), default=0)
+
+    def _check_failures(self) -> None:
+        limit = self.settings.max_consecutive_save_failures
+        failed = self.last_failure
+        if limit and self.consecutive_failures >= limit and failed is not None:
+            if self.client is not None:
+                self.client.flush()  # the failures' reports reach the supervisor first
+            raise CheckpointSavesFailing(
+                f"{self.consecutive_failures} checkpoint saves in a row to the "
+                f"{failed.tier} tier failed "
+                f"(max_consecutive_save_failures={limit}); the last, of step {failed.step}: "
+                f"{failed.error}"
+            )
 
     def _step_completed(self, step: int) -> None:
         if not self.emergency:
@@ -390,7 +422,22 @@ class Checkpointer:
     def save_results(self) -> list[SaveResult]:
         return self._saver.results
 
+    def _on_failed(self, result: SaveResult) -> None:
+        self._failures[result.tier] = self._failures.get(result.tier, 0) + 1
+        self.last_failure = result
+        if self.client is not None:
+            tier: CheckpointTier = (
+                "emergency" if result.emergency else "ram" if result.tier == "ram" else "durable"
+            )
+            self.client.report_checkpoint_failed(
+                result.step,
+                tier,
+                result.error or "unknown error",
+                total_s=result.total_s,
+            )
+
     def _on_committed(self, result: SaveResult) -> None:
+        self._failures.pop(result.tier, None)
         if result.tier == "ram" and result.path is not None and self.settings.enable_peer_ckpt:
             self.peer.replicate(result.step, result.path)
         if self.client is not None:

@@ -87,6 +87,7 @@ class Saver:
         durable_keep: int,
         sync_files: bool,
         on_committed: Callable[[SaveResult], None],
+        on_failed: Callable[[SaveResult], None] | None = None,
         replicated: bool = False,
     ) -> None:
         """`replicated`: rank 0's directory alone is the whole state (DDP); otherwise a
@@ -102,6 +103,7 @@ class Saver:
         self.durable_keep = durable_keep
         self.sync_files = sync_files
         self.on_committed = on_committed
+        self.on_failed = on_failed
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
         self._idle = threading.Event()
@@ -134,21 +136,28 @@ class Saver:
         try:
             self._save(job)
         except Exception as exc:  # never kill the training loop for a failed save
-            log.error("checkpoint save of step %d failed: %r", job.step, exc)
-            self.results.append(
-                SaveResult(
-                    job.step,
-                    "ram" if job.to_ram else "durable",
-                    None,
-                    0,
-                    job.blocking_s,
-                    time.monotonic() - job.started,
-                    repr(exc),
-                    job.emergency,
-                )
-            )
+            self._failed(job, "ram" if job.to_ram else "durable", exc)
         finally:
             self._idle.set()
+
+    def _failed(self, job: SaveJob, tier: str, exc: BaseException) -> None:
+        log.error("checkpoint save of step %d to %s failed: %r", job.step, tier, exc)
+        result = SaveResult(
+            job.step,
+            tier,
+            None,
+            0,
+            job.blocking_s,
+            time.monotonic() - job.started,
+            repr(exc),
+            job.emergency,
+        )
+        self.results.append(result)
+        if self.on_failed is not None:
+            try:
+                self.on_failed(result)
+            except Exception as report_exc:
+                log.warning("checkpoint: reporting a failed save failed: %r", report_exc)
 
     def _save(self, job: SaveJob) -> None:
         if job.finish_staging is not None:
@@ -191,14 +200,20 @@ class Saver:
         )
         if job.to_ram and job.to_durable and self.durable_root is not None:
             copied_at = time.monotonic()
-            path = fmt.copy_committed(
-                final, manifest, self.durable_root, sync=self.sync_files, threads=self.threads
-            )
-            # The loop blocked once, for the RAM save: the durable copy adds no blocking.
-            seconds = time.monotonic() - copied_at
-            self._committed(
-                SaveResult(job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds)
-            )
+            try:
+                path = fmt.copy_committed(
+                    final, manifest, self.durable_root, sync=self.sync_files, threads=self.threads
+                )
+            except Exception as exc:  # the RAM tier holds the step: only durable failed
+                self._failed(job, "durable", exc)
+            else:
+                # The loop blocked once, for the RAM save: the durable copy adds no blocking.
+                seconds = time.monotonic() - copied_at
+                self._committed(
+                    SaveResult(
+                        job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds
+                    )
+                )
         if job.to_ram and self.ram_root is not None:
             fmt.retain(self.ram_root, self.rank, self.ram_keep)
         if job.to_durable and self.durable_root is not None:

@@ -56,13 +56,20 @@ class CheckpointSettings:
     #: `optimizer.step()` and for a periodic save being written included (the
     #: supervisor's setting of the same name bounds the whole round).
     emergency_checkpoint_timeout_s: float = 60.0
+    #: Saves that may fail in a row before `step_done` raises with the cause (each failure
+    #: is reported as it happens); 0: never raise.
+    max_consecutive_save_failures: int = 3
 
     def __post_init__(self) -> None:
         for name in ("ram_dir", "durable_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, Path):
                 object.__setattr__(self, name, Path(value))  # a str is fine too
-        for name in ("in_memory_checkpointing_freq", "s3_checkpointing_freq"):
+        for name in (
+            "in_memory_checkpointing_freq",
+            "s3_checkpointing_freq",
+            "max_consecutive_save_failures",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

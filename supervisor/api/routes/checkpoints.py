@@ -14,22 +14,33 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
 from supervisor.api.routes.common import check_known
 from supervisor.api.schemas import JsonFloat, JsonInt, Name, date_time_text, in_utc
-from supervisor.domain import CheckpointReport
+from supervisor.domain import CheckpointReport, Event, EventType, utcnow
+from supervisor.event_details import CheckpointFailedDetails
 
 router = APIRouter(prefix="/api/v1/checkpoints", tags=["goodput"])
 
-CheckpointEvent = Literal["saved", "loaded"]
+CheckpointEvent = Literal["saved", "loaded", "failed"]
 # `local`: node-local files (the NumPy demo); `ram`: tmpfs on the node; `peer`: a copy held
 # by a partner node's host monitor; `durable`: shared storage; `emergency`: saved on demand.
 CheckpointTier = Literal["local", "ram", "peer", "durable", "emergency"]
 MAX_BATCH = 1000
 MAX_BYTES = 2**62
 MAX_SECONDS = 604_800  # a week
+MAX_ERROR_CHARS = 1000
 
 
 class CheckpointReportIn(BaseModel):
@@ -69,6 +80,19 @@ class CheckpointReportIn(BaseModel):
         allow_inf_nan=False,
         description="Seconds from the start of the save or load to its commit, when known.",
     )
+    error: str | None = Field(
+        None,
+        validate_default=True,
+        max_length=MAX_ERROR_CHARS,
+        description="Why the save did not commit: given with a `failed` report, and only with one.",
+    )
+
+    @field_validator("error")
+    @classmethod
+    def _error_with_failed(cls, error: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("event") == "failed") != (error is not None):
+            raise ValueError("given with a `failed` report, and only with one")
+        return error
 
     def to_domain(self) -> CheckpointReport:
         return CheckpointReport(
@@ -83,6 +107,7 @@ class CheckpointReportIn(BaseModel):
             time=self.time,
             size_bytes=self.bytes,
             total_s=self.total_s,
+            error=self.error,
         )
 
 
@@ -111,6 +136,7 @@ class CheckpointReportOut(BaseModel):
     time: datetime
     bytes: int | None
     total_s: float | None
+    error: str | None = None
 
     @classmethod
     def of(cls, r: CheckpointReport) -> CheckpointReportOut:
@@ -126,6 +152,7 @@ class CheckpointReportOut(BaseModel):
             time=r.time,
             bytes=r.size_bytes,
             total_s=r.total_s,
+            error=r.error,
         )
 
 
@@ -140,10 +167,34 @@ async def report_checkpoints(
     for i, report in enumerate(body.reports):
         check_node(supervisor, agent, report.node, f"reports.{i}.node")
     reports = [r.to_domain() for r in body.reports]
-    stored, duplicates = await asyncio.to_thread(
-        supervisor.store.record_checkpoint_reports, reports
+    new, duplicates = await asyncio.to_thread(
+        supervisor.store.record_new_checkpoint_reports, reports
     )
-    return CheckpointBatchAck(stored=stored, duplicates=duplicates)
+    for stored in new:
+        supervisor.metrics.job_checkpoints.count(stored)
+    failed = [failed_event(r) for r in new if r.event == "failed"]
+    if failed:  # stored with the reports above: a retried batch raises nothing twice
+        supervisor.raise_events(failed)
+    return CheckpointBatchAck(stored=len(new), duplicates=duplicates)
+
+
+def failed_event(report: CheckpointReport) -> Event:
+    """The `checkpoint_failed` event of a failed save's report."""
+    details = CheckpointFailedDetails(
+        rank=report.rank,
+        step=report.step,
+        tier=report.tier,
+        error=report.error,
+        report_id=report.report_id,
+    )
+    return Event(
+        type=EventType.CHECKPOINT_FAILED,
+        time=utcnow(),
+        node=report.node,
+        job=report.job,
+        rank=report.rank,
+        details=details.mapping(),
+    )
 
 
 @router.get(
