@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
         help="numpy: the sharded NumPy model; torch: a transformer LM, DDP on gloo "
         "(needs the `torch` extra).",
     )
+    demo.add_argument(
+        "--parallelism",
+        choices=("ddp", "fsdp", "hsdp"),
+        default=d.parallelism,
+        help="torch: ddp (every node holds the model), fsdp (FSDP2: sharded over every "
+        "node), hsdp (FSDP2 on 2 replica groups x the rest of the nodes).",
+    )
     demo.add_argument("--seed", type=int, default=d.seed)
     demo.add_argument(
         "--heartbeat-timeout-s",
@@ -217,6 +224,7 @@ def _demo_options(args: argparse.Namespace, nodes_per_dp: int, step_time_s: floa
         heartbeat_polling_period_s=min(1.0, args.heartbeat_timeout_s / 4),
         node_repair_s=args.node_repair_s,
         workload=args.workload,
+        parallelism=args.parallelism,
         policy=args.policy,
         supervisor_env=_demo_settings(args.set),
     )

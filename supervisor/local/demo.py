@@ -32,6 +32,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 WORKLOADS = {"numpy": "training.numpy_workload", "torch": "training.torch_workload"}
+#: The torch workload's PARALLELISM values.
+PARALLELISMS = ("ddp", "fsdp", "hsdp")
 
 
 @dataclass
@@ -57,6 +59,9 @@ class DemoOptions:
     workload: str = "numpy"
     #: More environment for the workload (e.g. the torch model's size).
     workload_env: dict[str, str] = field(default_factory=dict)
+    #: How the torch workload lays its model over the ranks: `ddp` (replicas), `fsdp`
+    #: (FSDP2, sharded over every rank), `hsdp` (FSDP2 on 2 replica groups x the rest).
+    parallelism: str = "ddp"
     #: The torch workload heals in-process (restart in place, hot-swap): survivors keep
     #: their processes. Off: every rank restarts.
     in_process_restart: bool = True
@@ -67,6 +72,12 @@ class DemoOptions:
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
+        if self.parallelism not in PARALLELISMS:
+            raise ValueError(
+                f"parallelism must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}"
+            )
+        if self.parallelism != "ddp" and self.workload != "torch":
+            raise ValueError(f"parallelism {self.parallelism} needs the torch workload")
         if self.workload == "torch" and self.nodes_per_dp != 1:
             raise ValueError(
                 "nodes_per_dp must be 1 with the torch workload: it is data parallel (DDP), "
@@ -88,6 +99,7 @@ class DemoOptions:
                 "STEP_TIME_S": str(self.step_time_s),
                 "IN_MEMORY_CHECKPOINTING_FREQ": str(self.in_memory_checkpointing_freq),
                 "S3_CHECKPOINTING_FREQ": str(self.s3_checkpointing_freq),
+                **({"PARALLELISM": self.parallelism} if self.workload == "torch" else {}),
                 **self.workload_env,
             },
             num_dp_replicas=self.replicas,

@@ -172,6 +172,7 @@ class Checkpointer:
             on_state_changing=self._loading,
         )
         self.last_restore: Restored | None = None
+        self._fresh_optimizer = False
         self._state_loaded = False  # the restore under way has loaded a step into the state
         #: Seconds the loop was blocked by each save, in order (for benchmarks and tests).
         self.blocking: list[float] = []
@@ -194,16 +195,47 @@ class Checkpointer:
         self._holder: int | None = None  # the thread of the emergency save reading the state
         self._completed: Snapshot | None = None  # the last completed step
         self._hook: Any = None
-        marked = self._stage_in_next_step or self.emergency
-        if hook_optimizer and optimizer is not None and marked:
-            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
-        self._marks_updates = self._hook is not None or not hook_optimizer
+        self._hook_optimizer = hook_optimizer
+        self._hook_into(optimizer)
         for root in (self.ram_root, self.durable_root):
             if root is not None:
                 root.mkdir(parents=True, exist_ok=True)
                 fmt.remove_temporaries(root, self.rank)
         if self.emergency and client is not None:
             client.serve_emergency_checkpoints(self.emergency_save)
+
+    def _hook_into(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        marked = self._stage_in_next_step or self.emergency
+        if self._hook_optimizer and optimizer is not None and marked:
+            self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._marks_updates = self._hook is not None or not self._hook_optimizer
+
+    def rebind(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        lr_scheduler: Any | None = None,
+    ) -> None:
+        """Save and restore these objects from now on, in place of those given before:
+        a sharded model is built and wrapped again for each new world (an in-process
+        restart: its DTensors belong to the old world's mesh). Then call `restore()`,
+        which loads the agreed step into them (this process's RAM tier holds the step
+        its emergency checkpoint saved). Waits for the save in flight first."""
+        self._saver.wait()
+        with self._gate:
+            self._gate.wait_for(lambda: self._holder is None)
+            self.state = TrainingState(
+                model, optimizer, lr_scheduler=lr_scheduler, extra=self.state.extra
+            )
+            self._restorer.state = self.state
+            self._completed = None  # the old objects' step: nothing to rewind to
+            self._mid_step = False
+        self._buffers = StagingBuffers()
+        self._hook_into(optimizer)
 
     # --- saving -----------------------------------------------------------------------
 
@@ -392,7 +424,6 @@ class Checkpointer:
                     sync=self.settings.sync_files,
                     threads=self.settings.ckpt_threads_per_rank,
                 )
-                fmt.retain(durable, self.rank, self.settings.topk_ckpt)
             self._report_emergency(step, fmt.read_manifest(source).size, started)
             return
         if durable is not None and step in fmt.committed_steps(durable, self.rank):
@@ -402,7 +433,10 @@ class Checkpointer:
             return
         # Straight from the live tensors: nothing changes them while this thread holds the
         # gate, and the staging buffers may belong to the save that just finished.
-        state = self.state.state_at(snapshot)
+        try:
+            state = self.state.state_at(snapshot)
+        except ValueError as exc:
+            raise EmergencyCheckpointError(f"step {step}: {exc}") from None
         job = SaveJob(
             step, state, ram is not None, durable is not None, 0.0, started, emergency=True
         )
@@ -472,6 +506,10 @@ class Checkpointer:
         candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.
         held = self._completed if in_memory and not self._mid_step else None
+        # Reading a state dict makes a fresh optimizer's state (DCP's helper steps it
+        # with no gradient): if nothing is loaded after all, it must be fresh again.
+        optimizer = self.state.optimizer
+        self._fresh_optimizer = optimizer is not None and not optimizer.state
         try:
             return self._agree_and_load(candidates, held, started)
         except RuntimeError:
@@ -509,6 +547,8 @@ class Checkpointer:
                     "the others could not load: start the job again (it starts fresh)"
                 )
             if not common:
+                if self._fresh_optimizer and self.state.optimizer is not None:
+                    self.state.optimizer.state.clear()
                 self.last_restore = Restored(0, None, 0, time.monotonic() - started)
                 log.info("checkpoint: no step every rank can load; starting from step 0")
                 self._step_completed(0)

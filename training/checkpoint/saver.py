@@ -214,6 +214,11 @@ class Saver:
                         job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds
                     )
                 )
+        if job.emergency:
+            # An emergency save adds to the tiers and evicts nothing: with a sharded state
+            # a rank that could not save it (the dead one) needs the periodic step the
+            # others still hold. The next periodic save's retention removes the surplus.
+            return
         if job.to_ram and self.ram_root is not None:
             fmt.retain(self.ram_root, self.rank, self.ram_keep)
         if job.to_durable and self.durable_root is not None:

@@ -120,12 +120,28 @@ class TrainingState:
             if buffer is not None and name not in module._non_persistent_buffers_set
         }
         weights = None
-        if self.sharded and self.optimizer is not None:
+        # Only once the optimizer holds state: before its first step, DCP's state dict
+        # helper would make some (a step with no gradient), changing what training does.
+        if self.sharded and self.optimizer is not None and self.optimizer.state:
             # The same tensors from step to step (updated in place by optimizer.step()):
-            # taken once the optimizer holds state, then reused.
+            # taken once, then reused.
             if self._weights_refs is None or not self._weights_refs["optim"].get("state"):
                 self._weights_refs = self._weights()
-            weights = self._weights_refs
+            refs = self._weights_refs
+            # Hyperparameters are copied into a state dict, not referenced: this step's
+            # (the LR schedule moves them every step), under the names DCP gave them.
+            groups = [
+                {**saved, **{k: copy.deepcopy(v) for k, v in live.items() if k != "params"}}
+                for saved, live in zip(
+                    refs["optim"].get("param_groups", []),
+                    self.optimizer.param_groups,
+                    strict=True,
+                )
+            ]
+            weights = {
+                "model": refs["model"],
+                "optim": {**refs["optim"], "param_groups": groups},
+            }
         return Snapshot(step, copy.deepcopy(self._small()), buffers, weights)
 
     def rewind(self, snapshot: Snapshot) -> None:
@@ -156,6 +172,9 @@ class TrainingState:
     def state_at(self, snapshot: Snapshot) -> dict[str, Any]:
         """The state of `snapshot`'s step: live parameters and optimizer state (unchanged
         since, as long as no `optimizer.step()` ran), the rest from the snapshot."""
+        if snapshot.weights is None and self.sharded:
+            # Read now, its parameters may be a forward's unsharded ones: not a state.
+            raise ValueError("no sharded state was taken at that step (no update yet)")
         weights = snapshot.weights if snapshot.weights is not None else self._weights()
         model_sd = {
             key: snapshot.buffers.get(local_data_ptr(value), value)

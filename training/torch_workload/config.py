@@ -16,6 +16,9 @@
 | `WORKLOAD_ATTEMPT` | torchrun's restart count, else `0` | Names the attempt in the log. |
 | `PEER_LOSS_WAIT_S` | `120` | After a failed collective: seconds to stay up (see train.py). |
 | `WORLD_WAIT_S` | `0` | See below. |
+| `PARALLELISM` | `ddp` | `ddp`, `fsdp` (FSDP2 over every rank), `hsdp` (FSDP2, 2-D mesh). |
+| `DP_REPLICATE` | `2` | `hsdp`: replica groups (WORLD_SIZE a multiple of it). |
+| `COLLECTIVE_TIMEOUT_S` | `600` | A collective waiting longer fails (every group). |
 
 `WORLD_WAIT_S` above 0, with a host monitor: the supervisor assigns the world to start in
 (a JobSet that heals in-process); wait this long for it, and exit 4 without one.
@@ -33,6 +36,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from training.errors import TrainingError
+
+PARALLELISMS = ("ddp", "fsdp", "hsdp")
 
 
 class ConfigError(TrainingError, ValueError):
@@ -58,6 +63,9 @@ class TorchWorkloadConfig:
     log_every_steps: int = 10
     peer_loss_wait_s: float = 120.0
     world_wait_s: float = 0.0
+    parallelism: str = "ddp"
+    dp_replicate: int = 2
+    collective_timeout_s: float = 600.0
     attempt: str = "0"
 
     def __post_init__(self) -> None:
@@ -76,6 +84,14 @@ class TorchWorkloadConfig:
             raise ConfigError("STOP_AFTER_STEP, STEP_TIME_S must be >= 0, LEARNING_RATE > 0")
         if self.peer_loss_wait_s < 0 or self.world_wait_s < 0:
             raise ConfigError("PEER_LOSS_WAIT_S and WORLD_WAIT_S must be >= 0")
+        if self.parallelism not in PARALLELISMS:
+            raise ConfigError(
+                f"PARALLELISM={self.parallelism!r} must be one of {', '.join(PARALLELISMS)}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("COLLECTIVE_TIMEOUT_S must be > 0")
+        if self.dp_replicate < 1:
+            raise ConfigError(f"DP_REPLICATE={self.dp_replicate} must be >= 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:
@@ -94,6 +110,8 @@ class TorchWorkloadConfig:
             try:
                 if field.name == "output_dir":
                     values[field.name] = Path(raw)
+                elif field.name == "parallelism":
+                    values[field.name] = raw.strip().lower()
                 elif field.type in ("float", float):
                     values[field.name] = float(raw)
                 else:

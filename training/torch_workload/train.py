@@ -21,13 +21,13 @@ Job as any other, cannot tell from its environment which world the survivors are
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import socket
 import sys
 import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -36,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.torch_workload.config import ConfigError, TorchWorkloadConfig
-from training.torch_workload.model import DecoderLM, batch
+from training.torch_workload.model import batch
+from training.torch_workload.parallel import Built, build, weights_sha256
 from training.worker_client import WorkerClient
 
 EXIT_OK = 0
@@ -46,17 +47,6 @@ EXIT_PEER_LOST = 3
 EXIT_NO_WORLD = 4
 
 log = logging.getLogger("training.torch_workload")
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """A hash of every weight and buffer, by name: equal hashes, bit-identical models."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(str(tensor.dtype).encode())
-        data = tensor.detach().cpu().contiguous().clone()  # its own storage, exactly its bytes
-        digest.update(bytes(data.untyped_storage()))
-    return digest.hexdigest()
 
 
 def say(cfg: TorchWorkloadConfig, message: str) -> None:
@@ -79,7 +69,7 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
             return EXIT_NO_WORLD
         cfg = enter_world(cfg, *world)
         wait_for_master(cfg, cfg.world_wait_s)
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
     if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
         raise ConfigError("RANK / WORLD_SIZE differ from the process group's")
     if assigned:
@@ -88,19 +78,17 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
         # Registered once in the process group: a registration in an attempt then means
         # this rank has joined that attempt's world (the supervisor waits for it).
         client.register(world_size=cfg.world_size)
-    torch.manual_seed(cfg.seed)
-    model = DecoderLM(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.total_steps)
+    built = build(cfg)
     # The Checkpointer gets the model itself, not its DDP wrapper: an in-process restart
-    # wraps it again for each new world. DDP's state is the same on every rank.
+    # wraps it again for each new world. DDP's state is the same on every rank; a sharded
+    # one is built again in each world (see parallel.py).
     ckpt = Checkpointer(
-        model,
-        optimizer,
-        lr_scheduler=scheduler,
+        built.model,
+        built.optimizer,
+        lr_scheduler=built.scheduler,
         settings=settings,
         client=client if client.online else None,
-        replicated=True,
+        replicated=cfg.parallelism == "ddp",
     )
     in_memory = False
     step = 0
@@ -125,35 +113,51 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
                     say(cfg, f"{started} resumed step={step} tier={tier}")
                 else:
                     say(cfg, f"{started} starting from step=0 (no checkpoint every rank can load)")
-                    n = sum(p.numel() for p in model.parameters())
-                    say(cfg, f"model: {n:,} parameters")
+                    n = sum(p.numel() for p in built.model.parameters())
+                    say(cfg, f"model: {n:,} parameters ({cfg.parallelism})")
                 client.report_step(step)
                 # Its one buffer (the causal mask) is the same constant on every rank: no
                 # broadcast of it in each forward pass, which then holds no collective.
-                ddp = DistributedDataParallel(model, broadcast_buffers=False)
-                step, failure = train(cfg, ddp, optimizer, scheduler, ckpt, client, step)
-                del ddp  # its reducer's hooks on the parameters go with it
+                trained = (
+                    built.model
+                    if built.sharded
+                    else DistributedDataParallel(built.model, broadcast_buffers=False)
+                )
+                step, failure = train(cfg, trained, built, ckpt, client, step)
+                del trained  # DDP's reducer's hooks on the parameters go with it
                 if failure is None:
                     break
                 say(cfg, f"step {step + 1} failed in a collective: {first_line(failure)}")
+            # Left at once: its connections close, so that a rank still waiting in a
+            # collective with this one (HSDP: the other replica group's all-reduce) fails
+            # too rather than wait for gloo's timeout, and holds its step like this one.
+            abandon_process_group()
             world = wait_for_new_world(cfg, step, client)
             if world is None:
                 return EXIT_PEER_LOST
-            abandon_process_group()
             cfg = enter_world(cfg, *world)
             wait_for_master(cfg, cfg.peer_loss_wait_s)
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
             if dist.get_rank() != cfg.rank or dist.get_world_size() != cfg.world_size:
                 raise ConfigError("the new world gives this process another RANK / WORLD_SIZE")
             client.joined(cfg.attempt)
             in_memory = True
+            if built.sharded:
+                # Its DTensors belong to the old world's mesh: built again on the new one,
+                # and loaded from the tiers (this node's RAM holds the step its emergency
+                # checkpoint saved).
+                built = build(cfg)
+                ckpt.rebind(built.model, built.optimizer, lr_scheduler=built.scheduler)
+                in_memory = False
     finally:
         ckpt.close()
-    if step == cfg.total_steps and cfg.rank == 0 and cfg.output_dir is not None:
-        cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        out = Path(cfg.output_dir) / "weights.sha256"
-        out.write_text(weights_sha256(model) + "\n")
-        say(cfg, f"done step={step} weights={out}")
+    if step == cfg.total_steps and cfg.output_dir is not None:
+        digest = weights_sha256(built.model)  # a collective when sharded
+        if cfg.rank == 0 and digest is not None:
+            cfg.output_dir.mkdir(parents=True, exist_ok=True)
+            out = Path(cfg.output_dir) / "weights.sha256"
+            out.write_text(digest + "\n")
+            say(cfg, f"done step={step} weights={out}")
     if step == cfg.total_steps:
         client.finished()  # the exit that follows is no failure
     client.close()  # flushes its reports
@@ -164,16 +168,17 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
 
 def train(
     cfg: TorchWorkloadConfig,
-    ddp: DistributedDataParallel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    model: torch.nn.Module,
+    built: Built,
     ckpt: Checkpointer,
     client: WorkerClient,
     step: int,
 ) -> tuple[int, RuntimeError | None]:
     """Train on from `step`: (the last step completed, the collective error that stopped
-    it, if one did). A failed step changed no parameter: its all-reduce runs in backward,
+    it, if one did). A failed step changed no parameter: its collectives (DDP's
+    all-reduce, FSDP's all-gathers and reduce-scatters) run in forward and backward,
     before `optimizer.step()`."""
+    optimizer, scheduler = built.optimizer, built.scheduler
     while step < cfg.total_steps and not (cfg.stop_after_step and step >= cfg.stop_after_step):
         inputs, targets = batch(
             cfg.seed,
@@ -185,13 +190,13 @@ def train(
         )
         try:
             computing = time.monotonic()
-            logits = ddp(inputs)
+            logits = model(inputs)
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
             )
-            # The forward pass holds no collective (DDP all-reduces in backward): its time
-            # is this rank's own, what a straggler shows in. (On a GPU this would need the
-            # kernels' time: CUDA events around it.)
+            # With DDP the forward pass holds no collective (it all-reduces in backward):
+            # its time is this rank's own, what a straggler shows in. (FSDP all-gathers in
+            # it; on a GPU this would need the kernels' time: CUDA events around it.)
             compute_s = time.monotonic() - computing
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here

@@ -1,0 +1,154 @@
+"""Sharded PyTorch jobs (FSDP2, HSDP) healed on the local cluster, with real processes.
+
+The torch workload with `PARALLELISM=fsdp` or `hsdp` on host monitors as nodes, the
+supervisor with the local backend, faults acted out with real signals. Checked as for the
+DDP job (tests/test_local_cluster.py): the fault is detected, the survivors save an
+emergency checkpoint of their shards from inside the collective they are stuck in, the
+job heals in-process (survivors keep their processes, rebuild the sharded model on the
+new world's mesh and load their shards; the replacement loads its own from the tiers),
+and the final weights are bit-identical to a run without the fault.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.local.cluster import free_port
+from supervisor.local.demo import LocalDemo
+from tests.test_local_cluster import (
+    SEED,
+    TORCH_ENV,
+    assert_healed_in_process,
+    demos,
+    finished_actions,
+    inject,
+    job_step,
+    output,
+    resumed_steps,
+    wait_for,
+)
+
+pytest.importorskip("torch")
+
+STEPS = 120
+
+
+@pytest.fixture
+def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
+    yield from demos(tmp_path, "torch")
+
+
+def reference(tmp: Path, world: int, parallelism: str) -> str:
+    """The final weights' hash of the same job run without faults (offline ranks)."""
+    run = tmp / "reference"
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_", "CHECKPOINT_"))
+        }
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            SEED=str(SEED),
+            TOTAL_STEPS=str(STEPS),
+            OUTPUT_DIR=str(run / "output"),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            CHECKPOINT_RAM_DIR=str(run / f"ram-{rank}"),
+            S3_CHECKPOINTING_FREQ="0",
+            OMP_NUM_THREADS="1",
+            PARALLELISM=parallelism,
+            **TORCH_ENV,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "training.torch_workload"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+        )
+    for proc in procs:
+        assert proc.wait(300) == 0
+    return (run / "output" / "weights.sha256").read_text()
+
+
+def heal(
+    start_demo: Callable[..., LocalDemo],
+    tmp_path: Path,
+    *,
+    parallelism: str,
+    replicas: int,
+    fault: dict[str, Any],
+    remedy: str,
+) -> tuple[LocalDemo, list[dict[str, Any]]]:
+    expected = reference(tmp_path, replicas, parallelism)
+    demo = start_demo(
+        replicas=replicas,
+        total_steps=STEPS,
+        parallelism=parallelism,
+        # A rank left waiting in a collective of another group than the failed one fails
+        # after this (see training/torch_workload/parallel.py).
+        workload_env=dict(TORCH_ENV, OMP_NUM_THREADS="1", COLLECTIVE_TIMEOUT_S="8"),
+        # Four ranks and five host monitors on two cores: room for the in-process join.
+        supervisor_env={"SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "60"},
+        in_memory_checkpointing_freq=5,
+        s3_checkpointing_freq=10,
+    )
+    wait_for(lambda: job_step(demo) >= 15, within=120, what="training to reach step 15")
+    victim = demo.options.nodes[0]
+    injected = inject(demo, node=victim, **fault)
+    actions = wait_for(lambda: finished_actions(demo, 2), within=120, what="the remediation")
+    assert [(a["type"], a["status"]) for a in actions] == [
+        ("emergency_checkpoint", "succeeded"),
+        (remedy, "succeeded"),
+    ], actions
+    assert all(a["fault_id"] == injected["id"] for a in actions)
+    assert_healed_in_process(actions[1], "torch")
+    weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
+    assert weights == expected  # bit-identical to the run without the fault
+    return demo, actions
+
+
+def test_fsdp_worker_crash_is_healed_in_process_bit_exactly(
+    start_demo: Callable[..., LocalDemo], tmp_path: Path
+) -> None:
+    demo, actions = heal(
+        start_demo,
+        tmp_path,
+        parallelism="fsdp",
+        replicas=2,
+        fault={"kind": "worker_crash"},
+        remedy="restart_in_place",
+    )
+    saved = actions[0]["result"]["step"]
+    resumes = resumed_steps(demo)
+    # Without replicas, the crashed rank's shard of the step the survivor saved exists
+    # nowhere: the ranks agree on the newest step every shard has (a periodic save).
+    steps = {step for step, _ in resumes}
+    assert len(steps) == 1 and saved - 5 <= steps.pop() <= saved, (saved, resumes)
+
+
+def test_hsdp_node_down_loses_no_step(start_demo: Callable[..., LocalDemo], tmp_path: Path) -> None:
+    demo, actions = heal(
+        start_demo,
+        tmp_path,
+        parallelism="hsdp",
+        replicas=4,
+        fault={"kind": "node_down"},
+        remedy="hot_swap",
+    )
+    saved = actions[0]["result"]["step"]
+    resumes = resumed_steps(demo)
+    # Every shard of the step the survivors saved exists in the whole replica group: the
+    # job resumes from it, the replacement reading its shard from the other replica's.
+    assert resumes and {step for step, _ in resumes} == {saved}, (saved, resumes)

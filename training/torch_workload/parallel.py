@@ -1,0 +1,99 @@
+"""How the torch workload lays its model over the ranks: `PARALLELISM` ddp, fsdp or hsdp.
+
+- `ddp`: every rank holds the whole model; DistributedDataParallel all-reduces gradients.
+- `fsdp`: FSDP2 (`fully_shard` on each transformer block and on the model) over a 1-D
+  mesh of every rank: each rank holds a shard of every parameter and of its optimizer
+  state.
+- `hsdp`: FSDP2 on a 2-D mesh (replicate, shard) of `DP_REPLICATE` replica groups, each
+  sharding the model over the rest: a shard exists once per replica group.
+
+A sharded model belongs to the mesh of the world it was built in, so each new world (an
+in-process restart) builds it again and the Checkpointer loads the agreed step into it;
+a DDP model is only wrapped again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout as set_group_timeout
+from torch.distributed.fsdp import fully_shard
+
+from training.torch_workload.config import TorchWorkloadConfig
+from training.torch_workload.model import DecoderLM
+
+
+@dataclass
+class Built:
+    """The model, optimizer and LR schedule of one world."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    @property
+    def sharded(self) -> bool:
+        return any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.model.parameters())
+
+
+def mesh_of(cfg: TorchWorkloadConfig) -> DeviceMesh:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.parallelism == "hsdp":
+        # A world scaled to a size the replica groups do not divide shards over all.
+        replicas = cfg.dp_replicate if cfg.world_size % cfg.dp_replicate == 0 else 1
+        mesh = init_device_mesh(
+            device, (replicas, cfg.world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device, (cfg.world_size,), mesh_dim_names=("shard",))
+    # The mesh's groups take torch's default timeout (30 min on gloo), not the world's: a
+    # rank whose peer in one group left after a failure in another (HSDP) would wait that
+    # long rather than fail and hold its step for the supervisor. (gloo has no abort that
+    # wakes a waiting collective; NCCL's would.)
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    for dim in range(mesh.ndim):
+        set_group_timeout(timeout, mesh.get_group(dim))
+    return mesh
+
+
+def build(cfg: TorchWorkloadConfig) -> Built:
+    """The model (sharded over this world's ranks for fsdp and hsdp), its optimizer and
+    schedule, initialised from SEED: the same on every rank and in every world."""
+    torch.manual_seed(cfg.seed)
+    model = DecoderLM(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len)
+    if cfg.parallelism != "ddp":
+        mesh = mesh_of(cfg)
+        for block in model.blocks.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.total_steps)
+    return Built(model, optimizer, scheduler)
+
+
+def weights_sha256(model: torch.nn.Module) -> str | None:
+    """A hash of every full (unsharded) weight and buffer, by name: equal hashes,
+    bit-identical models. For a sharded model a collective (every rank calls it); the hash
+    on rank 0, None elsewhere."""
+    sharded = any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    if sharded:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state: dict[str, Any] = get_model_state_dict(model, options=options)
+        if dist.get_rank() != 0:
+            return None
+    else:
+        state = model.state_dict()
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state.items()):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        data = tensor.detach().cpu().contiguous().clone()  # its own storage, exactly its bytes
+        digest.update(bytes(data.untyped_storage()))
+    return digest.hexdigest()
