@@ -104,6 +104,12 @@ class Settings(BaseSettings):
         description="How long a rank must stay slow (or fast again) before straggler (or "
         "straggler_recovered) is raised; also the window its compute times are scored over.",
     )
+    agent_clock_skew_s: float = Field(
+        300.0,
+        gt=0,
+        description="A time an agent sends (GPU reports, checkpoint reports) further than "
+        "this from the supervisor's clock is refused (422 naming the field).",
+    )
     xid_responses: dict[int, XidResponse] = Field(
         {},
         description="Per XID code, a response instead of the XID table's: restart_workload, "

@@ -49,6 +49,7 @@ class SensingSettings(_Part):
     gpu_report_cooldown_s: float
     straggler_threshold: float
     straggler_window_s: float
+    agent_clock_skew_s: float
     xid_responses: dict[int, XidResponse]
 
 

@@ -14,8 +14,10 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
+from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
 from supervisor.api.routes.common import check_known
 from supervisor.api.schemas import JsonFloat, JsonInt, Name, date_time_text, in_utc
@@ -57,7 +59,8 @@ class CheckpointReportIn(BaseModel):
     )
     tier: CheckpointTier = Field(description="For a load: the tier that served it.")
     time: Annotated[AwareDatetime, BeforeValidator(date_time_text), AfterValidator(in_utc)] = Field(
-        description="When the save or load finished (with a zone)."
+        description="When the save or load finished (with a zone), within "
+        "`agent_clock_skew_s` of the supervisor's clock."
     )
     bytes: JsonInt | None = Field(
         None, ge=0, le=MAX_BYTES, description="Size of this rank's checkpoint, when known."
@@ -139,6 +142,13 @@ async def report_checkpoints(
 ) -> CheckpointBatchAck:
     for i, report in enumerate(body.reports):
         check_node(supervisor, agent, report.node, f"reports.{i}.node")
+    skew = supervisor.settings.agent_clock_skew_s
+    try:
+        for i, report in enumerate(body.reports):
+            agent_time(report.time, ("reports", i, "time"), max_skew_s=skew)
+    except AgentTimeError as exc:
+        error = {"loc": ("body", *exc.loc), "msg": exc.message, "type": "value_error"}
+        raise RequestValidationError([error]) from None
     reports = [r.to_domain() for r in body.reports]
     stored, duplicates = await asyncio.to_thread(
         supervisor.store.record_checkpoint_reports, reports
