@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     hang_warmup_intervals: int = Field(
         5, ge=0, description="Step intervals observed before hang detection starts for a job."
     )
+    finishing_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A job's workers left their loop (finishing) this long ago and one is "
+        "still finishing: a hang of kind finishing. Not watched for hangs meanwhile.",
+    )
     flap_window_s: float = Field(
         300.0, gt=0, description="Window in which repeated losses of one node count as flapping."
     )

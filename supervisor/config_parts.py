@@ -44,6 +44,7 @@ class SensingSettings(_Part):
     hang_min_timeout_s: float
     hang_safety_factor: float
     hang_warmup_intervals: int
+    finishing_timeout_s: float
     flap_window_s: float
     flap_max_losses: int
     gpu_report_cooldown_s: float

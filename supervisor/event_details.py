@@ -113,6 +113,9 @@ class HangDetails(EventDetails):
     timeout_learned: bool | None = None
     suspect_step: int | None = None
     """The laggard's step, when one rank is behind the others."""
+    kind: str | None = None
+    """`finishing`: a worker still finishing `finishing_timeout_s` (`hang_timeout_s`)
+    after its job began to end (`stalled_for_s` ago); unset: the step stalled."""
 
 
 class _GpuDetails(EventDetails):

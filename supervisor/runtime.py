@@ -49,6 +49,7 @@ from supervisor.notifications.delivery import Notifier
 from supervisor.notify import Hub
 from supervisor.policy import Policy
 from supervisor.pruner import HistoryPruner, retention_ages
+from supervisor.remedies import RemediesInFlight
 from supervisor.sensor import Changes, Sensor
 from supervisor.store import UNAVAILABLE, Store, open_store
 
@@ -98,6 +99,8 @@ class Supervisor:
         self.sensor = (sensor or Sensor)(
             settings.sensing, settings.workload, self._on_timer_changes, self.metrics
         )
+        #: Each job's remedies in flight (a job with one is recovering).
+        self.remedies = RemediesInFlight()
         self._store: Store | None = None
         self._actuator: Actuator | None = None
         self._controller: Controller | None = None
@@ -399,6 +402,7 @@ class Supervisor:
     # --- effects of finished actions --------------------------------------------------------
 
     def _action_changed(self, action: ActionRecord) -> None:
+        self.remedies.note(action)
         self.hub.action(action)
         if action.type is ActionType.HOT_SWAP and action.node and not action.status.finished:
             # The backend takes the node out of service as the swap starts; its host

@@ -33,6 +33,7 @@ from supervisor.domain import (
     NodeView,
     WorkerState,
 )
+from supervisor.job_state import JobState
 
 T = TypeVar("T")
 
@@ -291,10 +292,15 @@ class JobOut(BaseModel):
     hang_timeout_s: float | None = Field(
         description="Hang timeout in force (learned or fixed); null while warming up."
     )
+    state: JobState = Field(
+        description="running; recovering (a remedy in flight); finishing (its workers left "
+        "their loop); finished (none left at work)."
+    )
 
     @classmethod
-    def of(cls, j: JobView, hang_timeout_s: float | None) -> JobOut:
+    def of(cls, j: JobView, hang_timeout_s: float | None, state: JobState) -> JobOut:
         return cls(
+            state=state,
             name=j.name,
             num_dp_replicas=j.num_dp_replicas,
             min_num_dp_replicas=j.min_num_dp_replicas,

@@ -394,6 +394,7 @@ NODE_COLUMNS = [
 ]
 JOB_COLUMNS = [
     field("NAME", "name"),
+    field("STATE", "state"),
     Column(
         "REPLICAS",
         lambda j: f"{j['num_dp_replicas']} ({j['min_num_dp_replicas']}-{j['max_num_dp_replicas']})",
