@@ -106,6 +106,8 @@ class Event:
     id: int | None = None
     #: Set when the policy raised on this event, and so decided nothing.
     policy_error: str | None = None
+    #: The remedy whose incident this event was attached to (it got no action of its own).
+    incident_action_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +187,9 @@ class ActionRecord:
     finished_at: datetime | None = None
     #: Recorded by a dry-run supervisor: what it would have done; nothing was done.
     dry_run: bool = False
+    #: Events of the same incident that arrived while it ran or just after: no action of
+    #: their own (supervisor/controller/incidents.py).
+    attached_events: tuple[int, ...] = ()
 
     @property
     def request(self) -> ActionRequest:

@@ -167,6 +167,9 @@ class Supervisor:
             self._actuator,
             self._snapshot,
             self.metrics,
+            incident_lag_s=(
+                self.settings.heartbeat_timeout_s + self.settings.heartbeat_polling_period_s
+            ),
         )
         nodes, jobs = await asyncio.gather(
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)

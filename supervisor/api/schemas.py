@@ -104,6 +104,11 @@ class EventOut(BaseModel):
     policy_error: str | None = Field(
         None, description="What the policy raised on this event; it then decided nothing."
     )
+    incident_action_id: int | None = Field(
+        None,
+        description="The remedy whose incident this event was attached to: it arrived while "
+        "that remedy ran (or was its old worker's end, seen late) and got no action of its own.",
+    )
 
     @classmethod
     def of(cls, e: Event) -> EventOut:
@@ -118,6 +123,7 @@ class EventOut(BaseModel):
             details=dict(e.details),
             fault_id=e.fault_id,
             policy_error=e.policy_error,
+            incident_action_id=e.incident_action_id,
         )
 
 
@@ -145,6 +151,11 @@ class ActionOut(BaseModel):
         description="Recorded by a supervisor in dry run: what it would have done; nothing "
         "was done, and it counts only toward that supervisor's own restart budget.",
     )
+    attached_events: list[int] = Field(
+        [],
+        description="Events of the same incident attached to this remedy, in the order they "
+        "came: recorded, with no action of their own.",
+    )
 
     @classmethod
     def of(cls, a: ActionRecord) -> ActionOut:
@@ -166,6 +177,7 @@ class ActionOut(BaseModel):
             attempts=a.attempts,
             error=a.error,
             result=dict(a.result) if a.result is not None else None,
+            attached_events=list(a.attached_events),
             created_at=a.created_at,
             started_at=a.started_at,
             finished_at=a.finished_at,

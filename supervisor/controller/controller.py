@@ -16,6 +16,7 @@ from datetime import timedelta
 from resiliency_protocol.backoff import Backoff
 from supervisor.actuator import Actuator, Fenced
 from supervisor.config_parts import RemediationSettings
+from supervisor.controller.incidents import Incidents
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext
@@ -49,8 +50,13 @@ class Controller:
         actuator: Actuator,
         snapshot: Snapshot,
         metrics: Metrics | None = None,
+        *,
+        incident_lag_s: float = 0.0,
     ) -> None:
+        """`incident_lag_s`: how late an old worker's failure may be seen after its
+        remedy finished and still be attached to it (controller/incidents.py)."""
         self.settings = settings
+        self.incidents = Incidents(incident_lag_s)
         self.metrics = metrics or Metrics()
         self.policy = policy
         self.store = store
@@ -181,7 +187,25 @@ class Controller:
         """Decide on one persisted event, record the decision, then carry it out."""
         if event.id is None:
             raise ValueError("only persisted events can be handled")
-        requests, error = self._decide(event, await self.context())
+        incident = self.incidents.incident_of(event)
+        if incident is not None:
+            self.actuator.fence()
+            attached = await asyncio.to_thread(
+                self.store.attach_event, event.id, incident.action_id
+            )
+            if attached is not None:
+                self.actuator.changed(attached)
+            log.info(
+                "event %s %s node=%s job=%s -> attached to the incident of action %s",
+                event.id,
+                event.type.value,
+                event.node,
+                event.job,
+                incident.action_id,
+            )
+            return []
+        context = await self.context()
+        requests, error = self._decide(event, context)
         self.actuator.fence()  # only the leader records decisions (a policy may be slow)
         actions = await asyncio.to_thread(
             lambda: self.store.handle_event(event.id or 0, requests, policy_error=error)
@@ -196,7 +220,12 @@ class Controller:
             event.job,
             ", ".join(a.type.value for a in actions) or "no action",
         )
+        opened = self.incidents.opened(event, actions, dict(context.nodes))
         done = []
-        for action in actions:
-            done.append(await self.actuator.run(action))
+        try:
+            for action in actions:
+                done.append(await self.actuator.run(action))
+        finally:
+            if opened is not None:
+                self.incidents.closed(opened)
         return done
