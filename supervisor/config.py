@@ -148,7 +148,16 @@ class Settings(BaseSettings):
         3600.0, gt=0, description="Window over which restarts of a job are counted and bounded."
     )
     max_restarts_in_window: int = Field(
-        10, ge=1, description="Disruptive actions per job per window before the policy gives up."
+        30,
+        ge=1,
+        description="Disruptive actions per job per window before the policy gives up: a "
+        "safety net beyond max_no_progress_restarts.",
+    )
+    max_no_progress_restarts: int = Field(
+        3,
+        ge=1,
+        description="Remedies in a row not followed by training progress (every rank past "
+        "the step it stood at) before the job is judged unhealable and given up.",
     )
 
     # --- actuator ---------------------------------------------------------------------

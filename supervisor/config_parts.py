@@ -75,6 +75,7 @@ class RemediationSettings(_Part):
     enable_workload_scaling: bool
     restart_window_s: float
     max_restarts_in_window: int
+    max_no_progress_restarts: int
 
     @property
     def limits(self) -> PolicyLimits:
@@ -84,6 +85,7 @@ class RemediationSettings(_Part):
             enable_workload_scaling=self.enable_workload_scaling,
             restart_window_s=self.restart_window_s,
             max_restarts_in_window=self.max_restarts_in_window,
+            max_no_progress_restarts=self.max_no_progress_restarts,
         )
 
 

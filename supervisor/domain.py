@@ -40,6 +40,9 @@ class EventType(StrEnum):
     POD_STUCK_TERMINATING = "pod_stuck_terminating"
     WORKLOAD_DOWN = "workload_down"
     NODE_NOT_READY = "node_not_ready"
+    # The supervisor's own word on a job: it gave up healing it, or an operator reset that.
+    JOB_GIVEN_UP = "job_given_up"
+    JOB_BUDGET_RESET = "job_budget_reset"
 
 
 #: Events that mean a node can no longer be trusted to run its share of the job.

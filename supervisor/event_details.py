@@ -201,6 +201,23 @@ class NodeNotReadyDetails(EventDetails):
     since: str | None = None
 
 
+class JobGivenUpDetails(EventDetails):
+    event_types = frozenset({EventType.JOB_GIVEN_UP})
+    reason: str | None = None
+    """Why, in a sentence: which budget was spent, and what the job did meanwhile."""
+    no_progress_restarts: int | None = None
+    """Remedies in a row not followed by progress (every rank past the step it stood at)."""
+    restarts_in_window: int | None = None
+    last_step: int | None = None
+
+
+class JobBudgetResetDetails(EventDetails):
+    event_types = frozenset({EventType.JOB_BUDGET_RESET})
+    was_given_up: bool | None = None
+    no_progress_restarts: int | None = None
+    """What the count stood at before the reset."""
+
+
 #: Event type -> its details model; every type has one.
 EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
     type_: model
@@ -219,6 +236,8 @@ EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
         PodStuckTerminatingDetails,
         WorkloadDownDetails,
         NodeNotReadyDetails,
+        JobGivenUpDetails,
+        JobBudgetResetDetails,
     )
     for type_ in model.event_types
 }

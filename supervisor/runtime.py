@@ -170,6 +170,7 @@ class Supervisor:
             incident_lag_s=(
                 self.settings.heartbeat_timeout_s + self.settings.heartbeat_polling_period_s
             ),
+            raise_event=lambda event: self._hold(Changes(events=[event])),
         )
         nodes, jobs = await asyncio.gather(
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)

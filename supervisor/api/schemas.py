@@ -306,13 +306,32 @@ class JobOut(BaseModel):
     )
     state: JobState = Field(
         description="running; recovering (a remedy in flight); finishing (its workers left "
-        "their loop); finished (none left at work)."
+        "their loop); finished (none left at work); given_up (its restart budget spent, "
+        "until an operator resets it)."
+    )
+    given_up_reason: str | None = Field(
+        None, description="Why the supervisor gave up healing the job (state given_up)."
+    )
+    no_progress_restarts: int = Field(
+        0,
+        description="Remedies in a row not followed by progress (max_no_progress_restarts "
+        "gives the job up).",
     )
 
     @classmethod
-    def of(cls, j: JobView, hang_timeout_s: float | None, state: JobState) -> JobOut:
+    def of(
+        cls,
+        j: JobView,
+        hang_timeout_s: float | None,
+        state: JobState,
+        *,
+        given_up_reason: str | None = None,
+        no_progress_restarts: int = 0,
+    ) -> JobOut:
         return cls(
             state=state,
+            given_up_reason=given_up_reason,
+            no_progress_restarts=no_progress_restarts,
             name=j.name,
             num_dp_replicas=j.num_dp_replicas,
             min_num_dp_replicas=j.min_num_dp_replicas,

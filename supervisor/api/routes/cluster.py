@@ -48,7 +48,7 @@ async def list_jobs(supervisor: SupervisorDep) -> list[JobOut]:
     sensor = supervisor.sensor
     out = []
     for name in sensor.job_names():
-        out.append(_job_out(supervisor, name))
+        out.append(job_out(supervisor, name))
     return out
 
 
@@ -56,12 +56,21 @@ async def list_jobs(supervisor: SupervisorDep) -> list[JobOut]:
 async def get_job(supervisor: SupervisorDep, name: str) -> JobOut:
     if supervisor.sensor.job_view(name) is None:
         raise HTTPException(404, f"job {name!r} not found")
-    return _job_out(supervisor, name)
+    return job_out(supervisor, name)
 
 
-def _job_out(supervisor: Supervisor, name: str) -> JobOut:
+def job_out(supervisor: Supervisor, name: str) -> JobOut:
     sensor = supervisor.sensor
     view = sensor.job_view(name)
     assert view is not None
-    state = job_state(sensor, supervisor.remedies, name)
-    return JobOut.of(view, sensor.hang_timeout_s(name), state)
+    budgets = supervisor.controller.budgets
+    nodes = {n: v for n in view.nodes if (v := sensor.node_view(n)) is not None}
+    budgets.observe(name, nodes, {name: view})  # progress since its last remedy, if any
+    state = job_state(sensor, supervisor.remedies, budgets, name)
+    return JobOut.of(
+        view,
+        sensor.hang_timeout_s(name),
+        state,
+        given_up_reason=budgets.given_up(name),
+        no_progress_restarts=budgets.counts().get(name, 0),
+    )

@@ -75,7 +75,8 @@ export class Goodput {
       api(`/api/v1/jobs/${name}`),
     ]);
     if (generation !== this.generation) return;
-    this.state = view.status === "fulfilled" ? view.value.state : null;
+    const reason = view.status === "fulfilled" ? view.value.given_up_reason : null;
+    this.state = view.status === "fulfilled" ? view.value.state + (reason ? `: ${reason}` : "") : null;
     const open = new Set([...document.querySelectorAll("#goodput-section details[open]")].map((d) => d.dataset.key));
     if (goodput.status === "fulfilled") this.renderGoodput(goodput.value);
     else this.panel.replaceChildren(h("p", { class: "error" }, `Could not compute goodput: ${goodput.reason.message}`));
