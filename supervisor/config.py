@@ -87,7 +87,8 @@ class Settings(BaseSettings):
         600.0,
         gt=0,
         description="A job's workers left their loop (finishing) this long ago and one is "
-        "still finishing: a hang of kind finishing. Not watched for hangs meanwhile.",
+        "still finishing or at work: a hang of kind finishing. Not watched for hangs "
+        "meanwhile.",
     )
     flap_window_s: float = Field(
         300.0, gt=0, description="Window in which repeated losses of one node count as flapping."

@@ -114,8 +114,9 @@ class HangDetails(EventDetails):
     suspect_step: int | None = None
     """The laggard's step, when one rank is behind the others."""
     kind: str | None = None
-    """`finishing`: a worker still finishing `finishing_timeout_s` (`hang_timeout_s`)
-    after its job began to end (`stalled_for_s` ago); unset: the step stalled."""
+    """`finishing`: a worker still finishing, or at work, `finishing_timeout_s`
+    (`hang_timeout_s`) after its job began to end (`stalled_for_s` ago); unset: the step
+    stalled."""
 
 
 class _GpuDetails(EventDetails):

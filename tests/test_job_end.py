@@ -98,3 +98,17 @@ async def test_a_worker_stuck_finishing_is_a_hang_of_its_own_kind(api: Api) -> N
     assert hang["details"]["kind"] == "finishing", hang
     assert hang["details"]["hang_timeout_s"] == 1.5 and hang["details"]["last_step"] == 8
     assert hang["node"] == "n0" and hang["rank"] == 0
+
+
+async def test_a_rank_still_at_work_past_the_ends_bound_is_a_hang(api: Api) -> None:
+    """n0 finished; n1 never left its loop and stands still: not a silent end."""
+    await train(api, "j1", 8)
+    finishing, ended = beat("n0", "j1", "finishing", 8), beat("n0", "j1", "exited", 8, exit_code=0)
+    for i in range(int(2.5 / 0.05)):
+        await api.beat(finishing if i < 5 else ended)
+        await api.beat(beat("n1", "j1", "running", 8))
+        await asyncio.sleep(0.05)
+    await api.settle()
+    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+    assert hang["details"]["kind"] == "finishing" and (hang["node"], hang["rank"]) == ("n1", 1)
+    assert await state_of(api, "j1") != "finished"
