@@ -10,20 +10,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from supervisor.actuator import DryRunBackend
-from supervisor.domain import ActionRecord, ActionType
+from supervisor.domain import ActionRecord, ActionType, utcnow
 from tests.conftest import SettingsFactory
 from tests.test_api import Api, running
 
 
 class SlowRestarts(DryRunBackend):
-    """Does nothing, as a dry run, but a restart in place takes `seconds`."""
+    """Does nothing, as a dry run, but a restart takes `seconds`."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__()
         self.seconds = seconds
 
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
-        if action.type is ActionType.RESTART_IN_PLACE:
+        if action.type in (ActionType.RESTART_IN_PLACE, ActionType.RESTART_WORKLOAD):
             await asyncio.sleep(self.seconds)
         return await super().execute(action)
 
@@ -146,3 +146,48 @@ async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
         assert lost["incident_action_id"] is None and swap["event_id"] == lost["id"]
         (peer,) = (await api.get("/api/v1/events", type="worker_exited", node="n2"))["items"]
         assert peer["incident_action_id"] is not None
+
+
+async def test_a_node_failing_again_during_its_remedy_counts_once_against_it(
+    make_settings: SettingsFactory,
+) -> None:
+    """ECC errors that keep coming while the job restarts for the first are one failure
+    of the node: the next incident is its second, not its fourth."""
+    settings = make_settings(
+        heartbeat_polling_period_s=0.05,
+        heartbeat_timeout_s=0.5,
+        max_workload_restarts=2,
+        gpu_report_cooldown_s=0,
+    )
+    spare = {"node": "s1", "state": "spare"}
+    async with running(settings, backend=SlowRestarts(1.0)) as api:
+        await train(api, 5)
+
+        def ecc(count: int) -> Any:
+            report = {"kind": "ecc", "gpu": 0, "count": count, "time": utcnow().isoformat()}
+            return {**beat("n0", 5), "gpu_reports": [report]}
+
+        async def restarts() -> list[dict[str, Any]]:
+            return [a for a in await actions(api) if a["type"] == "restart_workload"]
+
+        await send(api, ecc(1), beat("n1", 5), spare)
+        await until(lambda: keep_up(api, restarts, spare))
+        await send(api, ecc(2), beat("n1", 5), spare)  # while it restarts
+        await send(api, ecc(3), beat("n1", 5), spare)
+        # The restart ends; the detection lag (0.55 s here) passes.
+        for _ in range(40):
+            await send(api, beat("n0", 5), beat("n1", 5), spare)
+            await asyncio.sleep(0.05)
+        await send(api, ecc(4), beat("n1", 5), spare)  # a new incident
+        second = await until(lambda: keep_up(api, restarts, spare, count=2))
+        assert "2 failures <= max_workload_restarts=2" in second[1]["reason"], second
+        events = (await api.get("/api/v1/events", type="gpu_ecc"))["items"][::-1]
+        attached = [e["incident_action_id"] for e in events]
+        assert attached == [None, second[0]["id"], second[0]["id"], None], events
+
+
+async def keep_up(api: Api, find: Any, spare: Any, count: int = 1) -> Any:
+    """Heartbeats go on while waiting for `count` actions `find` returns."""
+    await send(api, beat("n0", 5), beat("n1", 5), spare)
+    found = await find()
+    return found if len(found) >= count else None

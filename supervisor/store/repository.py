@@ -383,11 +383,9 @@ class Store:
     def attach_event(self, event_id: int, action_id: int) -> ActionRecord | None:
         """Attach the event to the incident of the action (store/incidents.py): the action
         as it stands then, or None when the event was handled already."""
-        return (
-            self.get_action(action_id)
-            if attach_event(self._sessions, event_id, action_id)
-            else None
-        )
+        failures = (NODE_SCOPE, FAILURES)  # the incident counts once against its node
+        attached = attach_event(self._sessions, event_id, action_id, failures=failures)
+        return self.get_action(action_id) if attached else None
 
     def get_action(self, action_id: int) -> ActionRecord | None:
         with self._sessions() as session:
