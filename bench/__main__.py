@@ -16,7 +16,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench import (
-    chaos,
     detection,
     failover,
     goodput,
@@ -27,6 +26,7 @@ from bench import (
     stragglers,
     torchrun_mttr,
 )
+from bench.chaos_report import chaos_rows
 from bench.loops import LOOP_NAME
 from bench.table import Row, render, verdict
 
@@ -411,54 +411,6 @@ def goodput_rows(hours: float = 24.0) -> list[Row]:
             verdict(big["total"] < 2.0),
         )
     ]
-
-
-def chaos_rows(minutes: float) -> list[Row]:
-    config = chaos.ChaosConfig(minutes=minutes)
-    result = chaos.run(config)
-    kinds = ", ".join(f"{k} {n}" for k, n in sorted(result.by_kind.items())) or "none"
-    all_healed = result.injected > 0 and result.remediated == result.injected
-    rows = [
-        Row(
-            f"Chaos, {minutes:g} min of random faults (mean {config.mean_interval_s:g} s apart) "
-            f"on the local cluster ({config.replicas} x {config.nodes_per_dp} nodes, "
-            f"{config.spares} spares): faults remediated",
-            f"{result.remediated} of {result.injected} ({kinds})"
-            + (f"; {result.error}" if result.error else ""),
-            f"{result.refused} refused by the node (its worker already down)",
-            "all",
-            verdict(all_healed and result.error is None),
-        ),
-        Row(
-            "  final weights, bit for bit",
-            "match"
-            if result.weights_match
-            else ("differ" if result.weights_match is False else "the job did not finish"),
-            f"an uninterrupted run, same seed, {config.total_steps} steps",
-            "match",
-            verdict(result.weights_match is True),
-        ),
-        Row(
-            "  actions still open at the end (stuck)",
-            str(result.stuck_actions),
-            "-",
-            "0",
-            verdict(result.stuck_actions == 0),
-        ),
-        Row(
-            "  processes left after the stop (orphans)",
-            str(result.orphans),
-            "-",
-            "0",
-            verdict(result.orphans == 0),
-        ),
-        Row(
-            "  actions taken",
-            ", ".join(f"{k} {n}" for k, n in sorted(result.actions.items())) or "none",
-        ),
-    ]
-    rows += [Row(f"  not remediated: {why}", "-", verdict="FAIL") for why in result.not_remediated]
-    return rows
 
 
 def simulate_rows() -> list[Row]:

@@ -1,9 +1,10 @@
 """A chaos run: random faults on the local cluster for N minutes, then an account of them.
 
 One local cluster (`supervisor.local.demo.LocalDemo`: host monitors as nodes, the NumPy
-training job of 2 replicas x 2 nodes, 2 spares, the supervisor on the local backend with
-the default policy). Once the job trains, a fault schedule `{"schedule": "random,<mean>"}`
-(worker crashes, worker hangs, node losses, drawn by the supervisor itself) runs for
+training job of 2 replicas x 2 nodes, or the PyTorch job of 2 replicas of one node, 2
+spares, the supervisor on the local backend with the default policy). Once the job
+trains, a fault schedule `{"schedule": "random,<mean>"}` (worker crashes, worker hangs,
+node losses, drawn by the supervisor itself) runs for
 `minutes`; lost nodes are "repaired" after `node_repair_s` and come back as spares. Then
 the schedule is deleted and the job is left to finish. Its final weights are compared
 with those of an uninterrupted run of the same job, seed and steps, computed beforehand
@@ -21,6 +22,9 @@ Per fault the schedule injected (`GET /api/v1/faults`, the children of the sched
 - not remediated: no event within its window (undetected), or an action for it failed.
 Also: actions still open after the job finished (stuck), processes left after the
 cluster is stopped (orphans), and whether the final weights match bit for bit.
+
+A job that stalls (no new step for several hang timeouts while it is not finished,
+bench/stall.py) fails the run at once, with what the supervisor said of it.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.stall import Stalled, StallWatch
 from supervisor.local.cluster import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
 
 SEED = 7
+#: The torch workload, small enough for two ranks on two cores.
+TORCH_ENV = {"D_MODEL": "64", "N_LAYERS": "2", "N_HEADS": "4", "SEQ_LEN": "32"}
+Output = list[np.ndarray[Any, Any]] | str  # the NumPy job's shards, the torch job's hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,10 @@ class ChaosConfig:
     #: After the window, the job has this long to finish: at least 10 minutes, and three
     #: times the window (a loaded machine trains slower than step_time_s says).
     finish_timeout_s: float = 600.0
+    #: `numpy` or `torch` (then nodes_per_dp is 1: it is data parallel).
+    workload: str = "numpy"
+    #: No new step for this many hang timeouts, unfinished: the run fails (stalled).
+    stall_hang_timeouts: float = 3.0
 
     @property
     def finish_within_s(self) -> float:
@@ -82,11 +94,13 @@ class ChaosResult:
     weights_match: bool | None = None  # None: the job did not finish
     final_step: int | None = None
     error: str | None = None
+    #: The job stalled: for how long, at which step, and what the supervisor said.
+    stalled: str | None = None
 
 
-def reference_weights(run: Path, config: ChaosConfig) -> list[np.ndarray[Any, Any]]:
-    """The uninterrupted run's final shards: the job's workers, offline (no host monitor,
-    no supervisor), no step time."""
+def reference_weights(run: Path, config: ChaosConfig) -> Output:
+    """The uninterrupted run's output: the job's workers, offline (no host monitor, no
+    supervisor), no step time."""
     world = config.replicas * config.nodes_per_dp
     port = free_port()
     procs = []
@@ -111,9 +125,16 @@ def reference_weights(run: Path, config: ChaosConfig) -> list[np.ndarray[Any, An
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
+        if config.workload == "torch":
+            env.update(
+                CHECKPOINT_RAM_DIR=str(run / f"ram-{rank}"),
+                S3_CHECKPOINTING_FREQ="0",
+                OMP_NUM_THREADS="1",
+                **TORCH_ENV,
+            )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "training.numpy_workload"],
+                [sys.executable, "-m", f"training.{config.workload}_workload"],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -122,14 +143,18 @@ def reference_weights(run: Path, config: ChaosConfig) -> list[np.ndarray[Any, An
     for proc in procs:
         if proc.wait(600) != 0:
             raise RuntimeError(f"the reference run's rank exited {proc.returncode}")
-    shards = _shards(run / "output", config.nodes_per_dp)
-    if shards is None:
+    output = _output(run / "output", config)
+    if output is None:
         raise RuntimeError("the reference run wrote no output")
-    return shards
+    return output
 
 
-def _shards(directory: Path, nodes_per_dp: int) -> list[np.ndarray[Any, Any]] | None:
-    paths = [directory / f"shard-{k}.npy" for k in range(nodes_per_dp)]
+def _output(directory: Path, config: ChaosConfig) -> Output | None:
+    """What the job wrote at its end (None before)."""
+    if config.workload == "torch":
+        path = directory / "weights.sha256"
+        return path.read_text() if path.exists() else None
+    paths = [directory / f"shard-{k}.npy" for k in range(config.nodes_per_dp)]
     if not all(p.exists() for p in paths):
         return None
     return [np.load(p) for p in paths]
@@ -160,23 +185,33 @@ def run(config: ChaosConfig) -> ChaosResult:
                 heartbeat_polling_period_s=config.heartbeat_polling_period_s,
                 heartbeat_timeout_s=config.heartbeat_timeout_s,
                 node_repair_s=config.node_repair_s,
+                workload=config.workload,
+                workload_env=(
+                    dict(TORCH_ENV, OMP_NUM_THREADS="1") if config.workload == "torch" else {}
+                ),
             )
         )
         try:
             demo.start()
             _chaos(demo, config, result)
+        except Stalled as exc:
+            result.stalled = str(exc)
         except (RuntimeError, httpx.HTTPError, TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
             demo.stop()
             time.sleep(1.0)
             result.orphans = len(leftover_processes(demo.run_dir))
-        got = _shards(demo.run_dir / "output", config.nodes_per_dp)
+        got = _output(demo.run_dir / "output", config)
         if got is not None:
-            result.weights_match = all(
-                np.array_equal(a, b) for a, b in zip(got, expected, strict=True)
-            )
+            result.weights_match = _same(got, expected)
     return result
+
+
+def _same(got: Output, expected: Output) -> bool:
+    if isinstance(got, str) or isinstance(expected, str):
+        return got == expected  # the torch job's weights, hashed
+    return all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def _tmp_root() -> str | None:
@@ -199,10 +234,21 @@ def _chaos(demo: LocalDemo, config: ChaosConfig, result: ChaosResult) -> None:
     )
     response.raise_for_status()
     schedule = response.json()["id"]
+    watch = StallWatch(
+        lambda path, **params: _api(demo, path, **params),
+        job,
+        hang_timeouts=config.stall_hang_timeouts,
+    )
     window_ends = time.monotonic() + config.minutes * 60
-    while time.monotonic() < window_ends:
-        demo.repair_nodes()
-        time.sleep(0.5)
+    try:
+        while time.monotonic() < window_ends:
+            demo.repair_nodes()
+            watch.check()
+            time.sleep(0.5)
+    except Stalled:
+        result.final_step = _step(demo)
+        _account(demo, schedule, result)
+        raise
     httpx.delete(
         f"{demo.url}/api/v1/faults/{schedule}",
         headers={"Authorization": f"Bearer {demo.operator_token}"},
@@ -211,7 +257,8 @@ def _chaos(demo: LocalDemo, config: ChaosConfig, result: ChaosResult) -> None:
 
     def finished() -> bool:
         demo.repair_nodes()
-        return _shards(demo.run_dir / "output", config.nodes_per_dp) is not None
+        watch.check()
+        return _output(demo.run_dir / "output", config) is not None
 
     try:
         _until(finished, config.finish_within_s, "the job to finish")

@@ -162,7 +162,10 @@ class CheckpointForwarder:
         batch = [self._pending[i] for i in range(min(size, len(self._pending)))]
         try:
             headers = {"Authorization": self._credential.header()}
-            response = await client.post(self.url, json={"reports": batch}, headers=headers)
+            # When it is sent, by this clock: the supervisor checks the clock on it, and
+            # the reports' times against it (they may have waited here for a while).
+            body = {"reports": batch, "sent_at": utcnow().isoformat()}
+            response = await client.post(self.url, json=body, headers=headers)
         except CredentialError as exc:
             self._failed(str(exc))
             return False

@@ -46,6 +46,7 @@ from host_monitor.protocol import (
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
+    WorkerFinishing,
     WorkerProgress,
     WorkerRegistration,
     WorkerStatus,
@@ -315,6 +316,9 @@ class Node:
 
     def stopping(self, rank: int, report: WorkerStopping) -> WorkerStatus:
         return self.registry.stopping(rank, report).status()
+
+    def finishing(self, rank: int, report: WorkerFinishing) -> WorkerStatus:
+        return self.registry.finishing(rank, report).status()
 
     def progress(self, rank: int, report: WorkerProgress) -> ProgressReply:
         self.registry.progress(rank, report.step, report.attempt, report.compute_s)

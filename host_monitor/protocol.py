@@ -68,6 +68,17 @@ class WorkerStopping(BaseModel):
     signal: int | None = Field(None, ge=1, le=64, description="The signal received.")
 
 
+class WorkerFinishing(BaseModel):
+    """POST /v1/workers/{rank}/finishing: the worker left its training loop and is
+    finishing (its last save, its output). Its state turns `finishing` until it exits: the
+    supervisor watches it with a bound of its own, not for hangs. `pid` (and
+    `pid_namespace`) as registered: a report from another process is refused (409)."""
+
+    model_config = ConfigDict(extra="forbid")
+    pid: int = Field(ge=1)
+    pid_namespace: int | None = Field(None, ge=1)
+
+
 ATTEMPT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
 

@@ -45,6 +45,7 @@ from host_monitor.protocol import (
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
+    WorkerFinishing,
     WorkerProgress,
     WorkerRegistration,
     WorkerStatus,
@@ -127,6 +128,14 @@ def create_app(
     )
     async def stopping(rank: Rank, body: WorkerStopping) -> WorkerStatus:
         return node.stopping(rank, body)
+
+    @workers.post(
+        "/{rank}/finishing",
+        response_model=WorkerStatus,
+        summary="The worker left its training loop and is finishing: not watched for hangs",
+    )
+    async def finishing(rank: Rank, body: WorkerFinishing) -> WorkerStatus:
+        return node.finishing(rank, body)
 
     @workers.post("/{rank}/progress", response_model=ProgressReply, summary="Step done")
     async def progress(rank: Rank, body: WorkerProgress) -> ProgressReply:

@@ -28,12 +28,19 @@ from pathlib import Path
 
 from host_monitor import pidns
 from host_monitor.errors import HostMonitorError
-from host_monitor.protocol import WorkerRegistration, WorkerStatus, WorkerStopping
+from host_monitor.protocol import (
+    WorkerFinishing,
+    WorkerRegistration,
+    WorkerStatus,
+    WorkerStopping,
+)
 from resiliency_protocol.states import WorkerState
 
 log = logging.getLogger(__name__)
 
-ALIVE = frozenset({WorkerState.STARTING, WorkerState.RUNNING, WorkerState.LOST})
+ALIVE = frozenset(
+    {WorkerState.STARTING, WorkerState.RUNNING, WorkerState.LOST, WorkerState.FINISHING}
+)
 # After SIGKILL, how long we wait for the kernel to reap a process before giving up on it
 # (a process in uninterruptible sleep, e.g. stuck in a GPU driver call, can outlive it).
 KILL_WAIT_S = 5.0
@@ -325,9 +332,33 @@ class WorkerRegistry:
             if worker.world is not None and worker.world[0] == attempt:
                 worker.world = None  # joined
         worker.registered = True
-        if worker.state is not WorkerState.RUNNING:
+        if worker.state not in (WorkerState.RUNNING, WorkerState.FINISHING):
             self._set(worker, WorkerState.RUNNING)
         return worker
+
+    def finishing(self, rank: int, report: WorkerFinishing) -> Worker:
+        """The worker left its loop and is finishing: `finishing` until it exits (its last
+        progress reports keep it so). WorkerConflict for another process's report."""
+        worker = self.get(rank)
+        self._check_same_process(rank, worker, report.pid, report.pid_namespace)
+        if worker.alive and worker.state is not WorkerState.FINISHING:
+            log.info("rank %d (pid %s) is finishing", rank, worker.pid)
+            self._set(worker, WorkerState.FINISHING)
+        return worker
+
+    def _check_same_process(
+        self, rank: int, worker: Worker, pid: int, pid_namespace: int | None
+    ) -> None:
+        same_namespace = (
+            pid_namespace is None
+            or worker.pid_namespace is None
+            or pid_namespace == worker.pid_namespace
+        )
+        if pid != worker.pid or not same_namespace:
+            raise WorkerConflict(
+                f"pid: rank {rank} is pid {worker.pid} (namespace {worker.pid_namespace}), "
+                f"not pid {pid} (namespace {pid_namespace}): report ignored"
+            )
 
     def stopping(self, rank: int, report: WorkerStopping) -> Worker:
         """The worker says it is being stopped (SIGTERM): its exit will be `stopped`.
@@ -336,16 +367,7 @@ class WorkerRegistry:
         one (e.g. the old pod of a rank whose new pod registered already).
         """
         worker = self.get(rank)
-        same_namespace = (
-            report.pid_namespace is None
-            or worker.pid_namespace is None
-            or report.pid_namespace == worker.pid_namespace
-        )
-        if report.pid != worker.pid or not same_namespace:
-            raise WorkerConflict(
-                f"pid: rank {rank} is pid {worker.pid} (namespace {worker.pid_namespace}), "
-                f"not pid {report.pid} (namespace {report.pid_namespace}): report ignored"
-            )
+        self._check_same_process(rank, worker, report.pid, report.pid_namespace)
         if worker.alive and not worker.stopping:
             worker.stopping = True
             log.info(
@@ -443,7 +465,12 @@ class WorkerRegistry:
             worker.exit_code = None  # not our child: nobody tells us
         else:
             return False
-        self._set(worker, WorkerState.STOPPED if worker.stopping else WorkerState.EXITED)
+        # A worker that was finishing and ended, whose exit code nobody tells us (not our
+        # child), ended as it said it would: stopped, not a crash.
+        ended = worker.stopping or (
+            worker.state is WorkerState.FINISHING and worker.exit_code is None
+        )
+        self._set(worker, WorkerState.STOPPED if ended else WorkerState.EXITED)
         return True
 
     def _set(self, worker: Worker, state: WorkerState) -> None:

@@ -26,9 +26,13 @@ A node failure on a node already cordoned and no longer among its job's nodes wa
 when the node first failed (a dead node is both silent and NotReady): nothing more is done.
 
 Beyond Google's resiliency supervisor: every action that stops workers is preceded by an
-emergency checkpoint of the healthy workers, and a job that used up its restart budget
-(`max_restarts_in_window` disruptive actions within `restart_window_s`) is left alone
-instead of being restarted forever.
+emergency checkpoint of the healthy workers, and a job that used up its restart budget is
+left alone instead of being restarted forever: `max_no_progress_restarts` remedies in a
+row not followed by training progress (judged like NVIDIA's `max_no_progress_cycles`),
+or, as a safety net, `max_restarts_in_window` disruptive actions within
+`restart_window_s`. A node failure that is not the job's own fault (a lost node, bad
+hardware) is still hot-swapped to a spare, whatever the budget: the job is not broken,
+its node is. The supervisor says when it gives up (a `job_given_up` event).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ from supervisor.xid import XidResponse, response_of
 #: can be remedied (spare node, or restart budget spent). A lost heartbeat or a NotReady
 #: node may just be a network blip, so it is not cordoned.
 HARDWARE_FAULTS = frozenset({EventType.GPU_XID, EventType.GPU_ECC, EventType.NODE_FLAPPING})
+#: Node failures that are the node's, not the job's: a spare heals them whatever the
+#: job's restart budget.
+NOT_THE_JOBS_FAULT = HARDWARE_FAULTS | {EventType.HOST_HEARTBEAT_LOST, EventType.NODE_NOT_READY}
 
 
 def describe(event: Event) -> str:
@@ -90,24 +97,36 @@ class DefaultPolicy(Policy):
 
     @staticmethod
     def budget_exhausted(ctx: PolicyContext, job: str | None) -> bool:
-        """True when the job took `max_restarts_in_window` disruptive actions in the window.
+        """True when the job's last `max_no_progress_restarts` remedies were not followed by
+        progress, or it took `max_restarts_in_window` disruptive actions in the window.
 
-        Such a job is considered broken: it gets no further disruptive action until older
+        Such a job is considered broken: it gets no further disruptive action (but a
+        hot swap of a node that failed it) until an operator resets its budget, or older
         restarts leave the window, so a job that cannot be healed is not restarted forever.
         """
-        return ctx.recent_restarts(job) >= ctx.limits.max_restarts_in_window
+        limits = ctx.limits
+        return (
+            ctx.restarts_without_progress(job) >= limits.max_no_progress_restarts
+            or ctx.recent_restarts(job) >= limits.max_restarts_in_window
+        )
 
     def _remedy(
-        self, ctx: PolicyContext, action: ActionRequest, *, failed_node: str | None = None
+        self,
+        ctx: PolicyContext,
+        action: ActionRequest,
+        *,
+        failed_node: str | None = None,
+        whatever_the_budget: bool = False,
     ) -> list[ActionRequest]:
         """`action`, preceded by an emergency checkpoint when it stops workers.
 
         The checkpoint is taken by the job's healthy workers, i.e. without `failed_node`.
-        Returns nothing when the job's restart budget is spent.
+        Returns nothing when the job's restart budget is spent (unless
+        `whatever_the_budget`: a node that failed the job, swapped for a spare).
         """
         if action.type not in DISRUPTIVE_ACTIONS:
             return [action]
-        if self.budget_exhausted(ctx, action.job):
+        if self.budget_exhausted(ctx, action.job) and not whatever_the_budget:
             return []
         if not self.emergency_checkpoints:
             return [action]
@@ -235,13 +254,20 @@ class DefaultPolicy(Policy):
                 return []
             return [actions.cordon(node, reason=f"{describe(event)}: bad hardware, no job")]
         if self.budget_exhausted(ctx, job):
+            spares = [s for s in ctx.spares if s != node]
+            not_its_fault = bad_hardware or event.type in NOT_THE_JOBS_FAULT
+            if not_its_fault and spares and job_view is not None and node in job_view.nodes:
+                action = actions.hot_swap(
+                    job,
+                    node,
+                    spare=spares[0],
+                    reason=f"{describe(event)}: the node failed, not the job; restart budget"
+                    f" spent, spare {spares[0]} available",
+                )
+                return self._remedy(ctx, action, failed_node=node, whatever_the_budget=True)
             if not bad_hardware:
                 return []
-            limits = ctx.limits
-            reason = (
-                f"{describe(event)}: bad hardware; {job} left alone, restart budget of"
-                f" {limits.max_restarts_in_window} in {limits.restart_window_s:g}s spent"
-            )
+            reason = f"{describe(event)}: bad hardware; {job} left alone, restart budget spent"
             return [actions.cordon(node, reason=reason)]
         return self._node_failure_in_job(event, ctx, job, node)
 

@@ -52,6 +52,9 @@ class NodeState(StrEnum):
 class WorkerState(StrEnum):
     STARTING = "starting"
     RUNNING = "running"
+    # The worker left its training loop and is finishing (its last save, its output):
+    # not watched for hangs, but bounded by the supervisor's `finishing_timeout_s`.
+    FINISHING = "finishing"
     EXITED = "exited"
     # The host monitor stopped hearing from the worker although its process may live.
     LOST = "lost"

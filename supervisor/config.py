@@ -83,6 +83,13 @@ class Settings(BaseSettings):
     hang_warmup_intervals: int = Field(
         5, ge=0, description="Step intervals observed before hang detection starts for a job."
     )
+    finishing_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A job's workers left their loop (finishing) this long ago and one is "
+        "still finishing or at work: a hang of kind finishing. Not watched for hangs "
+        "meanwhile.",
+    )
     flap_window_s: float = Field(
         300.0, gt=0, description="Window in which repeated losses of one node count as flapping."
     )
@@ -103,6 +110,12 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a rank must stay slow (or fast again) before straggler (or "
         "straggler_recovered) is raised; also the window its compute times are scored over.",
+    )
+    agent_clock_skew_s: float = Field(
+        300.0,
+        gt=0,
+        description="A time an agent sends (GPU reports, checkpoint reports) further than "
+        "this from the supervisor's clock is refused (422 naming the field).",
     )
     xid_responses: dict[int, XidResponse] = Field(
         {},
@@ -136,7 +149,16 @@ class Settings(BaseSettings):
         3600.0, gt=0, description="Window over which restarts of a job are counted and bounded."
     )
     max_restarts_in_window: int = Field(
-        10, ge=1, description="Disruptive actions per job per window before the policy gives up."
+        30,
+        ge=1,
+        description="Disruptive actions per job per window before the policy gives up: a "
+        "safety net beyond max_no_progress_restarts.",
+    )
+    max_no_progress_restarts: int = Field(
+        3,
+        ge=1,
+        description="Remedies in a row not followed by training progress (every rank past "
+        "the step it stood at) before the job is judged unhealable and given up.",
     )
 
     # --- actuator ---------------------------------------------------------------------

@@ -44,11 +44,13 @@ class SensingSettings(_Part):
     hang_min_timeout_s: float
     hang_safety_factor: float
     hang_warmup_intervals: int
+    finishing_timeout_s: float
     flap_window_s: float
     flap_max_losses: int
     gpu_report_cooldown_s: float
     straggler_threshold: float
     straggler_window_s: float
+    agent_clock_skew_s: float
     xid_responses: dict[int, XidResponse]
 
 
@@ -73,6 +75,7 @@ class RemediationSettings(_Part):
     enable_workload_scaling: bool
     restart_window_s: float
     max_restarts_in_window: int
+    max_no_progress_restarts: int
 
     @property
     def limits(self) -> PolicyLimits:
@@ -82,6 +85,7 @@ class RemediationSettings(_Part):
             enable_workload_scaling=self.enable_workload_scaling,
             restart_window_s=self.restart_window_s,
             max_restarts_in_window=self.max_restarts_in_window,
+            max_no_progress_restarts=self.max_no_progress_restarts,
         )
 
 

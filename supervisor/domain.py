@@ -42,6 +42,9 @@ class EventType(StrEnum):
     NODE_NOT_READY = "node_not_ready"
     # A worker's checkpoint save did not commit (reported through its host monitor).
     CHECKPOINT_FAILED = "checkpoint_failed"
+    # The supervisor's own word on a job: it gave up healing it, or an operator reset that.
+    JOB_GIVEN_UP = "job_given_up"
+    JOB_BUDGET_RESET = "job_budget_reset"
 
 
 #: Events that mean a node can no longer be trusted to run its share of the job.
@@ -108,6 +111,8 @@ class Event:
     id: int | None = None
     #: Set when the policy raised on this event, and so decided nothing.
     policy_error: str | None = None
+    #: The remedy whose incident this event was attached to (it got no action of its own).
+    incident_action_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +192,9 @@ class ActionRecord:
     finished_at: datetime | None = None
     #: Recorded by a dry-run supervisor: what it would have done; nothing was done.
     dry_run: bool = False
+    #: Events of the same incident that arrived while it ran or just after: no action of
+    #: their own (supervisor/controller/incidents.py).
+    attached_events: tuple[int, ...] = ()
 
     @property
     def request(self) -> ActionRequest:

@@ -10,6 +10,7 @@ SupervisorError
 ├── InvalidCursor        a page cursor this API did not hand out: 422 (store.repository)
 ├── InvalidParams        an action's params do not fit its type: 422 (action_params)
 ├── RankClaimed          a heartbeat claims a rank another live node runs (sensor.sensor)
+├── AgentTimeError       an agent's time outside the rule: 422 (agent_time)
 ├── ReviewUnavailable    a token could not be reviewed now (identity.authenticator)
 ├── ActionError          a backend could not carry out an action (actuator.backend)
 ├── Fenced               this replica lost leadership and may not act (actuator.backend)

@@ -113,6 +113,10 @@ class HangDetails(EventDetails):
     timeout_learned: bool | None = None
     suspect_step: int | None = None
     """The laggard's step, when one rank is behind the others."""
+    kind: str | None = None
+    """`finishing`: a worker still finishing, or at work, `finishing_timeout_s`
+    (`hang_timeout_s`) after its job began to end (`stalled_for_s` ago); unset: the step
+    stalled."""
 
 
 class _GpuDetails(EventDetails):
@@ -210,6 +214,23 @@ class CheckpointFailedDetails(EventDetails):
     """The checkpoint report that said so (`GET /api/v1/checkpoints`)."""
 
 
+class JobGivenUpDetails(EventDetails):
+    event_types = frozenset({EventType.JOB_GIVEN_UP})
+    reason: str | None = None
+    """Why, in a sentence: which budget was spent, and what the job did meanwhile."""
+    no_progress_restarts: int | None = None
+    """Remedies in a row not followed by progress (every rank past the step it stood at)."""
+    restarts_in_window: int | None = None
+    last_step: int | None = None
+
+
+class JobBudgetResetDetails(EventDetails):
+    event_types = frozenset({EventType.JOB_BUDGET_RESET})
+    was_given_up: bool | None = None
+    no_progress_restarts: int | None = None
+    """What the count stood at before the reset."""
+
+
 #: Event type -> its details model; every type has one.
 EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
     type_: model
@@ -229,6 +250,8 @@ EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
         WorkloadDownDetails,
         NodeNotReadyDetails,
         CheckpointFailedDetails,
+        JobGivenUpDetails,
+        JobBudgetResetDetails,
     )
     for type_ in model.event_types
 }

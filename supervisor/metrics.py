@@ -207,6 +207,12 @@ class Metrics:
         )
         for reason in HeartbeatRejection:  # every reason exported from the start, at 0
             self.heartbeats_rejected.labels(reason.value)
+        self.jobs_given_up = Gauge(
+            "supervisor_jobs_given_up",
+            "Jobs the supervisor gave up healing (their restart budget spent: a job_given_up "
+            "event), until an operator resets their budget.",
+            registry=self.registry,
+        )
         self.job_actions = JobActionCounts()
         self.job_checkpoints = JobCheckpoints()
         self.acting = Gauge(

@@ -60,6 +60,7 @@ class PolicyLimits:
     enable_workload_scaling: bool
     restart_window_s: float
     max_restarts_in_window: int
+    max_no_progress_restarts: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,9 @@ class PolicyContext:
     action_counts: Mapping[tuple[str, ActionType], int] = field(default_factory=dict)
     # Disruptive actions per job within limits.restart_window_s before `now`.
     restarts_in_window: Mapping[str, int] = field(default_factory=dict)
+    # Remedies per job in a row that were not followed by training progress (every rank
+    # past the step it stood at when the remedy was decided).
+    no_progress_restarts: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def spares(self) -> tuple[str, ...]:
@@ -103,6 +107,9 @@ class PolicyContext:
 
     def recent_restarts(self, job: str | None) -> int:
         return self.restarts_in_window.get(job, 0) if job else 0
+
+    def restarts_without_progress(self, job: str | None) -> int:
+        return self.no_progress_restarts.get(job, 0) if job else 0
 
 
 Handler = Callable[[Any, Event, PolicyContext], list[ActionRequest]]

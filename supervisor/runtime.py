@@ -49,6 +49,7 @@ from supervisor.notifications.delivery import Notifier
 from supervisor.notify import Hub
 from supervisor.policy import Policy
 from supervisor.pruner import HistoryPruner, retention_ages
+from supervisor.remedies import RemediesInFlight
 from supervisor.sensor import Changes, Sensor
 from supervisor.store import UNAVAILABLE, Store, open_store
 
@@ -98,6 +99,8 @@ class Supervisor:
         self.sensor = (sensor or Sensor)(
             settings.sensing, settings.workload, self._on_timer_changes, self.metrics
         )
+        #: Each job's remedies in flight (a job with one is recovering).
+        self.remedies = RemediesInFlight()
         self._store: Store | None = None
         self._actuator: Actuator | None = None
         self._controller: Controller | None = None
@@ -164,6 +167,10 @@ class Supervisor:
             self._actuator,
             self._snapshot,
             self.metrics,
+            incident_lag_s=(
+                self.settings.heartbeat_timeout_s + self.settings.heartbeat_polling_period_s
+            ),
+            raise_event=lambda event: self._hold(Changes(events=[event])),
         )
         nodes, jobs = await asyncio.gather(
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)
@@ -403,6 +410,7 @@ class Supervisor:
     # --- effects of finished actions --------------------------------------------------------
 
     def _action_changed(self, action: ActionRecord) -> None:
+        self.remedies.note(action)
         self.hub.action(action)
         if action.type is ActionType.HOT_SWAP and action.node and not action.status.finished:
             # The backend takes the node out of service as the swap starts; its host

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def checkpoint(node: str, report_id: str) -> dict[str, Any]:
         "step": 10,
         "duration_s": 0.5,
         "tier": "ram",
-        "time": "2026-01-01T00:00:00+00:00",
+        "time": datetime.now(UTC).isoformat(),
     }
 
 

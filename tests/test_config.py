@@ -58,7 +58,8 @@ def test_defaults() -> None:
     assert s.num_nodes_per_dp == 4
     assert (s.max_in_job_restarts, s.max_workload_restarts) == (3, 0)
     assert s.enable_workload_scaling is False
-    assert (s.restart_window_s, s.max_restarts_in_window) == (3600.0, 10)
+    assert (s.restart_window_s, s.max_restarts_in_window) == (3600.0, 30)
+    assert s.max_no_progress_restarts == 3
     assert s.action_max_attempts == 3
     assert s.backend == "dry_run" and s.dry_run is False
     assert s.policy == "policies.default:DefaultPolicy"

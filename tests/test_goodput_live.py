@@ -234,8 +234,12 @@ async def running(settings: Settings) -> AsyncIterator[Api]:
 
 @pytest.fixture
 async def api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
-    # No sampling during the test: the history is exactly what the test writes.
-    settings = make_settings(heartbeat_timeout_s=600, goodput_sample_period_s=3600)
+    # No sampling during the test: the history is exactly what the test writes. Its
+    # reports are dated around T0, a fixed day: agents' clocks are trusted within a few
+    # years here (the bound itself: tests/test_agent_time.py).
+    settings = make_settings(
+        heartbeat_timeout_s=600, goodput_sample_period_s=3600, agent_clock_skew_s=1e9
+    )
     async with running(settings) as a:
         yield a
 

@@ -113,7 +113,7 @@ def test_get_prints_aligned_tables_json_and_yaml(server: Server, tmp_path: Path)
     assert sorted(n["name"] for n in of_job) == ["n1", "n2"]
 
     jobs = rows(ok(cli(tmp_path, "get", "jobs", server=server)))
-    assert jobs[0][0] == "NAME" and jobs[1][:3] == ["j1", "4", "(2-4)"]
+    assert jobs[0][:2] == ["NAME", "STATE"] and jobs[1][:4] == ["j1", "running", "4", "(2-4)"]
 
 
 def test_exit_codes(server: Server, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ Typical use::
         client.at_safe_point()                # serves a pending emergency checkpoint
         compute_s = train_one_step()          # its own work, before it waits for the others
         client.report_step(step, compute_s=compute_s)  # cheap: sent by a background thread
+    client.finishing()                        # out of the loop: the end is not a hang
     client.close()
 
 `register()` sends the job from `HOST_MONITOR_JOB` (a host monitor that is a spare, as
@@ -189,6 +190,7 @@ class WorkerClient:
         self._previous_term: Any = None
         self._term_installed = False
         self._stopping_reported = False
+        self._finishing_reported = False
         # serve_emergency_checkpoints: the thread that serves them, and its wakeup pipe.
         self._serve_lock = threading.Lock()
         self._emergency_thread: threading.Thread | None = None
@@ -602,6 +604,16 @@ class WorkerClient:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
+    def finishing(self) -> None:
+        """This worker left its training loop and is finishing (its last save, its output):
+        its host monitor reports it `finishing`, which the supervisor does not watch for
+        hangs but bounds by its `finishing_timeout_s`. `close()` and the Checkpointer's
+        `close()` call it; call it as the loop ends when the end takes long. Once."""
+        if self._finishing_reported or self._registered is None or self._closed:
+            return
+        self._finishing_reported = True
+        self._post(f"/v1/workers/{self.rank}/finishing", dict(self._registered), "finishing")
+
     def finished(self) -> None:
         """Training is done and this process is about to exit on its own: tell the host
         monitor now, so that its exit counts as stopped on purpose, not as a failure. A
@@ -762,6 +774,7 @@ class WorkerClient:
         restore the SIGUSR1 handler this client replaced. Idempotent."""
         if self._closed:
             return
+        self.finishing()
         self._closed = True
         if self._wakeup is not None:
             read_end, write_end = self._wakeup

@@ -22,6 +22,7 @@ from supervisor.api.errors import database_unavailable, http_error, validation_e
 from supervisor.api.job_metrics import JobMetrics
 from supervisor.api.routes import (
     actions,
+    budget,
     checkpoints,
     cluster,
     events,
@@ -160,7 +161,8 @@ def create_app(
     runtime.metrics.registry.register(app.state.job_metrics)
     app.state.settings = settings
     app.state.agents = agents
-    for module in (events, actions, cluster, faults, health, info, stream, checkpoints, goodput):
+    modules = (events, actions, cluster, budget, faults, health, info, stream, checkpoints, goodput)
+    for module in modules:
         app.include_router(module.router)
     app.include_router(notifications.router)
     dashboard.mount(app)

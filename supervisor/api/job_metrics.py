@@ -195,8 +195,9 @@ class _Families:
         default_factory=lambda: GaugeMetricFamily(
             "supervisor_job_restarts_remaining",
             "Disruptive actions the policy may still take for the job: "
-            "max_restarts_in_window minus those taken within restart_window_s. 0: the "
-            "restart budget is spent and the job is left alone.",
+            "max_restarts_in_window minus those taken within restart_window_s; 0 as well "
+            "once the job was given up (max_no_progress_restarts). 0: the restart budget "
+            "is spent and the job is left alone.",
             labels=_JOB,
         )
     )
@@ -375,6 +376,8 @@ class JobMetrics(Collector):
             if figures.step_seconds is not None:
                 f.step_seconds.add_metric(labels, figures.step_seconds)
             left = budget - self._restarts_in_window.get(name, 0)
+            if supervisor.controller.budgets.given_up(name) is not None:
+                left = 0  # given up (no progress): nothing more until a reset
             f.restarts_left.add_metric(labels, max(0, left))
             histogram = self._recovery.get(name) or RecoveryHistogram()
             f.recovery.add_metric(labels, histogram.buckets(), histogram.sum_s)

@@ -33,6 +33,7 @@ from supervisor.domain import (
     NodeView,
     WorkerState,
 )
+from supervisor.job_state import JobState
 
 T = TypeVar("T")
 
@@ -103,6 +104,11 @@ class EventOut(BaseModel):
     policy_error: str | None = Field(
         None, description="What the policy raised on this event; it then decided nothing."
     )
+    incident_action_id: int | None = Field(
+        None,
+        description="The remedy whose incident this event was attached to: it arrived while "
+        "that remedy ran (or was its old worker's end, seen late) and got no action of its own.",
+    )
 
     @classmethod
     def of(cls, e: Event) -> EventOut:
@@ -117,6 +123,7 @@ class EventOut(BaseModel):
             details=dict(e.details),
             fault_id=e.fault_id,
             policy_error=e.policy_error,
+            incident_action_id=e.incident_action_id,
         )
 
 
@@ -144,6 +151,11 @@ class ActionOut(BaseModel):
         description="Recorded by a supervisor in dry run: what it would have done; nothing "
         "was done, and it counts only toward that supervisor's own restart budget.",
     )
+    attached_events: list[int] = Field(
+        [],
+        description="Events of the same incident attached to this remedy, in the order they "
+        "came: recorded, with no action of their own.",
+    )
 
     @classmethod
     def of(cls, a: ActionRecord) -> ActionOut:
@@ -165,6 +177,7 @@ class ActionOut(BaseModel):
             attempts=a.attempts,
             error=a.error,
             result=dict(a.result) if a.result is not None else None,
+            attached_events=list(a.attached_events),
             created_at=a.created_at,
             started_at=a.started_at,
             finished_at=a.finished_at,
@@ -291,10 +304,34 @@ class JobOut(BaseModel):
     hang_timeout_s: float | None = Field(
         description="Hang timeout in force (learned or fixed); null while warming up."
     )
+    state: JobState = Field(
+        description="running; recovering (a remedy in flight); finishing (its workers left "
+        "their loop); finished (none left at work); given_up (its restart budget spent, "
+        "until an operator resets it)."
+    )
+    given_up_reason: str | None = Field(
+        None, description="Why the supervisor gave up healing the job (state given_up)."
+    )
+    no_progress_restarts: int = Field(
+        0,
+        description="Remedies in a row not followed by progress (max_no_progress_restarts "
+        "gives the job up).",
+    )
 
     @classmethod
-    def of(cls, j: JobView, hang_timeout_s: float | None) -> JobOut:
+    def of(
+        cls,
+        j: JobView,
+        hang_timeout_s: float | None,
+        state: JobState,
+        *,
+        given_up_reason: str | None = None,
+        no_progress_restarts: int = 0,
+    ) -> JobOut:
         return cls(
+            state=state,
+            given_up_reason=given_up_reason,
+            no_progress_restarts=no_progress_restarts,
             name=j.name,
             num_dp_replicas=j.num_dp_replicas,
             min_num_dp_replicas=j.min_num_dp_replicas,

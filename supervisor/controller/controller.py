@@ -16,6 +16,8 @@ from datetime import timedelta
 from resiliency_protocol.backoff import Backoff
 from supervisor.actuator import Actuator, Fenced
 from supervisor.config_parts import RemediationSettings
+from supervisor.controller.budget import Budgets
+from supervisor.controller.incidents import Incidents
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext
@@ -49,9 +51,20 @@ class Controller:
         actuator: Actuator,
         snapshot: Snapshot,
         metrics: Metrics | None = None,
+        *,
+        incident_lag_s: float = 0.0,
+        raise_event: Callable[[Event], None] | None = None,
     ) -> None:
+        """`incident_lag_s`: how late an old worker's failure may be seen after its
+        remedy finished and still be attached to it (controller/incidents.py);
+        `raise_event`: records an event of the supervisor's own (a job given up)."""
         self.settings = settings
+        self.incidents = Incidents(incident_lag_s)
+        #: Each job's remedies without progress, and the jobs given up (budget.py).
+        self.budgets = Budgets()
+        self._raise_event = raise_event
         self.metrics = metrics or Metrics()
+        self.metrics.jobs_given_up.set_function(lambda: self.budgets.given_up_count)
         self.policy = policy
         self.store = store
         self.actuator = actuator
@@ -143,7 +156,14 @@ class Controller:
         now = utcnow()
         window_start = now - timedelta(seconds=self.settings.restart_window_s)
         counts = await asyncio.to_thread(self.store.policy_counts, window_start)
+        restarts = dict(counts.restarts_in_window)
+        for job, reset_at in self.budgets.reset_times().items():
+            if reset_at > window_start:  # an operator started its budget over since
+                since = await asyncio.to_thread(self.store.policy_counts, reset_at)
+                restarts[job] = since.restarts_in_window.get(job, 0)
         nodes, jobs = self._snapshot()
+        for job in jobs:
+            self.budgets.observe(job, nodes, jobs)
         return PolicyContext(
             now=now,
             limits=self._limits,
@@ -151,7 +171,8 @@ class Controller:
             jobs=jobs,
             node_failures=counts.node_failures,
             action_counts=counts.action_counts,
-            restarts_in_window=counts.restarts_in_window,
+            restarts_in_window=restarts,
+            no_progress_restarts=self.budgets.counts(),
         )
 
     def decide(self, event: Event, context: PolicyContext) -> list[ActionRequest]:
@@ -177,11 +198,44 @@ class Controller:
             return requests, f"returned {type(wrong).__name__}, not an ActionRequest"
         return requests, None
 
+    def _judge_budget(
+        self, event: Event, context: PolicyContext, actions: list[ActionRecord]
+    ) -> None:
+        """Count a remedy of the job; a failure left without one for a spent budget: the
+        supervisor gives up on the job and says so (controller/budget.py)."""
+        assert event.job is not None
+        if actions:
+            self.budgets.remedied(event.job, actions, context.nodes, context.jobs)
+            return
+        given_up = self.budgets.give_up(event, context)
+        if given_up is not None:
+            log.warning("giving up on job %s: %s", event.job, self.budgets.given_up(event.job))
+            if self._raise_event is not None:
+                self._raise_event(given_up)
+
     async def handle(self, event: Event) -> list[ActionRecord]:
         """Decide on one persisted event, record the decision, then carry it out."""
         if event.id is None:
             raise ValueError("only persisted events can be handled")
-        requests, error = self._decide(event, await self.context())
+        incident = self.incidents.incident_of(event)
+        if incident is not None:
+            self.actuator.fence()
+            attached = await asyncio.to_thread(
+                self.store.attach_event, event.id, incident.action_id
+            )
+            if attached is not None:
+                self.actuator.changed(attached)
+            log.info(
+                "event %s %s node=%s job=%s -> attached to the incident of action %s",
+                event.id,
+                event.type.value,
+                event.node,
+                event.job,
+                incident.action_id,
+            )
+            return []
+        context = await self.context()
+        requests, error = self._decide(event, context)
         self.actuator.fence()  # only the leader records decisions (a policy may be slow)
         actions = await asyncio.to_thread(
             lambda: self.store.handle_event(event.id or 0, requests, policy_error=error)
@@ -196,7 +250,14 @@ class Controller:
             event.job,
             ", ".join(a.type.value for a in actions) or "no action",
         )
+        if event.job is not None:
+            self._judge_budget(event, context, [a for a in actions if a.job == event.job])
+        opened = self.incidents.opened(event, actions, dict(context.nodes))
         done = []
-        for action in actions:
-            done.append(await self.actuator.run(action))
+        try:
+            for action in actions:
+                done.append(await self.actuator.run(action))
+        finally:
+            if opened is not None:
+                self.incidents.closed(opened)
         return done

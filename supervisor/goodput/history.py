@@ -299,12 +299,19 @@ def timeline_from_history(
     samples: Sequence[ProgressSample],
     now: datetime,
     max_replicas: int | None = None,
+    reported_bound_s: float | None = None,
 ) -> tuple[Timeline, HistorySources]:
     """The job's timeline from ``created_at`` (or its first record, if earlier: the job
     ran before the supervisor saw it) to ``now``, or to its clean end when it finished.
-    See the module docstring for the mapping."""
+    A time an agent reported (a checkpoint's) moves the start at most `reported_bound_s`
+    before ``created_at`` (the supervisor's `agent_clock_skew_s`). See the module
+    docstring for the mapping."""
     end = ts(now)
-    first_seen = [ts(s.time) for s in samples] + [ts(c.time) - c.duration_s for c in checkpoints]
+    reported = [ts(c.time) - c.duration_s for c in checkpoints]
+    if reported and reported_bound_s is not None and created_at is not None:
+        earliest = ts(created_at) - reported_bound_s
+        reported = [max(t, earliest) for t in reported]
+    first_seen = [ts(s.time) for s in samples] + reported
     start: float | None = ts(created_at) if created_at is not None else None
     if first_seen and (start is None or min(first_seen) < start):
         start = min(first_seen)

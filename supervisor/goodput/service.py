@@ -114,6 +114,7 @@ class GoodputService:
             samples=[*history.samples, *live],
             now=utcnow(),
             max_replicas=view.max_num_dp_replicas if view is not None else None,
+            reported_bound_s=self.sensor.settings.agent_clock_skew_s,
         )
         # The store summarises the ranks' reports of one checkpoint: count what is stored.
         return timeline, replace(sources, checkpoint_reports=history.checkpoint_reports)

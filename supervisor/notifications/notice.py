@@ -27,6 +27,7 @@ CLEARS: Mapping[EventType, frozenset[EventType]] = {
         {EventType.HOST_HEARTBEAT_LOST, EventType.NODE_FLAPPING, EventType.NODE_NOT_READY}
     ),
     EventType.STRAGGLER_RECOVERED: frozenset({EventType.STRAGGLER}),
+    EventType.JOB_BUDGET_RESET: frozenset({EventType.JOB_GIVEN_UP}),
 }
 #: Events that stop training or take a node out, rather than inform.
 WARNING_EVENTS = NODE_FAILURE_EVENTS | {
@@ -94,11 +95,14 @@ def event_notice(event: Event) -> Notice:
         rank=event.rank,
         fault_id=event.fault_id,
         error=event.policy_error,
+        reason=str(event.details.get("reason") or ""),
         details=dict(event.details),
     )
 
 
 def event_severity(type_: EventType) -> Severity:
+    if type_ is EventType.JOB_GIVEN_UP:
+        return "critical"  # a job left broken: somebody must look
     return "warning" if type_ in WARNING_EVENTS else "info"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.ops import output
+from supervisor.ops.budget import add_reset_budget
 from supervisor.ops.client import Client, StreamMessage, api_path
 from supervisor.ops.config import (
     CA_ENV,
@@ -29,7 +30,9 @@ from supervisor.ops.config import (
 from supervisor.ops.errors import EXIT_CODES_HELP, CliError, ExitCode
 from supervisor.ops.output import Column, field
 
-COMMANDS = frozenset({"get", "describe", "inject", "end", "cordon", "uncordon", "watch", "config"})
+COMMANDS = frozenset(
+    {"get", "describe", "inject", "end", "cordon", "uncordon", "reset-budget", "watch", "config"}
+)
 
 ApiHandler = Callable[[Client, argparse.Namespace], None]
 #: Events shown under a node or job described.
@@ -202,6 +205,8 @@ def add_commands(sub: Any) -> None:
         command.add_argument("node", metavar="NODE")
         command.add_argument("--reason", help="Recorded with the action.")
         command.set_defaults(api_handler=_node_action, action_type=name)
+
+    add_reset_budget(sub, common, EXIT_CODES_HELP)
 
     watch = _command(
         sub,
@@ -394,6 +399,7 @@ NODE_COLUMNS = [
 ]
 JOB_COLUMNS = [
     field("NAME", "name"),
+    field("STATE", "state"),
     Column(
         "REPLICAS",
         lambda j: f"{j['num_dp_replicas']} ({j['min_num_dp_replicas']}-{j['max_num_dp_replicas']})",

@@ -49,12 +49,14 @@ from supervisor.event_details import EVENT_DETAILS, HangDetails
 from supervisor.metrics import Metrics
 from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.fault_marks import FaultMarks
+from supervisor.sensor.finishing import SensedPhase, ends_the_loop, phase, stuck
 from supervisor.sensor.progress import HangParams, JobProgress
 from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
 from supervisor.xid import HEALTH, classify
 
 NODE = "node"
 HANG = "hang"
+FINISHING = "finishing"  # a job's end, bounded by finishing_timeout_s
 STRAGGLERS = "stragglers"  # the periodic straggler check (one key, name "")
 WALL_OFFSET_TOLERANCE_S = 0.001
 DeadlineKey = tuple[str, str]
@@ -212,6 +214,8 @@ class JobRecord:
     progress: JobProgress
     nodes: set[str] = field(default_factory=set)
     hang_reported: bool = False
+    #: When its first worker left the loop (finishing.py); None while it runs.
+    finishing_since: float | None = None
     # rank -> the node whose last accepted heartbeat has it running or starting. A rank
     # moves to another node only once its holder stopped reporting it, or is not alive.
     claims: dict[int, str] = field(default_factory=dict)
@@ -404,7 +408,9 @@ class Sensor:
         if job is None:
             return
         job.progress.restarted()
+        job.finishing_since = None
         self._deadlines.disarm((HANG, job_name))
+        self._deadlines.disarm((FINISHING, job_name))
 
     def set_replicas(self, job_name: str, num_dp_replicas: int) -> JobView | None:
         job = self._jobs.get(job_name)
@@ -531,6 +537,15 @@ class Sensor:
             return None
         return max(0.0, wall_time() - node.last_heartbeat(self._wall_offset()))
 
+    def job_phase(self, job_name: str) -> SensedPhase | None:
+        """running, finishing or finished (supervisor/sensor/finishing.py); None: unknown."""
+        job = self._jobs.get(job_name)
+        if job is None:
+            return None
+        nodes = (self._nodes.get(n) for n in job.nodes)
+        workers = [w for n in nodes if n is not None and n.alive for w in n.workers]
+        return phase(job.finishing_since, workers)
+
     def hang_timeout_s(self, job_name: str) -> float | None:
         job = self._jobs.get(job_name)
         return job.progress.timeout_s if job and job.progress.watching else None
@@ -632,6 +647,8 @@ class Sensor:
         worker: WorkerReport,
         changes: Changes,
     ) -> None:
+        if node.job is not None and ends_the_loop(worker):
+            self._finishing(node.job)
         if worker.state is WorkerState.EXITED:
             changes.events.append(
                 self._event(
@@ -768,14 +785,29 @@ class Sensor:
     def _advanced(self, job: JobRecord, now: float) -> None:
         """The job made progress: watch it for a hang again from now."""
         job.hang_reported = False
-        if job.progress.watching:
+        if job.progress.watching and job.finishing_since is None:
             self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
 
     def _rearm_hang(self, job_name: str | None, now: float) -> None:
         """Watch the job for hangs again (after a lost node of it came back)."""
         job = self._jobs.get(job_name) if job_name else None
-        if job is not None and job.progress.watching and not job.hang_reported:
+        if (
+            job is not None
+            and job.progress.watching
+            and not job.hang_reported
+            and job.finishing_since is None
+        ):
             self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
+
+    def _finishing(self, job_name: str) -> None:
+        """A worker of the job left its loop: no hang watch from now, but the end's bound."""
+        job = self._jobs.get(job_name)
+        if job is None or job.finishing_since is not None:
+            return
+        now = self._deadlines.time()
+        job.finishing_since = now
+        self._deadlines.disarm((HANG, job_name))
+        self._deadlines.arm((FINISHING, job_name), now + self.settings.finishing_timeout_s)
 
     # --- membership ---------------------------------------------------------------------
 
@@ -877,6 +909,8 @@ class Sensor:
             self._node_lost(name, deadline, changes)
         elif kind == STRAGGLERS:
             self._check_stragglers(changes)
+        elif kind == FINISHING:
+            self._finishing_overdue(name, changes)
         else:
             self._job_hung(name, changes)
         if changes:
@@ -961,9 +995,33 @@ class Sensor:
                 )
             )
 
+    def _finishing_overdue(self, name: str, changes: Changes) -> None:
+        """`finishing_timeout_s` after the job began to end: a worker still finishing is
+        stuck, a hang of its own kind."""
+        job = self._jobs.get(name)
+        if job is None or job.finishing_since is None:
+            return
+        nodes = [(n, self._nodes[n]) for n in job.nodes if n in self._nodes]
+        found = stuck((n, node.workers) for n, node in nodes if node.alive)
+        if found is None:
+            return
+        node = self._nodes[found[0]]
+        now = self._deadlines.time()
+        changes.events.append(
+            self._event(
+                EventType.HANG,
+                node,
+                rank=found[1],
+                kind="finishing",
+                last_step=job.progress.max_step if job.progress.max_step >= 0 else None,
+                stalled_for_s=round(now - job.finishing_since, 3),
+                hang_timeout_s=self.settings.finishing_timeout_s,
+            )
+        )
+
     def _job_hung(self, name: str, changes: Changes) -> None:
         job = self._jobs.get(name)
-        if job is None or job.hang_reported:
+        if job is None or job.hang_reported or job.finishing_since is not None:
             return
         alive = [self._nodes[n] for n in job.nodes if n in self._nodes and self._nodes[n].alive]
         if not alive:
@@ -1043,7 +1101,7 @@ _step = operator.attrgetter("step")
 #: Worker states in which a job can hang: with none of them left, a stall is the end.
 _MAY_HANG = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
 #: Worker states that hold their rank: no other node may run it meanwhile.
-_CLAIMING = frozenset({WorkerState.RUNNING, WorkerState.STARTING})
+_CLAIMING = frozenset({WorkerState.RUNNING, WorkerState.STARTING, WorkerState.FINISHING})
 #: A node this many polling periods past its last heartbeat counts as silent.
 _SILENT_PERIODS = 1.5
 #: A deferred hang check runs this long after the silent node's heartbeat deadline.

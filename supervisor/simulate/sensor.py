@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+import msgspec
+
 from supervisor.config_parts import SensingSettings, WorkloadSettings
-from supervisor.domain import JobView, NodeView
+from supervisor.domain import JobView, NodeView, WorkerState
 from supervisor.metrics import Metrics
 from supervisor.sensor import Changes, Sensor
 from supervisor.sensor.sensor import HANG, NODE, STRAGGLERS, DeadlineKey
@@ -96,6 +98,8 @@ class SimulatedSensor(Sensor):
             if job is not None and step is not None:
                 job.progress.max_step = max(job.progress.max_step, step)
                 job.progress.last_progress = now
+                for node_name in job.nodes:
+                    self._stepping(node_name, step)
                 return now + job.progress.timeout_s
         return super()._extended(key, deadline)
 
@@ -112,12 +116,26 @@ class SimulatedSensor(Sensor):
         return super().snapshot()
 
     def _heard(self, names: Iterable[str]) -> None:
-        """Nodes that heartbeat were heard from just now (their last heartbeat is read)."""
+        """Nodes that heartbeat were heard from just now (their last heartbeat is read,
+        with their running workers at the step their job is at)."""
         now = self._clock()
         for name in list(names):
             node = self._nodes.get(name)
             if node is not None and node.alive and self.cluster.heartbeating(name):
                 node.last_seen = now
+                step = self.cluster.progressing(node.job) if node.job is not None else None
+                if step is not None:
+                    self._stepping(name, step)
+
+    def _stepping(self, node_name: str, step: int) -> None:
+        """The node's running workers report `step`, as their heartbeats would."""
+        node = self._nodes.get(node_name)
+        if node is None or not node.alive:
+            return
+        node.workers = [
+            msgspec.structs.replace(w, step=step) if w.state is WorkerState.RUNNING else w
+            for w in node.workers
+        ]
 
 
 __all__ = ["HANG", "Liveness", "SimulatedSensor"]

@@ -123,6 +123,8 @@ class EventRow(Base):
     handled_at: Mapped[datetime | None]
     # The policy raised on this event (it then decided nothing): what it raised.
     policy_error: Mapped[str | None] = mapped_column(String(2000))
+    # Attached to the incident of this remedy: handled with no action of its own.
+    incident_action_id: Mapped[int | None] = mapped_column(Id)
 
 
 class ActionRow(Base):
@@ -152,6 +154,9 @@ class ActionRow(Base):
     finished_at: Mapped[datetime | None]
     # Recorded by a dry-run supervisor: what it would have done, nothing was done.
     dry_run: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Ids of the events attached to this remedy's incident, in the order they came.
+    # (Null on rows from before the column: none.)
+    attached_events: Mapped[list[int] | None] = mapped_column(JSON, default=list)
 
 
 class CounterRow(Base):

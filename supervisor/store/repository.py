@@ -34,6 +34,7 @@ from supervisor.domain import (
 )
 from supervisor.errors import SupervisorError
 from supervisor.notifications.notice import Delivery, DeliveryStatus, NewDelivery, Notice
+from supervisor.store.incidents import attach_event
 from supervisor.store.models import (
     ActionRow,
     CheckpointReportRow,
@@ -378,6 +379,13 @@ class Store:
         if request.job:
             self._bump(session, self._job_scope, request.job, request.type.value, now)
         return row
+
+    def attach_event(self, event_id: int, action_id: int) -> ActionRecord | None:
+        """Attach the event to the incident of the action (store/incidents.py): the action
+        as it stands then, or None when the event was handled already."""
+        failures = (NODE_SCOPE, FAILURES)  # the incident counts once against its node
+        attached = attach_event(self._sessions, event_id, action_id, failures=failures)
+        return self.get_action(action_id) if attached else None
 
     def get_action(self, action_id: int) -> ActionRecord | None:
         with self._sessions() as session:
@@ -832,6 +840,7 @@ def _event(row: EventRow) -> Event:
         details=row.details or {},
         fault_id=row.fault_id,
         policy_error=row.policy_error,
+        incident_action_id=row.incident_action_id,
     )
 
 
@@ -855,6 +864,7 @@ def _action(row: ActionRow) -> ActionRecord:
         started_at=row.started_at,
         finished_at=row.finished_at,
         dry_run=row.dry_run,
+        attached_events=tuple(row.attached_events or ()),
     )
 
 

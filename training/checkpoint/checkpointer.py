@@ -597,6 +597,8 @@ class Checkpointer:
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for the save in flight, then release the peer client and the optimizer
         hook."""
+        if self.client is not None:
+            self.client.finishing()
         self._saver.wait(timeout_s)
         if self._hook is not None:
             self._hook.remove()

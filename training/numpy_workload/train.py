@@ -171,6 +171,7 @@ class Trainer:
                 self.save(state, "local")
             if cfg.durable_freq and state.step % cfg.durable_freq == 0:
                 self.save(state, "durable")
+        self.client.finishing()  # out of the loop: its output is no hang
         if cfg.replica == 0:
             path = write_output(cfg.output_dir, cfg.shard, state.w)
             self.say(f"done step={state.step} output={path}")

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
+from fastapi.exceptions import RequestValidationError
 from pydantic import (
     AfterValidator,
     AwareDatetime,
@@ -25,6 +26,7 @@ from pydantic import (
     field_validator,
 )
 
+from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
 from supervisor.api.routes.common import check_known
 from supervisor.api.schemas import JsonFloat, JsonInt, Name, date_time_text, in_utc
@@ -68,7 +70,9 @@ class CheckpointReportIn(BaseModel):
     )
     tier: CheckpointTier = Field(description="For a load: the tier that served it.")
     time: Annotated[AwareDatetime, BeforeValidator(date_time_text), AfterValidator(in_utc)] = Field(
-        description="When the save or load finished (with a zone)."
+        description="When the save or load finished (with a zone): within "
+        "`agent_clock_skew_s` of the supervisor's clock, or, when the batch says when it "
+        "was sent (`sent_at`), at most a week before that."
     )
     bytes: JsonInt | None = Field(
         None, ge=0, le=MAX_BYTES, description="Size of this rank's checkpoint, when known."
@@ -115,6 +119,14 @@ class CheckpointBatchIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reports: list[CheckpointReportIn] = Field(min_length=1, max_length=MAX_BATCH)
+    sent_at: (
+        Annotated[AwareDatetime, BeforeValidator(date_time_text), AfterValidator(in_utc)] | None
+    ) = Field(
+        None,
+        description="When the host monitor sent this batch, by its clock: checked against "
+        "`agent_clock_skew_s`; the reports' times are then checked against it, so that "
+        "reports a host monitor kept while the supervisor was down are still taken.",
+    )
 
 
 class CheckpointBatchAck(BaseModel):
@@ -166,6 +178,26 @@ async def report_checkpoints(
 ) -> CheckpointBatchAck:
     for i, report in enumerate(body.reports):
         check_node(supervisor, agent, report.node, f"reports.{i}.node")
+    skew = supervisor.settings.agent_clock_skew_s
+    try:
+        if body.sent_at is None:  # a host monitor that does not say: each time as it is
+            for i, report in enumerate(body.reports):
+                agent_time(report.time, ("reports", i, "time"), max_skew_s=skew)
+        else:
+            # The agent's clock is checked on the send; a report may be old (kept in its
+            # outbox while the supervisor was down), never newer than its send.
+            sent = agent_time(body.sent_at, ("sent_at",), max_skew_s=skew)
+            for i, report in enumerate(body.reports):
+                agent_time(
+                    report.time,
+                    ("reports", i, "time"),
+                    max_skew_s=skew,
+                    now=sent,
+                    max_age_s=max(MAX_SECONDS, skew),
+                )
+    except AgentTimeError as exc:
+        error = {"loc": ("body", *exc.loc), "msg": exc.message, "type": "value_error"}
+        raise RequestValidationError([error]) from None
     reports = [r.to_domain() for r in body.reports]
     new, duplicates = await asyncio.to_thread(
         supervisor.store.record_new_checkpoint_reports, reports

@@ -7,6 +7,8 @@ from fastapi import APIRouter, HTTPException
 from supervisor.api.deps import Reader, SupervisorDep
 from supervisor.api.schemas import JobOut, NodeOut
 from supervisor.domain import NodeState
+from supervisor.job_state import job_state
+from supervisor.runtime import Supervisor
 
 router = APIRouter(prefix="/api/v1", tags=["cluster"], dependencies=[Reader])
 
@@ -46,15 +48,29 @@ async def list_jobs(supervisor: SupervisorDep) -> list[JobOut]:
     sensor = supervisor.sensor
     out = []
     for name in sensor.job_names():
-        view = sensor.job_view(name)
-        assert view is not None
-        out.append(JobOut.of(view, sensor.hang_timeout_s(name)))
+        out.append(job_out(supervisor, name))
     return out
 
 
 @router.get("/jobs/{name}", response_model=JobOut, summary="One job")
 async def get_job(supervisor: SupervisorDep, name: str) -> JobOut:
-    view = supervisor.sensor.job_view(name)
-    if view is None:
+    if supervisor.sensor.job_view(name) is None:
         raise HTTPException(404, f"job {name!r} not found")
-    return JobOut.of(view, supervisor.sensor.hang_timeout_s(name))
+    return job_out(supervisor, name)
+
+
+def job_out(supervisor: Supervisor, name: str) -> JobOut:
+    sensor = supervisor.sensor
+    view = sensor.job_view(name)
+    assert view is not None
+    budgets = supervisor.controller.budgets
+    nodes = {n: v for n in view.nodes if (v := sensor.node_view(n)) is not None}
+    budgets.observe(name, nodes, {name: view})  # progress since its last remedy, if any
+    state = job_state(sensor, supervisor.remedies, budgets, name)
+    return JobOut.of(
+        view,
+        sensor.hang_timeout_s(name),
+        state,
+        given_up_reason=budgets.given_up(name),
+        no_progress_restarts=budgets.counts().get(name, 0),
+    )

@@ -18,7 +18,8 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from resiliency_protocol.heartbeat import HeartbeatError, parse_heartbeat
+from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
+from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.identity.authenticator import AgentAuthenticator, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
@@ -44,6 +45,7 @@ class HeartbeatEndpoint:
         # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
         # what it already validated for the node; it changes nothing if it is invalid.
         self._ingest = supervisor.sensor.ingest
+        self._max_skew_s = supervisor.settings.agent_clock_skew_s
         counter = supervisor.metrics.heartbeats_rejected
         self._rejected = {reason: counter.labels(reason.value) for reason in HeartbeatRejection}
 
@@ -105,6 +107,13 @@ class HeartbeatEndpoint:
             self._refused["other_node"] += 1
             await _reply(send, 403, _error(other_node(hb.node, principal.node)))
             return
+        if hb.gpu_reports:  # rare: the times an agent sends, by the one rule
+            try:
+                _check_times(hb, self._max_skew_s)
+            except AgentTimeError as exc:
+                self._rejected[HeartbeatRejection.INVALID].inc()
+                await _invalid(send, HeartbeatError(exc.loc, exc.message))
+                return
         try:
             # Inline, not deferred: queuing the heartbeats of one loop turn to parse and apply
             # them together (warmer caches) cost more in futures and wake-ups than it saved,
@@ -146,6 +155,13 @@ class HeartbeatEndpoint:
             # servers read them and never change them.
             await send(_NO_CONTENT_START)
             await send(_NO_CONTENT_BODY)
+
+
+def _check_times(hb: HostHeartbeat, max_skew_s: float) -> None:
+    """Each GPU report's time by the rule of supervisor/agent_time.py."""
+    for i, report in enumerate(hb.gpu_reports):
+        if report.time is not None:
+            agent_time(report.time, ("gpu_reports", i, "time"), max_skew_s=max_skew_s)
 
 
 def other_node(node: str, own: str) -> str:

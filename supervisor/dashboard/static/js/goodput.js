@@ -31,6 +31,7 @@ export class Goodput {
     this.sizing = {};
     this.timer = null;
     this.generation = 0;
+    this.state = null; // the job's state (GET /api/v1/jobs/{job})
     this.select.addEventListener("change", () => {
       this.job = this.select.value;
       this.load();
@@ -68,11 +69,14 @@ export class Goodput {
     const job = this.job;
     const generation = ++this.generation;
     const name = encodeURIComponent(job);
-    const [goodput, advice] = await Promise.allSettled([
+    const [goodput, advice, view] = await Promise.allSettled([
       api(`/api/v1/jobs/${name}/goodput${query({ points: POINTS })}`),
       api(`/api/v1/jobs/${name}/advice${query(this.sizing)}`),
+      api(`/api/v1/jobs/${name}`),
     ]);
     if (generation !== this.generation) return;
+    const reason = view.status === "fulfilled" ? view.value.given_up_reason : null;
+    this.state = view.status === "fulfilled" ? view.value.state + (reason ? `: ${reason}` : "") : null;
     const open = new Set([...document.querySelectorAll("#goodput-section details[open]")].map((d) => d.dataset.key));
     if (goodput.status === "fulfilled") this.renderGoodput(goodput.value);
     else this.panel.replaceChildren(h("p", { class: "error" }, `Could not compute goodput: ${goodput.reason.message}`));
@@ -114,6 +118,7 @@ export class Goodput {
       h(
         "tbody",
         {},
+        fact("State", this.state ?? "—"),
         fact("Wall time", duration(g.wall_s)),
         fact("Failures", g.failures),
         fact("Starts", g.attempts),

@@ -1,0 +1,58 @@
+"""A job's end: its workers leave the training loop and finish (a last save, the output).
+
+A worker that says it is finishing (state `finishing`, which the training side reports
+from the worker client's or the Checkpointer's `close`) puts its job in its end phase:
+from then on the job is not watched for hangs (a stalled step is what an end looks
+like), but by a bound of its own, `finishing_timeout_s` from the first such report: a
+worker still finishing then, or still running, is stuck, and raises a `hang` of kind
+`finishing`. A remedy (a restart) starts the job over: running again.
+
+The phase the job is in, as the sensor sees it, is `running`, `finishing` (it began to
+end, and some worker is still at work) or `finished` (none left at work, and it ended:
+some worker finished or exited with success).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+from resiliency_protocol.heartbeat import WorkerReport
+from resiliency_protocol.states import WorkerState
+
+SensedPhase = Literal["running", "finishing", "finished"]
+
+#: Worker states that are still at work (or may be: lost from view).
+_ALIVE = frozenset(
+    {WorkerState.STARTING, WorkerState.RUNNING, WorkerState.LOST, WorkerState.FINISHING}
+)
+#: Still at work when the end's bound passed: stuck (finishing ones named first).
+_STUCK = (WorkerState.FINISHING, WorkerState.RUNNING, WorkerState.STARTING)
+
+
+def ends_the_loop(worker: WorkerReport) -> bool:
+    """This worker said it left its training loop."""
+    return worker.state is WorkerState.FINISHING
+
+
+def phase(finishing_since: float | None, workers: Iterable[WorkerReport]) -> SensedPhase:
+    """The job's phase from when it began to finish (None: it did not say so) and the
+    workers its alive nodes report."""
+    workers = list(workers)
+    if any(w.state in _ALIVE for w in workers):
+        return "running" if finishing_since is None else "finishing"
+    ended = finishing_since is not None or any(
+        w.state is WorkerState.EXITED and w.exit_code == 0 for w in workers
+    )
+    return "finished" if ended else "running"
+
+
+def stuck(nodes: Iterable[tuple[str, Iterable[WorkerReport]]]) -> tuple[str, int] | None:
+    """(node, rank) of a worker still at work, among (node, its workers): one still
+    finishing first, else one still running or starting."""
+    at_work = [(name, w) for name, workers in nodes for w in workers if w.state in _STUCK]
+    for state in _STUCK:
+        found = sorted((name, w.rank) for name, w in at_work if w.state is state)
+        if found:
+            return found[0]
+    return None

@@ -1,0 +1,193 @@
+"""One incident, one remedy: events a remedy's fault goes on raising while it runs are
+attached to its incident (recorded, no action of their own, listed on the remedy); another
+node's failure gets its own remedy after it; a new failure after it escalates. Over HTTP,
+as host monitors report and operators read."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from supervisor.actuator import DryRunBackend
+from supervisor.domain import ActionRecord, ActionType, utcnow
+from tests.conftest import SettingsFactory
+from tests.test_api import Api, running
+
+
+class SlowRestarts(DryRunBackend):
+    """Does nothing, as a dry run, but a restart takes `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        if action.type in (ActionType.RESTART_IN_PLACE, ActionType.RESTART_WORKLOAD):
+            await asyncio.sleep(self.seconds)
+        return await super().execute(action)
+
+
+def beat(node: str, step: int, state: str = "running", pid: int = 0, **worker: Any) -> Any:
+    rank = int(node.lstrip("n"))
+    report = {
+        "rank": rank,
+        "local_rank": 0,
+        "pid": pid or 100 + rank,
+        "state": state,
+        "step": step,
+        **worker,
+    }
+    return {"node": node, "state": "running", "job": "j1", "workers": [report]}
+
+
+async def send(api: Api, *bodies: Any) -> None:
+    for body in bodies:
+        assert (await api.beat(body)).status_code in (202, 204), body
+
+
+async def train(api: Api, steps: int, nodes: tuple[str, ...] = ("n0", "n1")) -> None:
+    for step in range(1, steps + 1):
+        await send(api, *(beat(n, step) for n in nodes))
+        await asyncio.sleep(0.02)
+
+
+async def until(predicate: Any, within: float = 10.0) -> Any:
+    for _ in range(int(within / 0.05)):
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def actions(api: Api) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = (await api.get("/api/v1/actions", limit=100))["items"]
+    return items[::-1]
+
+
+async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(
+        heartbeat_polling_period_s=0.05,
+        heartbeat_timeout_s=30,
+        hang_timeout_s=0.3,
+        hang_warmup_intervals=0,
+    )
+    async with running(settings, backend=SlowRestarts(1.0)) as api:
+        await train(api, 8)
+
+        async def remedy_running() -> Any:
+            await send(api, beat("n0", 8), beat("n1", 8))
+            return [a for a in await actions(api) if a["type"] == "restart_in_place"]
+
+        (restart,) = await until(remedy_running)  # the hang's remedy, now running
+        # The hung worker then crashes, while its remedy runs.
+        await send(api, beat("n0", 8, state="exited", exit_code=137), beat("n1", 8))
+        await api.settle()
+        (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+        (crash,) = (await api.get("/api/v1/events", type="worker_exited"))["items"]
+        assert [a["type"] for a in await actions(api)] == [
+            "emergency_checkpoint",
+            "restart_in_place",
+        ]
+        assert restart["event_id"] == hang["id"]
+        assert crash["incident_action_id"] == restart["id"]
+        listed = await api.get(f"/api/v1/actions/{restart['id']}")
+        assert listed["attached_events"] == [crash["id"]]
+
+        # The worker the remedy started (another pid) fails afterwards: a new failure,
+        # which escalates as usual.
+        await send(api, beat("n0", 8, pid=500), beat("n1", 8))
+        await send(api, beat("n0", 8, state="exited", exit_code=1, pid=500), beat("n1", 8))
+        await api.settle()
+        kinds = [a["type"] for a in await actions(api)]
+        assert kinds.count("restart_in_place") == 2, kinds
+        newest = (await api.get("/api/v1/events", type="worker_exited"))["items"][0]
+        assert newest["incident_action_id"] is None
+
+
+async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
+    make_settings: SettingsFactory,
+) -> None:
+    settings = make_settings(heartbeat_polling_period_s=0.05, heartbeat_timeout_s=0.5)
+    spare = {"node": "s1", "state": "spare"}
+    async with running(settings, backend=SlowRestarts(1.5)) as api:
+        await send(api, spare)
+        await train(api, 5, ("n0", "n1", "n2"))
+        # n0's worker crashes: the job restarts in place (1.5 s here).
+        crashed = beat("n0", 5, state="exited", exit_code=1)
+
+        async def restart_running() -> Any:
+            await send(api, crashed, beat("n1", 5), beat("n2", 5), spare)
+            return [a for a in await actions(api) if a["type"] == "restart_in_place"]
+
+        await until(restart_running)
+        # Meanwhile n2's worker ends on a collective timeout (exit 3), and n1 goes silent
+        # (lost after 0.5 s): the first is the same incident, the second a node of its own.
+        peer_gone = beat("n2", 5, state="exited", exit_code=3)
+
+        async def swapped() -> Any:
+            await send(api, crashed, peer_gone, spare)
+            done = await actions(api)
+            return done if any(a["type"] == "hot_swap" for a in done) else None
+
+        done = await until(swapped)
+        assert [(a["type"], a["node"]) for a in done] == [
+            ("emergency_checkpoint", None),
+            ("restart_in_place", "n0"),
+            ("emergency_checkpoint", None),
+            ("hot_swap", "n1"),
+        ], done
+        restart, swap = done[1], done[3]
+        assert swap["created_at"] >= restart["finished_at"]  # after it, not beside it
+        (lost,) = (await api.get("/api/v1/events", type="host_heartbeat_lost", node="n1"))["items"]
+        assert lost["incident_action_id"] is None and swap["event_id"] == lost["id"]
+        (peer,) = (await api.get("/api/v1/events", type="worker_exited", node="n2"))["items"]
+        assert peer["incident_action_id"] is not None
+
+
+async def test_a_node_failing_again_during_its_remedy_counts_once_against_it(
+    make_settings: SettingsFactory,
+) -> None:
+    """ECC errors that keep coming while the job restarts for the first are one failure
+    of the node: the next incident is its second, not its fourth."""
+    settings = make_settings(
+        heartbeat_polling_period_s=0.05,
+        heartbeat_timeout_s=0.5,
+        max_workload_restarts=2,
+        gpu_report_cooldown_s=0,
+    )
+    spare = {"node": "s1", "state": "spare"}
+    async with running(settings, backend=SlowRestarts(1.0)) as api:
+        await train(api, 5)
+
+        def ecc(count: int) -> Any:
+            report = {"kind": "ecc", "gpu": 0, "count": count, "time": utcnow().isoformat()}
+            return {**beat("n0", 5), "gpu_reports": [report]}
+
+        async def restarts() -> list[dict[str, Any]]:
+            return [a for a in await actions(api) if a["type"] == "restart_workload"]
+
+        await send(api, ecc(1), beat("n1", 5), spare)
+        await until(lambda: keep_up(api, restarts, spare))
+        await send(api, ecc(2), beat("n1", 5), spare)  # while it restarts
+        await send(api, ecc(3), beat("n1", 5), spare)
+        # The restart ends; the detection lag (0.55 s here) passes.
+        for _ in range(40):
+            await send(api, beat("n0", 5), beat("n1", 5), spare)
+            await asyncio.sleep(0.05)
+        await send(api, ecc(4), beat("n1", 5), spare)  # a new incident
+        second = await until(lambda: keep_up(api, restarts, spare, count=2))
+        assert "2 failures <= max_workload_restarts=2" in second[1]["reason"], second
+        events = (await api.get("/api/v1/events", type="gpu_ecc"))["items"][::-1]
+        attached = [e["incident_action_id"] for e in events]
+        assert attached == [None, second[0]["id"], second[0]["id"], None], events
+
+
+async def keep_up(api: Api, find: Any, spare: Any, count: int = 1) -> Any:
+    """Heartbeats go on while waiting for `count` actions `find` returns."""
+    await send(api, beat("n0", 5), beat("n1", 5), spare)
+    found = await find()
+    return found if len(found) >= count else None

@@ -1,0 +1,114 @@
+"""A job's end is a state: workers that left their loop report `finishing`, the job is not
+watched for hangs then (only bounded by `finishing_timeout_s`), and its state reads
+finishing, then finished. Over HTTP, as host monitors and operators use the API."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import SettingsFactory
+from tests.test_api import Api, running
+
+HANG_S = 0.3
+
+
+def beat(node: str, job: str, state: str, step: int, **worker: Any) -> dict[str, Any]:
+    rank = int(node.lstrip("n"))
+    report = {"rank": rank, "local_rank": 0, "pid": 100 + rank, "state": state, "step": step}
+    return {"node": node, "state": "running", "job": job, "workers": [{**report, **worker}]}
+
+
+@pytest.fixture
+async def api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
+    settings = make_settings(
+        heartbeat_polling_period_s=0.05,
+        heartbeat_timeout_s=30,
+        hang_timeout_s=HANG_S,
+        hang_warmup_intervals=0,
+        finishing_timeout_s=1.5,
+    )
+    async with running(settings) as a:
+        yield a
+
+
+async def train(api: Api, job: str, steps: int) -> None:
+    for step in range(1, steps + 1):
+        for node in ("n0", "n1"):
+            assert (await api.beat(beat(node, job, "running", step))).status_code in (202, 204)
+        await asyncio.sleep(0.02)
+
+
+async def hold(api: Api, job: str, state: str, step: int, seconds: float, **worker: Any) -> None:
+    """Both nodes report their worker in `state` for `seconds`, each polling period."""
+    for _ in range(int(seconds / 0.05)):
+        for node in ("n0", "n1"):
+            assert (await api.beat(beat(node, job, state, step, **worker))).status_code in (
+                202,
+                204,
+            )
+        await asyncio.sleep(0.05)
+
+
+async def state_of(api: Api, job: str) -> str:
+    view = await api.get(f"/api/v1/jobs/{job}")
+    assert isinstance(view["state"], str)
+    return view["state"]
+
+
+async def test_ten_normal_finishes_in_a_row_raise_no_hang_and_take_no_action(api: Api) -> None:
+    for i in range(10):
+        job = f"job-{i}"
+        await train(api, job, 8)
+        assert await state_of(api, job) == "running"
+        # Its last save and its output take several hang timeouts, at the last step.
+        await hold(api, job, "finishing", 8, 4 * HANG_S)
+        assert await state_of(api, job) == "finishing"
+        await hold(api, job, "exited", 8, 0.1, exit_code=0)
+        await api.settle()
+        assert await state_of(api, job) == "finished"
+        jobs = {j["name"]: j["state"] for j in await api.get("/api/v1/jobs")}
+        assert jobs[job] == "finished"
+    events = (await api.get("/api/v1/events", limit=1000))["items"]
+    kinds = {(e["type"], e["details"].get("exit_code")) for e in events}
+    assert kinds == {("worker_exited", 0)}, events  # the finish, nothing else
+    assert (await api.get("/api/v1/actions"))["items"] == []
+
+
+async def test_a_job_that_stalls_while_running_still_hangs(api: Api) -> None:
+    """The same stall with its workers still in their loop is a hang (the check above
+    could not pass by hang detection being off)."""
+    await train(api, "j1", 8)
+    await hold(api, "j1", "running", 8, 4 * HANG_S)
+    await api.settle()
+    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+    assert hang["details"].get("kind") is None and hang["details"]["last_step"] == 8
+
+
+async def test_a_worker_stuck_finishing_is_a_hang_of_its_own_kind(api: Api) -> None:
+    await train(api, "j1", 8)
+    await hold(api, "j1", "finishing", 8, 1.0)
+    assert (await api.get("/api/v1/events", type="hang"))["items"] == []
+    await hold(api, "j1", "finishing", 8, 1.0)  # past finishing_timeout_s (1.5 s)
+    await api.settle()
+    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+    assert hang["details"]["kind"] == "finishing", hang
+    assert hang["details"]["hang_timeout_s"] == 1.5 and hang["details"]["last_step"] == 8
+    assert hang["node"] == "n0" and hang["rank"] == 0
+
+
+async def test_a_rank_still_at_work_past_the_ends_bound_is_a_hang(api: Api) -> None:
+    """n0 finished; n1 never left its loop and stands still: not a silent end."""
+    await train(api, "j1", 8)
+    finishing, ended = beat("n0", "j1", "finishing", 8), beat("n0", "j1", "exited", 8, exit_code=0)
+    for i in range(int(2.5 / 0.05)):
+        await api.beat(finishing if i < 5 else ended)
+        await api.beat(beat("n1", "j1", "running", 8))
+        await asyncio.sleep(0.05)
+    await api.settle()
+    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+    assert hang["details"]["kind"] == "finishing" and (hang["node"], hang["rank"]) == ("n1", 1)
+    assert await state_of(api, "j1") != "finished"
