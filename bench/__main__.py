@@ -383,7 +383,41 @@ def checkpoint_rows() -> list[Row]:
         ]
     else:
         rows.append(Row("  peer restore", res.peer_error or "not measured", verdict="FAIL"))
-    return rows
+    return rows + sharded_checkpoint_rows()
+
+
+RESHARDED_RESTORE_TARGET = 1.5
+
+
+def sharded_checkpoint_rows() -> list[Row]:
+    from bench import sharded_checkpoint
+
+    cfg = sharded_checkpoint.ShardedConfig()
+    res = sharded_checkpoint.run(cfg)
+    gb = res.state_bytes / 1e9
+    blocking = statistics.median(res.blocking_s)
+    ratio = res.resharded_restore_s / res.same_layout_restore_s
+    return [
+        Row(
+            f"Checkpoint, FSDP2 {cfg.world} ranks, {res.params / 1e6:.0f}M params + Adam "
+            f"({gb:.2f} GB): blocking per async save (median, slowest rank)",
+            f"{blocking:.3f} s = {blocking / res.sync_dcp_save_s:.1%} of sync DCP",
+            f"sync collective DCP save {res.sync_dcp_save_s:.2f} s",
+            f"<= {CHECKPOINT_BLOCKING_TARGET:.0%} of sync DCP",
+            verdict(blocking <= CHECKPOINT_BLOCKING_TARGET * res.sync_dcp_save_s),
+        ),
+        Row("  ram save, summed over ranks (MiB/s)", f"{res.save_mib_s['ram']:,.0f}"),
+        Row("  durable save, summed over ranks (MiB/s)", f"{res.save_mib_s['durable']:,.0f}"),
+        Row("  ram load, same layout (MiB/s)", f"{res.ram_load_mib_s:,.0f}"),
+        Row("  durable load, same layout (MiB/s)", f"{res.durable_load_mib_s:,.0f}"),
+        Row(
+            f"  restore resharded {cfg.world} -> {cfg.resharded_world} ranks (durable)",
+            f"{res.resharded_restore_s:.2f} s = {ratio:.2f}x same layout",
+            f"same-layout restore from durable {res.same_layout_restore_s:.2f} s",
+            f"<= {RESHARDED_RESTORE_TARGET:g}x",
+            verdict(ratio <= RESHARDED_RESTORE_TARGET and res.resharded_tier == "durable"),
+        ),
+    ]
 
 
 def machine_line() -> str:
