@@ -152,3 +152,45 @@ def test_hsdp_node_down_loses_no_step(start_demo: Callable[..., LocalDemo], tmp_
     # Every shard of the step the survivors saved exists in the whole replica group: the
     # job resumes from it, the replacement reading its shard from the other replica's.
     assert resumes and {step for step, _ in resumes} == {saved}, (saved, resumes)
+
+
+def test_fsdp_job_scales_down_and_back_up_resharding_its_state(
+    start_demo: Callable[..., LocalDemo],
+) -> None:
+    """No spare: the FSDP job of 2 ranks shrinks to 1 (its state resharded onto one rank)
+    and grows back to 2 once the node is repaired (resharded again), training on."""
+    demo = start_demo(
+        spares=0,
+        node_repair_s=2.0,
+        total_steps=100_000,
+        parallelism="fsdp",
+        in_memory_checkpointing_freq=5,
+        s3_checkpointing_freq=5,
+        workload_env=dict(TORCH_ENV, OMP_NUM_THREADS="1", COLLECTIVE_TIMEOUT_S="8"),
+    )
+    wait_for(lambda: job_step(demo) >= 12, within=120, what="training to reach step 12")
+    victim = demo.options.nodes[0]
+    inject(demo, kind="node_down", node=victim)
+    down = wait_for(lambda: finished_actions(demo, 2), within=120, what="the scale-down")
+    assert [(a["type"], a["status"]) for a in down] == [
+        ("emergency_checkpoint", "succeeded"),
+        ("scale_down", "succeeded"),
+    ], down
+    assert demo.api("/api/v1/jobs/demo")["num_dp_replicas"] == 1
+    resumed_at = job_step(demo)
+    wait_for(lambda: job_step(demo) > resumed_at + 3, within=120, what="training on one rank")
+    one_rank = [r for r in resumed_steps(demo) if r[0] > 0]
+    assert one_rank, "the single rank resumed from no checkpoint"
+
+    wait_for(lambda: demo.repair_nodes() == [victim], within=30, what="the repair")
+    up = wait_for(
+        lambda: [a for a in finished_actions(demo, 5) if a["type"] == "scale_up"],
+        within=120,
+        what="the scale-up",
+    )
+    assert [a["status"] for a in up] == ["succeeded"]
+    assert demo.api("/api/v1/jobs/demo")["num_dp_replicas"] == 2
+    step = job_step(demo)
+    wait_for(lambda: job_step(demo) > step + 3, within=120, what="training on two ranks again")
+    # Both resizes resumed from a checkpoint, none from step 0.
+    assert all(s > 0 for s, _ in resumed_steps(demo)), resumed_steps(demo)
