@@ -7,6 +7,7 @@ compares the final weights, by hash, with a run that was never interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -360,6 +361,12 @@ PEER_JOB = "torchjob"
 
 @pytest.fixture
 def monitors(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    with peer_monitors(tmp_path) as found:
+        yield found
+
+
+@contextlib.contextmanager
+def peer_monitors(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """Host monitors node-a, node-b (partners of each other) and a spare, node-s, whose
     partner is node-a (it takes node-b's place)."""
     from tests.test_host_monitor import WORKER_TOKEN, Cluster

@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.test_checkpoint_tiers import on_nodes, peer_monitors, wait_pushed  # noqa: E402
 from tests.test_worker_client import free_port  # noqa: E402
 from training.checkpoint import format as fmt  # noqa: E402
 from training.checkpoint import global_view  # noqa: E402
@@ -38,6 +39,8 @@ def run_job(
     steps: int = STEPS,
     stop_at: int = 0,
     env: Mapping[str, str] | None = None,
+    extra_env: Mapping[int, Mapping[str, str]] | None = None,
+    ram_dirs: Mapping[int, Path] | None = None,
     timeout_s: float = 240,
 ) -> dict[int, dict[str, Any]]:
     """Run the job's `world` ranks to their end; {rank: its result}."""
@@ -65,10 +68,11 @@ def run_job(
                 "JOB_RESULT": str(out / f"rank-{rank}.json"),
                 "IN_MEMORY_CHECKPOINTING_FREQ": "5",
                 "S3_CHECKPOINTING_FREQ": "10",
-                "CHECKPOINT_RAM_DIR": str(tmp / "ram" / f"node-{rank}"),
+                "CHECKPOINT_RAM_DIR": str((ram_dirs or {}).get(rank, tmp / "ram" / f"node-{rank}")),
                 "CHECKPOINT_DURABLE_DIR": str(tmp / "durable"),
                 "SYNC_FILES": "false",
                 **(env or {}),
+                **((extra_env or {}).get(rank, {})),
             },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -202,5 +206,29 @@ def test_a_corrupted_shard_is_read_from_another_tier(tmp_path: Path, fsdp_refere
     second = run_job(tmp_path, "second", 2)
     assert one(second, "restored") == 10
     assert second[1]["sources"] == {"1": "durable"}
+    assert second[0]["sources"] == {"0": "ram"}
+    assert one(second, "full_sha256") == fsdp_reference
+
+
+@pytest.fixture
+def monitors(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    with peer_monitors(tmp_path) as found:
+        yield found
+
+
+def test_fsdp_rank_on_an_empty_spare_reads_its_shard_from_the_partners_copy(
+    tmp_path: Path, fsdp_reference: str, monitors: dict[str, Any]
+) -> None:
+    """No durable tier: a lost node's shard exists only in its partner's copy (real host
+    monitors, the peer tier on). The spare that takes its rank fetches it; both ranks
+    agree on that step and the run ends as one never interrupted."""
+    ram_only = {"S3_CHECKPOINTING_FREQ": "0"}
+    placed = on_nodes(tmp_path, monitors, ["node-a", "node-b"])
+    run_job(tmp_path, "first", 2, stop_at=17, env=ram_only, **placed)
+    wait_pushed(monitors, "node-b", 1, 15)
+    moved = on_nodes(tmp_path, monitors, ["node-a", "node-s"])  # node-b is gone
+    second = run_job(tmp_path, "second", 2, env=ram_only, **moved)
+    assert one(second, "restored") == 15
+    assert second[1]["sources"] == {"1": "peer"}
     assert second[0]["sources"] == {"0": "ram"}
     assert one(second, "full_sha256") == fsdp_reference

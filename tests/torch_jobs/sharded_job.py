@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from training.checkpoint import Checkpointer, CheckpointSettings
+from training.worker_client import WorkerClient
 
 
 class DataPosition:
@@ -93,12 +94,15 @@ def main() -> int:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     position = DataPosition()
+    client = WorkerClient.from_env()  # offline without HOST_MONITOR_URL
+    client.register(world_size=world)
     ckpt = Checkpointer(
         model,
         optimizer,
         extra={"data": position},
         settings=CheckpointSettings.from_env(),
-        job="sharded-test",
+        client=client if client.online else None,
+        job=os.environ.get("HOST_MONITOR_JOB") or "sharded-test",
     )
     start = ckpt.restore()
     restored = ckpt.last_restore
@@ -129,6 +133,7 @@ def main() -> int:
         "saves": [[r.step, r.tier, r.error] for r in ckpt.save_results],
     }
     Path(os.environ["JOB_RESULT"]).write_text(json.dumps(result))
+    client.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
