@@ -406,6 +406,12 @@ def sharded_checkpoint_rows() -> list[Row]:
             f"<= {CHECKPOINT_BLOCKING_TARGET:.0%} of sync DCP",
             verdict(blocking <= CHECKPOINT_BLOCKING_TARGET * res.sync_dcp_save_s),
         ),
+        Row(
+            "  step time with a RAM save every step (FSDP without replicas: 1 step lost)",
+            f"{res.step_with_ram_save_s:.3f} s = "
+            f"{res.step_with_ram_save_s / res.step_s - 1:+.0%} per step",
+            f"without checkpoints {res.step_s:.3f} s",
+        ),
         Row("  ram save, summed over ranks (MiB/s)", f"{res.save_mib_s['ram']:,.0f}"),
         Row("  durable save, summed over ranks (MiB/s)", f"{res.save_mib_s['durable']:,.0f}"),
         Row("  ram load, same layout (MiB/s)", f"{res.ram_load_mib_s:,.0f}"),

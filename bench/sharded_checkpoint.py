@@ -51,6 +51,8 @@ class ShardedResult:
     same_layout_restore_s: float
     resharded_restore_s: float
     resharded_tier: str | None
+    step_s: float  # a training step without checkpoints (slowest rank)
+    step_with_ram_save_s: float  # with a RAM save every step
 
 
 def _free_port() -> int:
@@ -134,4 +136,6 @@ def run(cfg: ShardedConfig) -> ShardedResult:
         same_layout_restore_s=saved[0]["durable_restore_s"],
         resharded_restore_s=resharded[0]["resharded_restore_s"],
         resharded_tier=resharded[0]["resharded_restore_tier"],
+        step_s=max(r["step_s"] for r in saved),
+        step_with_ram_save_s=max(r["step_with_ram_save_s"] for r in saved),
     )

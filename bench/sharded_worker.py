@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,43 @@ def timed_collectively(action: Any) -> float:
     return time.monotonic() - started
 
 
+def step_cost(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    width: int,
+    settings: CheckpointSettings,
+    steps: int = 4,
+) -> dict[str, float]:
+    """Seconds per training step without checkpoints and with a RAM save every step (what
+    FSDP without replicas needs to lose at most one step when a node dies)."""
+
+    def plain() -> None:
+        for _ in range(steps):
+            train_step(model, optimizer, width)
+
+    every = Checkpointer(
+        model,
+        optimizer,
+        settings=replace(
+            settings, s3_checkpointing_freq=0, ram_dir=Path(settings.ram_dir or "") / "every"
+        ),
+        job="bench",
+    )
+    done = [0]
+
+    def saving() -> None:
+        for _ in range(steps):
+            train_step(model, optimizer, width)
+            done[0] += 1
+            every.step_done(done[0])
+
+    saving()  # the staging buffers allocated once
+    with_saves = timed_collectively(saving) / steps
+    every.wait()
+    every.close()
+    return {"step_s": timed_collectively(plain) / steps, "step_with_ram_save_s": with_saves}
+
+
 def main() -> int:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -77,6 +115,7 @@ def main() -> int:
     result: dict[str, Any] = {}
     if os.environ["BENCH_MODE"] == "save":
         train_step(model, optimizer, width)
+        result.update(step_cost(model, optimizer, width, settings))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         result["sync_dcp_save_s"] = timed_collectively(
