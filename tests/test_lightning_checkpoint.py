@@ -68,20 +68,22 @@ def resumed(result: subprocess.CompletedProcess[str]) -> dict[int, tuple[int, st
 
 
 @pytest.mark.parametrize(
-    ("ranks", "data", "kill_at"),
+    ("ranks", "data", "kill_at", "strategy"),
     [
         # A plain DataLoader: the tiers' step 16 is an epoch's end (8 batches an epoch).
-        pytest.param(1, "plain", 17, id="one-process-epoch-end"),
+        pytest.param(1, "plain", 17, "ddp", id="one-process-epoch-end"),
         # A loader that saves its position: exact in the middle of an epoch.
-        pytest.param(1, "stateful", 22, id="one-process-mid-epoch"),
-        pytest.param(2, "stateful", 22, id="ddp-two-ranks-mid-epoch"),
+        pytest.param(1, "stateful", 22, "ddp", id="one-process-mid-epoch"),
+        pytest.param(2, "stateful", 22, "ddp", id="ddp-two-ranks-mid-epoch"),
+        # Lightning's ModelParallelStrategy, the module sharded with FSDP2.
+        pytest.param(2, "stateful", 22, "fsdp2", id="fsdp2-two-ranks-mid-epoch"),
     ],
 )
 def test_a_killed_lightning_job_resumes_to_the_same_weights(
-    tmp_path: Path, ranks: int, data: str, kill_at: int
+    tmp_path: Path, ranks: int, data: str, kill_at: int, strategy: str
 ) -> None:
     freq = {"IN_MEMORY_CHECKPOINTING_FREQ": "8", "S3_CHECKPOINTING_FREQ": "16"}
-    tiers = freq if data == "plain" else {}
+    tiers = {**(freq if data == "plain" else {}), "STRATEGY": strategy}
     reference_dir, job_dir = tmp_path / "reference", tmp_path / "job"
     reference_dir.mkdir()
     job_dir.mkdir()
