@@ -319,6 +319,57 @@ def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
                 f"{torchrun.restarts_by_bench} (the job was lost or its rendezvous kept failing)",
             )
         )
+    return rows + hsdp_mttr_rows(faults_per_kind, keep)
+
+
+def hsdp_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
+    """The torch workload sharded with HSDP (2 replica groups x 2 shards, FSDP2) under the
+    supervisor: a lost node's shard is still in the other replica group, so the survivors'
+    emergency checkpoint holds the whole step."""
+    config = mttr.MttrConfig(
+        faults_per_kind=faults_per_kind,
+        kinds=IN_PROCESS_KINDS,
+        replicas=4,
+        nodes_per_dp=1,
+        spares=2,
+        workload="torch",
+        workload_env=(
+            *TORCH_MTTR_ENV,
+            ("PARALLELISM", "hsdp"),
+            # A rank left waiting in another mesh group's collective fails after this.
+            ("COLLECTIVE_TIMEOUT_S", "8"),
+        ),
+        # Four ranks and six host monitors on two cores: room for the in-process join.
+        supervisor_env=(("SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S", "60"),),
+        keep_dir=keep,
+        policy_budget_s=300.0,
+        settle_steps=(40, 60),
+    )
+    run = mttr.run_one(mttr.DEFAULT_POLICY, config, "hsdp")
+    n = faults_per_kind
+    rows: list[Row] = []
+    for kind in IN_PROCESS_KINDS:
+        mine = run.of(kind)
+        good = _recovered(mine)
+        lost = [f.steps_lost for f in good if f.steps_lost is not None]
+        most = 0 if kind == "node_down" else 1  # a crashed rank's own copy is older
+        ok = len(good) == n and bool(lost) and max(lost) <= most
+        rows.append(
+            Row(
+                f"torch HSDP 2x2 MTTR {kind} (n={n}): supervisor",
+                _column(mine, n),
+                "DDP rows above",
+                f"all recovered, lost <= {most}",
+                verdict(ok),
+            )
+        )
+    rows += [
+        Row(f"  torch hsdp: {f.kind} on {f.victim}", f.error or "", verdict="info")
+        for f in run.faults
+        if not f.ok
+    ]
+    if run.error is not None:
+        rows.append(Row("  torch hsdp: run stopped early", run.error, verdict="FAIL"))
     return rows
 
 

@@ -88,6 +88,7 @@ class MttrConfig:
     workload: str = "numpy"  # or "torch"
     workload_env: tuple[tuple[str, str], ...] = ()
     in_process: bool = True  # torch: heal in-process with warm standbys (else restart all)
+    supervisor_env: tuple[tuple[str, str], ...] = ()  # more of the supervisor's settings
 
     @property
     def target_s(self) -> float:
@@ -497,6 +498,7 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
             "SUPERVISOR_FLAP_MAX_LOSSES": "100",
             "SUPERVISOR_MAX_IN_JOB_RESTARTS": "1000",
             "SUPERVISOR_LOG_LEVEL": "warning",
+            **dict(config.supervisor_env),
         },
     )
     run = PolicyRun(policy)
