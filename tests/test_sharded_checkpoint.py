@@ -232,3 +232,19 @@ def test_fsdp_rank_on_an_empty_spare_reads_its_shard_from_the_partners_copy(
     assert second[1]["sources"] == {"1": "peer"}
     assert second[0]["sources"] == {"0": "ram"}
     assert one(second, "full_sha256") == fsdp_reference
+
+
+def test_tensor_parallel_resumes_bit_exactly_and_reshards_from_2_ranks_to_4(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallel (column-wise then row-wise Linear: shards along both dimensions)."""
+    tp = {"JOB_PARALLELISM": "tp"}
+    reference = one(run_job(tmp_path / "ref", "ref", 2, env=tp), "full_sha256")
+    run_job(tmp_path, "first", 2, stop_at=13, env=tp)
+    second = run_job(tmp_path, "second", 2, env=tp)
+    assert {(r["restored"], r["tier"]) for r in second.values()} == {(10, "ram")}
+    assert one(second, "full_sha256") == reference
+    shutil.rmtree(tmp_path / "ram")
+    four = run_job(tmp_path, "four", 4, steps=30, stop_at=STEPS, env=tp)
+    assert one(four, "restored") == STEPS
+    assert one(four, "restored_sha256") == reference  # the same full tensors, resharded

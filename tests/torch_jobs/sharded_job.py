@@ -5,7 +5,8 @@ AdamW, the `Checkpointer` as docs/training.md shows it. One process per rank, st
 the test with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Deterministic in the step
 and the layout: each step's batch is drawn from a generator seeded by (step, rank), and
 dropout draws from torch's global RNG (saved and restored with the checkpoint). Env:
-- JOB_PARALLELISM: `fsdp` (1-D mesh over every rank) or `hsdp` (JOB_REPLICAS x the rest).
+- JOB_PARALLELISM: `fsdp` (1-D mesh over every rank), `hsdp` (JOB_REPLICAS x the rest)
+  or `tp` (tensor parallel: the first Linear column-wise, the last row-wise).
 - JOB_STEPS: train until this step; JOB_STOP_AT: stop after this step (saves flushed).
 - JOB_RESULT: where rank r writes {"restored", "tier", "sources", "final_step",
   "full_sha256" (of the full, unsharded model and optimizer state at the end),
@@ -27,6 +28,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.worker_client import WorkerClient
@@ -88,10 +94,14 @@ def main() -> int:
         torch.nn.Dropout(0.1),
         torch.nn.Linear(width, 8),
     )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if os.environ.get("JOB_PARALLELISM") == "tp":
+        plan = {"0": ColwiseParallel(), "3": RowwiseParallel()}
+        parallelize_module(model, mesh, plan)
+    else:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     position = DataPosition()
     client = WorkerClient.from_env()  # offline without HOST_MONITOR_URL
@@ -112,7 +122,9 @@ def main() -> int:
     step = start
     while step < min(steps, stop_at):
         step += 1
-        generator = torch.Generator().manual_seed(1000 * step + rank)
+        # Tensor parallel ranks work on the same batch; data-parallel ones on their own.
+        data_rank = 0 if os.environ.get("JOB_PARALLELISM") == "tp" else rank
+        generator = torch.Generator().manual_seed(1000 * step + data_rank)
         x = torch.randn(8, 16, generator=generator)
         y = x[:, :8].sin()
         optimizer.zero_grad()
