@@ -138,6 +138,20 @@ def test_fsdp_worker_crash_is_healed_in_process_bit_exactly(
     assert len(steps) == 1 and saved - 5 <= steps.pop() <= saved, (saved, resumes)
 
 
+@pytest.mark.parametrize(
+    ("fault", "remedy"),
+    [
+        ({"kind": "worker_hang"}, "restart_in_place"),
+        ({"kind": "xid", "code": 79}, "hot_swap"),
+    ],
+    ids=["hang", "xid"],
+)
+def test_fsdp_hang_and_xid_are_healed_in_process_bit_exactly(
+    start_demo: Callable[..., LocalDemo], tmp_path: Path, fault: dict[str, Any], remedy: str
+) -> None:
+    heal(start_demo, tmp_path, parallelism="fsdp", replicas=2, fault=fault, remedy=remedy)
+
+
 def test_hsdp_node_down_loses_no_step(start_demo: Callable[..., LocalDemo], tmp_path: Path) -> None:
     demo, actions = heal(
         start_demo,
