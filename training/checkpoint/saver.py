@@ -220,7 +220,10 @@ class Saver:
             # others still hold. The next periodic save's retention removes the surplus.
             return
         if job.to_ram and self.ram_root is not None:
-            fmt.retain(self.ram_root, self.rank, self.ram_keep)
+            # A state in pieces keeps one step more: a rank killed while writing the
+            # newest one still shares the step before it with the ranks that committed.
+            keep = self.ram_keep if self.replicated else max(self.ram_keep, 2)
+            fmt.retain(self.ram_root, self.rank, keep)
         if job.to_durable and self.durable_root is not None:
             fmt.retain(self.durable_root, self.rank, self.durable_keep)
 
