@@ -99,6 +99,9 @@ class Replica:
             "SUPERVISOR_OPERATOR_TOKEN": OPERATOR_TOKEN,
             "SUPERVISOR_ENABLE_FAULT_INJECTION": "true",
             "SUPERVISOR_BACKEND": "dry_run",
+            # No job trains here: remedies in a row without progress must not make the
+            # supervisor give up on it (an event of its own) while failover is measured.
+            "SUPERVISOR_MAX_NO_PROGRESS_RESTARTS": "1000",
             # No timer-driven events: what happens is what the faults cause.
             "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": "5",
             "SUPERVISOR_HEARTBEAT_TIMEOUT_S": "60",
