@@ -1,0 +1,115 @@
+"""`supervisor run`: your own job on a local cluster, watched and healed by the supervisor,
+started and ended as torchrun starts and ends it.
+
+The cluster is the demo's (supervisor/local/demo.py: a host monitor per node, spares, the
+supervisor with the local backend); the job is your command. While it runs, the workers'
+output comes to the terminal behind their ranks (tee.py) and each action of the
+supervisor gets a line. It ends when every rank of the job's current attempt exited 0
+(exit code 0), or when the supervisor gave up on it (the exit code of its first failed
+rank, else 1); either way every process it started is stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import httpx
+
+from supervisor.local.cluster import ClusterState, JobSpec
+from supervisor.local.demo import LocalDemo
+from supervisor.local.tee import RankTee
+
+POLL_S = 0.25
+#: What `supervisor run` exits with when the supervisor gave up and no rank has an exit
+#: code to give (a node lost, a hang): torchrun's for a failed job.
+FAILED = 1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    why: str
+
+
+class JobRun:
+    """Watches the job of a started `LocalDemo` until it ends."""
+
+    def __init__(self, demo: LocalDemo, out: TextIO = sys.stdout) -> None:
+        self.demo = demo
+        self.out = out
+        self.tee = RankTee(demo.run_dir / "nodes", demo.options.job, out)
+        self._told: set[int] = set()
+
+    def wait(self, stopping: Callable[[], bool]) -> Outcome | None:
+        """Until the job ends (its outcome) or `stopping()` says so (None)."""
+        try:
+            while not stopping():
+                self.tee.pump()
+                self._tell_actions()
+                outcome = self.outcome()
+                if outcome is not None:
+                    return outcome
+                time.sleep(POLL_S)
+            return None
+        finally:
+            self.tee.pump(final=True)
+
+    def outcome(self) -> Outcome | None:
+        """The job's end, or None while it is at work (or being healed)."""
+        view = self._api(f"/api/v1/jobs/{self.demo.options.job}")
+        job = ClusterState.load(self.demo.run_dir).job
+        if job is None:
+            return None
+        workers = self._workers(job)
+        if view is not None and view.get("state") == "given_up":
+            failed = sorted(
+                (rank, code) for rank, (_, code) in workers.items() if code not in (None, 0)
+            )
+            code = failed[0][1] if failed else FAILED
+            assert code is not None
+            return Outcome(code, f"the supervisor gave up on the job: {view['given_up_reason']}")
+        ended = len(workers) == job.world_size and all(
+            state == "exited" and code == 0 for state, code in workers.values()
+        )
+        if ended:
+            return Outcome(0, f"every rank of the job ({job.world_size}) exited 0")
+        return None
+
+    def _workers(self, job: JobSpec) -> dict[int, tuple[str, int | None]]:
+        """(state, exit code) of each rank the job's nodes report; a node that does not
+        answer reports none."""
+        found: dict[int, tuple[str, int | None]] = {}
+        auth = {"Authorization": f"Bearer {self.demo.actuator_token}"}
+        for node in job.placement:
+            port = self.demo.node_ports.get(node)
+            try:
+                status = httpx.get(
+                    f"http://127.0.0.1:{port}/v1/status", headers=auth, timeout=2
+                ).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            for worker in status.get("workers", []):
+                found[worker["rank"]] = (worker["state"], worker["exit_code"])
+        return found
+
+    def _tell_actions(self) -> None:
+        """A line for each action of the supervisor once it ended."""
+        listed = self._api("/api/v1/actions", limit=20)
+        items: list[dict[str, Any]] = listed["items"] if listed else []
+        for action in reversed(items):
+            if action["id"] in self._told or action["status"] not in ("succeeded", "failed"):
+                continue
+            self._told.add(action["id"])
+            where = f" {action['node']}" if action["node"] else ""
+            why = action["reason"] if action["status"] == "succeeded" else action["error"]
+            self.out.write(f"[supervisor]: {action['type']}{where} {action['status']}: {why}\n")
+
+    def _api(self, path: str, **params: Any) -> Any:
+        try:
+            return self.demo.api(path, **params)
+        except (httpx.HTTPError, ValueError):
+            return None  # not up yet, restarting, or the job not seen yet
