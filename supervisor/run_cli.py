@@ -177,8 +177,10 @@ def run(args: argparse.Namespace) -> int:
     say = f"supervisor run: {opts.replicas} node(s) x {opts.nproc_per_node} worker(s)"
     print(f"{say}, {opts.spares} spare(s): {' '.join(opts.command or [])}", flush=True)
     try:
+        job = JobRun(demo)
         try:
             demo.start()
+            job.wait_known()
         except RuntimeError as exc:  # a process of the cluster did not come up
             raise SystemExit(f"supervisor run: {exc}") from None
         print(
@@ -186,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             f"{demo.operator_token}); logs in {demo.run_dir / 'logs'}",
             flush=True,
         )
-        outcome = JobRun(demo).wait(lambda: bool(caught))
+        outcome = job.wait(lambda: bool(caught))
     finally:
         demo.stop()
     if outcome is None:
