@@ -18,14 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import Settings
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster import ClusterError, free_port
 from supervisor.local.demo import DemoOptions, LocalDemo
-from supervisor.local.run import JobRun
+from supervisor.local.run import SIGNALLED, JobRun
 
 COMMANDS = ("run",)
-#: `supervisor run`'s exit code when it was stopped by a signal: 128 + the signal, as a
-#: shell reports it.
-SIGNALLED = 128
 
 
 def add_commands(sub: Any) -> None:
@@ -176,19 +173,18 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, stop)
     say = f"supervisor run: {opts.replicas} node(s) x {opts.nproc_per_node} worker(s)"
     print(f"{say}, {opts.spares} spare(s): {' '.join(opts.command or [])}", flush=True)
+    job = JobRun(demo)
     try:
-        job = JobRun(demo)
-        try:
-            demo.start()
-            job.wait_known()
-        except RuntimeError as exc:  # a process of the cluster did not come up
-            raise SystemExit(f"supervisor run: {exc}") from None
+        demo.start()
+        job.wait_known()
         print(
             f"supervisor run: the supervisor at {demo.url} (operator token "
             f"{demo.operator_token}); logs in {demo.run_dir / 'logs'}",
             flush=True,
         )
         outcome = job.wait(lambda: bool(caught))
+    except (RuntimeError, ClusterError) as exc:  # a process did not come up, or start
+        raise SystemExit(f"supervisor run: {exc}") from None
     finally:
         demo.stop()
     if outcome is None:

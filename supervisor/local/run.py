@@ -27,6 +27,8 @@ POLL_S = 0.25
 #: What `supervisor run` exits with when the supervisor gave up and no rank has an exit
 #: code to give (a node lost, a hang): torchrun's for a failed job.
 FAILED = 1
+#: 128 + a signal: how a shell reports a process the signal ended.
+SIGNALLED = 128
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class JobRun:
         """Until the job ends (its outcome) or `stopping()` says so (None)."""
         try:
             while not stopping():
+                self._keep_supervisor()
                 self.tee.pump()
                 self._tell_actions()
                 outcome = self.outcome()
@@ -78,11 +81,9 @@ class JobRun:
             return None
         workers = self._workers(job)
         if view is not None and view.get("state") == "given_up":
-            failed = sorted(
-                (rank, code) for rank, (_, code) in workers.items() if code not in (None, 0)
-            )
-            code = failed[0][1] if failed else FAILED
-            assert code is not None
+            failed = [code for _, (_, code) in sorted(workers.items()) if code]
+            # A rank killed by a signal (a negative code): 128 + the signal, as a shell says.
+            code = (failed[0] if failed[0] > 0 else SIGNALLED - failed[0]) if failed else FAILED
             return Outcome(code, f"the supervisor gave up on the job: {view['given_up_reason']}")
         ended = len(workers) == job.world_size and all(
             state == "exited" and code == 0 for state, code in workers.values()
@@ -107,6 +108,15 @@ class JobRun:
             for worker in status.get("workers", []):
                 found[worker["rank"]] = (worker["state"], worker["exit_code"])
         return found
+
+    def _keep_supervisor(self) -> None:
+        """Start the supervisor again when it exited, as its Deployment would: it takes
+        the job over from its database while the job trains on."""
+        supervisor = self.demo.supervisor
+        if supervisor is None or (exited := supervisor.poll()) is None:
+            return
+        self.out.write(f"[supervisor]: exited ({exited}); starting it again\n")
+        self.demo.restart_supervisor()
 
     def _tell_actions(self) -> None:
         """A line for each action of the supervisor once it ended."""
