@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -204,3 +205,16 @@ def test_a_shell_loop_is_restarted_after_a_crash(tmp_path: Path) -> None:
         attempts = re.findall(rf"\[rank{rank}\]: rank {rank} attempt (\d+)", output)
         assert attempts == ["0", "1"], output
     assert "[supervisor]: restart_in_place node-0 succeeded" in output
+
+
+def test_ctrl_c_stops_the_job_and_every_process_of_the_run(tmp_path: Path) -> None:
+    (tmp_path / "loop.sh").write_text(SHELL_LOOP)
+    run = Run(tmp_path, ["--nnodes", "2", "--", "bash", "loop.sh"], user_env(tmp_path))
+    try:
+        run.wait_line(re.compile(r"\[rank1\]: rank 1 attempt 0"), 60)
+        run.proc.send_signal(signal.SIGINT)
+        code = run.finish(60)
+    finally:
+        run.kill()
+    assert code == 128 + signal.SIGINT, "\n".join(run.lines)
+    assert run.lines[-1] == "supervisor run: stopped by signal 2"
