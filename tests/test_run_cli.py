@@ -93,6 +93,11 @@ def test_a_failing_job_is_restarted_on_a_fresh_port_then_exits_with_its_code(
         assert [env["TORCHELASTIC_RESTART_COUNT"] for env in lines] == ["0", "1", "2"]
         assert len({env["MASTER_PORT"] for env in lines}) == 3
     assert "[supervisor]: restart_in_place" in done.stdout
+    # The script does not register (no worker client): nothing to save, said at once.
+    assert (
+        "[supervisor]: emergency_checkpoint failed: no worker of the job is registered with "
+        "its host monitor: nothing to save"
+    ) in done.stdout
     assert "gave up on the job" in done.stdout
 
 
