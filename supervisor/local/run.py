@@ -24,6 +24,8 @@ from supervisor.local.demo import LocalDemo
 from supervisor.local.tee import RankTee
 
 POLL_S = 0.25
+#: How long a job's end waits for the supervisor's actions in flight to end.
+ACTIONS_END_S = 10.0
 #: What `supervisor run` exits with when the supervisor gave up and no rank has an exit
 #: code to give (a node lost, a hang): torchrun's for a failed job.
 FAILED = 1
@@ -67,6 +69,7 @@ class JobRun:
                 self._tell_actions()
                 outcome = self.outcome()
                 if outcome is not None:
+                    self._actions_end()
                     return outcome
                 time.sleep(POLL_S)
             return None
@@ -118,17 +121,29 @@ class JobRun:
         self.out.write(f"[supervisor]: exited ({exited}); starting it again\n")
         self.demo.restart_supervisor()
 
-    def _tell_actions(self) -> None:
-        """A line for each action of the supervisor once it ended."""
+    def _actions_end(self) -> None:
+        """The job ended: until the supervisor's actions in flight end too (a restart
+        whose workers were done before it was), for a while at most, telling each."""
+        deadline = time.monotonic() + ACTIONS_END_S
+        while self._tell_actions() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def _tell_actions(self) -> bool:
+        """A line for each action of the supervisor once it ended; True while one has
+        not."""
         listed = self._api("/api/v1/actions", limit=20)
         items: list[dict[str, Any]] = listed["items"] if listed else []
+        in_flight = False
         for action in reversed(items):
-            if action["id"] in self._told or action["status"] not in ("succeeded", "failed"):
+            if action["status"] not in ("succeeded", "failed"):
+                in_flight = True
+            if action["id"] in self._told or in_flight:
                 continue
             self._told.add(action["id"])
             where = f" {action['node']}" if action["node"] else ""
             why = action["reason"] if action["status"] == "succeeded" else action["error"]
             self.out.write(f"[supervisor]: {action['type']}{where} {action['status']}: {why}\n")
+        return in_flight
 
     def _api(self, path: str, **params: Any) -> Any:
         try:
