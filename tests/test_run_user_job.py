@@ -218,3 +218,20 @@ def test_ctrl_c_stops_the_job_and_every_process_of_the_run(tmp_path: Path) -> No
         run.kill()
     assert code == 128 + signal.SIGINT, "\n".join(run.lines)
     assert run.lines[-1] == "supervisor run: stopped by signal 2"
+
+
+def test_a_lost_node_without_a_spare_ends_the_run_saying_so(tmp_path: Path) -> None:
+    (tmp_path / "loop.sh").write_text(SHELL_LOOP)
+    run = Run(tmp_path, ["--nnodes", "2", "--", "bash", "loop.sh"], user_env(tmp_path))
+    try:
+        run.wait_line(re.compile(r"\[rank1\]: rank 1 attempt 0"), 60)
+        run.api("POST", "/api/v1/faults", kind="node_down", node="node-1")
+        code = run.finish()
+    finally:
+        run.kill()
+    assert code == 1, "\n".join(run.lines)
+    assert run.lines[-1].startswith(
+        "supervisor run: node-1 lost, and the supervisor could not move the job off it "
+        "(restart_workload failed: "
+    )
+    assert run.lines[-1].endswith("a spare (--spares) takes a lost node's place; exit code 1")

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import httpx
@@ -31,6 +32,8 @@ ACTIONS_END_S = 10.0
 FAILED = 1
 #: 128 + a signal: how a shell reports a process the signal ended.
 SIGNALLED = 128
+#: An action's final states.
+FINISHED = ("succeeded", "failed")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class JobRun:
         self.out = out
         self.tee = RankTee(demo.run_dir / "nodes", demo.options.job, out)
         self._told: set[int] = set()
+        self._lost: dict[str, datetime] = {}  # node -> when its host monitor was seen gone
 
     def wait_known(self, within_s: float = 30.0) -> None:
         """Until the supervisor knows every node (their first heartbeats): from then on
@@ -66,8 +70,9 @@ class JobRun:
             while not stopping():
                 self._keep_supervisor()
                 self.tee.pump()
-                self._tell_actions()
-                outcome = self.outcome()
+                actions = self._actions()
+                self._tell_actions(actions)
+                outcome = self.outcome(actions)
                 if outcome is not None:
                     self._actions_end()
                     return outcome
@@ -76,12 +81,16 @@ class JobRun:
         finally:
             self.tee.pump(final=True)
 
-    def outcome(self) -> Outcome | None:
-        """The job's end, or None while it is at work (or being healed)."""
+    def outcome(self, actions: list[dict[str, Any]]) -> Outcome | None:
+        """The job's end, or None while it is at work (or being healed). `actions`: the
+        supervisor's newest, newest first."""
         view = self._api(f"/api/v1/jobs/{self.demo.options.job}")
         job = ClusterState.load(self.demo.run_dir).job
         if job is None:
             return None
+        stranded = self._stranded(job, actions)
+        if stranded is not None:
+            return stranded
         workers = self._workers(job)
         if view is not None and view.get("state") == "given_up":
             failed = [code for _, (_, code) in sorted(workers.items()) if code]
@@ -94,6 +103,37 @@ class JobRun:
         if ended:
             return Outcome(0, f"every rank of the job ({job.world_size}) exited 0")
         return None
+
+    def _stranded(self, job: JobSpec, actions: list[dict[str, Any]]) -> Outcome | None:
+        """A node of the job is gone, the supervisor's remedy since then failed, and no
+        other is in flight: nothing more will move the job (no spare left to take the
+        node's place, and scaling off)."""
+        now = datetime.now(UTC)
+        for node, monitor in self.demo.monitors.items():
+            if monitor.poll() is None:
+                self._lost.pop(node, None)
+            else:
+                self._lost.setdefault(node, now)
+        lost = [node for node in job.placement if node in self._lost]
+        if not lost or any(a["status"] not in FINISHED for a in actions):
+            return None
+        since = min(self._lost[node] for node in lost)
+        failed = [
+            a
+            for a in actions
+            if a["job"] == job.name
+            and a["status"] == "failed"
+            and a["type"] != "emergency_checkpoint"  # nothing saved does not stop a remedy
+            and datetime.fromisoformat(a["created_at"]) >= since
+        ]
+        if not failed:
+            return None
+        return Outcome(
+            FAILED,
+            f"{', '.join(lost)} lost, and the supervisor could not move the job off it "
+            f"({failed[0]['type']} failed: {failed[0]['error']}): a spare (--spares) "
+            "takes a lost node's place",
+        )
 
     def _workers(self, job: JobSpec) -> dict[int, tuple[str, int | None]]:
         """(state, exit code) of each rank the job's nodes report; a node that does not
@@ -125,17 +165,20 @@ class JobRun:
         """The job ended: until the supervisor's actions in flight end too (a restart
         whose workers were done before it was), for a while at most, telling each."""
         deadline = time.monotonic() + ACTIONS_END_S
-        while self._tell_actions() and time.monotonic() < deadline:
+        while self._tell_actions(self._actions()) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
-    def _tell_actions(self) -> bool:
-        """A line for each action of the supervisor once it ended; True while one has
-        not."""
+    def _actions(self) -> list[dict[str, Any]]:
+        """The supervisor's newest actions, newest first (none while it does not answer)."""
         listed = self._api("/api/v1/actions", limit=20)
-        items: list[dict[str, Any]] = listed["items"] if listed else []
+        return list(listed["items"]) if listed else []
+
+    def _tell_actions(self, actions: list[dict[str, Any]]) -> bool:
+        """A line for each action of the supervisor once it ended, oldest first; True
+        while one has not."""
         in_flight = False
-        for action in reversed(items):
-            if action["status"] not in ("succeeded", "failed"):
+        for action in reversed(actions):
+            if action["status"] not in FINISHED:
                 in_flight = True
             if action["id"] in self._told or in_flight:
                 continue
