@@ -5,15 +5,14 @@ before anything starts."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from supervisor.local.demo import leftover_processes
+from tests.test_run_user_job import user_env
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV_SCRIPT = """\
 import os, sys
 names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -26,11 +25,9 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 def supervisor_run(
     tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
-    clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [clean.get("PYTHONPATH")])])
     done = subprocess.run(
         [sys.executable, "-m", "supervisor.cli", "run", "--run-dir", str(tmp / "run"), *args],
-        env={**clean, **(env or {})},
+        env=user_env(tmp, **(env or {})),
         cwd=tmp,
         capture_output=True,
         text=True,
