@@ -69,6 +69,24 @@ def test_each_worker_gets_torchruns_environment_and_its_output_its_rank(tmp_path
     assert "exit code 0" in done.stdout.splitlines()[-1]
 
 
+def test_a_job_whose_workers_say_they_finished_ends_with_exit_code_0(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(
+        "from training.worker_client import WorkerClient\n"
+        "client = WorkerClient.from_env()\n"
+        "assert client.register(), 'no host monitor'\n"
+        "client.report_step(1)\n"
+        "client.finished()  # its exit is a stop on purpose: `stopped`, exit code 0\n"
+        "client.close()\n"
+        "print('done', flush=True)\n"
+    )
+    done = supervisor_run(tmp_path, "--nnodes", "2", "train.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank0]: done" in done.stdout and "[rank1]: done" in done.stdout
+    assert done.stdout.splitlines()[-1] == (
+        "supervisor run: every rank of the job (2) ended with exit code 0; exit code 0"
+    )
+
+
 def test_a_failing_job_is_restarted_on_a_fresh_port_then_exits_with_its_code(
     tmp_path: Path,
 ) -> None:

@@ -97,12 +97,22 @@ class JobRun:
             # A rank killed by a signal (a negative code): 128 + the signal, as a shell says.
             code = (failed[0] if failed[0] > 0 else SIGNALLED - failed[0]) if failed else FAILED
             return Outcome(code, f"the supervisor gave up on the job: {view['given_up_reason']}")
+        # Exited 0, or stopped with 0 (a worker that said it finished: the worker client's
+        # `finished()`); not while an action may be stopping them for a restart.
         ended = len(workers) == job.world_size and all(
-            state == "exited" and code == 0 for state, code in workers.values()
+            state in ("exited", "stopped") and code == 0 for state, code in workers.values()
         )
-        if ended:
-            return Outcome(0, f"every rank of the job ({job.world_size}) exited 0")
+        if ended and self._quiet(actions):
+            return Outcome(0, f"every rank of the job ({job.world_size}) ended with exit code 0")
         return None
+
+    def _quiet(self, before: list[dict[str, Any]]) -> bool:
+        """No action of the supervisor was in flight before the workers were read
+        (`before`) nor after, and none began meanwhile: what they said is not a stop for
+        a restart."""
+        after = self._actions()
+        in_flight = any(a["status"] not in FINISHED for a in [*before, *after])
+        return not in_flight and [a["id"] for a in after[:1]] == [a["id"] for a in before[:1]]
 
     def _stranded(self, job: JobSpec, actions: list[dict[str, Any]]) -> Outcome | None:
         """A node of the job is gone, the supervisor's remedy since then failed, and no
