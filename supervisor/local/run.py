@@ -4,9 +4,10 @@ started and ended as torchrun starts and ends it.
 The cluster is the demo's (supervisor/local/demo.py: a host monitor per node, spares, the
 supervisor with the local backend); the job is your command. While it runs, the workers'
 output comes to the terminal behind their ranks (tee.py) and each action of the
-supervisor gets a line. It ends when every rank of the job's current attempt exited 0
-(exit code 0), or when the supervisor gave up on it (the exit code of its first failed
-rank, else 1); either way every process it started is stopped.
+supervisor gets a line. It ends when every rank of the job's current attempt ended with
+exit code 0 (exit code 0), when the supervisor gave up on it (the exit code of its first
+failed rank, else 1), or when a node of the job was lost and the supervisor could not move
+the job off it (1); either way every process it started is stopped.
 """
 
 from __future__ import annotations
