@@ -108,7 +108,11 @@ def worker_command(args: argparse.Namespace) -> list[str]:
         raise SystemExit("supervisor run: no command: supervisor run [OPTIONS] -- COMMAND...")
     first = given[0]
     if args.module:
-        if importlib.util.find_spec(first) is None:
+        try:
+            spec = importlib.util.find_spec(first)
+        except (ImportError, ValueError):  # its package is missing, or a bad name
+            spec = None
+        if spec is None:
             raise SystemExit(f"supervisor run: no module named {first!r}")
         return [sys.executable, "-u", "-m", *given]
     if first.endswith(".py") and not dashes:

@@ -139,6 +139,7 @@ def test_what_cannot_run_is_refused_in_one_line_before_anything_starts(tmp_path:
         ("--", "no-such-command-here"): "supervisor run: command not found: no-such-command-here",
         ("missing.py",): "supervisor run: no such script: missing.py",
         ("-m", "no_such_module_here"): "supervisor run: no module named 'no_such_module_here'",
+        ("-m", "no_such_package.train"): "supervisor run: no module named 'no_such_package.train'",
         ("--nproc-per-node", "0", "--", "true"): "supervisor run: --nproc-per-node must be at "
         "least 1, got 0",
         (): "supervisor run: no command: supervisor run [OPTIONS] -- COMMAND...",
