@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from resiliency_protocol.tls import TLSError, server_context
+from supervisor import run_cli
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.goodput import cli as goodput_cli
 from supervisor.identity.node_keys import node_credential
@@ -114,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="Any other supervisor setting (e.g. --set restart_window_s=600); repeatable.",
     )
+    run_cli.add_commands(sub)
     goodput_cli.add_commands(sub)
     ops_commands.add_commands(sub)
     simulate_cli.add_commands(sub)
@@ -226,23 +228,8 @@ def _demo_options(args: argparse.Namespace, nodes_per_dp: int, step_time_s: floa
         workload=args.workload,
         parallelism=args.parallelism,
         policy=args.policy,
-        supervisor_env=_demo_settings(args.set),
+        supervisor_env=run_cli.settings_env("demo", args.set),
     )
-
-
-def _demo_settings(pairs: list[str]) -> dict[str, str]:
-    """`--set name=value` as the supervisor's environment; an unknown name stops here."""
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in Settings.model_fields:
-            raise SystemExit(
-                f"supervisor demo: --set {pair!r}: expected SETTING=VALUE, where "
-                "SETTING is one of the settings in docs/configuration.md"
-            )
-        env[f"SUPERVISOR_{name.upper()}"] = value
-    return env
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -251,6 +238,11 @@ def _demo(args: argparse.Namespace) -> None:
         raise SystemExit(
             "supervisor demo: --workload torch needs PyTorch: "
             "pip install 'resiliency-supervisor[torch]'"
+        )
+    if not torch and importlib.util.find_spec("numpy") is None:
+        raise SystemExit(
+            "supervisor demo: --workload numpy needs NumPy: "
+            "pip install 'resiliency-supervisor[demo]'"
         )
     defaults = DemoOptions()
     nodes_per_dp = args.nodes_per_dp or (1 if torch else defaults.nodes_per_dp)
@@ -383,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
             _serve(_settings(args))
         elif args.command == "demo":
             _demo(args)
+        elif args.command in run_cli.COMMANDS:
+            raise SystemExit(run_cli.run(args))
         elif args.command == "node-credential":
             _node_credential(args)
         elif args.command in simulate_cli.COMMANDS:

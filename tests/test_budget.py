@@ -163,3 +163,32 @@ async def test_a_job_given_up_pages_its_route(make_settings: SettingsFactory) ->
     (sent,) = hook.bodies("/owners")
     assert (sent["type"], sent["job"], sent["severity"]) == ("job_given_up", "j1", "critical")
     assert sent["reason"].startswith("1 remedies in a row were not followed by progress")
+
+
+async def test_a_usage_error_before_the_first_step_is_given_up_at_once(api: Api) -> None:
+    def starting(node: str, **report: Any) -> Any:
+        body = worker(node, 0, 100 + int(node.lstrip("n")), **report)
+        body["workers"][0]["step"] = None  # no step reported yet
+        return body
+
+    for body in (starting("n0"), starting("n1"), SPARE):
+        assert (await api.beat(body)).status_code in (202, 204)
+    await api.beat(starting("n0", state="exited", exit_code=2))
+    await api.beat(starting("n1", state="exited", exit_code=2))
+    await api.settle()
+    assert await actions(api) == []  # whatever the policy: no restart mends bad arguments
+    (given_up,) = (await api.get("/api/v1/events", type="job_given_up"))["items"]
+    assert given_up["details"]["reason"] == (
+        "rank 0 on n0 exited with code 2 (a usage error: bad arguments or settings) before "
+        "the job's first step: not restarted"
+    )
+
+
+async def test_exit_code_2_after_the_first_step_is_healed_as_any_crash(api: Api) -> None:
+    job = Job(api)
+    await job.train_to(3)
+    before = len(await actions(api))
+    await job.beat(n0={"state": "exited", "exit_code": 2})
+    await api.settle()
+    assert [a["type"] for a in await actions(api)][before:][-1].startswith("restart")
+    assert (await api.get("/api/v1/events", type="job_given_up"))["items"] == []

@@ -220,3 +220,26 @@ def test_demo_refuses_an_unknown_setting_or_policy(
     assert done.returncode != 0
     assert done.stderr.strip().startswith(f"supervisor demo: {message}"), done.stderr
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("workload", "message"),
+    [
+        ("numpy", "--workload numpy needs NumPy: pip install 'resiliency-supervisor[demo]'"),
+        ("torch", "--workload torch needs PyTorch: pip install 'resiliency-supervisor[torch]'"),
+    ],
+)
+def test_demo_refuses_to_start_without_its_workloads_packages(
+    tmp_path: Path, workload: str, message: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    # As on an install without the extra: the package cannot be found.
+    hide = "import sys; sys.modules['numpy'] = sys.modules['torch'] = None; "
+    start = "from supervisor.cli import main; main()"
+    argv = [sys.executable, "-c", hide + start, "demo", "--run-dir", str(tmp_path / "d")]
+    done = subprocess.run(
+        [*argv, "--workload", workload], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip() == f"supervisor demo: {message}"
+    assert not (tmp_path / "d").exists()

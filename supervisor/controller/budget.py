@@ -47,12 +47,33 @@ _FAILING = NODE_FAILURE_EVENTS | {
     EventType.WORKLOAD_DOWN,
 }
 _AT_WORK = frozenset({WorkerState.RUNNING, WorkerState.FINISHING})
+#: The exit code of a usage error (argparse's, a shell's): bad arguments or settings, which
+#: no restart mends.
+USAGE_ERROR = 2
 
 
 def is_failing(event: Event) -> bool:
     if event.type is EventType.WORKER_EXITED:
         return WorkerExitedDetails.of(event).exit_code != 0
     return event.type in _FAILING
+
+
+def usage_error(event: Event, context: PolicyContext) -> str | None:
+    """Why `event` is a failure no restart mends, or None: a worker that exited with a
+    usage error before its job reported any step (a job that reports none: at any time).
+    Such an event gets no remedy, whatever the policy, and its job is given up."""
+    if event.type is not EventType.WORKER_EXITED or event.job is None:
+        return None
+    details = WorkerExitedDetails.of(event)
+    view = context.job(event.job)
+    if details.exit_code != USAGE_ERROR or details.step is not None:
+        return None
+    if view is not None and view.last_step is not None:
+        return None
+    return (
+        f"rank {event.rank} on {event.node} exited with code {USAGE_ERROR} (a usage error: "
+        "bad arguments or settings) before the job's first step: not restarted"
+    )
 
 
 def every_rank_step(
@@ -128,16 +149,21 @@ class Budgets:
     def given_up_count(self) -> int:
         return sum(1 for b in self._jobs.values() if b.given_up is not None)
 
-    def give_up(self, event: Event, context: PolicyContext) -> Event | None:
+    def give_up(
+        self, event: Event, context: PolicyContext, unmendable: str | None = None
+    ) -> Event | None:
         """`event`, a failure of its job, got no remedy: the `job_given_up` event to raise
-        when the job's budget is spent and it was not given up already."""
+        when the job's budget is spent, or the failure is `unmendable` (why), and it was
+        not given up already."""
         job = event.job
         if job is None or not is_failing(event):
             return None
         limits = context.limits
         no_progress = context.restarts_without_progress(job)
         in_window = context.recent_restarts(job)
-        if no_progress >= limits.max_no_progress_restarts:
+        if unmendable is not None:
+            reason = unmendable
+        elif no_progress >= limits.max_no_progress_restarts:
             reason = (
                 f"{no_progress} remedies in a row were not followed by progress "
                 f"(max_no_progress_restarts={limits.max_no_progress_restarts})"
@@ -153,9 +179,10 @@ class Budgets:
         if budget.given_up is not None:
             return None
         view = context.job(job)
-        reason += f"; last failure: {event.type.value}" + (
-            f" on {event.node}" if event.node else ""
-        )
+        if unmendable is None:
+            reason += f"; last failure: {event.type.value}" + (
+                f" on {event.node}" if event.node else ""
+            )
         budget.given_up = reason
         return Event(
             type=EventType.JOB_GIVEN_UP,

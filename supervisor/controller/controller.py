@@ -16,7 +16,7 @@ from datetime import timedelta
 from resiliency_protocol.backoff import Backoff
 from supervisor.actuator import Actuator, Fenced
 from supervisor.config_parts import RemediationSettings
-from supervisor.controller.budget import Budgets
+from supervisor.controller.budget import Budgets, usage_error
 from supervisor.controller.incidents import Incidents
 from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
 from supervisor.metrics import Metrics
@@ -199,15 +199,20 @@ class Controller:
         return requests, None
 
     def _judge_budget(
-        self, event: Event, context: PolicyContext, actions: list[ActionRecord]
+        self,
+        event: Event,
+        context: PolicyContext,
+        actions: list[ActionRecord],
+        unmendable: str | None,
     ) -> None:
-        """Count a remedy of the job; a failure left without one for a spent budget: the
-        supervisor gives up on the job and says so (controller/budget.py)."""
+        """Count a remedy of the job; a failure left without one for a spent budget, or
+        one no remedy mends: the supervisor gives up on the job and says so
+        (controller/budget.py)."""
         assert event.job is not None
         if actions:
             self.budgets.remedied(event.job, actions, context.nodes, context.jobs)
             return
-        given_up = self.budgets.give_up(event, context)
+        given_up = self.budgets.give_up(event, context, unmendable)
         if given_up is not None:
             log.warning("giving up on job %s: %s", event.job, self.budgets.given_up(event.job))
             if self._raise_event is not None:
@@ -235,7 +240,8 @@ class Controller:
             )
             return []
         context = await self.context()
-        requests, error = self._decide(event, context)
+        unmendable = usage_error(event, context)
+        requests, error = ([], None) if unmendable else self._decide(event, context)
         self.actuator.fence()  # only the leader records decisions (a policy may be slow)
         actions = await asyncio.to_thread(
             lambda: self.store.handle_event(event.id or 0, requests, policy_error=error)
@@ -251,7 +257,8 @@ class Controller:
             ", ".join(a.type.value for a in actions) or "no action",
         )
         if event.job is not None:
-            self._judge_budget(event, context, [a for a in actions if a.job == event.job])
+            mine = [a for a in actions if a.job == event.job]
+            self._judge_budget(event, context, mine, unmendable)
         opened = self.incidents.opened(event, actions, dict(context.nodes))
         done = []
         try:

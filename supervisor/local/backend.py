@@ -44,6 +44,7 @@ from supervisor.local.cluster import (
     InProcessFailed,
     JobSpec,
     LocalCluster,
+    NothingToSave,
 )
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class LocalBackend(Backend):
                 return {"repeated": True}
             try:
                 result = await self._dispatch(action)
+            except NothingToSave as exc:
+                raise ActionError(str(exc)) from None
             except ClusterError as exc:
                 raise ActionError(str(exc), retryable=True) from None
             except httpx.HTTPError as exc:

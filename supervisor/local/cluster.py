@@ -51,6 +51,12 @@ class InProcessFailed(ClusterError):
     """An in-process restart could not be done (the message says why): restart fully."""
 
 
+class NothingToSave(ClusterError):
+    """No worker of the job was there to be asked for an emergency checkpoint (none
+    registered with its host monitor: a job without the worker client, or one still
+    starting): asking again changes nothing."""
+
+
 class NodeInfo(BaseModel):
     address: str
     # The `checkpoint_root` its host monitor runs with; None: the host monitor's default.
@@ -63,8 +69,10 @@ class JobSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     num_dp_replicas: int = Field(ge=1)
     num_nodes_per_dp: int = Field(ge=1)
-    # placement[rank] is the node that runs that rank (one worker per node).
+    # placement[g] is the node of group rank g (torchrun's GROUP_RANK): it runs the
+    # `nproc_per_node` ranks g * nproc_per_node ... (g + 1) * nproc_per_node - 1.
     placement: list[str]
+    nproc_per_node: int = Field(1, ge=1)
     attempt: int = 0
     # The action key that started the current attempt: a resumed action does not stop
     # the workers it already started, and its start requests are deduplicated.
@@ -82,6 +90,14 @@ class JobSpec(BaseModel):
     # Modules a warm standby of the command imports ahead of time on every node of the job
     # and on the spares (host_monitor/standby.py): a rank started anew skips that import.
     standby_preload: list[str] = Field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.placement) * self.nproc_per_node
+
+    def ranks_of(self, group_rank: int) -> range:
+        """The global ranks the node of `group_rank` runs."""
+        return range(group_rank * self.nproc_per_node, (group_rank + 1) * self.nproc_per_node)
 
 
 def checkpoint_partner(job: JobSpec, rank: int) -> str | None:
@@ -224,7 +240,7 @@ class LocalCluster:
             "WORKLOAD_ATTEMPT": str(job.attempt),
             "NUM_DP_REPLICAS": str(job.num_dp_replicas),
             "NUM_NODES_PER_DP": str(job.num_nodes_per_dp),
-            "WORLD_SIZE": str(len(job.placement)),
+            "WORLD_SIZE": str(job.world_size),
             "RUN_DIR": str(run / "job"),
             "LOCAL_CKPT_DIR": str(run / "nodes" / node / "checkpoints"),
             "DURABLE_CKPT_DIR": str(run / "durable"),
@@ -233,8 +249,9 @@ class LocalCluster:
             # the saves to the partner node and restore the partner's copy here.
             "CHECKPOINT_RAM_DIR": str(Path(root) / node),
             "OUTPUT_DIR": str(run / "output"),
-            # torch.distributed's environment (RANK and LOCAL_RANK come from the host
-            # monitor): rank 0's node hosts the rendezvous store.
+            # torch.distributed's environment, as torchrun sets it (RANK and LOCAL_RANK
+            # come from the host monitor, GROUP_RANK with the start): rank 0's node hosts
+            # the rendezvous store.
             **self.rendezvous_env(job),
         }
 
@@ -246,7 +263,9 @@ class LocalCluster:
         return {
             "MASTER_ADDR": host or "127.0.0.1",
             "MASTER_PORT": str(job.master_port),
-            "LOCAL_WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": str(job.nproc_per_node),
+            # Restarts of the job so far (the boot is attempt 1).
+            "TORCHELASTIC_RESTART_COUNT": str(max(0, job.attempt - 1)),
         }
 
     async def restart_job(self, key: str) -> dict[str, Any]:
@@ -283,15 +302,18 @@ class LocalCluster:
         await self.prepare_spares(job)
         return {"attempt": job.attempt, "placement": list(job.placement), "stopped": stopped}
 
-    def _start_body(self, key: str, job: JobSpec, rank: int, node: str) -> dict[str, Any]:
+    def _start_body(self, key: str, job: JobSpec, group_rank: int, node: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "request_id": f"{key}-{node}",
             "job": job.name,
             "command": job.command,
-            "env": self.worker_env(job, node),
-            "workers": [{"rank": rank, "local_rank": 0}],
+            "env": {**self.worker_env(job, node), "GROUP_RANK": str(group_rank)},
+            "workers": [
+                {"rank": rank, "local_rank": local}
+                for local, rank in enumerate(job.ranks_of(group_rank))
+            ],
         }
-        partner = checkpoint_partner(job, rank)
+        partner = checkpoint_partner(job, group_rank)
         if partner is not None and partner in self.state.nodes:
             body["checkpoint_peer"] = {"node": partner, "url": self.state.nodes[partner].address}
         if job.standby_preload:
@@ -343,7 +365,7 @@ class LocalCluster:
         survivors = [n for n in dict.fromkeys(job.placement) if n not in fresh_nodes]
         world = {
             "WORKLOAD_ATTEMPT": attempt,
-            "WORLD_SIZE": str(len(job.placement)),
+            "WORLD_SIZE": str(job.world_size),
             **self.rendezvous_env(job),
         }
         rejoin = {
@@ -355,8 +377,8 @@ class LocalCluster:
         if refused:
             raise InProcessFailed(f"survivors could not rejoin: {refused}")
         starts = {
-            node: self._start_body(key, job, rank, node)
-            for rank, node in enumerate(job.placement)
+            node: self._start_body(key, job, group, node)
+            for group, node in enumerate(job.placement)
             if node in fresh_nodes
         }
         started = await self._each("/v1/workers/start", starts)
@@ -378,7 +400,9 @@ class LocalCluster:
         """Until every rank reports training in `attempt`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        waiting = dict(enumerate(job.placement))
+        waiting = {
+            rank: node for group, node in enumerate(job.placement) for rank in job.ranks_of(group)
+        }
         while waiting:
             for rank, node in list(waiting.items()):
                 try:
@@ -423,6 +447,10 @@ class LocalCluster:
         checkpoint = await emergency_checkpoint(
             self._http, hosts, request_id=key, timeout_s=timeout_s, http_timeout_s=timeout_s + 5
         )
+        if not checkpoint.saved and not checkpoint.problems:
+            raise NothingToSave(
+                "no worker of the job is registered with its host monitor: nothing to save"
+            )
         if not checkpoint.succeeded:
             raise ClusterError(f"emergency checkpoint incomplete: {checkpoint.failure}")
         # The step to resume from: the newest one at which every shard of the model (rank
@@ -431,7 +459,7 @@ class LocalCluster:
         n = job.num_nodes_per_dp
         steps_by_shard: dict[int, set[int | None]] = {}
         for rank, step in checkpoint.saved.items():
-            steps_by_shard.setdefault(rank % n, set()).add(step)
+            steps_by_shard.setdefault(rank // job.nproc_per_node % n, set()).add(step)
         common = set.intersection(*steps_by_shard.values()) if len(steps_by_shard) == n else set()
         saved = max((s for s in common if s is not None), default=None)
         # `missing_nodes` stays for readers of the result; it is empty, as a node that does

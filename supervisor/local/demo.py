@@ -68,6 +68,11 @@ class DemoOptions:
     #: Each node of the torch job, and each spare, keeps a warm standby process with torch
     #: imported: a rank started anew (restart in place, hot-swap) skips that import.
     warm_standby: bool = True
+    #: Your own job instead of the workload (`supervisor run`): the command every worker
+    #: runs, with `workload_env` and torchrun's environment.
+    command: list[str] | None = None
+    #: Workers per node (torchrun's --nproc-per-node).
+    nproc_per_node: int = 1
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -89,7 +94,17 @@ class DemoOptions:
         return [f"node-{i}" for i in range(self.replicas * self.nodes_per_dp + self.spares)]
 
     def job_spec(self, placement: list[str]) -> JobSpec:
-        """The demo training workload as a job of the local cluster, on `placement`."""
+        """The job of the local cluster on `placement`: the command, else the workload."""
+        if self.command is not None:
+            return JobSpec(
+                name=self.job,
+                command=self.command,
+                env=self.workload_env,
+                num_dp_replicas=self.replicas,
+                num_nodes_per_dp=self.nodes_per_dp,
+                placement=placement,
+                nproc_per_node=self.nproc_per_node,
+            )
         return JobSpec(
             name=self.job,
             command=[sys.executable, "-m", WORKLOADS[self.workload]],

@@ -1,0 +1,151 @@
+"""`supervisor run` as a torchrun user runs it: the real command as a subprocess, real host
+monitors, real workers. Each worker gets torchrun's environment, its output comes back
+behind its rank, the exit code is the job's, and what cannot work is refused in one line
+before anything starts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from supervisor.local.demo import leftover_processes
+from tests.test_run_user_job import user_env
+
+ENV_SCRIPT = """\
+import os, sys
+names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"]
+print(" ".join(f"{n}={os.environ.get(n)}" for n in names), "args", *sys.argv[1:], flush=True)
+sys.exit(int(os.environ.get("EXIT_CODE", "0")))
+"""
+
+
+def supervisor_run(
+    tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "run", "--run-dir", str(tmp / "run"), *args],
+        env=user_env(tmp, **(env or {})),
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert not leftover_processes((tmp / "run").resolve()), "a process of the run is left"
+    return done
+
+
+def rank_lines(stdout: str) -> dict[int, list[dict[str, str]]]:
+    """Each rank's environment lines, in the order printed."""
+    found: dict[int, list[dict[str, str]]] = {}
+    for line in stdout.splitlines():
+        match = re.match(r"\[rank(\d+)\]: (RANK=.*)", line)
+        if match:
+            pairs = dict(p.split("=", 1) for p in match.group(2).split(" args")[0].split())
+            found.setdefault(int(match.group(1)), []).append(pairs)
+    return found
+
+
+def test_each_worker_gets_torchruns_environment_and_its_output_its_rank(tmp_path: Path) -> None:
+    (tmp_path / "show_env.py").write_text(ENV_SCRIPT)
+    done = supervisor_run(
+        tmp_path, "--nnodes", "2", "--nproc-per-node", "2", "show_env.py", "--lr", "0.1"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = rank_lines(done.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    ports = set()
+    for rank, [env] in ranks.items():
+        assert env["RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(rank % 2)
+        assert env["GROUP_RANK"] == str(rank // 2)
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("4", "2")
+        assert (env["MASTER_ADDR"], env["TORCHELASTIC_RESTART_COUNT"]) == ("127.0.0.1", "0")
+        ports.add(env["MASTER_PORT"])
+    assert len(ports) == 1
+    assert done.stdout.count("args --lr 0.1") == 4  # the script's own arguments
+    assert "exit code 0" in done.stdout.splitlines()[-1]
+
+
+def test_a_job_whose_workers_say_they_finished_ends_with_exit_code_0(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(
+        "from training.worker_client import WorkerClient\n"
+        "client = WorkerClient.from_env()\n"
+        "assert client.register(), 'no host monitor'\n"
+        "client.report_step(1)\n"
+        "client.finished()  # its exit is a stop on purpose: `stopped`, exit code 0\n"
+        "client.close()\n"
+        "print('done', flush=True)\n"
+    )
+    done = supervisor_run(tmp_path, "--nnodes", "2", "train.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank0]: done" in done.stdout and "[rank1]: done" in done.stdout
+    assert done.stdout.splitlines()[-1] == (
+        "supervisor run: every rank of the job (2) ended with exit code 0; exit code 0"
+    )
+
+
+def test_a_failing_job_is_restarted_on_a_fresh_port_then_exits_with_its_code(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "show_env.py").write_text(ENV_SCRIPT)
+    done = supervisor_run(
+        tmp_path,
+        "--nnodes",
+        "2",
+        "--max-restarts",
+        "2",
+        "--",
+        sys.executable,
+        "show_env.py",
+        env={"EXIT_CODE": "3"},
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    for lines in rank_lines(done.stdout).values():
+        # Started, restarted twice (the budget), each attempt in a world of its own.
+        assert [env["TORCHELASTIC_RESTART_COUNT"] for env in lines] == ["0", "1", "2"]
+        assert len({env["MASTER_PORT"] for env in lines}) == 3
+    assert "[supervisor]: restart_in_place" in done.stdout
+    # The script does not register (no worker client): nothing to save, said at once.
+    assert (
+        "[supervisor]: emergency_checkpoint failed: no worker of the job is registered with "
+        "its host monitor: nothing to save"
+    ) in done.stdout
+    assert "gave up on the job" in done.stdout
+
+
+def test_a_usage_error_is_not_restarted(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import argparse\n"
+        "print('started', flush=True)\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--lr', type=float, required=True)\n"
+        "parser.parse_args()\n"
+    )
+    done = supervisor_run(tmp_path, "--nnodes", "2", str(script), "--lr")
+    assert done.returncode == 2, done.stdout + done.stderr
+    started = [line for line in done.stdout.splitlines() if line.endswith("]: started")]
+    assert sorted(started) == ["[rank0]: started", "[rank1]: started"]  # never again
+    assert "[rank0]: usage: train.py [-h] --lr LR" in done.stdout
+    reason = "exited with code 2 (a usage error: bad arguments or settings) before the job's"
+    assert reason in done.stdout
+
+
+def test_what_cannot_run_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    refusals = {
+        ("--", "no-such-command-here"): "supervisor run: command not found: no-such-command-here",
+        ("missing.py",): "supervisor run: no such script: missing.py",
+        ("-m", "no_such_module_here"): "supervisor run: no module named 'no_such_module_here'",
+        ("-m", "no_such_package.train"): "supervisor run: no module named 'no_such_package.train'",
+        ("--nproc-per-node", "0", "--", "true"): "supervisor run: --nproc-per-node must be at "
+        "least 1, got 0",
+        (): "supervisor run: no command: supervisor run [OPTIONS] -- COMMAND...",
+    }
+    for args, message in refusals.items():
+        done = supervisor_run(tmp_path, *args, timeout=30)
+        assert done.returncode == 1
+        assert done.stderr.strip() == message
+        assert not (tmp_path / "run").exists(), "nothing started"

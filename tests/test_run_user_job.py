@@ -1,0 +1,237 @@
+"""A user's own scripts under `supervisor run`, faults injected through the supervisor's API
+as an operator would: the DDP example of docs/training.md (2 nodes x 2 workers, a spare)
+is healed after a crashed rank and after a lost node, and ends with the weights of a run
+without the fault; a plain shell loop, which knows nothing of the supervisor, is
+restarted too."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from supervisor.local.demo import leftover_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+BANNER = re.compile(r"the supervisor at (\S+) \(operator token (\S+)\)")
+
+
+def docs_example(tmp: Path) -> Path:
+    """The DDP example of docs/training.md as a user saves it, with a pause per step (so
+    that a fault lands mid-run) and its final weights' hash written by rank 0."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    start = text.index("# example: checkpoint tiers")
+    code = text[start : text.index("```", start)]
+    edits = {
+        "import os\n": "import hashlib\nimport os\nimport time\n",
+        "    data.batches += 1\n": "    data.batches += 1\n"
+        '    time.sleep(float(os.environ["STEP_TIME_S"]))\n',
+        "ckpt.close()": "if rank == 0:\n"
+        "    weights = b''.join(p.detach().numpy().tobytes() for p in model.parameters())\n"
+        '    with open(os.environ["WEIGHTS_FILE"], "w") as out:\n'
+        "        out.write(hashlib.sha256(weights).hexdigest())\n"
+        "ckpt.close()",
+    }
+    for old, new in edits.items():
+        assert code.count(old) == 1, f"the example changed: {old!r}"
+        code = code.replace(old, new)
+    script = tmp / "train.py"
+    script.write_text(code)
+    return script
+
+
+def user_env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SUPERVISOR_", "HOST_MONITOR_", "CHECKPOINT_"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+class Run:
+    """`supervisor run ARGS` in the background, its output collected as it comes."""
+
+    def __init__(self, tmp: Path, args: list[str], env: dict[str, str]) -> None:
+        self.run_dir = (tmp / "run").resolve()
+        command = [sys.executable, "-m", "supervisor.cli", "run", "--run-dir", str(self.run_dir)]
+        self.proc = subprocess.Popen(
+            [*command, *args],
+            cwd=tmp,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        banner = self.wait_line(BANNER, 120)
+        self.url, self.token = banner.group(1), banner.group(2)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, pattern: re.Pattern[str], within: float) -> re.Match[str]:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if (match := pattern.search(line)) is not None:
+                    return match
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no line like {pattern.pattern!r}:\n" + "\n".join(self.lines))
+
+    def api(self, method: str, path: str, **body: Any) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        response = httpx.request(
+            method, f"{self.url}{path}", headers=headers, json=body or None, timeout=5
+        )
+        assert response.status_code < 300, response.text
+        return response.json()
+
+    def wait_step(self, step: int, within: float = 180) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                if (self.api("GET", "/api/v1/jobs/job")["last_step"] or 0) >= step:
+                    return
+            except (httpx.HTTPError, AssertionError):
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"the job did not reach step {step}:\n" + "\n".join(self.lines))
+
+    def finish(self, within: float = 300) -> int:
+        code = self.proc.wait(within)
+        self._reader.join(10)
+        assert not leftover_processes(self.run_dir), "a process of the run is left"
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def reference_weights(tmp: Path, script: Path) -> str:
+    """The hash of the final weights of the same 4 ranks under torchrun, without a fault."""
+    weights = tmp / "reference.sha256"
+    env = user_env(
+        tmp,
+        STEP_TIME_S="0",
+        WEIGHTS_FILE=str(weights),
+        CHECKPOINT_RAM_DIR=str(tmp / "reference-ram"),
+        CHECKPOINT_DURABLE_DIR=str(tmp / "reference-durable"),
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*command, "--nproc-per-node", "4", str(script)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return weights.read_text()
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"kind": "worker_crash", "node": "node-1", "rank": 3},
+        {"kind": "node_down", "node": "node-1"},
+    ],
+    ids=["worker_crash", "node_down"],
+)
+def test_the_ddp_example_is_healed_to_the_weights_of_a_run_without_the_fault(
+    tmp_path: Path, fault: dict[str, Any]
+) -> None:
+    pytest.importorskip("torch")
+    script = docs_example(tmp_path)
+    want = reference_weights(tmp_path, script)
+    weights = tmp_path / "weights.sha256"
+    args = ["--nnodes", "2", "--nproc-per-node", "2", "--spares", "1", "train.py"]
+    run = Run(tmp_path, args, user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights)))
+    try:
+        run.wait_step(20)
+        run.api("POST", "/api/v1/faults", **fault)
+        code = run.finish()
+    finally:
+        run.kill()
+    output = "\n".join(run.lines)
+    assert code == 0, output
+    remedy = "hot_swap node-1" if fault["kind"] == "node_down" else "restart_in_place node-1"
+    assert f"[supervisor]: {remedy} succeeded" in output
+    # Every rank started again and resumed from a checkpoint, not from the beginning.
+    for rank in range(4):
+        resumed = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
+        assert len(resumed) == 2 and resumed[0] == "0" and int(resumed[1]) > 0, output
+    assert weights.read_text() == want
+
+
+SHELL_LOOP = """\
+echo "rank $RANK attempt $TORCHELASTIC_RESTART_COUNT"
+if [ "$TORCHELASTIC_RESTART_COUNT" -ge 1 ]; then exit 0; fi
+while true; do sleep 0.1; done
+"""
+
+
+def test_a_shell_loop_is_restarted_after_a_crash(tmp_path: Path) -> None:
+    (tmp_path / "loop.sh").write_text(SHELL_LOOP)
+    run = Run(tmp_path, ["--nnodes", "2", "--", "bash", "loop.sh"], user_env(tmp_path))
+    try:
+        run.wait_line(re.compile(r"\[rank1\]: rank 1 attempt 0"), 60)
+        run.api("POST", "/api/v1/faults", kind="worker_crash", node="node-0")
+        code = run.finish()
+    finally:
+        run.kill()
+    output = "\n".join(run.lines)
+    assert code == 0, output
+    for rank in range(2):
+        attempts = re.findall(rf"\[rank{rank}\]: rank {rank} attempt (\d+)", output)
+        assert attempts == ["0", "1"], output
+    assert "[supervisor]: restart_in_place node-0 succeeded" in output
+
+
+def test_ctrl_c_stops_the_job_and_every_process_of_the_run(tmp_path: Path) -> None:
+    (tmp_path / "loop.sh").write_text(SHELL_LOOP)
+    run = Run(tmp_path, ["--nnodes", "2", "--", "bash", "loop.sh"], user_env(tmp_path))
+    try:
+        run.wait_line(re.compile(r"\[rank1\]: rank 1 attempt 0"), 60)
+        run.proc.send_signal(signal.SIGINT)
+        code = run.finish(60)
+    finally:
+        run.kill()
+    assert code == 128 + signal.SIGINT, "\n".join(run.lines)
+    assert run.lines[-1] == "supervisor run: stopped by signal 2"
+
+
+def test_a_lost_node_without_a_spare_ends_the_run_saying_so(tmp_path: Path) -> None:
+    (tmp_path / "loop.sh").write_text(SHELL_LOOP)
+    run = Run(tmp_path, ["--nnodes", "2", "--", "bash", "loop.sh"], user_env(tmp_path))
+    try:
+        run.wait_line(re.compile(r"\[rank1\]: rank 1 attempt 0"), 60)
+        run.api("POST", "/api/v1/faults", kind="node_down", node="node-1")
+        code = run.finish()
+    finally:
+        run.kill()
+    assert code == 1, "\n".join(run.lines)
+    assert run.lines[-1].startswith(
+        "supervisor run: node-1 lost, and the supervisor could not move the job off it "
+        "(restart_workload failed: "
+    )
+    assert run.lines[-1].endswith("a spare (--spares) takes a lost node's place; exit code 1")
