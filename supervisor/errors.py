@@ -15,7 +15,8 @@ SupervisorError
 ├── ActionError          a backend could not carry out an action (actuator.backend)
 ├── Fenced               this replica lost leadership and may not act (actuator.backend)
 ├── ClusterError         the local cluster cannot do what was asked (local.cluster)
-│   └── InProcessFailed
+│   ├── InProcessFailed
+│   └── NothingToSave  no registered worker to ask for an emergency checkpoint
 ├── CalculatorLogError   a bad line of a goodput calculator log (goodput.calculator_log)
 ├── CliError             an operator command's failure, with its exit code (ops.errors)
 ├── KubeError            the Kubernetes side; its tree is drawn in kube.errors

@@ -222,7 +222,8 @@ class Saver:
         if job.to_ram and self.ram_root is not None:
             # A state in pieces keeps one step more: a rank killed while writing the
             # newest one still shares the step before it with the ranks that committed.
-            keep = self.ram_keep if self.replicated else max(self.ram_keep, 2)
+            pieces = not self.replicated and self.world_size > 1
+            keep = max(self.ram_keep, 2) if pieces else self.ram_keep
             fmt.retain(self.ram_root, self.rank, keep)
         if job.to_durable and self.durable_root is not None:
             fmt.retain(self.durable_root, self.rank, self.durable_keep)

@@ -43,7 +43,7 @@ class CheckpointSettings:
     ckpt_threads_per_rank: int = 2
     #: Committed checkpoints kept per tier (the newest ones), durable tier.
     topk_ckpt: int = 2
-    #: Committed checkpoints kept in the RAM tier (at least 2 for a state whose ranks hold
+    #: Committed checkpoints kept in the RAM tier (at least 2 when several ranks hold
     #: different pieces: a rank killed mid-save shares the step before with the others).
     #: With the partner's copy the ramdisk holds (ram_topk_ckpt + 1 while a save is
     #: written + 1 partner) x shard size.
