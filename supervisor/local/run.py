@@ -116,9 +116,11 @@ class JobRun:
         return not in_flight and [a["id"] for a in after[:1]] == [a["id"] for a in before[:1]]
 
     def _stranded(self, job: JobSpec, actions: list[dict[str, Any]]) -> Outcome | None:
-        """A node of the job is gone, the supervisor's remedy since then failed, and no
-        other is in flight: nothing more will move the job (no spare left to take the
-        node's place, and scaling off)."""
+        """A node of the job is gone, the supervisor's remedy since it noticed (its
+        `host_heartbeat_lost`) failed, and no other is in flight: nothing more will move
+        the job (no spare left to take the node's place, and scaling off). A remedy
+        decided before it noticed (a restart of the survivors whose collective broke)
+        may fail on the lost node: the remedy for the loss comes after it."""
         now = datetime.now(UTC)
         for node, monitor in self.demo.monitors.items():
             if monitor.poll() is None:
@@ -128,7 +130,10 @@ class JobRun:
         lost = [node for node in job.placement if node in self._lost]
         if not lost or any(a["status"] not in FINISHED for a in actions):
             return None
-        since = min(self._lost[node] for node in lost)
+        noticed = [self._noticed(node) for node in lost]
+        if any(at is None for at in noticed):
+            return None  # the supervisor has not declared it lost yet: its remedy follows
+        since = min(at for at in noticed if at is not None)
         failed = [
             a
             for a in actions
@@ -145,6 +150,12 @@ class JobRun:
             f"({failed[0]['type']} failed: {failed[0]['error']}): a spare (--spares) "
             "takes a lost node's place",
         )
+
+    def _noticed(self, node: str) -> datetime | None:
+        """When the supervisor declared `node` lost (its newest `host_heartbeat_lost`)."""
+        listed = self._api("/api/v1/events", type="host_heartbeat_lost", node=node, limit=1)
+        items = listed["items"] if listed else []
+        return datetime.fromisoformat(items[0]["time"]) if items else None
 
     def _workers(self, job: JobSpec) -> dict[int, tuple[str, int | None]]:
         """(state, exit code) of each rank the job's nodes report; a node that does not
