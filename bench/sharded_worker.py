@@ -6,8 +6,8 @@ with its state. BENCH_MODE:
   state (the baseline), then SAVES steps each followed by an asynchronous save to the RAM
   and durable tiers (the blocking time of each), then a restore from RAM and one from
   durable (RAM emptied) in the same layout;
-- `restore`: a restore from the durable tier a `save` run of another world size wrote
-  (resharded).
+- `restore`: a restore, by new processes, from the durable tier a `save` run wrote (in
+  another world size: resharded).
 Writes its figures as JSON to BENCH_OUT/rank-<rank>.json.
 """
 
@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from training.checkpoint import Checkpointer, CheckpointSettings
+from training.checkpoint.reader import DirectReader
 
 
 def build(layers: int, width: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -145,6 +146,8 @@ def main() -> int:
     else:
         ckpt = Checkpointer(model, optimizer, settings=settings, job="bench")
         result["resharded_restore_s"] = timed_collectively(ckpt.restore)
+        result["items_read_direct"] = DirectReader.direct
+        result["items_read_by_dcp"] = DirectReader.fallback
         restored = ckpt.last_restore
         result["resharded_restore_tier"] = restored.tier if restored else None
         result["restored_step"] = restored.step if restored else 0
