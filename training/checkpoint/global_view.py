@@ -180,7 +180,6 @@ def missing(metadata: Metadata, target: dict[str, Any]) -> list[str]:
             gaps.append(fqn)
         elif isinstance(value, torch.Tensor):
             local = value.to_local() if isinstance(value, DTensor) else value
-            need = max(1, local.numel()) if local.dim() == 0 else local.numel()
-            if covered.get(fqn, 0) < need:
-                gaps.append(f"{fqn} ({covered.get(fqn, 0)} of {need} elements)")
+            if covered.get(fqn, 0) < local.numel():
+                gaps.append(f"{fqn} ({covered.get(fqn, 0)} of {local.numel()} elements)")
     return gaps

@@ -169,8 +169,9 @@ class Restorer:
                         found.setdefault(step, {}).setdefault(rank, []).append((tier, directory))
         self._add_peer_copy(found)
         out: dict[int, ShardSources] = {}
+        target = self.state.state_dict(0) if found else {}  # shapes only: read once
         for step, sources in found.items():
-            gaps = self._gaps(step, sources)
+            gaps = self._gaps(sources, target)
             if gaps:
                 log.info("checkpoint: step %d lacks %s here", step, ", ".join(gaps[:3]))
             else:
@@ -195,7 +196,7 @@ class Restorer:
         if directory is not None:
             found.setdefault(step, {}).setdefault(self.rank, []).insert(0, ("peer", directory))
 
-    def _gaps(self, step: int, sources: ShardSources) -> list[str]:
+    def _gaps(self, sources: ShardSources, target: dict[str, Any]) -> list[str]:
         parts = []
         for rank in sorted(sources, key=lambda r: (r != self.rank, r)):
             for _, directory in sources[rank]:
@@ -210,7 +211,7 @@ class Restorer:
             merged = global_view.merge(parts)
         except fmt.CheckpointCorrupt as exc:
             return [str(exc)]
-        return global_view.missing(merged, self.state.state_dict(step))
+        return global_view.missing(merged, target)
 
     def _load_sharded(self, step: int, sources: ShardSources) -> Loaded | None:
         left = {rank: list(found) for rank, found in sources.items()}
@@ -237,7 +238,7 @@ class Restorer:
                     if tier in ("ram", "peer") and self.ram_root is not None:
                         fmt.remove_step(self.ram_root, step, rank)
                 if any(not left[rank] for rank in bad) and self._gaps(
-                    step, {r: f for r, f in left.items() if f}
+                    {r: f for r, f in left.items() if f}, self.state.state_dict(step)
                 ):
                     return None
                 left = {r: f for r, f in left.items() if f}
