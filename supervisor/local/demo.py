@@ -115,6 +115,9 @@ class DemoOptions:
                 "IN_MEMORY_CHECKPOINTING_FREQ": str(self.in_memory_checkpointing_freq),
                 "S3_CHECKPOINTING_FREQ": str(self.s3_checkpointing_freq),
                 **({"PARALLELISM": self.parallelism} if self.workload == "torch" else {}),
+                # A sharded rank left waiting in another mesh group's collective (HSDP)
+                # must fail well within the in-process restart's bound to rejoin.
+                **({"COLLECTIVE_TIMEOUT_S": "8"} if self.parallelism != "ddp" else {}),
                 **self.workload_env,
             },
             num_dp_replicas=self.replicas,
