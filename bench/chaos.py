@@ -44,7 +44,7 @@ import httpx
 import numpy as np
 
 from bench.stall import Stalled, StallWatch
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
 
 SEED = 7

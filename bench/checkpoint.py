@@ -18,8 +18,9 @@ medium:
   synchronous `torch.save` of the same state and a synchronous
   `torch.distributed.checkpoint` save, both to the durable tier's directory.
 - a swapped-in node's restore from the partner's copy (peer tier, host monitor to host
-  monitor over HTTP on loopback) against a restore from durable, when the host monitor can
-  be started here.
+  monitor over the peer data channel on loopback) against a restore from durable, when
+  the host monitor can be started here (the data channel against raw TCP:
+  bench/peer_transfer.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.checkpoint import format as fmt
 from training.checkpoint.peer import PeerTier
@@ -147,7 +149,7 @@ def peer_restore(
         started = time.perf_counter()
         on_spare.restore()
         seconds = time.perf_counter() - started
-        assert on_spare.last_restore is not None and on_spare.last_restore.tier == "peer"
+        assert on_spare.last_restore is not None and on_spare.last_restore.tier == Tier.PEER
         on_b.close()
         on_spare.close()
         return size / MiB / state["seconds"], size / MiB / seconds

@@ -46,7 +46,7 @@ import yaml
 
 from bench.table import Row, render, verdict
 from supervisor.kube.leader import JITTER
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from tests.kube import FakeKube
 
 AGENT_TOKEN = "failover-agent-token"

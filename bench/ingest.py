@@ -9,6 +9,7 @@ the result is the median of the per-round ratios.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -54,7 +55,12 @@ class IngestResult:
     duration_s: float
     events_rows: int | None = None  # supervisor only
     nodes_rows: int | None = None
-    db_changed: bool | None = None
+    #: Tables whose content changed during the windows: {table: rows added}.
+    db_changed: dict[str, int] | None = None
+    #: Seconds between the two looks at the database.
+    db_watched_s: float | None = None
+    #: The job's learned step interval (s) at the first and the second look.
+    learned_interval_s: tuple[float | None, float | None] = (None, None)
 
     @property
     def rps(self) -> float:
@@ -123,15 +129,50 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
 
 
-def _db_state(db: Path) -> tuple[tuple[str, int, int], ...]:
-    """Size and mtime of the database and its journal files, to spot any write."""
-    out = []
-    for suffix in ("", "-wal", "-journal"):  # not -shm: readers write to it
-        path = Path(str(db) + suffix)
-        if path.exists():
-            st = path.stat()
-            out.append((suffix, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+#: Columns a steady fleet may write, not per heartbeat: a job's longest step interval is
+#: persisted when it grows (so that a restarted supervisor keeps its learned hang
+#: timeout), a new maximum at a time, and the row's update time with it.
+LEARNED = {("jobs", "step_interval_s"), ("jobs", "updated_at")}
+
+
+def _db_tables(db: Path) -> dict[str, tuple[int, str]]:
+    """Each table's row count and a hash of its content, to spot any write and name it
+    (the files' size and mtime also change when SQLite checkpoints its journal)."""
+    out = {}
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        tables = [
+            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        ]
+        for table in tables:
+            digest = hashlib.sha256()
+            count = 0
+            columns = [
+                row[1]
+                for row in conn.execute(f'PRAGMA table_info("{table}")')
+                if (table, row[1]) not in LEARNED
+            ]
+            listed = ", ".join(f'"{c}"' for c in columns)
+            for row in conn.execute(f'SELECT {listed} FROM "{table}"'):
+                digest.update(repr(row).encode())
+                count += 1
+            out[table] = (count, digest.hexdigest())
+    return out
+
+
+def _learned_interval(db: Path) -> float | None:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        row = conn.execute("SELECT MAX(step_interval_s) FROM jobs").fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+def _changed(
+    before: dict[str, tuple[int, str]], after: dict[str, tuple[int, str]]
+) -> dict[str, int]:
+    return {
+        table: after[table][0] - before.get(table, (0, ""))[0]
+        for table in after
+        if after[table] != before.get(table)
+    }
 
 
 def _count(db: Path, table: str) -> int:
@@ -223,7 +264,8 @@ def run(config: IngestConfig) -> Comparison:
             windows: list[list[Window]] = [[] for _ in apps]
             try:
                 assert _readline(gen.stdout) == "primed"
-                before = _db_state(db)
+                before, watched = _db_tables(db), time.monotonic()
+                learned_before = _learned_interval(db)
                 cpu0 = 0.0
                 while True:
                     line = _readline(gen.stdout)
@@ -264,7 +306,9 @@ def run(config: IngestConfig) -> Comparison:
                 results[0],
                 events_rows=_count(db, "events"),
                 nodes_rows=_count(db, "nodes"),
-                db_changed=_db_state(db) != before,
+                db_changed=_changed(before, _db_tables(db)),
+                db_watched_s=time.monotonic() - watched,
+                learned_interval_s=(learned_before, _learned_interval(db)),
             )
             return Comparison(supervisor=sup, bare=results[1])
         finally:

@@ -32,13 +32,9 @@ faults land at the same variety of checkpoint phases for both policies).
 
 from __future__ import annotations
 
-import contextlib
-import math
 import random
-import re
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -46,24 +42,13 @@ from typing import Any
 
 import httpx
 
-from supervisor.local.cluster import free_port
+from bench.mttr_progress import CollectiveProgress, LogProgress, Stuck, WorkerLogs
+from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo
 
 DEFAULT_POLICY = "policies.default:DefaultPolicy"
 BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"
 KINDS = ("node_down", "worker_crash")
-
-START = re.compile(r"start attempt=(\d+) world_size=(\d+)")
-STEP_LINE = re.compile(r" step=(\d+)/\d+ ")
-RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
-FROM_ZERO = re.compile(r"starting from step=0")
-TERMINATED = re.compile(r"terminated by \w+ at step=(\d+)")
-STEP_DIR = re.compile(r"step-(\d+)$")
-TIER_ORDER = ("emergency", "local", "durable", "none")
-
-
-def _tier_rank(tier: str) -> int:
-    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +74,8 @@ class MttrConfig:
     workload_env: tuple[tuple[str, str], ...] = ()
     in_process: bool = True  # torch: heal in-process with warm standbys (else restart all)
     supervisor_env: tuple[tuple[str, str], ...] = ()  # more of the supervisor's settings
+    command: tuple[str, ...] | None = None  # the user's own job (`supervisor run`), not `workload`
+    nproc_per_node: int = 1  # workers per node (torchrun's --nproc-per-node)
 
     @property
     def target_s(self) -> float:
@@ -130,194 +117,11 @@ class PolicyRun:
         return [f for f in self.faults if f.kind == kind]
 
 
-class Stuck(Exception):
-    """The cluster did not get back to a healthy, training state in time."""
-
-
 def _try_api(demo: LocalDemo, path: str, **params: Any) -> Any:
     try:
         return demo.api(path, **params)
     except httpx.HTTPError:
         return None
-
-
-# --- the job's own progress ----------------------------------------------------------------
-
-
-def _attempts(run_dir: Path) -> list[int]:
-    try:
-        names = [p.name for p in (run_dir / "job" / "collective").iterdir()]
-    except OSError:
-        return []
-    return sorted(int(n) for n in names if n.isdigit())
-
-
-def _step_dirs(run_dir: Path, attempt: int) -> dict[int, Path]:
-    root = run_dir / "job" / "collective" / str(attempt)
-    out = {}
-    try:
-        for entry in root.iterdir():
-            m = STEP_DIR.match(entry.name)
-            if m:
-                out[int(m[1])] = entry
-    except OSError:
-        pass
-    return out
-
-
-def _ranks_in(directory: Path) -> int:
-    try:
-        return sum(1 for n in directory.iterdir() if n.name.endswith(".bin") and n.name[0] != ".")
-    except OSError:
-        return 0
-
-
-def current_step(run_dir: Path) -> tuple[int, int]:
-    """(newest attempt, highest step a rank of it finished); step -1 before any."""
-    attempts = _attempts(run_dir)
-    if not attempts:
-        return -1, -1
-    steps = _step_dirs(run_dir, attempts[-1])
-    return attempts[-1], max(steps, default=-1)
-
-
-def progressed_past(run_dir: Path, attempt: int, step: int, world: int) -> bool:
-    """Whether `attempt` finished step `step` + 1."""
-    dirs = _step_dirs(run_dir, attempt)
-    if any(s > step for s in dirs):
-        return True
-    return step in dirs and _ranks_in(dirs[step]) >= world
-
-
-def read_lines(path: Path, offset: int) -> tuple[int, list[str]] | None:
-    """The complete lines of `path` from `offset` on, and the offset after them; None
-    when it cannot be read."""
-    try:
-        with path.open("rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return None
-    complete = data.rfind(b"\n") + 1
-    return offset + complete, data[:complete].decode(errors="replace").splitlines()
-
-
-class CollectiveProgress:
-    """The NumPy job's progress, from its all-reduce barrier files."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-
-    def current(self) -> tuple[int, int]:
-        return current_step(self.run_dir)
-
-    def progressed_past(self, attempt: int, step: int, world: int) -> bool:
-        return progressed_past(self.run_dir, attempt, step, world)
-
-    def newest_step(self, attempt: int) -> int | None:
-        return None  # read from the survivors' `terminated by` lines instead
-
-    def attempts(self) -> list[int]:
-        return _attempts(self.run_dir)
-
-
-class LogProgress:
-    """The torch job's progress, from its workers' log lines (one per step), tailed."""
-
-    def __init__(self, run_dir: Path, job: str) -> None:
-        self.run_dir = run_dir
-        self.pattern = f"*.{job}.rank*.log"
-        self.offsets: dict[Path, int] = {}
-        self.attempt_of: dict[Path, int] = {}
-        self.steps: dict[int, int] = {}  # attempt -> newest step any rank logged
-
-    def _read(self) -> None:
-        for path in sorted((self.run_dir / "nodes").glob(f"*/{self.pattern}")):
-            lines = read_lines(path, self.offsets.get(path, 0))
-            if lines is None:
-                continue
-            self.offsets[path], text = lines
-            for line in text:
-                if m := START.search(line):
-                    self.attempt_of[path] = int(m[1])
-                    self.steps.setdefault(int(m[1]), -1)
-                elif (m := STEP_LINE.search(line)) and path in self.attempt_of:
-                    attempt = self.attempt_of[path]
-                    self.steps[attempt] = max(self.steps[attempt], int(m[1]))
-
-    def current(self) -> tuple[int, int]:
-        self._read()
-        if not self.steps:
-            return -1, -1
-        attempt = max(self.steps)
-        return attempt, self.steps[attempt]
-
-    def progressed_past(self, attempt: int, step: int, world: int) -> bool:
-        self._read()
-        return self.steps.get(attempt, -1) > step
-
-    def newest_step(self, attempt: int) -> int | None:
-        self._read()
-        step = self.steps.get(attempt)
-        return None if step is None or step < 0 else step
-
-    def attempts(self) -> list[int]:
-        self._read()
-        return sorted(self.steps)
-
-
-# --- worker logs -----------------------------------------------------------------------------
-
-
-class WorkerLogs:
-    """What the workers wrote since `mark()`: one file per node, job and rank."""
-
-    def __init__(self, run_dir: Path, job: str) -> None:
-        self.run_dir = run_dir
-        self.pattern = f"*.{job}.rank*.log"
-        self.offsets: dict[Path, int] = {}
-
-    def _files(self) -> list[Path]:
-        return sorted((self.run_dir / "nodes").glob(f"*/{self.pattern}"))
-
-    def mark(self) -> None:
-        self.offsets = {}
-        for path in self._files():
-            with contextlib.suppress(OSError):
-                self.offsets[path] = path.stat().st_size
-
-    def since_mark(self) -> Iterator[list[str]]:
-        for path in self._files():
-            lines = read_lines(path, self.offsets.get(path, 0))
-            if lines is not None:
-                yield lines[1]
-
-    def parse(self) -> tuple[dict[int, tuple[int, str, int]], list[int]]:
-        """({attempt: (resume step, tier, world size)}, steps the old attempt's workers
-        were stopped at)."""
-        resumed: dict[int, tuple[int, str, int]] = {}
-        terminated: list[int] = []
-        for lines in self.since_mark():
-            attempt: int | None = None
-            world = 0
-            for line in lines:
-                if m := START.search(line):
-                    attempt, world = int(m[1]), int(m[2])
-                if (m := RESUMED.search(line)) and attempt is not None:
-                    step, tier = int(m[1]), m[2]
-                    # Ranks load the agreed step from whichever tier they hold it in
-                    # (a fresh spare has no local tier): name every tier used.
-                    if attempt in resumed:
-                        if resumed[attempt][0] != step:
-                            raise Stuck(f"ranks of attempt {attempt} resumed from different steps")
-                        used = {tier, *resumed[attempt][1].split("+")}
-                        tier = "+".join(sorted(used, key=_tier_rank))
-                    resumed[attempt] = (step, tier, world)
-                elif FROM_ZERO.search(line) and attempt is not None:
-                    resumed[attempt] = (0, "none", world)
-                elif (m := TERMINATED.search(line)) and attempt is None:
-                    terminated.append(int(m[1]))
-        return resumed, terminated
 
 
 # --- one policy ----------------------------------------------------------------------------
@@ -475,10 +279,10 @@ class Runner:
             result.detection_s = min(times) - wall0
 
 
-def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
-    name = policy.rsplit(":", 1)[-1]
-    options = DemoOptions(
-        run_dir=root / name,
+def demo_options(policy: str, config: MttrConfig, root: Path) -> DemoOptions:
+    """The cluster of `config` under `policy`, in a directory of `root` named after it."""
+    return DemoOptions(
+        run_dir=root / policy.rsplit(":", 1)[-1],
         port=free_port(),
         replicas=config.replicas,
         nodes_per_dp=config.nodes_per_dp,
@@ -493,6 +297,8 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
         workload_env=dict(config.workload_env),
         in_process_restart=config.in_process,
         warm_standby=config.in_process,
+        command=None if config.command is None else list(config.command),
+        nproc_per_node=config.nproc_per_node,
         supervisor_env={
             "SUPERVISOR_MAX_RESTARTS_IN_WINDOW": "1000",
             "SUPERVISOR_FLAP_MAX_LOSSES": "100",
@@ -501,6 +307,10 @@ def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
             **dict(config.supervisor_env),
         },
     )
+
+
+def run_policy(policy: str, config: MttrConfig, root: Path) -> PolicyRun:
+    options = demo_options(policy, config, root)
     run = PolicyRun(policy)
     rng = random.Random(config.seed)
     demo = LocalDemo(options)
@@ -541,40 +351,3 @@ def run(config: MttrConfig) -> tuple[PolicyRun, PolicyRun]:
     with tempfile.TemporaryDirectory(prefix="bench-mttr-") as tmp:
         root = Path(tmp)
         return run_policy(DEFAULT_POLICY, config, root), run_policy(BASELINE_POLICY, config, root)
-
-
-# --- summaries for the table -----------------------------------------------------------------
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def fmt_s(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{median(values):.2f} / {max(values):.2f} s"
-
-
-def tiers(faults: list[FaultResult]) -> str:
-    counts: dict[str, int] = {}
-    for f in faults:
-        if f.resumed_tier is not None:
-            counts[f.resumed_tier] = counts.get(f.resumed_tier, 0) + 1
-    return ", ".join(f"{tier} x{n}" for tier, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
-def lost_summary(faults: list[FaultResult]) -> str:
-    lost = [f.steps_lost for f in faults if f.ok and f.steps_lost is not None]
-    if not lost:
-        return "-"
-    return f"{sum(lost) / len(lost):.1f} / {max(lost)} ({tiers(faults)})"
-
-
-def failed_note(faults: list[FaultResult], expected: int) -> str:
-    failed = sum(1 for f in faults if not f.ok) + max(0, expected - len(faults))
-    return f", {failed} FAILED" if failed else ""

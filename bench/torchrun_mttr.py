@@ -1,30 +1,32 @@
 """torchrun's own elastic restart of the PyTorch workload, without the supervisor: the
 baseline of the torch MTTR rows.
 
-Two torchrun agents on this machine stand for two nodes, one worker each
-(`--nnodes=1:2 --nproc-per-node=1`, c10d rendezvous on 127.0.0.1, `--max-restarts` high
-enough for every fault of the run), running `python -m training.torch_workload` with the
-model, step time and checkpoint frequencies of the supervised job (a RAM tier per node, a
-shared durable tier, no host monitor). The same faults, acted out with the same signals
-the host monitors send:
+Two torchrun agents on this machine stand for two nodes, by default one worker each
+(`--nnodes=1:2 --nproc-per-node=1`; `TorchrunConfig.nnodes` and `nproc_per_node` give
+other flags, e.g. `--nnodes=2 --nproc-per-node=2`), c10d rendezvous on 127.0.0.1,
+`--max-restarts` high enough for every fault of the run, running `python -m
+training.torch_workload` with the model, step time and checkpoint frequencies of the
+supervised job (a RAM tier per node, a shared durable tier, no host monitor). The same
+faults, acted out with the same signals the host monitors send:
 
-- worker_crash: SIGKILL one node's worker. The agent sees it exit and restarts the
+- worker_crash: SIGKILL one worker of a node. The agent sees it exit and restarts the
   worker group, which resumes from the newest checkpoint every rank holds.
-- node_down: SIGKILL one node's agent and worker; the node comes back (a new agent)
-  `node_repair_s` later, as the local cluster repairs its nodes. The survivor's worker
-  fails in its collective and its agent re-rendezvouses, with one node or two. The c10d
-  store lives in the first agent: when that node dies the other agent cannot
-  rendezvous at all, and the job is lost (then started again from its checkpoints to go
-  on; the fault counts as not recovered).
-- worker_hang: SIGSTOP one worker. torchrun has no heartbeat of its own: the fault
-  counts as not detected and not recovered once `fault_timeout_s` has passed; the
+- node_down: SIGKILL one node's agent and its workers; the node comes back (a new agent)
+  `node_repair_s` later, as the local cluster repairs its nodes. The survivor's workers
+  fail in their collective and its agent re-rendezvouses, with one node or two (with
+  `--nnodes=2` it waits for the repaired node). The c10d store lives in the first agent:
+  when that node dies the other agent cannot rendezvous at all, and the job is lost
+  (then started again from its checkpoints to go on; the fault counts as not recovered).
+- worker_hang: SIGSTOP one worker of a node. torchrun has no heartbeat of its own: the
+  fault counts as not detected and not recovered once `fault_timeout_s` has passed; the
   stopped worker is then SIGKILLed so that the run can go on.
 
-Progress comes from the workers' log lines (the agents' output: `start attempt=...
-resumed step=R`, then one `step=N/...` line per step), tailed every 50 ms. Detected:
-an agent logs that its worker group FAILED. Resumed: a worker of a new worker group logs
-a step past the one it resumed from. The step at the fault: the newest step logged
-before the new group started.
+Progress comes from the workers' log lines (the agents' output, which every worker of an
+agent writes to a whole line at a time: `start attempt=... resumed step=R`, then one
+`step=N/...` line per step), tailed every 50 ms. Detected: an agent logs that its worker
+group FAILED. Resumed: a worker of a new worker group logs a step past the one it
+resumed from. The step at the fault: the newest step logged before the new group
+started.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.mttr import FaultResult, PolicyRun, read_lines
-from supervisor.local.cluster import free_port
+from bench.mttr import FaultResult, PolicyRun
+from bench.mttr_progress import read_lines
+from supervisor.local.cluster_state import free_port
 
 START = re.compile(
     r"start attempt=\S+ world_size=(\d+): (?:resumed step=(\d+) tier=(\w+)|starting)"
@@ -50,6 +53,18 @@ START = re.compile(
 STEP_LINE = re.compile(r" step=(\d+)/\d+ ")
 FAILED = re.compile(r"Worker group (FAILED|UNHEALTHY)")
 NODES = ("node-0", "node-1")
+# The torch workload of the MTTR rows, under the supervisor and under torchrun: small
+# enough for four ranks' worth of processes on two cores, one log line per step (progress
+# is read from them).
+TORCH_MTTR_ENV = (
+    ("D_MODEL", "64"),
+    ("N_LAYERS", "2"),
+    ("N_HEADS", "4"),
+    ("SEQ_LEN", "32"),
+    ("LOG_EVERY_STEPS", "1"),
+    ("OMP_NUM_THREADS", "1"),
+)
+TORCH_KINDS = ("node_down", "worker_crash", "worker_hang")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +83,12 @@ class TorchrunConfig:
     poll_s: float = 0.05
     workload_env: tuple[tuple[str, str], ...] = ()
     keep_dir: Path | None = None
+    nnodes: str = "1:2"  # torchrun's --nnodes: "1:2" goes on with one node, "2" waits for two
+    nproc_per_node: int = 1  # torchrun's --nproc-per-node: workers per agent
+
+    @property
+    def world_size(self) -> int:
+        return len(NODES) * self.nproc_per_node
 
 
 class Lost(Exception):
@@ -162,8 +183,8 @@ class TorchrunJob:
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                "--nnodes=1:2",
-                "--nproc-per-node=1",
+                f"--nnodes={self.config.nnodes}",
+                f"--nproc-per-node={self.config.nproc_per_node}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{self.port}",
                 "--rdzv-id=bench",
@@ -185,7 +206,7 @@ class TorchrunJob:
             self.start_agent(node)
 
     def worker_pid(self, node: str) -> int:
-        """The agent's worker: its one child process."""
+        """One of the agent's workers: its first child process."""
         agent = self.agents[node].pid
         try:
             children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
@@ -248,7 +269,8 @@ class Runner:
                     self.step = max(self.step, int(m[1]))
 
     def settle(self, extra_steps: int) -> None:
-        """Both nodes up and in one two-node world, then `extra_steps` more steps."""
+        """Both nodes up and in one world of both nodes' workers, then `extra_steps` more
+        steps."""
         job, cfg = self.job, self.config
         deadline = time.monotonic() + cfg.settle_timeout_s
         start: int | None = None
@@ -264,7 +286,9 @@ class Runner:
                 self.restarts_by_bench += 1
                 unhealthy_since = time.monotonic()
                 start = None
-            healthy = len(job.alive()) == 2 and all(self.world.get(n) == 2 for n in NODES)
+            healthy = len(job.alive()) == 2 and all(
+                self.world.get(n) == cfg.world_size for n in NODES
+            )
             if not healthy:
                 start = None
             elif start is None:

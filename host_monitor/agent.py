@@ -5,7 +5,9 @@ Tasks, each independent of the others so that none can starve the rest:
   anything uses our address);
 - the process monitor: polls the workers every 0.1 s and triggers a heartbeat on any
   change; releases the node to spare once its (self-registered) workers are all gone;
-- the heartbeat sender;
+- the heartbeat sender; when the supervisor refuses workers of an older world than their
+  job's newest (a node cut off during a heal, heard again), they are killed at once and
+  the node becomes a spare: it fences itself;
 - the XID and ECC watchdogs.
 
 SIGTERM/SIGINT stop the workers we launched (SIGTERM, `shutdown_grace_s`, SIGKILL),
@@ -28,17 +30,21 @@ import uvicorn
 
 from host_monitor.checkpoint_forwarder import CheckpointForwarder
 from host_monitor.config import HostMonitorSettings
-from host_monitor.faults import FaultActor
+from host_monitor.fault_actor import FaultActor
 from host_monitor.heartbeat import HeartbeatSender
+from host_monitor.launch import Launch, Launcher
+from host_monitor.metrics import HeartbeatCounts, HostMonitorMetrics
 from host_monitor.node import CheckpointRecord, Node
-from host_monitor.peer_tier import PeerTier
+from host_monitor.peer_tier import PeerTier, peer_counts
 from host_monitor.server import create_app
-from host_monitor.watchdogs import GpuReporter
+from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc
 from host_monitor.watchdogs.nvidia_smi import GpuTopology
 from host_monitor.watchdogs.nvml import NvmlWatchdog
 from host_monitor.watchdogs.xid import XidWatchdog, open_kernel_log
 from host_monitor.wire import GpuReport
+from resiliency_protocol.node_commands import StopWorkersRequest
+from resiliency_protocol.worlds import StaleWorld
 
 log = logging.getLogger("host_monitor")
 
@@ -88,13 +94,15 @@ def urls(sock: socket.socket, scheme: str = "http") -> tuple[str, str]:
 
 
 class Agent:
-    def __init__(self, settings: HostMonitorSettings) -> None:
+    def __init__(self, settings: HostMonitorSettings, launch: Launch | None = None) -> None:
         self.settings = settings
+        self.launch = launch  # --launch: the node's workers are ours to start
         self.actuator_token = self._token("actuator_token", log_it=True)
         self.worker_token = self._token("worker_token", log_it=False)
         self._stopping = asyncio.Event()
         self._nvml: NvmlWatchdog | None = None
         self._ssl: ssl.SSLContext | None = None
+        self._fencing: set[asyncio.Task[list[int]]] = set()
 
     def _token(self, name: str, *, log_it: bool) -> str:
         value = getattr(self.settings, name)
@@ -124,12 +132,18 @@ class Agent:
         xid, ecc, faults = await self._watchdogs(node, sender)
         peer = PeerTier(s, node, forwarder)
         peer.start()  # clears what a crash left in the peer store
+        peer.start_channel(self.worker_token)
+        metrics = self._metrics(node, sender, [xid, ecc, *([self._nvml] if self._nvml else [])])
+        if peer.store is not None:
+            metrics.sources.peer = lambda: peer_counts(peer)
         app = create_app(
             node,
             faults,
             worker_token=self.worker_token,
             actuator_token=self.actuator_token,
             peer=peer,
+            metrics=metrics,
+            metrics_token=s.metrics_token.get_secret_value() if s.metrics_token else None,
         )
         server = _Server(
             uvicorn.Config(
@@ -170,6 +184,10 @@ class Agent:
             tasks.append(asyncio.create_task(sender.run(), name="heartbeat"))
         if forwarder is not None:
             tasks.append(asyncio.create_task(forwarder.run(), name="checkpoint-forwarder"))
+        if self.launch is not None:
+            delivered = (lambda: sender.delivered) if sender is not None else None
+            launcher = Launcher(self.launch, s, node, advertised, delivered, self._ssl)
+            tasks.append(asyncio.create_task(launcher.run(self._stopping.set), name="launcher"))
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             done, _ = await asyncio.wait(
@@ -200,6 +218,24 @@ class Agent:
         log.info("host monitor of %s stopped", s.node)
         return 0 if clean else 1
 
+    def _metrics(
+        self, node: Node, sender: HeartbeatSender | None, watchdogs: list[Watchdog]
+    ) -> HostMonitorMetrics:
+        metrics = HostMonitorMetrics(self.settings.node)
+        sources = metrics.sources
+        if sender is not None:
+            sources.heartbeats = lambda: HeartbeatCounts(
+                sent=sender.delivered,
+                failed=sender.failed_total,
+                failing_in_a_row=sender.failing_in_a_row,
+                last_success_unix_s=sender.last_delivered_unix_s,
+            )
+        sources.watchdogs = lambda: {w.name: w.healthy for w in watchdogs}
+        sources.worker_starts = lambda: node.registry.starts
+        sources.worker_states = lambda: [w.state.value for w in node.registry.statuses()]
+        node.rounds.on_round_done = metrics.emergency_round
+        return metrics
+
     def _sender(self, node: Node, address: str) -> HeartbeatSender | None:
         s = self.settings
         if s.supervisor_url is None:
@@ -217,10 +253,16 @@ class Agent:
             on_delivered=node.delivered,
             ssl_context=self._ssl,
             mirrors=s.shadow_supervisor_urls,
+            on_stale_world=lambda stale: self._stale_world(node, stale),
         )
         node.on_change = sender.trigger
         node.wait_for_delivery = True
         return sender
+
+    def _stale_world(self, node: Node, stale: StaleWorld) -> None:
+        task = asyncio.get_running_loop().create_task(fence(node, stale), name="fence")
+        self._fencing.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._fencing.discard)
 
     def _forwarder(self, node: Node) -> CheckpointForwarder | None:
         """Forwards the workers' checkpoint reports to the supervisor (for goodput)."""
@@ -240,6 +282,7 @@ class Agent:
 
         def forward(record: CheckpointRecord, job: str | None) -> None:
             r = record.report
+            worker = node.registry.workers.get(record.rank)
             forwarder.add(
                 rank=record.rank,
                 job=job,
@@ -251,6 +294,7 @@ class Agent:
                 total_s=r.total_s,
                 time=record.time,
                 error=r.error,
+                world=node.world_of(worker) if worker is not None else None,
             )
 
         node.on_checkpoint = forward
@@ -303,3 +347,29 @@ class Agent:
             node.registry.poll()
             node.release_if_idle()
             await asyncio.sleep(PROCESS_POLL_S)
+
+
+async def fence(node: Node, stale: StaleWorld) -> list[int]:
+    """Kill the workers the supervisor refused as an older world's (no grace: what they
+    would save on the way out belongs to that world), and release the node when none is
+    left. Ranks the node has since been told to join the newer world are kept. Returns
+    the ranks stopped."""
+    if node.job != stale.job:
+        return []
+    live = node.registry.live()
+    doomed = []
+    for worker in live:
+        world = node.world_of(worker)
+        if worker.rank in stale.ranks and world is not None and world < stale.world:
+            doomed.append(worker)
+    if not doomed:
+        return []
+    ranks = [w.rank for w in doomed]
+    log.warning(
+        "fenced: killing ranks %s of job %s (world older than %d)", ranks, stale.job, stale.world
+    )
+    if len(doomed) == len(live):
+        await node.stop_workers(StopWorkersRequest(grace_s=0, release=True))
+    else:
+        await node.registry.stop(0, only=doomed)
+    return ranks

@@ -35,17 +35,21 @@ from typing import Any
 import httpx
 
 from host_monitor.credentials import BearerCredential, CredentialError
-from host_monitor.protocol import CheckpointReport
 from resiliency_protocol.backoff import attempt_delay
+from resiliency_protocol.checkpoint_reports import (
+    SUPERVISOR_PATH,
+    CheckpointReport,
+    CheckpointReportIn,
+)
+from resiliency_protocol.clock import utcnow
 from resiliency_protocol.errors import error_message
-from resiliency_protocol.states import utcnow
 from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
 
 BATCH = 500  # reports per request (the supervisor takes up to 1000)
 MAX_OUTBOX = 100_000  # reports kept while the supervisor is unreachable
-PATH = "/api/v1/checkpoints"
+PATH = SUPERVISOR_PATH
 
 
 class CheckpointForwarder:
@@ -93,6 +97,7 @@ class CheckpointForwarder:
         total_s: float | None = None,
         time: str | None = None,
         error: str | None = None,
+        world: int | None = None,
     ) -> str:
         """Keep a report (durably) for sending; returns its id. Call before acking it.
 
@@ -112,7 +117,7 @@ class CheckpointForwarder:
                 "error": error,
             }
         )
-        report: dict[str, Any] = {
+        fields: dict[str, Any] = {
             "id": f"{self.node}-{uuid.uuid4().hex}",
             "node": self.node,
             "job": job,
@@ -126,11 +131,16 @@ class CheckpointForwarder:
         # Left out when unknown: a report without them is what a supervisor that predates
         # them accepts, and old outbox lines look the same.
         if checked.bytes is not None:
-            report["bytes"] = checked.bytes
+            fields["bytes"] = checked.bytes
         if checked.total_s is not None:
-            report["total_s"] = checked.total_s
+            fields["total_s"] = checked.total_s
         if checked.error is not None:
-            report["error"] = checked.error
+            fields["error"] = checked.error
+        if world is not None:  # the worker's world: an older one's is not recorded
+            fields["world"] = world
+        report = CheckpointReportIn.model_validate(fields).model_dump(
+            mode="json", exclude_unset=True
+        )
         if len(self._pending) >= MAX_OUTBOX:
             dropped = self._pending.popleft()
             log.error("checkpoint outbox full: dropping the oldest report (%s)", dropped["id"])
@@ -164,6 +174,8 @@ class CheckpointForwarder:
             headers = {"Authorization": self._credential.header()}
             # When it is sent, by this clock: the supervisor checks the clock on it, and
             # the reports' times against it (they may have waited here for a while).
+            # The reports as kept in the outbox (each a CheckpointReportIn when added; a
+            # line an older host monitor left is sent as it is: the supervisor judges it).
             body = {"reports": batch, "sent_at": utcnow().isoformat()}
             response = await client.post(self.url, json=body, headers=headers)
         except CredentialError as exc:

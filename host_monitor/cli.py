@@ -4,6 +4,11 @@ Every setting is a flag (`--heartbeat-polling-period-s 5`) and an environment va
 (`HOST_MONITOR_HEARTBEAT_POLLING_PERIOD_S=5`); flags win. Prefer the environment for the
 tokens: flags show in `ps`. An invalid setting stops start-up with one line and exit
 code 2.
+
+With `--launch [--nproc-per-node N] [--nnodes N --node-rank R --master-addr HOST] --
+COMMAND...` it starts this node's workers itself, as torchrun does, and the supervisor
+(local backend) heals them through it (host_monitor/launch.py); a COMMAND that cannot be
+found stops start-up the same way.
 """
 
 from __future__ import annotations
@@ -11,9 +16,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from host_monitor.config import ConfigError, HostMonitorSettings, load_settings
+from host_monitor.launch import (
+    LaunchError,
+    add_arguments,
+    launch_defaults,
+    launch_of,
+    spare_launch,
+)
+from resiliency_protocol.logs import configure_logging
 from resiliency_protocol.tls import TLSError
 
 PROG = "host-monitor"
@@ -36,31 +50,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
+def _configure_logging(settings: HostMonitorSettings) -> None:
+    # One line per heartbeat at info would drown everything else.
+    quiet = {} if settings.log_level == "debug" else {"httpx": logging.WARNING}
+    configure_logging(
+        settings.log_level,
+        settings.log_format,
+        fixed={"role": "host-monitor", "node": settings.node},
+        quiet=quiet,
     )
-    if level != "debug":
-        # One line per heartbeat at info would drown everything else.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    add_arguments(parser)  # --launch and its flags: not settings
+    args = vars(parser.parse_args(argv))
     try:
-        settings = load_settings(**vars(args))
+        launch = launch_of(args)  # a command that cannot run stops us before anything
+        if launch is not None:
+            if launch.spare:
+                # os.environ, so that the settings read no job either
+                launch = spare_launch(launch, args, os.environ)
+            args.update(launch_defaults(args, os.environ, spare=launch.spare))
+        settings = load_settings(**args)
         settings.check_tls_files()
-    except (ConfigError, TLSError) as exc:
+        if launch is not None and launch.spare and settings.supervisor_url is None:
+            raise LaunchError(
+                f"--node-rank {launch.node_rank} is a spare's (--nnodes {launch.nnodes}): "
+                "a spare needs supervisor_url, the supervisor swaps it in"
+            )
+    except (ConfigError, TLSError, LaunchError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    _configure_logging(settings.log_level)
+    _configure_logging(settings)
 
     from host_monitor.agent import Agent  # after the settings: a bad flag fails fast
 
     try:
-        code = asyncio.run(Agent(settings).run())
+        code = asyncio.run(Agent(settings, launch).run())
     except OSError as exc:  # e.g. the port is taken
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

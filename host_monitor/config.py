@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from host_monitor.credentials import BearerCredential
 from host_monitor.errors import HostMonitorError
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
+from resiliency_protocol import worker_env
 from resiliency_protocol.tls import client_context, server_context
 
 DEV_KMSG = "/dev/kmsg"
@@ -27,8 +28,8 @@ DEFAULT_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
 DEFAULT_PEER_STORE_PARENT = "/dev/shm/resiliency-peer"
 DEFAULT_PEER_MAX_FILE_BYTES = 2**40  # 1 TiB: no shard is that big; RAM runs out first
 #: What launched workers are told of our certificate (training/worker_client.py reads them).
-ENV_WORKER_CA_FILE = "HOST_MONITOR_CA_FILE"
-ENV_WORKER_SERVER_NAME = "HOST_MONITOR_SERVER_NAME"
+ENV_WORKER_CA_FILE = worker_env.HOST_MONITOR_CA_FILE
+ENV_WORKER_SERVER_NAME = worker_env.HOST_MONITOR_SERVER_NAME
 #: What the host monitor may present to the supervisor: exactly one of them.
 CREDENTIALS = (
     "agent_token",
@@ -149,6 +150,16 @@ class HostMonitorSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token Prometheus presents for GET /metrics (the actuator token "
+        "works too); unset: only the actuator token.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines for people (text) or one JSON object per line (json); "
+        "also given to the workers it launches (RESILIENCY_LOG_FORMAT).",
+    )
     # The peer checkpoint tier (host_monitor/peer_tier.py): copies of the workers' RAM
     # checkpoints kept by a partner node, for a swapped-in spare whose RAM is empty.
     peer_token: SecretStr | None = Field(
@@ -175,6 +186,26 @@ class HostMonitorSettings(BaseSettings):
         DEFAULT_PEER_MAX_FILE_BYTES,
         ge=1,
         description="Largest checkpoint file the partner may upload to us.",
+    )
+    peer_store_max_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Bytes the peer store may hold (copies, uploads in progress): an upload "
+        "that would go over is refused (507). Set it with the store on tmpfs, whose pages "
+        "count against the host monitor's memory limit (host_monitor/README.md, 'Where "
+        "partner copies live'). Unset: no cap.",
+    )
+    peer_channel: bool = Field(
+        True,
+        description="Move checkpoint files to and from partners over the data channel "
+        "(plain TCP, TLS when the API has it) rather than HTTP.",
+    )
+    peer_channel_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the data channel, on the API's address; 0: any free port. "
+        "Partners learn it from GET /v1/peer/channel.",
     )
     # TLS (docs/security.md, "TLS"): HTTPS for the local API, and how we verify who we call.
     tls_cert_file: Path | None = Field(

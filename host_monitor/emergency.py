@@ -22,16 +22,17 @@ import os
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.protocol import (
+from host_monitor.workers import WorkerConflict, WorkerNotFound, WorkerRegistry
+from resiliency_protocol.emergency import (
     EmergencyAck,
     EmergencyCheckpointRequest,
     EmergencyCheckpointResult,
 )
-from host_monitor.workers import WorkerConflict, WorkerNotFound, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class EmergencyRounds:
         self._keep = keep
         self._rounds: OrderedDict[str, Round] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Told each round's seconds once it ended (the agent's metrics).
+        self.on_round_done: Callable[[float], None] | None = None
 
     async def run(self, req: EmergencyCheckpointRequest) -> EmergencyCheckpointResult:
         round_ = self._rounds.get(req.request_id)
@@ -172,6 +175,8 @@ class EmergencyRounds:
                 elapsed_s=round(time.monotonic() - round_.started, 6),
             )
             round_.done.set()
+            if self.on_round_done is not None:
+                self.on_round_done(round_.result.elapsed_s)
             log.info(
                 "emergency checkpoint %s done in %.3fs: acked %s, missing %s",
                 round_.request_id,

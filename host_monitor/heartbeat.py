@@ -11,6 +11,9 @@ the process monitor run in their own tasks and only `trigger()` a send.
 - GPU reports stay queued until a heartbeat carrying them was accepted (2xx).
 - With the host monitor's credential (host_monitor/credentials.py), read again from its
   file when it rotates and after a 401.
+- Each worker's report carries its world (`world_of`); a refusal because some of them
+  belong to an older world than their job's newest (409 `stale_world`) is handed to
+  `on_stale_world`, which stops them (resiliency_protocol/worlds.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import logging
 import random
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +36,7 @@ from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.errors import error_message
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
+from resiliency_protocol.worlds import StaleWorld, parse_world, stale_world_of
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,14 @@ class NodeSnapshot:
     version: int = 0
 
 
+def world_of(attempt: str | None, joining: str | None, started: int | None) -> int | None:
+    """A worker's world: the newest of the one it reported training in (`attempt`), the
+    one it was told to join (an in-process restart, `joining`) and the one it was started
+    in; None when none is known."""
+    worlds = [w for w in (parse_world(attempt), parse_world(joining), started) if w is not None]
+    return max(worlds, default=None)
+
+
 class HeartbeatSender:
     def __init__(
         self,
@@ -61,10 +74,12 @@ class HeartbeatSender:
         on_delivered: Callable[[NodeSnapshot], None] | None = None,
         ssl_context: ssl.SSLContext | None = None,
         mirrors: Sequence[str] = (),
+        on_stale_world: Callable[[StaleWorld], None] | None = None,
     ) -> None:
         """`ssl_context`: how an https:// supervisor is verified (default: the system's
         trust store). `mirrors`: base URLs of dry-run supervisors shadowing this one,
-        each sent a copy of every heartbeat (see `HeartbeatMirror`)."""
+        each sent a copy of every heartbeat (see `HeartbeatMirror`). `on_stale_world`:
+        told when the supervisor refuses workers of an older world."""
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
@@ -76,10 +91,14 @@ class HeartbeatSender:
         self._pending: list[GpuReport] = []
         self._wake = asyncio.Event()
         self._silenced = False
-        self.delivered = 0  # heartbeats accepted, for status and tests
+        self.delivered = 0  # heartbeats accepted, for status, metrics and tests
+        self.failed_total = 0  # heartbeats that did not get through (metrics)
+        self.last_delivered_unix_s: float | None = None
         self._failures = 0
         self._last_problem: str | None = None
         self.mirrors = [HeartbeatMirror(url, self._credential, self._ssl) for url in mirrors]
+        self._on_stale_world = on_stale_world
+        self.stale_worlds = 0  # refusals for an older world, for status and tests
 
     # --- used by the rest of the agent ----------------------------------------------------
 
@@ -155,6 +174,7 @@ class HeartbeatSender:
         except ValueError as exc:  # a bug of ours; say it, do not spin on it
             self._problem(f"cannot build a heartbeat: {exc}", level=logging.ERROR)
             self._failures += 1
+            self.failed_total += 1
             return False
         sent = len(body.gpu_reports)
         content = msgspec.json.encode(body)
@@ -185,10 +205,18 @@ class HeartbeatSender:
             self._failures = 0
             self._last_problem = None
             self.delivered += 1
+            self.last_delivered_unix_s = time.time()
             if self._on_delivered is not None:
                 self._on_delivered(snap)
             return True
         detail = error_message(response)
+        if response.status_code == 409:
+            stale = stale_world_of(response.content)
+            if stale is not None:
+                self.stale_worlds += 1
+                log.warning("supervisor refused workers of an older world: %s", stale.message)
+                if self._on_stale_world is not None:
+                    self._on_stale_world(stale)
         if response.status_code == 401:
             self._credential.refresh()  # rotated meanwhile: read it again
         if response.status_code == 422 and sent:
@@ -199,8 +227,13 @@ class HeartbeatSender:
         self._failed(f"HTTP {response.status_code}: {detail}")
         return False
 
+    @property
+    def failing_in_a_row(self) -> int:
+        return self._failures
+
     def _failed(self, problem: str) -> None:
         self._failures += 1
+        self.failed_total += 1
         self._problem(problem)
 
     def _problem(self, problem: str, level: int = logging.WARNING) -> None:

@@ -18,27 +18,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TypeVar
 
-from pydantic import TypeAdapter, ValidationError
-
-from host_monitor.config import HostMonitorSettings, env_without_secrets
+from host_monitor.answered_requests import AnsweredRequests
+from host_monitor.assigned_worlds import AssignedWorlds
+from host_monitor.config import HostMonitorSettings
 from host_monitor.emergency import EmergencyRounds
-from host_monitor.errors import HostMonitorError
-from host_monitor.heartbeat import NodeSnapshot
-from host_monitor.protocol import (
+from host_monitor.heartbeat import NodeSnapshot, world_of
+from host_monitor.request_checks import InvalidRequest, check_env, check_start
+from host_monitor.standby import Standbys
+from host_monitor.wire import WorkerReport
+from host_monitor.worker_env import ENV_JOB, ENV_REQUEST_FILE, WorkerEnvironment
+from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
+from resiliency_protocol import worker_env
+from resiliency_protocol.checkpoint_reports import CheckpointReport
+from resiliency_protocol.clock import utcnow
+from resiliency_protocol.node_commands import (
     AssignWorldRequest,
     AssignWorldResult,
     CheckpointPeer,
-    CheckpointReport,
     NodeStatus,
-    ProgressReply,
     RejoinRequest,
     RejoinResult,
     StandbyRequest,
@@ -46,47 +48,27 @@ from host_monitor.protocol import (
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
+    WorkerStatus,
+)
+from resiliency_protocol.states import NodeState
+from resiliency_protocol.worker_wire import (
+    ProgressReply,
     WorkerFinishing,
     WorkerProgress,
     WorkerRegistration,
-    WorkerStatus,
     WorkerStopping,
     WorldAssignment,
 )
-from host_monitor.standby import Standbys
-from host_monitor.wire import Name, WorkerReport
-from host_monitor.workers import Worker, WorkerConflict, WorkerRegistry
-from resiliency_protocol.states import NodeState, utcnow
+from resiliency_protocol.worlds import parse_world
 
 log = logging.getLogger(__name__)
 
-_Request = TypeVar("_Request")
-_Result = TypeVar("_Result")
-
-KEEP_START_REQUESTS = 64  # request ids remembered for idempotency
 STANDBY_DELAY_S = 5.0  # after a start, before its standby is started
 KEEP_CHECKPOINTS = 100
-KEEP_WORLDS = 256  # worlds assigned per (job, rank), newest kept
-# Env of launched workers naming the file that holds the current emergency request id
-# (read by training/worker_client.py after SIGUSR1, which carries no data).
-ENV_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
-# Env of launched workers naming their job (what a worker pod sets itself on Kubernetes;
-# read by training/worker_client.py and sent with its registration).
-ENV_JOB = "HOST_MONITOR_JOB"
-_NAME = TypeAdapter(Name)
 
 
 def _rank(worker: Worker) -> int:
     return worker.rank
-
-
-class InvalidRequest(HostMonitorError):
-    """A request that names a bad field (HTTP 422): `field` and a one-line message."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +86,7 @@ class Node:
         self.idle_release_s = settings.idle_release_s
         self.run_dir = settings.run_dir
         self.base_url = base_url
-        self._worker_token = worker_token
-        # How launched workers verify our certificate (HOST_MONITOR_CA_FILE, ...).
-        self._tls_env = settings.worker_tls_env()
+        self.worker_env = WorkerEnvironment(settings, worker_token, base_url)
         self.registry = WorkerRegistry(
             settings.worker_heartbeat_timeout_s, on_change=self._worker_changed
         )
@@ -124,17 +104,16 @@ class Node:
         self._version = 0  # bumped on every change of state, job or worker state
         self._delivered_version = 0
         self._idle_since: float | None = None  # monotonic: when its last worker went
-        self._starts: OrderedDict[str, StartWorkersRequest] = OrderedDict()
-        self._rejoins: OrderedDict[str, tuple[RejoinRequest, RejoinResult]] = OrderedDict()
-        # POST /v1/workers/world: the newest world of each (job, rank), for its instance.
-        self._worlds: OrderedDict[tuple[str, int], AssignWorldRequest] = OrderedDict()
-        self._assigned: OrderedDict[str, tuple[AssignWorldRequest, AssignWorldResult]] = (
-            OrderedDict()
-        )
+        self._starts = AnsweredRequests[StartWorkersRequest, bool]("start")
+        self._rejoins = AnsweredRequests[RejoinRequest, RejoinResult]("rejoin")
+        self._worlds = AssignedWorlds()
+        self._assigned = AnsweredRequests[AssignWorldRequest, AssignWorldResult]("world")
         self._lock = asyncio.Lock()
         # The partner of the peer checkpoint tier (peer_tier.py): from the start request,
         # or PUT /v1/checkpoint-peer. A relation of the job: a released node has none.
         self.checkpoint_peer: CheckpointPeer | None = None
+        # The world (WORKLOAD_ATTEMPT) of the last start: its workers' until they report one.
+        self.start_world: int | None = None
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -149,18 +128,24 @@ class Node:
             job=self.job,
             workers=[
                 WorkerReport(
-                    rank=s.rank,
-                    local_rank=s.local_rank,
-                    pid=s.pid,
-                    state=s.state,
-                    step=s.step,
-                    exit_code=s.exit_code,
-                    compute_s=s.compute_s,
+                    rank=w.rank,
+                    local_rank=w.local_rank,
+                    pid=w.pid,
+                    state=w.state,
+                    step=w.step,
+                    exit_code=w.exit_code,
+                    compute_s=w.compute_s,
+                    world=self.world_of(w),
                 )
-                for s in self.registry.statuses()
+                for _, w in sorted(self.registry.workers.items())
             ],
             version=self._version,
         )
+
+    def world_of(self, worker: Worker) -> int | None:
+        """The world `worker` belongs to (None: not known)."""
+        joining = worker.world[0] if worker.world is not None else None
+        return world_of(worker.attempt, joining, self.start_world)
 
     def delivered(self, snapshot: NodeSnapshot) -> None:
         """The supervisor accepted a heartbeat made of `snapshot`."""
@@ -170,23 +155,18 @@ class Node:
 
     async def start_workers(self, req: StartWorkersRequest) -> NodeStatus:
         async with self._lock:
-            done = self._starts.get(req.request_id)
-            if done is not None:
-                if done != req:
-                    raise WorkerConflict(
-                        f"request_id {req.request_id!r} was used for a different start"
-                    )
+            if self._starts.answered(req.request_id, req):
                 log.info("start %s asked again: already done", req.request_id)
                 return self.status()
-            self._check_start(req)
+            check_start(req, self.job, self.registry.live())
             self.registry.forget()  # the finished workers of a previous start
             launched: list[Worker] = []
             try:
                 for spec in sorted(req.workers, key=lambda s: s.rank):
-                    request_file = self._request_file(req, spec.rank)
-                    env = self._worker_env(req, spec.rank, spec.local_rank)
+                    request_file = self.worker_env.request_file(req, spec.rank)
+                    env = self.worker_env.of_rank(req, spec.rank, spec.local_rank)
                     env[ENV_REQUEST_FILE] = str(request_file)
-                    log_path = self._log_path(req, spec.rank)
+                    log_path = self.worker_env.log_path(req, spec.rank)
                     standby = (
                         self.standbys.take(req.job, req.command, env, log_path)
                         if req.standby_preload
@@ -211,6 +191,7 @@ class Node:
             self.state = NodeState.RUNNING
             self.job = req.job
             self.checkpoint_peer = req.checkpoint_peer
+            self.start_world = parse_world(req.env.get(worker_env.WORKLOAD_ATTEMPT))
             if req.standby_preload:  # the next start of this job here takes it
                 # Later, not now: importing torch would take CPU from the ranks starting.
                 asyncio.get_running_loop().call_later(
@@ -218,12 +199,10 @@ class Node:
                     self.standbys.prepare,
                     req.job,
                     req.command,
-                    self._standby_env(req),
+                    self.worker_env.of_standby(req),
                     req.standby_preload,
                 )
-            self._starts[req.request_id] = req
-            while len(self._starts) > KEEP_START_REQUESTS:
-                self._starts.popitem(last=False)
+            self._starts.remember(req.request_id, req, True)
             log.info(
                 "start %s: job %s, ranks %s",
                 req.request_id,
@@ -253,16 +232,8 @@ class Node:
 
     def prepare_standby(self, req: StandbyRequest) -> StandbyResult:
         """A warm standby of the job's command, for when this node takes one of its ranks."""
-        self._check_env(req.env)
-        env = {
-            **env_without_secrets(os.environ),
-            **req.env,
-            "NODE_NAME": self.name,
-            "HOST_MONITOR_URL": self.base_url,
-            "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
-            **self._tls_env,
-            ENV_JOB: req.job,
-        }
+        check_env(req.env)
+        env = self.worker_env.of_job(req.job, req.env)
         return StandbyResult(ready=self.standbys.prepare(req.job, req.command, env, req.preload))
 
     async def shutdown(self, grace_s: float) -> None:
@@ -334,11 +305,11 @@ class Node:
     async def rejoin(self, req: RejoinRequest) -> RejoinResult:
         """Give the job's live, registered workers a new world (in-process restart)."""
         async with self._lock:
-            if (done := _answered(self._rejoins, req.request_id, req, "rejoin")) is not None:
+            if (done := self._rejoins.answered(req.request_id, req)) is not None:
                 return done
             if req.job != self.job:
                 raise WorkerConflict(f"job: this node runs job {self.job!r}, not {req.job!r}")
-            self._check_env(req.env)
+            check_env(req.env)
             live = [w for w in self.registry.live() if w.registered]
             if not live:
                 raise WorkerConflict(
@@ -346,12 +317,14 @@ class Node:
                 )
             for worker in live:
                 worker.world = (req.attempt, dict(req.env))
+            if "checkpoint_peer" in req.model_fields_set:  # the new world's partner
+                self.checkpoint_peer = req.checkpoint_peer
             result = RejoinResult(
                 request_id=req.request_id,
                 attempt=req.attempt,
                 ranks=sorted(w.rank for w in live),
             )
-            _remember(self._rejoins, req.request_id, req, result)
+            self._rejoins.remember(req.request_id, req, result)
             log.info("rejoin %s: ranks %s to attempt %s", req.request_id, result.ranks, req.attempt)
             self._changed()
             return result
@@ -359,20 +332,16 @@ class Node:
     def assign_world(self, req: AssignWorldRequest) -> AssignWorldResult:
         """Keep the world of `req.rank` for its instance; hand it to that worker now if it
         is registered here, else when it registers."""
-        if (done := _answered(self._assigned, req.request_id, req, "world")) is not None:
+        if (done := self._assigned.answered(req.request_id, req)) is not None:
             return done
-        self._check_env(req.env)
-        key = (req.job, req.rank)
-        self._worlds.pop(key, None)
-        self._worlds[key] = req
-        while len(self._worlds) > KEEP_WORLDS:
-            self._worlds.popitem(last=False)
+        check_env(req.env)
+        self._worlds.keep(req)
         worker = self.registry.workers.get(req.rank)
         delivered = worker is not None and self._deliver_world(worker)
         result = AssignWorldResult(
             request_id=req.request_id, rank=req.rank, attempt=req.attempt, delivered=delivered
         )
-        _remember(self._assigned, req.request_id, req, result)
+        self._assigned.remember(req.request_id, req, result)
         log.info(
             "world %s of job %s for rank %d (instance %s)%s",
             req.attempt,
@@ -385,10 +354,8 @@ class Node:
 
     def _deliver_world(self, worker: Worker) -> bool:
         """Give a registered worker the world assigned to its instance, if there is one."""
-        if self.job is None or worker.instance is None or not worker.registered:
-            return False
-        req = self._worlds.get((self.job, worker.rank))
-        if req is None or req.instance != worker.instance or not worker.alive:
+        req = self._worlds.for_worker(self.job, worker)
+        if req is None:
             return False
         if worker.world != (req.attempt, req.env):
             worker.world = (req.attempt, dict(req.env))
@@ -481,90 +448,5 @@ class Node:
         self._version += 1
         self.on_change()
 
-    def _check_start(self, req: StartWorkersRequest) -> None:
-        try:
-            _NAME.validate_python(req.job)
-        except ValidationError:
-            raise InvalidRequest(
-                "job", "must be 1-253 letters, digits, '-', '_' or '.', starting alphanumeric"
-            ) from None
-        self._check_env(req.env)
-        ranks = [s.rank for s in req.workers]
-        if len(ranks) != len(set(ranks)):
-            raise InvalidRequest("workers", "ranks must be unique")
-        live = self.registry.live()
-        if live and req.job != self.job:
-            raise WorkerConflict(f"workers of job {self.job!r} are still running: stop them first")
-        busy = sorted(w.rank for w in live if w.rank in set(ranks))
-        if busy:
-            raise WorkerConflict(f"ranks {busy} are still running: stop them first")
-
-    @staticmethod
-    def _check_env(env: dict[str, str]) -> None:
-        for key, value in env.items():
-            if not key or "=" in key or "\0" in key or "\0" in value:
-                raise InvalidRequest(f"env.{key}", "not a valid environment variable")
-
-    def _worker_env(self, req: StartWorkersRequest, rank: int, local_rank: int) -> dict[str, str]:
-        return {
-            **env_without_secrets(os.environ),
-            **req.env,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "NODE_NAME": self.name,
-            "HOST_MONITOR_URL": self.base_url,
-            "HOST_MONITOR_WORKER_TOKEN": self._worker_token,
-            **self._tls_env,
-            ENV_JOB: req.job,
-        }
-
-    def _standby_env(self, req: StartWorkersRequest) -> dict[str, str]:
-        """What a standby starts with: a worker's environment without its rank's part (the
-        order it takes over with carries all of it)."""
-        env = self._worker_env(req, 0, 0)
-        for key in ("RANK", "LOCAL_RANK"):
-            env.pop(key, None)
-        return env
-
-    def _log_path(self, req: StartWorkersRequest, rank: int) -> Path:
-        # One file per node, job and rank, appended across restarts (easy to `tail -f`);
-        # each start writes a header line so restarts can be told apart.
-        path = self.run_dir / f"{self.name}.{req.job}.rank{rank}.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        with path.open("a") as f:
-            f.write(f"=== host-monitor: start {req.request_id} at {stamp}: {req.command}\n")
-        return path
-
-    def _request_file(self, req: StartWorkersRequest, rank: int) -> Path:
-        """Where this worker finds the id of the emergency round it was signalled for."""
-        path = self.run_dir / f"{self.name}.{req.job}.rank{rank}.emergency-request"
-        path.unlink(missing_ok=True)  # an id left by a previous run must not be acked again
-        return path
-
     def _worker_changed(self, worker: Worker) -> None:
         self._changed()
-
-
-def _answered(
-    done: OrderedDict[str, tuple[_Request, _Result]], request_id: str, req: _Request, what: str
-) -> _Result | None:
-    """The answer already given to `request_id` (idempotency), or None; the same id with
-    another request is a conflict."""
-    seen = done.get(request_id)
-    if seen is None:
-        return None
-    if seen[0] != req:
-        raise WorkerConflict(f"request_id {request_id!r} was used for a different {what}")
-    return seen[1]
-
-
-def _remember(
-    done: OrderedDict[str, tuple[_Request, _Result]],
-    request_id: str,
-    req: _Request,
-    result: _Result,
-) -> None:
-    done[request_id] = (req, result)
-    while len(done) > KEEP_START_REQUESTS:
-        done.popitem(last=False)

@@ -5,8 +5,11 @@ this node keeps (peer_store.py).
     POST /v1/peer/checkpoints/{job}/{rank}/{step}/commit         body: the manifest
     GET  /v1/peer/checkpoints/{job}/{rank}                       the newest copy, or 404
     GET  /v1/peer/checkpoints/{job}/{rank}/{step}/files/{name}   a file of it, streamed
+    GET  /v1/peer/channel                                        the data channel's port
 
-`job` is `_` for a worker without a job. With no peer_token set, every route answers 503.
+Files move over the data channel (peer_channel.py) between host monitors that have it;
+the file routes here serve partners that do not. `job` is `_` for a worker without a
+job. With no peer_token set, every route answers 503.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route-local `Store` type.
@@ -21,16 +24,9 @@ from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from host_monitor.peer_protocol import (
-    FILE_NAME_PATTERN,
-    JOB_SEGMENT_PATTERN,
-    CommitResult,
-    Manifest,
-    PeerCopy,
-    check_file_name,
-)
+from host_monitor.peer_files import CHUNK
 from host_monitor.peer_store import (
-    CHUNK,
+    Full,
     Invalid,
     Mismatch,
     NotFound,
@@ -40,6 +36,15 @@ from host_monitor.peer_store import (
     TooLarge,
 )
 from host_monitor.peer_tier import PeerTier
+from resiliency_protocol.peer_checkpoints import (
+    FILE_NAME_PATTERN,
+    JOB_SEGMENT_PATTERN,
+    ChannelInfo,
+    CommitResult,
+    Manifest,
+    PeerCopy,
+    check_file_name,
+)
 
 Job = Annotated[
     str, PathParam(pattern=JOB_SEGMENT_PATTERN, description="The job, or `_` for none.")
@@ -74,7 +79,15 @@ def peer_router(tier: PeerTier) -> APIRouter:
         return tier.store
 
     Store = Annotated[PeerStore, Depends(store_for_peer)]
-    router = APIRouter(prefix="/v1/peer/checkpoints", tags=["peer"])
+    router = APIRouter(prefix="/v1/peer", tags=["peer"])
+
+    @router.get(
+        "/channel",
+        response_model=ChannelInfo,
+        summary="Where this host monitor's data channel listens (on its API's host)",
+    )
+    async def channel(store: Store) -> ChannelInfo:
+        return tier.channel_info()
 
     def checked_name(name: str) -> str:
         try:
@@ -82,7 +95,10 @@ def peer_router(tier: PeerTier) -> APIRouter:
         except ValueError as exc:
             raise HTTPException(422, f"name: {exc}") from None
 
-    @router.put("/{job}/{rank}/{step}/files/{name}", summary="Upload one file of a copy (raw body)")
+    @router.put(
+        "/checkpoints/{job}/{rank}/{step}/files/{name}",
+        summary="Upload one file of a copy (raw body)",
+    )
     async def put_file(
         job: Job, rank: Rank, step: Step, name: FileName, request: Request, store: Store
     ) -> dict[str, Any]:
@@ -90,16 +106,20 @@ def peer_router(tier: PeerTier) -> APIRouter:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > store.max_file_bytes:
             raise HTTPException(413, f"body: larger than {store.max_file_bytes} bytes")
+        size_given = int(length) if length is not None and length.isdigit() else None
         try:
+            store.check_upload(job, rank, size_given, None)
             size = await store.receive(job, rank, step, name, request.stream())
         except TooLarge as exc:
             raise _error(413, exc) from None
+        except Full as exc:
+            raise _error(507, exc) from None
         except Superseded as exc:
             raise _error(409, exc) from None
         return {"name": name, "size": size}
 
     @router.post(
-        "/{job}/{rank}/{step}/commit",
+        "/checkpoints/{job}/{rank}/{step}/commit",
         response_model=CommitResult,
         summary="Verify the uploaded files against the manifest and keep the copy",
     )
@@ -108,12 +128,14 @@ def peer_router(tier: PeerTier) -> APIRouter:
     ) -> CommitResult:
         try:
             return await store.commit(job, rank, step, manifest)
-        except Mismatch as exc:
+        except (Mismatch, Superseded) as exc:  # Superseded: an older world's (StaleWorld)
             raise _error(409, exc) from None
         except Invalid as exc:
             raise _error(422, exc) from None
 
-    @router.get("/{job}/{rank}", response_model=PeerCopy, summary="The newest copy of a rank")
+    @router.get(
+        "/checkpoints/{job}/{rank}", response_model=PeerCopy, summary="The newest copy of a rank"
+    )
     async def newest(job: Job, rank: Rank, store: Store) -> PeerCopy:
         copy = store.newest(job, rank)
         if copy is None:
@@ -121,7 +143,7 @@ def peer_router(tier: PeerTier) -> APIRouter:
         return copy
 
     @router.get(
-        "/{job}/{rank}/{step}/files/{name}",
+        "/checkpoints/{job}/{rank}/{step}/files/{name}",
         response_class=StreamingResponse,
         summary="A file of a committed copy, streamed",
     )

@@ -14,7 +14,8 @@ rank), the newest save. Copies of other jobs, and of ranks the new copy's world 
 longer has, go too: a node holds its partner's newest shards, nothing older.
 
 Commits of one (job, rank) are serialized; a commit of an older save than the one kept
-(uploads of two steps overlapping) is dropped. Leftovers of a crash (uploads, trash,
+(uploads of two steps overlapping) is dropped. Uploads and commits of an older world than
+the job's newest seen here are refused (peer_worlds.py). Leftovers of a crash (uploads, trash,
 older copies) are removed at start. Nothing here knows about HTTP.
 """
 
@@ -27,22 +28,47 @@ import logging
 import os
 import shutil
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from pathlib import Path
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.peer_protocol import MANIFEST, Checksum, CommitResult, Manifest, PeerCopy
+from host_monitor.peer_files import (
+    CHUNK,
+    PART_PREFIX,
+    FileId,
+    Fill,
+    file_id,
+    parse_rank,
+    parse_step,
+    rank_dir_name,
+    read_manifest,
+    step_dir_name,
+    verify_files,
+    write_all,
+)
+from resiliency_protocol.peer_checkpoints import (
+    CHECKSUMS,
+    FORMAT,
+    MANIFEST,
+    Checksum,
+    CommitResult,
+    Manifest,
+    PeerCopy,
+)
+
+if TYPE_CHECKING:
+    from host_monitor.peer_worlds import PeerWorlds
 
 log = logging.getLogger(__name__)
 
-CHUNK = 4 * 1024 * 1024  # bytes read or written at a time: memory stays flat
 INCOMING = ".incoming"
 TRASH = ".trash"
-PART_PREFIX = "~"
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+# Checksums of received files kept for their commit, by file identity: a bound on what a
+# sender that never commits can leave behind.
+MAX_SUMS = 100_000
 
 
 class PeerStoreError(HostMonitorError):
@@ -75,85 +101,15 @@ class Mismatch(PeerStoreError):
 
 
 class Superseded(PeerStoreError):
-    """The upload's directory was removed: a newer save of the rank was committed."""
+    """The upload's directory was removed, or a newer save of the rank is kept."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:010d}"
+class StaleWorld(Superseded):
+    """The save is of an older world than the job's newest seen here (peer_worlds.py)."""
 
 
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank}"
-
-
-def parse_step(name: str) -> int | None:
-    prefix, _, digits = name.partition("-")
-    if prefix != "step" or len(digits) != 10 or not digits.isdigit():
-        return None
-    return int(digits)
-
-
-def parse_rank(name: str) -> int | None:
-    prefix, _, digits = name.partition("-")
-    if prefix != "rank" or not digits.isdigit() or digits != str(int(digits)):
-        return None
-    return int(digits)
-
-
-def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def file_checksum(fd: int, checksum: Checksum) -> tuple[int, int]:
-    """(size, checksum) of an open file, read in chunks from its start into one buffer."""
-    size, crc = 0, 0
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    os.lseek(fd, 0, os.SEEK_SET)
-    while n := os.readv(fd, [buffer]):
-        size += n
-        crc = checksum(view[:n], crc)
-    return size, crc
-
-
-def verify_files(directory: int, manifest: Manifest) -> tuple[str, str] | None:
-    """(name, problem) of the first file of `directory` (a dir fd) that does not match the
-    manifest; None when all do. Files the manifest does not list are removed."""
-    listed = set(manifest.files)
-    for name in os.listdir(directory):
-        if name not in listed and not name.startswith(PART_PREFIX):
-            os.unlink(name, dir_fd=directory)
-    for name, entry in sorted(manifest.files.items()):
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
-        except FileNotFoundError:
-            return name, "not uploaded"
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != entry.size:
-                return name, f"size {actual}, manifest says {entry.size}"
-            size, crc = file_checksum(fd, manifest.checksum)
-        finally:
-            os.close(fd)
-        if size != entry.size:
-            return name, f"size {size}, manifest says {entry.size}"
-        if crc != entry.checksum:
-            return name, f"{manifest.checksum_name} {crc}, manifest says {entry.checksum}"
-    return None
-
-
-def read_manifest(directory: Path) -> Manifest | None:
-    try:
-        with (directory / MANIFEST).open("rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError:
-        return None
-    try:
-        return Manifest.model_validate_json(data)
-    except ValidationError:
-        return None
+class Full(PeerStoreError):
+    """The file would take the store over its `max_bytes`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +119,25 @@ class _Kept:
 
 
 class PeerStore:
-    def __init__(self, root: Path, *, max_file_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_file_bytes: int,
+        max_bytes: int | None = None,
+        worlds: PeerWorlds | None = None,
+    ) -> None:
+        """`worlds`: refuse saves of an older world than the job's newest (none: no fence)."""
         self.root = root
+        self.worlds = worlds
         self.max_file_bytes = max_file_bytes
+        self.max_bytes = max_bytes
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         # Uploads being received now, by (job, rank, step): a commit leaves them alone.
         self._receiving: dict[tuple[str, int, int], int] = {}
+        self._reserved = 0  # bytes of the uploads being received
+        self._sums: OrderedDict[FileId, tuple[str, int]] = OrderedDict()
+        self._removals: set[asyncio.Task[None]] = set()
 
     # --- layout -------------------------------------------------------------------------
 
@@ -194,6 +163,8 @@ class PeerStore:
                 if parse_rank(rank_dir.name) is None:
                     continue
                 newest = self._scan(rank_dir)
+                if newest is not None and self.worlds is not None:
+                    self.worlds.seen(job_dir.name, newest.manifest.world)
                 for entry in rank_dir.iterdir():
                     if newest is None or entry.name != step_dir_name(newest.step):
                         _remove(entry)
@@ -241,42 +212,104 @@ class PeerStore:
 
     # --- uploads --------------------------------------------------------------------------
 
+    def check_upload(
+        self,
+        job: str,
+        rank: int,
+        size: int | None,
+        created: float | None,
+        world: int | None = None,
+        step: int = 0,
+    ) -> None:
+        """Refuse an upload before its bytes move: TooLarge, Full, Superseded when the
+        copy kept of (job, rank) is of a newer save than `created`, StaleWorld when
+        `world` is older than the job's newest (None: not told, checked at the commit)."""
+        if world is not None and self.worlds is not None:
+            self.worlds.check(job, rank, step, world, "upload")
+        if size is not None and size > self.max_file_bytes:
+            raise TooLarge("size", f"larger than {self.max_file_bytes} bytes")
+        if size is not None and self.max_bytes is not None:
+            used = self.used_bytes() + self._reserved
+            if used + size > self.max_bytes:
+                raise Full(
+                    "size",
+                    f"{size} bytes do not fit: {used} of the store's {self.max_bytes} are used",
+                )
+        if created is not None:
+            kept = self._scan(self._rank_dir(job, rank))
+            if kept is not None and kept.manifest.created > created:
+                raise Superseded("step", f"a newer save (step {kept.step}) of the rank is kept")
+
+    def used_bytes(self) -> int:
+        """Bytes of every file in the store: copies, uploads, trash."""
+        total = 0
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(directory, name), follow_symlinks=False).st_size
+        return total
+
     async def receive(
         self, job: str, rank: int, step: int, name: str, chunks: AsyncIterable[bytes]
     ) -> int:
-        """Write one uploaded file; returns its size. It appears under its name only
-        once complete."""
+        """Write one uploaded file (an HTTP body); returns its size. It appears under its
+        name only once complete."""
+        checksum = CHECKSUMS[FORMAT][1]
+
+        async def fill(fd: int) -> tuple[int, int]:
+            size, crc = 0, 0
+            buffer = bytearray()
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > self.max_file_bytes:
+                    raise TooLarge("body", f"larger than {self.max_file_bytes} bytes")
+                buffer += chunk
+                if len(buffer) >= CHUNK:
+                    # A thread: a write to a disk-backed store must not stall the loop.
+                    crc = await asyncio.to_thread(_write_summed, fd, buffer, checksum, crc)
+                    buffer.clear()
+            if buffer:
+                crc = await asyncio.to_thread(_write_summed, fd, buffer, checksum, crc)
+            return size, crc
+
+        size, _ = await self.receive_with(job, rank, step, name, fill, CHECKSUMS[FORMAT][0])
+        return size
+
+    async def receive_with(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        name: str,
+        fill: Fill,
+        checksum_name: str,
+        reserve: int = 0,
+    ) -> tuple[int, int]:
+        """Write one uploaded file with `fill`, which returns (size, checksum of kind
+        `checksum_name`); the checksum is kept for the commit. `reserve`: the bytes it
+        will take, counted against max_bytes meanwhile."""
         key = (job, rank, step)
         self._receiving[key] = self._receiving.get(key, 0) + 1
+        self._reserved += reserve
         try:
-            return await self._receive(job, rank, step, name, chunks)
+            return await self._receive(job, rank, step, name, fill, checksum_name)
         finally:
+            self._reserved -= reserve
             self._receiving[key] -= 1
             if not self._receiving[key]:
                 del self._receiving[key]
 
     async def _receive(
-        self, job: str, rank: int, step: int, name: str, chunks: AsyncIterable[bytes]
-    ) -> int:
+        self, job: str, rank: int, step: int, name: str, fill: Fill, checksum_name: str
+    ) -> tuple[int, int]:
         directory = self._upload_dir(job, rank, step)
         directory.mkdir(parents=True, exist_ok=True)
         part = directory / f"{PART_PREFIX}{uuid.uuid4().hex}.part"
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        size = 0
-        buffer = bytearray()
         try:
             try:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > self.max_file_bytes:
-                        raise TooLarge("body", f"larger than {self.max_file_bytes} bytes")
-                    buffer += chunk
-                    if len(buffer) >= CHUNK:
-                        # A thread: a write to a disk-backed store must not stall the loop.
-                        await asyncio.to_thread(write_all, fd, buffer)
-                        buffer.clear()
-                if buffer:
-                    await asyncio.to_thread(write_all, fd, buffer)
+                size, crc = await fill(fd)
+                identity = file_id(os.fstat(fd))
             finally:
                 os.close(fd)
             os.replace(part, directory / name)
@@ -285,7 +318,10 @@ class PeerStore:
         except BaseException:
             part.unlink(missing_ok=True)
             raise
-        return size
+        self._sums[identity] = (checksum_name, crc)
+        while len(self._sums) > MAX_SUMS:
+            self._sums.popitem(last=False)
+        return size, crc
 
     async def commit(self, job: str, rank: int, step: int, manifest: Manifest) -> CommitResult:
         """Verify the upload against `manifest`, then make it the copy of (job, rank).
@@ -301,6 +337,12 @@ class PeerStore:
         async with self._lock(job, rank):
             rank_dir = self._rank_dir(job, rank)
             upload = self._upload_dir(job, rank, step)
+            if self.worlds is not None:
+                try:
+                    self.worlds.check(job, rank, step, manifest.world, "commit")
+                except StaleWorld:
+                    await self._discard(upload)
+                    raise
             kept = self._scan(rank_dir)
             if kept is not None and kept.manifest.newer_than(manifest):
                 log.info(
@@ -327,7 +369,7 @@ class PeerStore:
                 first = min(manifest.files, default=MANIFEST)
                 raise Mismatch(first, "not uploaded") from None
             try:
-                problem = await asyncio.to_thread(verify_files, dir_fd, manifest)
+                problem = await asyncio.to_thread(verify_files, dir_fd, manifest, self._sums)
                 if problem is not None:
                     name, message = problem
                     # Removed so that a retry uploads it again rather than trusting it.
@@ -346,6 +388,8 @@ class PeerStore:
                 if entry.name != final.name:
                     doomed.append(self._to_trash(entry))
             doomed.extend(self._superseded_by(job, rank, step, manifest))
+            if self.worlds is not None:
+                self.worlds.seen(job, manifest.world)
         log.info(
             "peer copy of %s rank %d step %d committed (%d files, %d bytes)",
             job,
@@ -354,8 +398,16 @@ class PeerStore:
             len(manifest.files),
             manifest.total_bytes,
         )
-        await asyncio.to_thread(_remove_all, doomed)
+        # In the background: freeing a copy of many GB takes a while, and the sender need
+        # not wait for it (what is in the trash still counts against max_bytes).
+        removal = asyncio.create_task(asyncio.to_thread(_remove_all, doomed))
+        self._removals.add(removal)
+        removal.add_done_callback(self._removals.discard)
         return CommitResult(step=step, committed=True, kept_step=step, bytes=manifest.total_bytes)
+
+    async def close(self) -> None:
+        """Wait for the copies being removed."""
+        await asyncio.gather(*self._removals, return_exceptions=True)
 
     def _superseded_by(self, job: str, rank: int, step: int, manifest: Manifest) -> list[Path]:
         """Into the trash: uploads of this rank no request is writing (left by a sender
@@ -410,6 +462,11 @@ def _write_manifest(dir_fd: int, manifest: Manifest) -> None:
         write_all(fd, data)
     finally:
         os.close(fd)
+
+
+def _write_summed(fd: int, data: bytearray, checksum: Checksum, crc: int) -> int:
+    write_all(fd, data)
+    return checksum(data, crc)
 
 
 def _remove(path: Path) -> None:

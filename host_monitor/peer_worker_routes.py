@@ -5,6 +5,7 @@ Workers (worker token, mounted by server.py):
     POST /v1/workers/{rank}/checkpoints/replicate    push a committed directory (202)
     GET  /v1/workers/{rank}/checkpoints/replicate    the newest push's state
     GET  /v1/workers/{rank}/checkpoints/peer         the partner's newest copy of the rank
+    GET  /v1/workers/{rank}/checkpoints/channel      the data channel relaying its files
     POST /v1/workers/{rank}/checkpoints/fetch-peer   download it into the RAM tier
 
 The actuator (actuator token): `GET`, `PUT` and `DELETE /v1/checkpoint-peer`, the partner.
@@ -17,7 +18,10 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, status
 from fastapi import Path as PathParam
 
-from host_monitor.peer_protocol import (
+from host_monitor.peer_tier import PeerTier, PeerTierError
+from resiliency_protocol.node_commands import CheckpointPeer
+from resiliency_protocol.peer_checkpoints import (
+    ChannelInfo,
     FetchPeerRequest,
     FetchPeerResult,
     PeerCopy,
@@ -25,8 +29,6 @@ from host_monitor.peer_protocol import (
     ReplicateRequest,
     ReplicateStatus,
 )
-from host_monitor.peer_tier import PeerTier, PeerTierError
-from host_monitor.protocol import CheckpointPeer
 
 Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
 
@@ -68,6 +70,15 @@ def peer_worker_router(tier: PeerTier) -> APIRouter:
             return await tier.partner_copy(rank)
         except PeerTierError as exc:
             raise _http(exc) from None
+
+    @router.get(
+        "/{rank}/checkpoints/channel",
+        response_model=ChannelInfo,
+        summary="Where this host monitor's data channel listens: files of the partner's "
+        "copy are relayed there (op relay, worker token)",
+    )
+    async def channel(rank: Rank) -> ChannelInfo:
+        return tier.channel_info(worker=True)
 
     @router.post(
         "/{rank}/checkpoints/fetch-peer",

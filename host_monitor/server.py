@@ -1,4 +1,5 @@
-"""The host monitor's local HTTP API (bodies: host_monitor/protocol.py).
+"""The host monitor's local HTTP API (bodies: resiliency_protocol.worker_wire,
+node_commands, checkpoint_reports and emergency).
 
 Two bearer tokens, two audiences: workers on this node (`worker_token`) call
 `/v1/workers/...`; the supervisor's actuator (`actuator_token`) calls everything else.
@@ -16,28 +17,36 @@ from typing import Annotated, Any
 from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, HTTPException, Request, status
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from host_monitor.emergency import UnknownRound
 from host_monitor.error_handlers import http_error, validation_error
-from host_monitor.faults import NODE_DOWN_EXIT_CODE, FaultActor, FaultOutcome
-from host_monitor.node import InvalidRequest, Node
+from host_monitor.fault_actor import NODE_DOWN_EXIT_CODE, FaultActor
+from host_monitor.leader_fence import LeaderFence, StaleLeaderRefused, stale_leader_error
+from host_monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from host_monitor.metrics import HostMonitorMetrics
+from host_monitor.node import Node
 from host_monitor.peer_routes import peer_router
 from host_monitor.peer_tier import PeerTier
 from host_monitor.peer_worker_routes import peer_actuator_router, peer_worker_router
-from host_monitor.protocol import (
-    AssignWorldRequest,
-    AssignWorldResult,
-    CheckpointReport,
+from host_monitor.request_checks import InvalidRequest
+from host_monitor.workers import WorkerConflict, WorkerNotFound
+from resiliency_protocol.checkpoint_reports import CheckpointRecordOut, CheckpointReport
+from resiliency_protocol.emergency import (
+    AckReply,
     EmergencyAck,
     EmergencyCheckpointRequest,
     EmergencyCheckpointResult,
+    EmergencyPending,
+)
+from resiliency_protocol.node_commands import (
+    AssignWorldRequest,
+    AssignWorldResult,
+    FaultOutcome,
     NodeStatus,
     ProcessFault,
-    ProgressReply,
     RejoinRequest,
     RejoinResult,
     StandbyRequest,
@@ -45,14 +54,16 @@ from host_monitor.protocol import (
     StartWorkersRequest,
     StopWorkersRequest,
     StopWorkersResult,
+    WorkerStatus,
+)
+from resiliency_protocol.worker_wire import (
+    ProgressReply,
     WorkerFinishing,
     WorkerProgress,
     WorkerRegistration,
-    WorkerStatus,
     WorkerStopping,
     WorldAssignment,
 )
-from host_monitor.workers import WorkerConflict, WorkerNotFound
 
 Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
 
@@ -60,26 +71,7 @@ _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-class EmergencyPending(BaseModel):
-    """GET /v1/workers/{rank}/emergency: the round a SIGUSR1 was about (SIGUSR1 carries
-    no data). `request_id` is None when no round waits for this rank."""
-
-    request_id: str | None
-    remaining_s: float | None
-
-
-class AckReply(BaseModel):
-    request_id: str
-    accepted: bool  # False: the round had already ended; the ack did not count
-
-
-class CheckpointRecordOut(BaseModel):
-    rank: int
-    time: str
-    report: CheckpointReport
-
-
-def _require(expected: str) -> Any:
+def _require(expected: str, *others: str) -> Any:
     def check(credentials: Credentials) -> None:
         if credentials is None:
             raise HTTPException(
@@ -87,7 +79,8 @@ def _require(expected: str) -> Any:
                 "missing bearer token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        if not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
+        given = credentials.credentials.encode()
+        if not any(secrets.compare_digest(given, t.encode()) for t in (expected, *others)):
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,
                 "invalid bearer token",
@@ -104,6 +97,8 @@ def create_app(
     worker_token: str,
     actuator_token: str,
     peer: PeerTier | None = None,
+    metrics: HostMonitorMetrics | None = None,
+    metrics_token: str | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Host monitor",
@@ -113,7 +108,11 @@ def create_app(
     workers = APIRouter(
         prefix="/v1/workers", tags=["workers"], dependencies=[_require(worker_token)]
     )
-    actuator = APIRouter(prefix="/v1", tags=["actuator"], dependencies=[_require(actuator_token)])
+    # Judged after the token: only the supervisor may raise the newest epoch.
+    fence = LeaderFence()
+    app.state.leader_fence = fence
+    obeyed = [_require(actuator_token), Depends(fence.check)]
+    actuator = APIRouter(prefix="/v1", tags=["actuator"], dependencies=obeyed)
 
     # --- worker-facing ----------------------------------------------------------------
 
@@ -258,11 +257,24 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "node": node.name}
 
+    if metrics is not None:
+        metrics.sources.stale_leader_commands = lambda: fence.refused
+        scrapers = (metrics_token,) if metrics_token else ()
+
+        @app.get(
+            "/metrics",
+            tags=["metrics"],
+            summary="This agent's metrics, Prometheus' text format (metrics or actuator token)",
+            dependencies=[_require(actuator_token, *scrapers)],
+        )
+        async def prometheus() -> Response:
+            return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     app.include_router(workers)
     app.include_router(actuator)
     if peer is not None:  # the peer checkpoint tier (peer_tier.py); it checks the peer token
         app.include_router(peer_worker_router(peer), dependencies=[_require(worker_token)])
-        app.include_router(peer_actuator_router(peer), dependencies=[_require(actuator_token)])
+        app.include_router(peer_actuator_router(peer), dependencies=obeyed)
         app.include_router(peer_router(peer))
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -270,6 +282,7 @@ def create_app(
     app.add_exception_handler(WorkerNotFound, _not_found)
     app.add_exception_handler(UnknownRound, _unknown_round)
     app.add_exception_handler(WorkerConflict, _conflict)
+    app.add_exception_handler(StaleLeaderRefused, stale_leader_error)
     return app
 
 

@@ -7,14 +7,7 @@ decodes them with it.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import StringConstraints
-
 from resiliency_protocol.heartbeat import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
-from resiliency_protocol.states import NAME_PATTERN
-
-#: The supervisor's rule for node and job names, for the agent's pydantic settings.
-Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=NAME_PATTERN)]
+from resiliency_protocol.states import Name  # the rule for node and job names
 
 __all__ = ["GpuReport", "HostHeartbeat", "Name", "WorkerReport", "check_heartbeat"]

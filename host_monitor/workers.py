@@ -28,13 +28,9 @@ from pathlib import Path
 
 from host_monitor import pidns
 from host_monitor.errors import HostMonitorError
-from host_monitor.protocol import (
-    WorkerFinishing,
-    WorkerRegistration,
-    WorkerStatus,
-    WorkerStopping,
-)
+from resiliency_protocol.node_commands import WorkerStatus
 from resiliency_protocol.states import WorkerState
+from resiliency_protocol.worker_wire import WorkerFinishing, WorkerRegistration, WorkerStopping
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +174,7 @@ class WorkerRegistry:
         self._on_change = on_change
         self._clock = clock
         self.workers: dict[int, Worker] = {}
+        self.starts = 0  # workers launched (or standbys taken over), for metrics
         self.pid_namespace = pidns.pid_namespace("self")  # ours, to compare workers' with
 
     # --- queries ------------------------------------------------------------------------
@@ -250,6 +247,7 @@ class WorkerRegistry:
             request_file=request_file,
         )
         self.workers[rank] = worker
+        self.starts += 1
         how = "standby took over as" if standby is not None else "launched"
         log.info("%s rank %d (pid %d), log %s", how, rank, proc.pid, log_path)
         return worker

@@ -9,7 +9,8 @@ Ladder, per event (see `DefaultPolicy`):
   for a spare, else scale the job down by one data-parallel replica (when scaling is enabled
   and the job is above its minimum), else restart the workload as a last resort. A flapping
   node, and an XID that says the GPU needs a reset or service, skip the restart rung. A
-  failing node that serves no job is cordoned;
+  failing node that serves no job, or a job that has finished, is cordoned when its
+  hardware is bad, else left alone;
 * an XID of the application's own (or a driver transient; see `supervisor.xid`): restart
   the workload; the node stays in service and the XID does not count against it. An XID
   whose response is `ignore` is only recorded;
@@ -110,7 +111,7 @@ class DefaultPolicy(Policy):
             or ctx.recent_restarts(job) >= limits.max_restarts_in_window
         )
 
-    def _remedy(
+    def remedy(
         self,
         ctx: PolicyContext,
         action: ActionRequest,
@@ -151,12 +152,13 @@ class DefaultPolicy(Policy):
             action = actions.restart_workload(
                 job, reason=f"{what}: {used} in-job restarts >= max_in_job_restarts={limit}"
             )
-        return self._remedy(ctx, action, failed_node=node)
+        return self.remedy(ctx, action, failed_node=node)
 
-    def _evict(
+    def evict(
         self, event: Event, ctx: PolicyContext, job: str, node: str, why: str
     ) -> list[ActionRequest]:
         """Get the job off `node`: hot-swap to a spare, else scale down, else restart.
+        A hook for subclasses, with `node_failure_in_job` (policies/examples/).
 
         `why` says why the node must go; it starts each reason after the event description.
         """
@@ -167,7 +169,7 @@ class DefaultPolicy(Policy):
             action = actions.hot_swap(
                 job, node, spare=spare, reason=f"{what}, spare {spare} available"
             )
-            return self._remedy(ctx, action, failed_node=node)
+            return self.remedy(ctx, action, failed_node=node)
         view = ctx.job(job)
         if not ctx.limits.enable_workload_scaling:
             fallback = "no spare and workload scaling disabled"
@@ -182,34 +184,36 @@ class DefaultPolicy(Policy):
                 reason=f"{what}, no spare: scaling {job} from {view.num_dp_replicas} to {to}"
                 " data-parallel replicas",
             )
-            return self._remedy(ctx, action, failed_node=node)
+            return self.remedy(ctx, action, failed_node=node)
         else:
             fallback = f"no spare and {job} at its minimum of {view.min_num_dp_replicas} replicas"
         action = actions.restart_workload(job, reason=f"{what}, {fallback}: last resort")
-        return self._remedy(ctx, action, failed_node=node)
+        return self.remedy(ctx, action, failed_node=node)
 
-    def _node_failure_in_job(
+    def node_failure_in_job(
         self, event: Event, ctx: PolicyContext, job: str, node: str
     ) -> list[ActionRequest]:
-        """The restart rung, then `_evict`. Overridable per event type by subclasses."""
+        """A node failure of a job that can be remedied (not a spare, budget not spent,
+        not finished): the restart rung, then `evict`. The hook subclasses override to
+        change the ladder for some events (policies/examples/hot_swap_on_xid.py)."""
         failures, limit = ctx.failures_of(node), ctx.limits.max_workload_restarts
         if event.type is EventType.NODE_FLAPPING:
-            return self._evict(event, ctx, job, node, "a flapping node must go")
+            return self.evict(event, ctx, job, node, "a flapping node must go")
         gpu = details_of(event)
         hardware = isinstance(gpu, GpuClassDetails) and gpu.origin == "hardware"
         if response_of(event) is XidResponse.REPLACE_NODE and hardware:
             assert isinstance(gpu, GpuClassDetails)
             meaning = gpu.meaning or ""
-            return self._evict(event, ctx, job, node, f"{meaning}: the GPU needs service")
+            return self.evict(event, ctx, job, node, f"{meaning}: the GPU needs service")
         if failures <= limit:
             action = actions.restart_workload(
                 job,
                 reason=f"{describe(event)}: {_plural(failures, 'failure')}"
                 f" <= max_workload_restarts={limit}",
             )
-            return self._remedy(ctx, action, failed_node=node)
+            return self.remedy(ctx, action, failed_node=node)
         why = f"{_plural(failures, 'failure')} > max_workload_restarts={limit}"
-        return self._evict(event, ctx, job, node, why)
+        return self.evict(event, ctx, job, node, why)
 
     # --- handlers -----------------------------------------------------------------------
 
@@ -244,6 +248,8 @@ class DefaultPolicy(Policy):
             return self._restart_for_application_xid(event, ctx, job, node)
         bad_hardware = event.type in HARDWARE_FAULTS and not (view and view.cordoned)
         job_view = ctx.job(job)
+        if job_view is not None and job_view.phase == "finished":
+            job = None  # it trained to its end: nothing of it to save or move
         if view is not None and view.cordoned and job_view and node not in job_view.nodes:
             # Already taken out of the job (hot-swapped, or scaled out) for an earlier
             # failure: a dead node is both silent and NotReady, and one swap is enough.
@@ -264,12 +270,12 @@ class DefaultPolicy(Policy):
                     reason=f"{describe(event)}: the node failed, not the job; restart budget"
                     f" spent, spare {spares[0]} available",
                 )
-                return self._remedy(ctx, action, failed_node=node, whatever_the_budget=True)
+                return self.remedy(ctx, action, failed_node=node, whatever_the_budget=True)
             if not bad_hardware:
                 return []
             reason = f"{describe(event)}: bad hardware; {job} left alone, restart budget spent"
             return [actions.cordon(node, reason=reason)]
-        return self._node_failure_in_job(event, ctx, job, node)
+        return self.node_failure_in_job(event, ctx, job, node)
 
     def _restart_for_application_xid(
         self, event: Event, ctx: PolicyContext, job: str | None, node: str
@@ -285,7 +291,7 @@ class DefaultPolicy(Policy):
         action = actions.restart_workload(
             job, reason=f"{describe(event)}: {meaning} ({origin}), the node stays in service"
         )
-        return self._remedy(ctx, action, failed_node=node)
+        return self.remedy(ctx, action, failed_node=node)
 
     @handles(EventType.SPARE_AVAILABLE, EventType.NODE_RECOVERED)
     def on_capacity(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
@@ -296,6 +302,8 @@ class DefaultPolicy(Policy):
         out: list[ActionRequest] = []
         for name in sorted(ctx.jobs):
             view = ctx.jobs[name]
+            if view.phase == "finished":
+                continue
             need = max(1, view.num_nodes_per_dp)
             if view.num_dp_replicas >= view.max_num_dp_replicas or len(free) < need:
                 continue
@@ -309,7 +317,7 @@ class DefaultPolicy(Policy):
                 reason=f"{describe(event)}: spares {', '.join(promised)} available, scaling"
                 f" {name} from {view.num_dp_replicas} to {to} data-parallel replicas",
             )
-            out += self._remedy(ctx, action)
+            out += self.remedy(ctx, action)
         return out
 
     @handles(EventType.WORKLOAD_DOWN)
@@ -333,9 +341,9 @@ class DefaultPolicy(Policy):
                 reason=f"{describe(event)}: {unschedulable} pods pending for lack of nodes,"
                 f" scaling {event.job} from {view.num_dp_replicas} to {to} data-parallel replicas",
             )
-            return self._remedy(ctx, action)
+            return self.remedy(ctx, action)
         action = actions.restart_workload(event.job, reason=f"{describe(event)}: restarting")
-        return self._remedy(ctx, action)
+        return self.remedy(ctx, action)
 
     @handles(EventType.STRAGGLER)
     def on_straggler(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
@@ -356,7 +364,7 @@ class DefaultPolicy(Policy):
             reason=f"{describe(event)}: {straggler.slowdown_pct}% slower than its job for"
             f" {straggler.for_s}s, spare {spares[0]} available",
         )
-        return self._remedy(ctx, action, failed_node=node)
+        return self.remedy(ctx, action, failed_node=node)
 
     @handles(EventType.POD_STUCK_TERMINATING)
     def on_pod_stuck(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:

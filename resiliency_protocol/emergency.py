@@ -44,6 +44,21 @@ class EmergencyAck(BaseModel):
     error: str | None = Field(None, max_length=2000)
 
 
+class EmergencyPending(BaseModel):
+    """GET /v1/workers/{rank}/emergency: the round a SIGUSR1 was about (SIGUSR1 carries
+    no data). `request_id` is None when no round waits for this rank."""
+
+    request_id: str | None
+    remaining_s: float | None
+
+
+class AckReply(BaseModel):
+    """The host monitor's answer to an EmergencyAck."""
+
+    request_id: str
+    accepted: bool  # False: the round had already ended; the ack did not count
+
+
 class EmergencyCheckpointRequest(BaseModel):
     """POST /v1/emergency-checkpoint: signal the workers (SIGUSR1), wait for their acks.
 
@@ -132,6 +147,7 @@ async def emergency_checkpoint(
     timeout_s: float,
     http_timeout_s: float,
     before_each: Callable[[], None] | None = None,
+    reraise: tuple[type[Exception], ...] = (),
 ) -> EmergencyCheckpoint:
     """Ask the host monitor of every node at once to have its workers save, and collect
     what each answered.
@@ -140,7 +156,9 @@ async def emergency_checkpoint(
     carries the actuator's credentials. Each round may take `timeout_s`; each request
     `http_timeout_s`, which leaves the answer time to come back. `before_each` runs
     before each request (the leadership fence): what it raises is that node's outcome,
-    as a failed request is. Asking again with the same `request_id` joins the same round.
+    as a failed request is, but for the `reraise` types, which end the whole round (this
+    caller may no longer act at all). Asking again with the same `request_id` joins the
+    same round.
     """
     body = EmergencyCheckpointRequest(request_id=request_id, timeout_s=timeout_s)
 
@@ -160,6 +178,8 @@ async def emergency_checkpoint(
                     node, error=f"HTTP {response.status_code}: {error_message(response)}"
                 )
             return NodeOutcome(node, EmergencyCheckpointResult.model_validate(response.json()))
+        except reraise:
+            raise
         except Exception as exc:
             return NodeOutcome(node, error=f"{type(exc).__name__}: {exc}")
 

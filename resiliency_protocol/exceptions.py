@@ -2,8 +2,9 @@
 training processes import this package and should not pay for pydantic to do so).
 
 ProtocolError
-├── HeartbeatError  a body that is not a valid heartbeat; `loc` names the field (heartbeat.py)
-└── TLSError        a certificate, key or CA file that cannot be used (tls.py)
+├── HeartbeatError   a body that is not a valid heartbeat; `loc` names the field (heartbeat.py)
+├── CommandNotFound  a launcher's command that cannot be run here (launch.py)
+└── TLSError         a certificate, key or CA file that cannot be used (tls.py)
 """
 
 from __future__ import annotations

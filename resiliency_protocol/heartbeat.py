@@ -33,6 +33,7 @@ import msgspec
 
 from resiliency_protocol.exceptions import ProtocolError
 from resiliency_protocol.states import NAME_PATTERN, NodeState, WorkerState
+from resiliency_protocol.worlds import World
 
 # Node and job names follow NAME_PATTERN. The pattern is checked in `check_heartbeat`
 # rather than by msgspec: a regex match on every heartbeat cost more than the rest of the
@@ -69,6 +70,9 @@ class WorkerReport(
     # Seconds per step in the worker's own work, before it waits for the other ranks (a
     # mean over its last steps): what stragglers are scored on.
     compute_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] | None = None
+    # The world (the job's attempt) the worker belongs to; None while the host monitor
+    # does not know it. A report from an older world than the job's newest is refused.
+    world: World | None = None
 
 
 class GpuReport(

@@ -1,42 +1,19 @@
-"""Node and worker states, the rule for node and job names, and the clock of timestamps:
-what the host monitor reports and the supervisor reads. Imports nothing from supervisor,
-host_monitor or training."""
+"""Node and worker states and the rule for node and job names: what the host monitor
+reports and the supervisor reads. Imports nothing from supervisor, host_monitor or
+training."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Annotated
+
+from pydantic import StringConstraints
 
 #: Node and job names: what Kubernetes allows in a name, plus underscores.
 NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$"
 
-
-#: Unix time as read everywhere: the real clock, except inside `wall_clock` (the
-#: simulator runs the supervisor's code on a virtual clock).
-_wall_time: Callable[[], float] = time.time
-
-
-def wall_time() -> float:
-    """Unix time now (seconds)."""
-    return _wall_time()
-
-
-def utcnow() -> datetime:
-    return datetime.fromtimestamp(_wall_time(), UTC)
-
-
-@contextmanager
-def wall_clock(read: Callable[[], float]) -> Iterator[None]:
-    """Read Unix time from `read` instead of the real clock, within the block."""
-    global _wall_time
-    saved, _wall_time = _wall_time, read
-    try:
-        yield
-    finally:
-        _wall_time = saved
+#: A node's or job's name in a pydantic body.
+Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=NAME_PATTERN)]
 
 
 class NodeState(StrEnum):

@@ -1,5 +1,6 @@
 """`supervisor` command line: serve the API, run the demo, print a node's credential, or
-operate a running supervisor (get, describe, inject, cordon, watch, ...: supervisor.ops)."""
+operate a running supervisor (get, describe, inject, cordon, watch, completion, ...:
+supervisor.ops)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import contextlib
 import importlib.util
 import logging
 import signal
-import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from resiliency_protocol.logs import LogFormat, configure_logging
 from resiliency_protocol.tls import TLSError, server_context
 from supervisor import run_cli
 from supervisor.config import ConfigError, Settings, load_settings
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML settings file (env SUPERVISOR_CONFIG_FILE).")
     serve.add_argument("--host", help="Address to bind (setting `host`).")
     serve.add_argument("--port", type=int, help="Port to bind (setting `port`).")
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="text, or one JSON object per line for a log pipeline (setting `log_format`).",
+    )
     credential = sub.add_parser(
         "node-credential",
         help="Print the credential of a node's host monitor (HOST_MONITOR_NODE_CREDENTIAL), "
@@ -122,16 +128,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _configure_logging(level: str, fmt: LogFormat = "text") -> None:
+    configure_logging(level, fmt, fixed={"role": "supervisor"})
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    flags = (("host", args.host), ("port", args.port), ("log_format", args.log_format))
+    overrides = {k: v for k, v in flags if v is not None}
     return load_settings(args.config, **overrides)
 
 
@@ -153,7 +156,7 @@ def _serve(settings: Settings) -> None:
     from supervisor.api.app import with_tokens
     from supervisor.controller import PolicyLoadError, load_policy
 
-    _configure_logging(settings.log_level)
+    _configure_logging(settings.log_level, settings.log_format)
     try:
         policy = load_policy(settings.policy)
     except PolicyLoadError as exc:
@@ -165,6 +168,7 @@ def _serve(settings: Settings) -> None:
         app,
         host=settings.host,
         port=settings.port,
+        log_config=None,  # ours (_configure_logging): uvicorn's lines in the same format
         log_level=settings.log_level,
         access_log=False,
         lifespan="on",

@@ -10,16 +10,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
+
+from resiliency_protocol.clock import utcnow as utcnow
+from resiliency_protocol.clock import wall_clock as wall_clock
+from resiliency_protocol.clock import wall_time as wall_time
 
 # What crosses to the host monitors and the training side lives in the neutral package;
 # the names stay importable from here for the rest of the supervisor and the policies.
 from resiliency_protocol.states import NAME_PATTERN as NAME_PATTERN
 from resiliency_protocol.states import NodeState as NodeState
 from resiliency_protocol.states import WorkerState as WorkerState
-from resiliency_protocol.states import utcnow as utcnow
-from resiliency_protocol.states import wall_clock as wall_clock
-from resiliency_protocol.states import wall_time as wall_time
 
 
 class EventType(StrEnum):
@@ -98,6 +99,24 @@ class ActionStatus(StrEnum):
     def finished(self) -> bool:
         return self in (ActionStatus.SUCCEEDED, ActionStatus.FAILED)
 
+    def may_become(self, new: ActionStatus) -> bool:
+        """Whether an action in this status may move to `new` (`ACTION_TRANSITIONS`)."""
+        return new in ACTION_TRANSITIONS[self]
+
+
+#: The moves an action's status may make, as a table (as ray's autoscaler keeps its
+#: instances' statuses): an attempt starts from pending, or again from running (the next
+#: attempt, or one resumed after a restart of the supervisor); it ends succeeded or
+#: failed, or failed without an attempt (none left); a finished action stays as it is.
+ACTION_TRANSITIONS: dict[ActionStatus, frozenset[ActionStatus]] = {
+    ActionStatus.PENDING: frozenset({ActionStatus.RUNNING, ActionStatus.FAILED}),
+    ActionStatus.RUNNING: frozenset(
+        {ActionStatus.RUNNING, ActionStatus.SUCCEEDED, ActionStatus.FAILED}
+    ),
+    ActionStatus.SUCCEEDED: frozenset(),
+    ActionStatus.FAILED: frozenset(),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -155,6 +174,11 @@ class NodeView:
         )
 
 
+#: A job's phase as its workers report it: `finishing` once one left its training loop
+#: while others are still at work, `finished` once none is (supervisor/sensor/finishing.py).
+JobPhase = Literal["running", "finishing", "finished"]
+
+
 @dataclass(frozen=True, slots=True)
 class JobView:
     name: str
@@ -167,6 +191,8 @@ class JobView:
     #: The longest step interval seen past the warm-up, which the learned hang timeout
     #: is computed from; None during the warm-up.
     step_interval_s: float | None = None
+    #: A finished job needs no remedy: its nodes' failures change nothing it will do.
+    phase: JobPhase = "running"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,12 +4,15 @@ raises it (its module in brackets); the API maps the ones a request can meet to 
 SupervisorError
 ├── UnknownTarget        a fault or action names a node or job not known: 404
 ├── RequestRefused       well formed, but cannot be taken as it stands: 409/422
+│   └── JoinConflict     a launching host's join contradicts the job: 409 (local.hosts)
 ├── FaultNotSupported    the fault cannot be acted out with this backend: 422
 ├── ConfigError          settings that cannot be used (config)
 ├── PolicyLoadError      the configured policy cannot be loaded (controller.loader)
-├── InvalidCursor        a page cursor this API did not hand out: 422 (store.repository)
+├── InvalidCursor        a page cursor this API did not hand out: 422 (store.queries)
+├── ActionStatusMove     an action status move the transition table refuses (store.actions)
 ├── InvalidParams        an action's params do not fit its type: 422 (action_params)
-├── RankClaimed          a heartbeat claims a rank another live node runs (sensor.sensor)
+├── RankClaimed          a heartbeat claims a rank another live node runs (sensor.claims)
+├── StaleWorldReport     a report with live workers of an older world: 409 (sensor.worlds)
 ├── AgentTimeError       an agent's time outside the rule: 422 (agent_time)
 ├── ReviewUnavailable    a token could not be reviewed now (identity.authenticator)
 ├── ActionError          a backend could not carry out an action (actuator.backend)
@@ -19,9 +22,10 @@ SupervisorError
 │   └── NothingToSave  no registered worker to ask for an emergency checkpoint
 ├── CalculatorLogError   a bad line of a goodput calculator log (goodput.calculator_log)
 ├── CliError             an operator command's failure, with its exit code (ops.errors)
+├── JsonPathError        a -o jsonpath= template that cannot be read (ops.jsonpath)
 ├── KubeError            the Kubernetes side; its tree is drawn in kube.errors
 ├── ScenarioError        a simulation scenario that cannot be run (simulate.scenario)
-├── TraceError           a fault trace that cannot be read (simulate.faults)
+├── TraceError           a fault trace that cannot be read (simulate.fault_sources)
 └── SimulationStalled    the simulated system waits forever (simulate.clock)
 """
 

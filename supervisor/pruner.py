@@ -1,4 +1,4 @@
-"""Bounds the history the database keeps: a periodic task deleting rows past retention.
+"""Bounds the history the database keeps: a periodic pass deleting rows past retention.
 
 Deleting months of rows at once would hold the database (SQLite: its only writer lock)
 for as long as it takes, and the heartbeat path, the API and the policy's counters wait
@@ -95,19 +95,17 @@ class HistoryPruner:
             after = batch.last_id
         return total
 
-    async def run(self) -> None:
-        await asyncio.sleep(min(self.period_s, FIRST_PASS_DELAY_S))
-        while True:
-            try:
-                deleted = await self.prune()
-                if any(deleted.values()):
-                    log.info(
-                        "pruned old history: %s",
-                        ", ".join(f"{n} {t.value}" for t, n in deleted.items() if n),
-                    )
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # The database is down or busy: the next pass deletes what this one left.
-                log.exception("cannot prune old history; retrying in %g s", self.period_s)
-            await asyncio.sleep(self.period_s)
+    async def run_pass(self) -> None:
+        """One pass, as the scheduler runs it every period (see
+        supervisor.schedules.periodic); a failure waits for the next pass."""
+        try:
+            deleted = await self.prune()
+        except Exception:
+            # The database is down or busy: the next pass deletes what this one left.
+            log.exception("cannot prune old history; retrying in %g s", self.period_s)
+            return
+        if any(deleted.values()):
+            log.info(
+                "pruned old history: %s",
+                ", ".join(f"{n} {t.value}" for t, n in deleted.items() if n),
+            )

@@ -10,15 +10,14 @@ job's. What cannot work is refused in one line before anything starts.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import shutil
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
+from resiliency_protocol.launch import CommandNotFound, resolve_command
 from supervisor.config import Settings
-from supervisor.local.cluster import ClusterError, free_port
+from supervisor.local.cluster import ClusterError
+from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo
 from supervisor.local.run import SIGNALLED, JobRun
 
@@ -45,6 +44,13 @@ def add_commands(sub: Any) -> None:
     )
     run.add_argument(
         "--spares", type=int, default=0, help="Spare nodes a failed node is swapped for."
+    )
+    run.add_argument(
+        "--in-process",
+        action="store_true",
+        help="Heal in-process: the ranks a fault spared keep their processes and join a "
+        "new world (the script runs its worlds through training.healing; "
+        "docs/training.md, In-process recovery).",
     )
     run.add_argument(
         "-m",
@@ -100,29 +106,10 @@ def settings_env(command: str, pairs: list[str]) -> dict[str, str]:
 
 def worker_command(args: argparse.Namespace) -> list[str]:
     """What each worker runs; refuses (one line) a command that cannot be found."""
-    given = list(args.argv)
-    dashes = bool(given) and given[0] == "--"
-    if dashes:
-        given = given[1:]
-    if not given:
-        raise SystemExit("supervisor run: no command: supervisor run [OPTIONS] -- COMMAND...")
-    first = given[0]
-    if args.module:
-        try:
-            spec = importlib.util.find_spec(first)
-        except (ImportError, ValueError):  # its package is missing, or a bad name
-            spec = None
-        if spec is None:
-            raise SystemExit(f"supervisor run: no module named {first!r}")
-        return [sys.executable, "-u", "-m", *given]
-    if first.endswith(".py") and not dashes:
-        if not Path(first).is_file():
-            raise SystemExit(f"supervisor run: no such script: {first}")
-        return [sys.executable, "-u", str(Path(first).resolve()), *given[1:]]
-    found = shutil.which(first)
-    if found is None:
-        raise SystemExit(f"supervisor run: command not found: {first}")
-    return [str(Path(found).resolve()) if "/" in first else first, *given[1:]]
+    try:
+        return resolve_command(list(args.argv), prog="supervisor run", module=args.module)
+    except CommandNotFound as exc:
+        raise SystemExit(f"supervisor run: {exc}") from None
 
 
 def options(args: argparse.Namespace) -> DemoOptions:
@@ -155,6 +142,7 @@ def options(args: argparse.Namespace) -> DemoOptions:
         supervisor_env={**defaults, **settings_env("run", args.set)},
         command=command,
         nproc_per_node=args.nproc_per_node,
+        command_in_process=args.in_process,
     )
 
 

@@ -10,14 +10,16 @@ Rules kept here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from socket import gethostname
 from typing import Any
 
 from resiliency_protocol.backoff import Backoff
+from supervisor.action_effects import apply_effects
 from supervisor.action_params import InvalidParams, ScaleDownParams, ScaleUpParams, check_params
 from supervisor.actuator import (
     Actuator,
@@ -31,7 +33,6 @@ from supervisor.config import Settings
 from supervisor.config_parts import SensingSettings, WorkloadSettings
 from supervisor.controller import Controller, load_policy
 from supervisor.domain import (
-    DISRUPTIVE_ACTIONS,
     ActionRecord,
     ActionRequest,
     ActionType,
@@ -42,15 +43,17 @@ from supervisor.domain import (
     NodeView,
 )
 from supervisor.errors import RequestRefused, UnknownTarget
-from supervisor.faults import FaultInjector, FaultSpec
-from supervisor.goodput.sampler import ProgressSampler
+from supervisor.fault_injection import FaultInjector, FaultSpec
+from supervisor.live_hub import Hub
 from supervisor.metrics import Metrics
 from supervisor.notifications.delivery import Notifier
-from supervisor.notify import Hub
 from supervisor.policy import Policy
-from supervisor.pruner import HistoryPruner, retention_ages
+from supervisor.pruner import HistoryPruner
 from supervisor.remedies import RemediesInFlight
+from supervisor.schedules import Scheduler
+from supervisor.schedules.periodic import PeriodicWork
 from supervisor.sensor import Changes, Sensor
+from supervisor.sensor.worlds import WorldFence
 from supervisor.store import UNAVAILABLE, Store, open_store
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,9 @@ class Supervisor:
         self.sensor = (sensor or Sensor)(
             settings.sensing, settings.workload, self._on_timer_changes, self.metrics
         )
+        #: Each job's newest world: reports from older ones are refused.
+        self.worlds = WorldFence(self.metrics)
+        self.backend.follow_worlds(self.worlds.started)
         #: Each job's remedies in flight (a job with one is recovering).
         self.remedies = RemediesInFlight()
         self._store: Store | None = None
@@ -113,22 +119,21 @@ class Supervisor:
         self._recorder: asyncio.Task[None] | None = None
         #: Fault injection (off unless enabled): faults, their schedules and timers.
         self.faults = FaultInjector(self)
-        self._sampler: ProgressSampler | None = None
-        self._sampling: asyncio.Task[None] | None = None
+        #: The scheduler, the sampler and retention (while acting).
+        self._periodic: PeriodicWork | None = None
+        self.scheduler: Scheduler | None = None
         #: Deletes history past its retention; None when all of it is kept forever.
         self.pruner: HistoryPruner | None = None
-        self._pruning: asyncio.Task[None] | None = None
         #: Sends events and finished actions to the notification routes (if any).
         self.notifier: Notifier | None = None
         #: Raises Fenced once this replica may no longer act; leader election sets it.
         self.fence: Fence = no_fence
         self.ready = False
+        #: The epoch this supervisor acts in, once started (None: a dry run, or not yet).
+        self.leader_epoch: int | None = None
         #: What /readyz and refused requests answer while not ready (a standby says who
         #: leads; see supervisor.kube.leader).
-        self.readiness: dict[str, Any] = {
-            "status": "starting",
-            "detail": "the supervisor is starting",
-        }
+        self.readiness: dict[str, Any] = {"status": "starting", "detail": "starting up"}
 
     @property
     def store(self) -> Store:
@@ -148,6 +153,10 @@ class Supervisor:
         self._store = await asyncio.to_thread(
             open_store, self.settings.database_url, dry_run=self.settings.dry_run
         )
+        if not self.settings.dry_run:  # before anything acts (resiliency_protocol/leaders.py)
+            holder = self.settings.leader_election_identity or f"{gethostname()}:{os.getpid()}"
+            self.leader_epoch = await asyncio.to_thread(self.store.take_leader_epoch, holder)
+        self.backend.act_in_epoch(self.leader_epoch)
         # Listening before anything is published: resumed actions finish and notify too.
         self.notifier = Notifier(self.settings.notifications, self.store, self.hub, self.metrics)
         await self.notifier.start()
@@ -188,19 +197,11 @@ class Supervisor:
         for event in unhandled:
             self.controller.submit_event(event)
         self._recorder = asyncio.create_task(self._record_timer_changes(), name="recorder")
-        # Step progress for goodput: a sample per job every period, never per heartbeat.
-        self._sampler = ProgressSampler(
-            self.settings.goodput_sample_period_s,
-            self.sensor.job_steps,
-            self.store.record_progress_samples,
+        # Acting only (a standby never gets here): drills, windows, retention, sampling.
+        self._periodic = PeriodicWork(
+            self.settings, self.store, self.metrics, self.sensor.job_steps
         )
-        self._sampling = asyncio.create_task(self._sampler.run(), name="progress-sampler")
-        ages = retention_ages(self.settings.history, self.settings.restart_window_s)
-        if ages:
-            self.pruner = HistoryPruner(
-                self.store, ages, self.metrics, period_s=self.settings.history_prune_period_s
-            )
-            self._pruning = asyncio.create_task(self.pruner.run(), name="history-pruner")
+        self.pruner = self._periodic.pruner
         await self.faults.resume()
         await self.backend.start(
             BackendHooks(
@@ -213,6 +214,9 @@ class Supervisor:
             )
         )
         self.ready = True
+        # Once acting: a stored job due now runs as the acting supervisor it is.
+        self._periodic.start(self)
+        self.scheduler = self._periodic.scheduler
         self.metrics.acting.set(1)
         log.info(
             "supervisor ready: %d nodes, %d jobs, policy %s, backend %s",
@@ -232,16 +236,9 @@ class Supervisor:
         if self._recorder is not None:
             self._recorder.cancel()
             await asyncio.gather(self._recorder, return_exceptions=True)
-        if self._pruning is not None:
-            self._pruning.cancel()
-            await asyncio.gather(self._pruning, return_exceptions=True)
-        if self._sampling is not None and self._sampler is not None:
-            self._sampling.cancel()
-            await asyncio.gather(self._sampling, return_exceptions=True)
-            try:
-                await self._sampler.flush()  # the last steps seen, for the next start
-            except Exception:
-                log.exception("cannot store the last progress samples")
+        if self._periodic is not None:
+            self.scheduler = None
+            await self._periodic.stop()
         if self._controller is not None:
             await self._controller.close()
         if self.notifier is not None:
@@ -352,12 +349,27 @@ class Supervisor:
         self.raise_events(events)
 
     async def _request_backend_action(self, request: ActionRequest, key: str) -> None:
-        action, created = await asyncio.to_thread(
-            lambda: self.store.create_action(request, key=key, source=self.backend.name)
-        )
-        if created:
+        await self.request_actions([(request, key)], self.backend.name)
+
+    async def request_actions(
+        self, requests: list[tuple[ActionRequest, str]], source: str
+    ) -> list[ActionRecord]:
+        """Record actions (idempotent by key) and queue the new ones, in order, on their
+        jobs' lanes: a backend's requests, a maintenance window's steps."""
+
+        def create() -> list[tuple[ActionRecord, bool]]:
+            return [self.store.create_action(r, key=key, source=source) for r, key in requests]
+
+        made = await asyncio.to_thread(create)
+        new = [action for action, created in made if created]
+        for action in new:
             self.hub.action(action)
-            self.controller.submit_actions([action])
+        self.controller.submit_actions(new)
+        return [action for action, _ in made]
+
+    def node_job(self, node: str) -> str | None:
+        view = self.sensor.node_view(node)
+        return view.job if view is not None else None
 
     def _node_address(self, name: str) -> str | None:
         return self.sensor.node_address(name)
@@ -421,22 +433,7 @@ class Supervisor:
 
     async def _apply_effects(self, action: ActionRecord) -> None:
         """Keep the sensor's picture in step with what the backend changed."""
-        batch = []
-        if action.type in DISRUPTIVE_ACTIONS and action.job:
-            self.sensor.job_restarted(action.job)
-        if action.type in (ActionType.CORDON, ActionType.HOT_SWAP) and action.node:
-            batch.append(self.sensor.set_cordoned(action.node, True))
-        elif action.type is ActionType.UNCORDON and action.node:
-            batch.append(self.sensor.set_cordoned(action.node, False))
-        elif action.type in (ActionType.SCALE_DOWN, ActionType.SCALE_UP) and action.job:
-            with contextlib.suppress(InvalidParams):  # a dry run "succeeds" any params
-                scale = check_params(action.type, action.params)
-                assert isinstance(scale, ScaleDownParams | ScaleUpParams)
-                job = self.sensor.set_replicas(action.job, scale.to_replicas)
-                batch.append(Changes(jobs=[job] if job is not None else []))
-                if isinstance(scale, ScaleDownParams) and scale.exclude_node:
-                    batch.append(self.sensor.set_cordoned(scale.exclude_node, True))
-        changed = Changes.merged(batch)
+        changed = apply_effects(self.sensor, action)
         if changed.nodes or changed.jobs:
             await asyncio.to_thread(self.store.record, [], changed.nodes, changed.jobs)
         if changed.events:  # a spare again: its own path, persisted then to the policy
@@ -479,7 +476,7 @@ class Supervisor:
         return action, created
 
     async def inject_fault(self, spec: FaultSpec) -> tuple[Fault, list[Event]]:
-        """Inject a fault (see `supervisor.faults.FaultInjector.inject`)."""
+        """Inject a fault (see `supervisor.fault_injection.FaultInjector.inject`)."""
         return await self.faults.inject(spec)
 
     async def end_fault(self, fault_id: int) -> Fault | None:

@@ -334,7 +334,9 @@ def test_a_save_due_while_the_last_is_written_waits_for_it(
     ckpt.close()
     assert [(r.step, r.tier) for r in ckpt.save_results] == [(1, "ram"), (2, "ram"), (2, "durable")]
     assert all(r.error is None for r in ckpt.save_results)
-    assert ckpt.blocking[1] >= 0.3  # the wait is counted as blocking
+    # The wait is counted as blocking: most of the 0.3 s it was held (the worker thread may
+    # start its clock a moment after ours).
+    assert ckpt.blocking[1] >= 0.25
     assert fmt.committed_steps(tmp_path / "ram", 0) == [2]  # ram_topk_ckpt = 1
 
 
@@ -504,9 +506,9 @@ def test_the_copy_during_the_next_step_saves_the_state_of_the_step_done(
     release = threading.Event()
     real_finish = Checkpointer._finish_staging
 
-    def slow_finish(self: Checkpointer, state: dict[str, Any]) -> dict[str, Any]:
+    def slow_finish(self: Checkpointer, state: dict[str, Any], ready: Any) -> dict[str, Any]:
         assert release.wait(30)  # the copy is still running when the next step arrives
-        return real_finish(self, state)
+        return real_finish(self, state, ready)
 
     monkeypatch.setattr(Checkpointer, "_finish_staging", slow_finish)
     ckpt = small_checkpointer(tmp_path, s3_checkpointing_freq=0)

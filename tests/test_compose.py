@@ -30,7 +30,7 @@ from host_monitor.config import load_settings as load_host_monitor_settings
 from supervisor import cli as supervisor_cli
 from supervisor.config import CONFIG_FILE_ENV, Settings
 from supervisor.local import bootstrap
-from supervisor.local.cluster import ClusterState
+from supervisor.local.cluster_state import ClusterState
 from supervisor.local.demo import RUN_MARKER, leftover_processes
 from tests.test_host_monitor import ACTUATOR_TOKEN, Cluster, wait_for
 

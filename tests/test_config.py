@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from supervisor.config import CONFIG_FILE_ENV, ConfigError, Settings, load_settings
+from supervisor.config_parts import SensingSettings, ServiceSettings, TlsSettings, WorkloadSettings
 
 SUPERVISOR_BIN = Path(sys.executable).parent / "supervisor"
 
@@ -242,6 +244,19 @@ def test_settings_direct_construction_validates() -> None:
     # Settings itself (used by tests and the runtime) applies the same rules.
     with pytest.raises(ValueError):
         Settings(heartbeat_timeout_s=1, heartbeat_polling_period_s=2)
+
+
+def test_a_group_alone_checks_its_own_settings() -> None:
+    # A part built from a few values gets the same field rules and relations as Settings.
+    with pytest.raises(ValidationError, match="heartbeat_timeout_s must be greater"):
+        SensingSettings(heartbeat_timeout_s=1, heartbeat_polling_period_s=2)
+    with pytest.raises(ValidationError, match="HTTPS needs both"):
+        TlsSettings(tls_cert_file="cert.pem")
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        WorkloadSettings(num_nodes_per_dp=0)
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        WorkloadSettings(port=8080)
+    assert Settings(port=9000).service == ServiceSettings(port=9000)
 
 
 # --- the command line -----------------------------------------------------------------------

@@ -213,7 +213,7 @@ def test_page_asks_for_the_token_and_shows_the_cluster(browser: Browser, tmp_pat
         expect(n1.locator(".heartbeat")).to_have_text(re.compile(r"^\d+\.\d s ago$"))
         expect(n1.locator(".gpu")).to_have_text("no errors")
         expect(page.locator("#nodes li[data-node='s1']")).to_have_attribute("data-state", "spare")
-        expect(page.locator("#nodes-summary")).to_have_text("3 nodes: 2 running, 1 spare.")
+        expect(page.locator("#nodes-summary")).to_have_text("3 nodes: 1 spare, 2 healthy.")
         # The spare's arrival is in the history.
         expect(page.locator("#events-table tbody tr[data-type='spare_available']")).to_have_count(1)
         expect(page.locator("#faults-section")).to_be_visible()
@@ -271,9 +271,11 @@ def test_fault_injected_through_the_api_appears_live_with_its_actions(
         # From an action to its cause: focus moves to the event's row.
         page.locator(f"#actions-table tbody tr[data-id='{fault['actions'][0]}'] .cause a").click()
         expect(row).to_be_focused()
-        # The node grid follows: the node was swapped out (cordoned), its GPU error shows.
+        # The node grid follows: the node was swapped out (cordoned; its host monitor here
+        # still reports the job's workers, so it is draining), its GPU error shows.
         n1 = page.locator("#nodes li[data-node='n1']")
-        expect(n1).to_have_attribute("data-state", "cordoned")
+        expect(n1).to_have_attribute("data-state", "draining")
+        expect(n1).to_have_attribute("data-group", "cordoned")
         expect(n1.locator(".gpu")).to_contain_text("XID 79 on GPU 3")
         # Screen readers were told.
         expect(page.locator("#announcer")).to_contain_text("Action")
@@ -294,7 +296,8 @@ def test_fault_injected_through_the_api_appears_live_with_its_actions(
         expect(lost).to_have_count(1)
         expect(lost).to_contain_text("n2")
         expect(lost.locator("td").nth(7).locator(".badge").first).to_be_visible()  # its action
-        expect(page.locator("#nodes li[data-node='n2']")).to_have_attribute("data-state", "failed")
+        expect(page.locator("#nodes li[data-node='n2']")).to_have_attribute("data-state", "lost")
+        expect(page.locator("#attention-list li[data-node='n2']")).to_contain_text("n2 lost")
         expect(page.locator("#active-faults")).to_contain_text("heartbeat loss n2")
         shot(page, "heartbeat-loss-live")
         # Eight seconds later the fault ends and the node comes back, live as well.
@@ -302,7 +305,7 @@ def test_fault_injected_through_the_api_appears_live_with_its_actions(
             "n2"
         )
         expect(page.locator("#nodes li[data-node='n2']")).not_to_have_attribute(
-            "data-state", "failed"
+            "data-state", "lost"
         )
 
 
@@ -565,6 +568,17 @@ def test_a_dry_run_supervisor_shows_what_it_would_have_done(
             row = page.locator(f"#actions-table tbody tr[data-id='{action_id}']")
             expect(row.locator(".badge.dry-run")).to_have_text("would have")
         expect(event_row(page, event_id)).to_contain_text("would hot swap: succeeded")
+        # Nothing was cordoned: the node is shown as it is, the would-have apart.
+        node = api(server, "GET", "/api/v1/nodes/n1")
+        assert (node["cordoned"], node["dry_run_cordoned"], node["status"]) == (
+            False,
+            True,
+            "running",
+        )
+        n1 = page.locator("#nodes li[data-node='n1']")
+        expect(n1.locator(".notes")).to_contain_text("dry run: would have cordoned it")
+        expect(n1).to_have_attribute("data-state", "running")
+        expect(page.locator("#node-counts .cordoned strong")).to_have_text("0")
         shot(page, "dry-run")
 
 

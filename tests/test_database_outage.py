@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from tests.test_api import heartbeat
 from tests.test_e2e import AGENT, OPERATOR, Server
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import leftover_processes
 
 

@@ -45,7 +45,7 @@ from supervisor.domain import (
     ProgressSample,
 )
 from supervisor.goodput.service import ResultCache
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from supervisor.runtime import Supervisor
 from supervisor.store import Store, open_store
 from supervisor.store.models import ActionRow, JobRow

@@ -49,6 +49,7 @@ TOKENS = {
     "actuatorToken": "actuator-token-0123456789",
     "workerToken": "worker-token-0123456789",
     "peerToken": "peer-token-0123456789",
+    "metricsToken": "metrics-token-0123456789",
 }
 POSTGRES: dict[str, Any] = {"database": {"url": PG_URL}}
 SQLITE: dict[str, Any] = {"database": {"type": "sqlite"}, "supervisor": {"replicas": 1}}
@@ -319,6 +320,7 @@ def test_config_schema_is_the_supervisors_own() -> None:
     assert set(STANDARD_NAMES) <= set(values["config"])
     # The chart sets these itself; a value for them would be ignored or conflict.
     managed = {"backend", "host", "port", "database_url", "policy", "kube_namespace"}
+    managed |= {"log_format"}  # the top-level logFormat
     managed |= {"agent_token", "operator_token", "host_monitor_actuator_token"}
     managed |= {"leader_election", "host_monitor_port", "leader_election_identity"}
     assert not managed & set(values["config"])
@@ -1061,7 +1063,11 @@ def test_the_peer_tier_adds_its_directories_its_token_and_two_capabilities() -> 
     host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {
         "ram-checkpoints": {"path": "/dev/shm/resiliency-checkpoints", "type": "DirectoryOrCreate"},
-        "peer-store": {"path": "/dev/shm/resiliency-peer", "type": "DirectoryOrCreate"},
+        # Partner copies on the node's disk by default (host_monitor/README.md).
+        "peer-store": {
+            "path": "/var/lib/resiliency-supervisor/peer",
+            "type": "DirectoryOrCreate",
+        },
     }
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["ram-checkpoints"] == "/dev/shm/resiliency-checkpoints"
@@ -1076,6 +1082,50 @@ def test_the_peer_tier_adds_its_directories_its_token_and_two_capabilities() -> 
     )
     assert "peer-token" in secret["data"]
     assert len(set(secret["data"].values())) == len(secret["data"])
+
+
+def test_the_host_monitor_is_sized_from_its_peer_store() -> None:
+    """The rule of templates/_host-monitor-resources.tpl: the base resources, plus 32Mi of
+    transfer buffers, the CPU to move one copy (half the store) within copyWithinSeconds,
+    and with the store on tmpfs the store itself, in the memory request and limit."""
+    base = {"hostMonitor": {"kernelLog": {"source": "off"}}}
+    peer = {"storeSizeGiB": 48, "copyWithinSeconds": 60, "cpuMillisecondsPerGiB": 1000}
+    for medium, store_mi, path in (
+        ("disk", 0, "/var/lib/resiliency-supervisor/peer"),
+        ("memory", 48 * 1024, "/dev/shm/resiliency-peer"),
+    ):
+        values = {"hostMonitor": {"peerTier": {**peer, "storeMedium": medium}}}
+        docs = render(merged(POSTGRES, base, values))
+        c = container(docs, "DaemonSet")
+        copy_cpu = 48 * 1000 // (2 * 60) + 1
+        assert c["resources"] == {
+            "requests": {"cpu": "50m", "memory": f"{96 + store_mi}Mi"},
+            "limits": {"cpu": f"{500 + copy_cpu}m", "memory": f"{256 + 32 + store_mi}Mi"},
+        }, medium
+        settings = host_monitor_settings(docs)
+        assert settings.peer_store_max_bytes == 48 * 2**30
+        assert settings.peer_channel_port == 9401
+        assert str(settings.peer_store_dir) == f"{path}/$(HOST_MONITOR_NODE)"
+        pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+        store = next(v for v in pod["volumes"] if v["name"] == "peer-store")
+        assert store["hostPath"]["path"] == path
+        assert {"name": "peer-data", "containerPort": 9401, "protocol": "TCP"} in c["ports"]
+    # Resources given in Gi and whole cores are added to as well.
+    values = {"hostMonitor": {"resources": {"limits": {"cpu": "2", "memory": "1Gi"}}}}
+    c = container(render(merged(POSTGRES, base, values)), "DaemonSet")
+    assert c["resources"]["limits"] == {
+        "cpu": f"{2000 + 64 * 1000 // 240 + 1}m",
+        "memory": f"{1024 + 32}Mi",
+    }
+    # The peer tier off: the resources as given.
+    values = {"hostMonitor": {"peerTier": {"enabled": False}}}
+    c = container(render(merged(POSTGRES, base, values)), "DaemonSet")
+    assert c["resources"] == DEFAULT_VALUES["hostMonitor"]["resources"]
+    assert [p["name"] for p in c["ports"]] == ["http"]
+    # A quantity the rule cannot add to is refused, naming it.
+    values = {"hostMonitor": {"resources": {"limits": {"memory": "1G"}}}}
+    with pytest.raises(helm.HelmError, match="memory"):
+        render(merged(POSTGRES, base, values))
 
 
 def test_every_host_monitor_privilege_is_justified_in_a_comment() -> None:
@@ -1302,8 +1352,16 @@ def test_shadow_runs_its_policy_in_dry_run_with_the_acting_settings_and_its_own(
     assert shadow.operator_token == acting.operator_token is not None
     assert acting.host_monitor_actuator_token is not None
     assert shadow.host_monitor_actuator_token is None
-    env = {v["name"] for v in container(docs, "Deployment", SHADOW)["env"]}
-    assert env == {"SUPERVISOR_AGENT_TOKEN", "SUPERVISOR_OPERATOR_TOKEN"}
+    env = {v["name"]: v for v in container(docs, "Deployment", SHADOW)["env"]}
+    assert set(env) == {
+        "SUPERVISOR_AGENT_TOKEN",
+        "SUPERVISOR_OPERATOR_TOKEN",
+        "SUPERVISOR_LOG_FORMAT",
+    }
+    # It logs as the acting supervisor does (the chart's logFormat, json by default).
+    assert env["SUPERVISOR_LOG_FORMAT"]["value"] == "json"
+    main_env = {v["name"]: v for v in container(docs, "Deployment", FULLNAME)["env"]}
+    assert main_env["SUPERVISOR_LOG_FORMAT"]["value"] == "json"
     # Probed, bounded and locked down as the acting supervisor.
     c, main = container(docs, "Deployment", SHADOW), container(docs, "Deployment", FULLNAME)
     for key in ("securityContext", "livenessProbe", "readinessProbe", "ports", "command"):
@@ -1644,6 +1702,7 @@ ALERTS = (
     "noSpare",
     "noLeader",
     "heartbeatsRejected",
+    "hostMonitorHeartbeatsFailing",
 )
 # A different, valid value for leaves whose type alone does not say what is valid.
 MUTATIONS: dict[str, Any] = {
@@ -1654,6 +1713,7 @@ MUTATIONS: dict[str, Any] = {
     "image.pullPolicy": "Always",
     "imagePullSecrets": [{"name": "regcred"}],
     "workloadNamespace": "jobs",
+    "logFormat": "text",
     "config.kube_jobset_selector": "team=llm",
     "config.kube_gpu_node_selector": "gpu=true",
     "config.kube_taint_key": "example.com/broken",
@@ -1699,6 +1759,8 @@ MUTATIONS: dict[str, Any] = {
     "hostMonitor.kernelLog.path": "/var/log/other/kern.log",
     "hostMonitor.peerTier.checkpointRoot": "/dev/shm/other-checkpoints",
     "hostMonitor.peerTier.storeDir": "/dev/shm/other-peer",
+    "hostMonitor.peerTier.storeMedium": "memory",
+    "hostMonitor.peerTier.cpuMillisecondsPerGiB": 2000,
     "hostMonitor.nvidiaSmi": "/usr/local/nvidia/bin/nvidia-smi",
     "hostMonitor.runtimeClassName": "nvidia",
     "hostMonitor.maxUnavailable": "10%",

@@ -17,6 +17,7 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from host_monitor.metrics import HeartbeatCounts, HostMonitorMetrics, PeerCounts
 from tests.conftest import SettingsFactory
 from tests.test_helm_chart import (
     CHART,
@@ -58,7 +59,21 @@ async def exported(make_settings: SettingsFactory) -> AsyncIterator[set[str]]:
     async with served(settings_for_metrics(make_settings)) as (api, _):
         await drive(api)
         await scrape(api)
-        yield exported_names((await api.client.get("/metrics")).text)
+        supervisor = exported_names((await api.client.get("/metrics")).text)
+    yield supervisor | host_monitor_names()
+
+
+def host_monitor_names() -> set[str]:
+    """The series a host monitor exports (its /metrics, scraped by the PodMonitor), every
+    part of it on."""
+    metrics = HostMonitorMetrics("n1")
+    metrics.sources.heartbeats = lambda: HeartbeatCounts(3, 1, 0, 1.0)
+    metrics.sources.watchdogs = lambda: {"xid watchdog": True}
+    metrics.sources.worker_starts = lambda: 2
+    metrics.sources.worker_states = lambda: ["running"]
+    metrics.sources.peer = lambda: PeerCounts({"sent": 10}, {"sent": 0.5})
+    metrics.emergency_round(1.0)
+    return exported_names(metrics.render().decode())
 
 
 def exported_names(exposition: str) -> set[str]:
@@ -209,6 +224,7 @@ def test_each_alert_is_complete_parses_and_uses_only_exported_series(
         "SupervisorNoSpareNode",
         "SupervisorNoLeader",
         "SupervisorHeartbeatsRejected",
+        "HostMonitorHeartbeatsFailing",
     }
     for name, rule in rules.items():
         assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}, name
@@ -268,3 +284,21 @@ def test_readme_lists_each_per_job_series_and_only_exported_ones(exported: set[s
     per_job = {re.sub(r"_(total|bucket|sum|count|created)$", "", n) for n in exported}
     per_job = {n for n in per_job if n.startswith("supervisor_job_")}
     assert per_job - {n.removesuffix("_total") for n in listed} == set()
+
+
+def test_host_monitors_are_scraped_with_their_own_token() -> None:
+    docs = render(merged(POSTGRES, {"serviceMonitor": {"enabled": True}}))
+    monitor = find(docs, "PodMonitor", f"{FULLNAME}-host-monitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    secret = endpoint["bearerTokenSecret"]
+    assert secret["key"] == "host-monitor-metrics-token"
+    tokens = find(docs, "Secret", secret["name"])
+    assert "host-monitor-metrics-token" in tokens["data"]
+    daemonset = find(docs, "DaemonSet", f"{FULLNAME}-host-monitor")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    ref = env["HOST_MONITOR_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (secret["name"], "host-monitor-metrics-token")
+    assert "PodMonitor" not in kinds(render(POSTGRES))

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 
 AGENT_TOKEN = "hm-test-agent-token"
 NODE_KEY = "hm-test-node-key-0123456789abcdef0123"

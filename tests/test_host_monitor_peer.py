@@ -29,12 +29,13 @@ from fastapi import FastAPI
 
 from host_monitor.config import load_settings
 from host_monitor.node import Node as HostNode
-from host_monitor.peer_protocol import Manifest, ReplicateRequest
 from host_monitor.peer_routes import peer_router
 from host_monitor.peer_store import Mismatch, PeerStore, TooLarge
 from host_monitor.peer_tier import PeerTier
-from host_monitor.protocol import CheckpointPeer
-from supervisor.local.cluster import JobSpec, checkpoint_partner, free_port
+from resiliency_protocol.node_commands import CheckpointPeer
+from resiliency_protocol.peer_checkpoints import Manifest, ReplicateRequest
+from supervisor.local.cluster import checkpoint_partner
+from supervisor.local.cluster_state import JobSpec, free_port
 from tests.test_host_monitor import ACTUATOR, WORKER, Agent, Cluster, wait_for
 
 PEER_TOKEN = "hm-test-peer-token"

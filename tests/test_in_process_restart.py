@@ -11,6 +11,7 @@ without faults.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,15 @@ def node_status(demo: LocalDemo, node: str) -> dict[str, Any]:
     return status
 
 
-def process_resources(pid: int) -> tuple[int, int]:
-    """(threads, open file descriptors) of a process."""
-    threads = len(os.listdir(f"/proc/{pid}/task"))
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    return threads, fds
+def process_resources(pid: int, samples: int = 5) -> tuple[int, int]:
+    """(threads, open file descriptors) of a process: the fewest of a few samples 0.1 s
+    apart, so that a checkpoint writer's thread or file caught at one moment is not
+    counted."""
+    seen = []
+    for _ in range(samples):
+        seen.append((len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))))
+        time.sleep(0.1)
+    return min(t for t, _ in seen), min(f for _, f in seen)
 
 
 def test_an_in_process_restart_past_its_bound_falls_back_to_a_full_restart(
@@ -121,10 +126,12 @@ def test_twenty_recoveries_in_a_row_leak_nothing_and_lose_nothing(
     assert len(attempts) == 1, attempts
     # Threads and descriptors do not grow with the recoveries: the first one may open
     # what later ones reuse (its new process group's), after that nothing accumulates. A
-    # sample may catch a checkpoint's writer thread for a moment: the quietest of the
-    # last five counts. (Seen here: 6 threads and 13 fds before, 9 and 19 after each.)
+    # sample may still catch a checkpoint's writer or a pooled connection for a moment
+    # (seen on a loaded machine: fds between 14 and 17 at any point of the twenty): the
+    # quietest of the last five against the quietest of the first five, with room for
+    # two such. A leak of one per recovery would show fifteen more.
     threads, fds = zip(*seen, strict=True)
-    assert min(threads[-5:]) <= threads[0], (before, seen)
-    assert min(fds[-5:]) <= fds[0], (before, seen)
+    assert min(threads[-5:]) <= min(threads[:5]) + 2, (before, seen)
+    assert min(fds[-5:]) <= min(fds[:5]) + 2, (before, seen)
     weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
     assert weights == expected

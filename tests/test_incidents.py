@@ -6,6 +6,7 @@ as host monitors report and operators read."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,8 +53,10 @@ async def train(api: Api, steps: int, nodes: tuple[str, ...] = ("n0", "n1")) -> 
         await asyncio.sleep(0.02)
 
 
-async def until(predicate: Any, within: float = 10.0) -> Any:
-    for _ in range(int(within / 0.05)):
+async def until(predicate: Any, within: float = 60.0) -> Any:
+    # Generous: on a loaded machine each round (beats sent, actions listed) is slow.
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
         value = await predicate()
         if value:
             return value
@@ -75,7 +78,9 @@ async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
         hang_timeout_s=0.3,
         hang_warmup_intervals=0,
     )
-    async with running(settings, backend=SlowRestarts(1.0)) as api:
+    # The restart lasts long enough for the crash to arrive while it runs, even when the
+    # machine is slow.
+    async with running(settings, backend=SlowRestarts(4.0)) as api:
         await train(api, 8)
 
         async def remedy_running() -> Any:

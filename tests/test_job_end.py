@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import SettingsFactory
-from tests.test_api import Api, running
+from tests.test_api import OPERATOR, Api, running
 
 HANG_S = 0.3
 
@@ -112,3 +112,71 @@ async def test_a_rank_still_at_work_past_the_ends_bound_is_a_hang(api: Api) -> N
     (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
     assert hang["details"]["kind"] == "finishing" and (hang["node"], hang["rank"]) == ("n1", 1)
     assert await state_of(api, "j1") != "finished"
+
+
+async def spare(api: Api, node: str) -> None:
+    body = {"node": node, "state": "spare", "job": None, "workers": []}
+    assert (await api.beat(body)).status_code in (202, 204)
+
+
+async def gpu_off_the_bus(api: Api, node: str) -> list[tuple[str, str | None]]:
+    """Inject an XID 79 on `node`; the actions it caused, as (type, node)."""
+    body = {"kind": "xid", "node": node, "code": 79}
+    response = await api.client.post("/api/v1/faults", json=body, headers=OPERATOR)
+    assert response.status_code == 201, response.text
+    await api.settle()
+    fault = await api.get(f"/api/v1/faults/{response.json()['id']}")
+    assert fault["events"], fault
+    caused = [await api.get(f"/api/v1/actions/{i}") for i in fault["actions"]]
+    return [(a["type"], a["node"]) for a in caused]
+
+
+async def test_a_node_of_a_finished_job_that_fails_is_only_cordoned(api: Api) -> None:
+    """A job that trained to its end needs no emergency checkpoint, hot-swap or scale-up
+    when one of its nodes fails afterwards, even with a spare at hand: bad hardware is
+    cordoned, nothing else."""
+    await spare(api, "s9")
+    await train(api, "j1", 8)
+    await hold(api, "j1", "finishing", 8, 0.2)
+    await hold(api, "j1", "exited", 8, 0.1, exit_code=0)
+    await api.settle()
+    assert await state_of(api, "j1") == "finished"
+    assert await gpu_off_the_bus(api, "n0") == [("cordon", "n0")]
+    assert await state_of(api, "j1") == "finished"
+    nodes = {n["name"]: n for n in await api.get("/api/v1/nodes")}
+    assert nodes["s9"]["state"] == "spare" and nodes["s9"]["job"] is None
+
+
+async def test_the_same_failure_while_the_job_trains_is_remedied(api: Api) -> None:
+    """The counterpart: a running job's node with a dead GPU goes to the spare."""
+    await spare(api, "s9")
+    await train(api, "j1", 8)
+    caused = await gpu_off_the_bus(api, "n0")
+    assert ("hot_swap", "n0") in caused, caused
+
+
+async def test_every_host_of_a_finished_job_leaving_takes_no_action(
+    make_settings: SettingsFactory,
+) -> None:
+    """The hosts of a job that ended exit one after the other (as `host-monitor --launch`
+    does, as pods are deleted): each is lost, the job stays finished, nothing is done for
+    it, even with a spare at hand, and even once no host of it is left."""
+    settings = make_settings(heartbeat_polling_period_s=0.05, heartbeat_timeout_s=0.5)
+    async with running(settings) as api:
+        await train(api, "j1", 8)
+        await hold(api, "j1", "exited", 8, 0.1, exit_code=0)
+        await api.settle()
+        assert await state_of(api, "j1") == "finished"
+        # n1 leaves first, then n0; a spare keeps beating throughout.
+        for leaving in (("n1",), ("n0", "n1")):
+            for _ in range(20):  # 1 s: past the heartbeat timeout
+                for node in ("n0", "n1"):
+                    if node not in leaving:
+                        await api.beat(beat(node, "j1", "exited", 8, exit_code=0))
+                await spare(api, "s9")
+                await asyncio.sleep(0.05)
+        await api.settle()
+        lost = (await api.get("/api/v1/events", type="host_heartbeat_lost"))["items"]
+        assert {e["node"] for e in lost} == {"n0", "n1"}, lost
+        assert (await api.get("/api/v1/actions"))["items"] == []
+        assert await state_of(api, "j1") == "finished"

@@ -17,7 +17,7 @@ from supervisor.actuator.backend import ActionError, Fenced
 from supervisor.domain import ActionType
 from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from supervisor.runtime import make_backend
 from tests.conftest import SettingsFactory
 from tests.kube import FakeKube

@@ -122,6 +122,9 @@ class E2E:
             # Pods of a dead node stay terminating (its kubelet is gone): force-delete
             # them soon.
             "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": "2",
+            # A node that dies here is really down (`node_dies` SIGKILLs all it runs), as
+            # on a platform that fences its nodes: its pods may go with grace 0.
+            "SUPERVISOR_KUBE_PLATFORM_FENCES_NODES": "true",
             "SUPERVISOR_JOBSET_DOWNTIME_THRESHOLD_S": "120",
             "SUPERVISOR_NODE_RECOVERY_HEALTHY_S": "3600",
             "SUPERVISOR_NUM_DP_REPLICAS": "2",

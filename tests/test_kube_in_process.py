@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from tests.test_host_monitor import ACTUATOR_TOKEN
 from tests.test_kube_e2e import E2E, wait_for
 from tests.test_torch_emergency import SMALL, fault_free_weights
@@ -106,8 +106,8 @@ class Env(E2E):
     def supervisor_env(self) -> dict[str, str]:
         env = {
             **super().supervisor_env(),
-            "SUPERVISOR_ACTION_TIMEOUT_S": "60",
-            "SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "40",
+            "SUPERVISOR_ACTION_TIMEOUT_S": "150",
+            "SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "100",
             "SUPERVISOR_NUM_NODES_PER_DP": "1",
         }
         if self.policy is not None:
@@ -206,7 +206,7 @@ def test_a_lost_node_is_replaced_alone_and_the_survivor_keeps_its_process(
         assert env.partner(survivor_node) == lost_node
 
         env.node_dies(lost_node)
-        weights = wait_for(env.weights, 180, "the job to finish")
+        weights = wait_for(env.weights, 300, "the job to finish")
         assert weights == reference
 
         actions = wait_for(env.settled, 30, "actions settled")
@@ -250,7 +250,7 @@ def test_a_crashed_worker_is_replaced_alone(tmp_path: Path, reference: str) -> N
         crashed = env.process(pods[1])
         assert crashed is not None and survivor_pid is not None
         os.kill(crashed, signal.SIGKILL)
-        weights = wait_for(env.weights, 180, "the job to finish")
+        weights = wait_for(env.weights, 300, "the job to finish")
         assert weights == reference
         actions = wait_for(env.settled, 30, "actions settled")
         restarts = [a for a in actions if a["type"] == "restart_in_place"]
@@ -274,7 +274,7 @@ def test_without_an_emergency_checkpoint_the_replacement_restores_from_its_peer_
         lost_node = pods[0]["spec"]["nodeName"]
         wait_for(lambda: env.partner(pods[1]["spec"]["nodeName"]) == lost_node, 20, "partners")
         env.node_dies(lost_node)
-        weights = wait_for(env.weights, 180, "the job to finish")
+        weights = wait_for(env.weights, 300, "the job to finish")
         assert weights == reference
         resumed = {
             (rank, tier): int(step) for rank, attempt, step, tier in RESUMED.findall(env.logs())

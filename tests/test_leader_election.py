@@ -424,8 +424,27 @@ async def test_only_the_lease_holder_runs_the_supervisor(
 TIMING = Timing(lease_duration_s=2.0, renew_deadline_s=1.5, retry_period_s=0.25)
 
 
+#: A policy that takes a while over each decision, as a real one may: with 8 events, some
+#: are always in flight when the leader is killed right after acknowledging them (a quick
+#: machine otherwise decides and acts on all of them before the kill lands).
+SLOW_POLICY = """
+import time
+
+from policies.default import DefaultPolicy
+
+
+class SlowPolicy(DefaultPolicy):
+    def event_policy(self, event, context):
+        time.sleep(0.1)
+        return super().event_policy(event, context)
+"""
+
+
 async def test_failover_after_sigkill_does_every_action_exactly_once(tmp_path: Path) -> None:
-    with pair(tmp_path, TIMING) as cluster:
+    policy = tmp_path / "slow_policy.py"
+    policy.write_text(SLOW_POLICY)
+    env = {"SUPERVISOR_POLICY": f"{policy}:SlowPolicy"}
+    with pair(tmp_path, TIMING, env=env) as cluster:
         leader, standby = cluster.wait_leader()
         status, body = standby.readyz()
         assert status == 503

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
 
 SEED = 3
@@ -276,6 +276,11 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
     demo = start_demo()
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    if remedy == "hot_swap":
+        # The swap needs the spare heartbeating: on a loaded machine its host monitor can
+        # be slower to start than the job's first 20 steps (then the remedy scales down).
+        spare = demo.options.nodes[-1]
+        wait_for(lambda: node_known(demo, spare), within=60, what=f"spare {spare} known")
     victim = demo.options.nodes[0]
     step_before = job_step(demo)
     injected = inject(demo, node=victim, **fault)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from supervisor.local.cluster import free_port
+from supervisor.local.cluster_state import free_port
 from supervisor.ops import output
 from supervisor.ops.client import parse_event_stream
 from supervisor.ops.config import resolve
@@ -94,11 +94,11 @@ def test_get_prints_aligned_tables_json_and_yaml(server: Server, tmp_path: Path)
     table = ok(cli(tmp_path, "get", "nodes", server=server))
     lines = table.strip().splitlines()
     header = lines[0].split()
-    assert header[:6] == ["NAME", "STATE", "JOB", "ALIVE", "CORDONED", "FLAPPING"]
+    assert header == ["NAME", "STATUS", "JOB", "MARKS", "WORKERS", "HEARTBEAT"]
     by_name = {line.split()[0]: line for line in lines[1:]}
     assert {"n1", "n2", "s1"} <= set(by_name)
     # Aligned: each value starts where its column's header does.
-    state_at = lines[0].index("STATE")
+    state_at = lines[0].index("STATUS")
     assert by_name["n1"][state_at:].startswith("running")
     assert by_name["s1"][state_at:].startswith("spare")
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from supervisor.local.demo import leftover_processes
 from tests.test_run_user_job import user_env
 
@@ -149,3 +151,15 @@ def test_what_cannot_run_is_refused_in_one_line_before_anything_starts(tmp_path:
         assert done.returncode == 1
         assert done.stderr.strip() == message
         assert not (tmp_path / "run").exists(), "nothing started"
+
+
+def test_a_command_given_by_its_path_runs_as_given_not_through_symlinks(tmp_path: Path) -> None:
+    """A virtual environment's `python` is a symlink to the base interpreter: followed, the
+    workers would run outside the environment (without its packages)."""
+    if not Path(sys.executable).is_symlink():
+        pytest.skip("needs a virtual environment's python (a symlink), as make test makes")
+    script = tmp_path / "prefix.py"
+    script.write_text("import sys\nprint('prefix', sys.prefix, flush=True)\n")
+    done = supervisor_run(tmp_path, "--", sys.executable, str(script), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"prefix {sys.prefix}" in done.stdout, done.stdout

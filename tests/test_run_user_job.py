@@ -1,8 +1,10 @@
 """A user's own scripts under `supervisor run`, faults injected through the supervisor's API
 as an operator would: the DDP example of docs/training.md (2 nodes x 2 workers, a spare)
 is healed after a crashed rank and after a lost node, and ends with the weights of a run
-without the fault; a plain shell loop, which knows nothing of the supervisor, is
-restarted too."""
+without the fault; on 2 nodes x 1 worker, a hung rank is healed losing at most one step,
+to the same weights; the in-process example, started with `--in-process`, heals a crashed
+rank keeping the other node's processes; a plain shell loop, which knows nothing of the
+supervisor, is restarted too."""
 
 from __future__ import annotations
 
@@ -25,28 +27,40 @@ ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"the supervisor at (\S+) \(operator token (\S+)\)")
 
 
-def docs_example(tmp: Path) -> Path:
-    """The DDP example of docs/training.md as a user saves it, with a pause per step (so
-    that a fault lands mid-run) and its final weights' hash written by rank 0."""
+def saved_example(tmp: Path, marker: str, edits: dict[str, str]) -> Path:
+    """The example of docs/training.md that starts with `marker`, saved as a user saves
+    it, with `edits` (each must match once: the example changed otherwise)."""
     text = (ROOT / "docs" / "training.md").read_text()
-    start = text.index("# example: checkpoint tiers")
+    start = text.index(marker)
     code = text[start : text.index("```", start)]
-    edits = {
-        "import os\n": "import hashlib\nimport os\nimport time\n",
-        "    data.batches += 1\n": "    data.batches += 1\n"
-        '    time.sleep(float(os.environ["STEP_TIME_S"]))\n',
-        "ckpt.close()": "if rank == 0:\n"
-        "    weights = b''.join(p.detach().numpy().tobytes() for p in model.parameters())\n"
-        '    with open(os.environ["WEIGHTS_FILE"], "w") as out:\n'
-        "        out.write(hashlib.sha256(weights).hexdigest())\n"
-        "ckpt.close()",
-    }
     for old, new in edits.items():
         assert code.count(old) == 1, f"the example changed: {old!r}"
         code = code.replace(old, new)
     script = tmp / "train.py"
     script.write_text(code)
     return script
+
+
+#: What each rank 0 adds at its end: the hash of its final weights.
+WEIGHTS_OUT = (
+    "if rank == 0:\n"
+    "    weights = b''.join(p.detach().numpy().tobytes() for p in model.parameters())\n"
+    '    with open(os.environ["WEIGHTS_FILE"], "w") as out:\n'
+    "        out.write(hashlib.sha256(weights).hexdigest())\n"
+    "ckpt.close()"
+)
+
+
+def docs_example(tmp: Path) -> Path:
+    """The DDP example of docs/training.md as a user saves it, with a pause per step (so
+    that a fault lands mid-run) and its final weights' hash written by rank 0."""
+    edits = {
+        "import os\n": "import hashlib\nimport os\nimport time\n",
+        "    data.batches += 1\n": "    data.batches += 1\n"
+        '    time.sleep(float(os.environ["STEP_TIME_S"]))\n',
+        "ckpt.close()": WEIGHTS_OUT,
+    }
+    return saved_example(tmp, "# example: checkpoint tiers", edits)
 
 
 def user_env(tmp: Path, **extra: str) -> dict[str, str]:
@@ -126,8 +140,9 @@ class Run:
             self.proc.wait(10)
 
 
-def reference_weights(tmp: Path, script: Path) -> str:
-    """The hash of the final weights of the same 4 ranks under torchrun, without a fault."""
+def reference_weights(tmp: Path, script: Path, nproc: int = 4) -> str:
+    """The hash of the final weights of the same `nproc` ranks under torchrun, without a
+    fault."""
     weights = tmp / "reference.sha256"
     env = user_env(
         tmp,
@@ -138,7 +153,7 @@ def reference_weights(tmp: Path, script: Path) -> str:
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     done = subprocess.run(
-        [*command, "--nproc-per-node", "4", str(script)],
+        [*command, "--nproc-per-node", str(nproc), str(script)],
         cwd=tmp,
         env=env,
         capture_output=True,
@@ -180,6 +195,92 @@ def test_the_ddp_example_is_healed_to_the_weights_of_a_run_without_the_fault(
     for rank in range(4):
         resumed = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
         assert len(resumed) == 2 and resumed[0] == "0" and int(resumed[1]) > 0, output
+    assert weights.read_text() == want
+
+
+def test_a_hung_worker_of_the_ddp_example_is_healed_losing_at_most_one_step(
+    tmp_path: Path,
+) -> None:
+    """worker_hang (SIGSTOP) of rank 1 of 2 nodes x 1 worker, through the API: the hang
+    is detected, the healthy rank's state saved, every rank started again from at most
+    one step before the last one rank 0 finished, to the weights of a run without it."""
+    pytest.importorskip("torch")
+    script = docs_example(tmp_path)
+    code = script.read_text()
+    report = "    client.report_step(step)\n"
+    code = code.replace(report, '    print(f"rank {rank}: step {step}", flush=True)\n' + report)
+    script.write_text(code)
+    want = reference_weights(tmp_path, script, nproc=2)
+    weights = tmp_path / "weights.sha256"
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "train.py"]
+    run = Run(tmp_path, args, user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights)))
+    try:
+        run.wait_step(20)
+        run.api("POST", "/api/v1/faults", kind="worker_hang", node="node-1", rank=1)
+        code_of_run = run.finish()
+    finally:
+        run.kill()
+    output = "\n".join(run.lines)
+    assert code_of_run == 0, output
+    assert "[supervisor]: restart_in_place node-1 succeeded" in output
+    # The steps rank 0 finished before it was started again (its own lines are in order).
+    rank0 = [line for line in run.lines if line.startswith("[rank0]: ")]
+    again = [i for i, line in enumerate(rank0) if "starting after step" in line][1]
+    done = max(int(m[1]) for line in rank0[:again] if (m := re.search(r"step (\d+)$", line)))
+    for rank in range(2):
+        resumed = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
+        assert len(resumed) == 2 and resumed[0] == "0", output
+        assert done - 1 <= int(resumed[1]) <= done, (done, resumed, output)
+    assert weights.read_text() == want
+
+
+def healing_example(tmp: Path) -> Path:
+    """The in-process example of docs/training.md as a user saves it: a pause per step,
+    its process id in the line each world prints, rank 0's final weights' hash."""
+    edits = {
+        "import os\n": "import hashlib\nimport os\nimport time\n",
+        "            ckpt.step_done(step)\n": "            ckpt.step_done(step)\n"
+        '            time.sleep(float(os.environ["STEP_TIME_S"]))\n',
+        'after step {start}"': 'after step {start} pid {os.getpid()}"',
+        "ckpt.close()": WEIGHTS_OUT,
+    }
+    return saved_example(tmp, "# example: in-process healing", edits)
+
+
+def test_the_in_process_example_heals_a_crashed_rank_keeping_the_other_nodes_processes(
+    tmp_path: Path,
+) -> None:
+    """`supervisor run --in-process`, 2 nodes x 2 workers and a spare: rank 3 crashes; its
+    node's ranks start anew, node-0's keep their processes and join the new world from
+    the state they hold, and the weights are a fault-free run's."""
+    pytest.importorskip("torch")
+    script = healing_example(tmp_path)
+    want = reference_weights(tmp_path, script)
+    weights = tmp_path / "weights.sha256"
+    args = ["--in-process", "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1"]
+    env = user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights))
+    run = Run(tmp_path, [*args, "train.py"], env)
+    try:
+        run.wait_step(20)
+        run.api("POST", "/api/v1/faults", kind="worker_crash", node="node-1", rank=3)
+        code = run.finish()
+    finally:
+        run.kill()
+    output = "\n".join(run.lines)
+    assert code == 0, output
+    assert "[supervisor]: restart_in_place node-1 succeeded in-process: " in output, output
+    worlds = {
+        rank: re.findall(
+            rf"\[rank{rank}\]: rank {rank}: world (\d+) after step (\d+) pid (\d+)", output
+        )
+        for rank in range(4)
+    }
+    for rank, seen in worlds.items():
+        assert len(seen) == 2 and seen[0][1] == "0", (rank, output)
+        assert int(seen[1][0]) > int(seen[0][0]) and int(seen[1][1]) > 0, (rank, output)
+        same_process = seen[0][2] == seen[1][2]
+        # node-0's ranks (0, 1) kept their processes; node-1's (2, 3) are new ones.
+        assert same_process == (rank in (0, 1)), (rank, output)
     assert weights.read_text() == want
 
 

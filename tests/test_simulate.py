@@ -18,7 +18,7 @@ from supervisor.domain import Event, EventType, utcnow
 from supervisor.goodput.advice import TierInput, advise
 from supervisor.simulate.clock import SimulationStalled, run_virtual
 from supervisor.simulate.cluster import SimulatedCluster
-from supervisor.simulate.faults import Fault, TraceError, parse_trace, sample_mix
+from supervisor.simulate.fault_sources import Fault, TraceError, parse_trace, sample_mix
 from supervisor.simulate.runner import run_variant, scenario_faults
 from supervisor.simulate.scenario import ScenarioError, load_scenario
 from supervisor.store import open_store
@@ -313,7 +313,7 @@ def test_trace_node_names_map_onto_the_cluster() -> None:
         Fault(3.0, "real-a", "worker_hang"),
         Fault(4.0, "node-00001", "worker_hang"),
     ]
-    from supervisor.simulate.faults import map_nodes
+    from supervisor.simulate.fault_sources import map_nodes
 
     mapped = map_nodes(faults, ["node-00000", "node-00001", "node-00002"])
     assert [f.node for f in mapped] == ["node-00000", "node-00002", "node-00000", "node-00001"]

@@ -24,8 +24,8 @@ import uvicorn
 from supervisor.api.app import create_app
 from supervisor.config import Settings
 from supervisor.domain import Event, EventType, utcnow
-from supervisor.local.cluster import free_port
-from supervisor.notify import Hub, Message, Resync
+from supervisor.live_hub import Hub, Message, Resync
+from supervisor.local.cluster_state import free_port
 from supervisor.runtime import Supervisor
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
 from tests.test_api import heartbeat

@@ -34,7 +34,7 @@ from supervisor.actuator.backend import ActionError
 from supervisor.config import ConfigError, Settings, load_settings
 from supervisor.domain import ActionType
 from supervisor.local.backend import LocalBackend
-from supervisor.local.cluster import ClusterState, NodeInfo, free_port
+from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
 from supervisor.ops.errors import ExitCode
 from tests.conftest import SettingsFactory
 from tests.kube import FakeKube

@@ -164,9 +164,9 @@ def test_compute_times_are_sent_as_their_mean_since_the_last_report(
         assert wait_for(lambda: server.bodies("/progress") == [{"step": None}])
         client.report_step(5, compute_s=0.2)
         client.report_step(6, compute_s=0.4)
-        client._send_progress()  # what the reporting thread does every interval
+        client._reporter.send_progress()  # what the reporting thread does every interval
         client.report_step(7)  # a step without a time: nothing to average
-        client._send_progress()
+        client._reporter.send_progress()
         progress = server.bodies("/progress")
         assert {"step": 6, "compute_s": pytest.approx(0.3)} in progress
         assert progress[-1] == {"step": 7}
@@ -331,7 +331,7 @@ def test_offline_mode_works_without_a_monitor() -> None:
     assert wait_for(lambda: client.checkpoint_requested)
     assert client.at_safe_point() is True
     assert calls == [3]
-    assert client._thread is None  # nothing runs in the background offline
+    assert client._reporter.thread is None  # nothing runs in the background offline
     client.close()
 
 

@@ -1,7 +1,8 @@
 """The training side: what runs inside the user's training processes.
 
 - `worker_client`: the link to the node's host monitor (register, progress, checkpoint
-  reports, emergency checkpoints on SIGUSR1); standard library and httpx only.
+  reports, emergency checkpoints on SIGUSR1); standard library and httpx only. Its
+  parts, one job each, are in `monitor_link`.
 - `checkpoint`: checkpoint tiers (RAM, peer, durable) for a PyTorch training state, with
   `torch.distributed.checkpoint` (extra `torch`).
 - `numpy_workload`: the demo workload of local mode (extra `demo`: NumPy).

@@ -13,7 +13,7 @@ import os
 import re
 import secrets
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,10 @@ __all__ = [
 #
 # Each file is a zip archive (readable by `numpy.load` as an .npz): one `<name>.npy`
 # member per array, stored uncompressed, plus `meta.json` = {"format": 1, "step",
-# "shard", "num_shards", "sha256": {member: hex digest}}. A file is complete only if it
+# "shard", "num_shards", "sha256": {member: hex digest}, "world"}. `world` is the world the
+# file was written in (training/checkpoint/fencing.py); it is absent when the writer knew
+# none, and in files written before it was recorded: such a file counts as older than
+# every world. A file is complete only if it
 # has its final name (it is written under a hidden temporary name in the same directory,
 # flushed, fsynced, renamed with os.replace, and the directory fsynced), its zip CRCs
 # check, its metadata names the same step and shard as its path, and every member's
@@ -79,6 +82,7 @@ class CheckpointData:
     shard: int
     num_shards: int
     members: dict[str, bytes]  # "<name>.npy" -> bytes, meta.json excluded
+    world: int | None = None  # None: written in no known world
 
 
 def write_checkpoint_file(
@@ -87,10 +91,13 @@ def write_checkpoint_file(
     shard: int,
     num_shards: int,
     members: Mapping[str, bytes],
+    *,
+    world: int | None = None,
 ) -> Path:
     """Write one shard's checkpoint atomically; returns its path.
 
-    `members` maps member names (e.g. "w.npy") to their bytes. Safe when several
+    `members` maps member names (e.g. "w.npy") to their bytes; `world`, the world it is
+    written in (None: not recorded). Safe when several
     processes write the same file at once: each writes its own temporary file and the
     last rename wins, and every version is complete.
     """
@@ -105,6 +112,8 @@ def write_checkpoint_file(
         "num_shards": num_shards,
         "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in members.items()},
     }
+    if world is not None:
+        meta["world"] = world
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "wb") as raw:
@@ -148,6 +157,9 @@ def read_checkpoint(
         return None
     if not all(isinstance(v, int) for v in (meta_step, meta_shard, meta_shards)):
         return None
+    world = meta.get("world")
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 0):
+        return None
     expected = (step, shard, num_shards)
     actual = (meta_step, meta_shard, meta_shards)
     if any(want is not None and want != got for want, got in zip(expected, actual, strict=True)):
@@ -157,14 +169,21 @@ def read_checkpoint(
     for name, data in contents.items():
         if hashlib.sha256(data).hexdigest() != digests[name]:
             return None
-    return CheckpointData(Path(path), meta_step, meta_shard, meta_shards, contents)
+    return CheckpointData(Path(path), meta_step, meta_shard, meta_shards, contents, world)
 
 
-def list_checkpoints(tier_dirs: Sequence[Path], shard: int, num_shards: int) -> dict[int, Path]:
+def list_checkpoints(
+    tier_dirs: Sequence[Path],
+    shard: int,
+    num_shards: int,
+    *,
+    accept: Callable[[CheckpointData], bool] | None = None,
+) -> dict[int, Path]:
     """Every step this shard can be loaded from: step -> a verified file.
 
-    When several tiers hold a step, the first tier in `tier_dirs` wins (put the fastest
-    first). Every candidate is read and verified, so this costs one read per file.
+    When several tiers hold a step, the first tier in `tier_dirs` whose file verifies and
+    that `accept` takes wins (put the fastest first). Every candidate is read and
+    verified, so this costs one read per file.
     """
     found: dict[int, Path] = {}
     for tier_dir in tier_dirs:
@@ -172,7 +191,8 @@ def list_checkpoints(tier_dirs: Sequence[Path], shard: int, num_shards: int) -> 
             if step in found:
                 continue
             path = checkpoint_file(tier_dir, step, shard, num_shards)
-            if read_checkpoint(path, step=step, shard=shard, num_shards=num_shards):
+            data = read_checkpoint(path, step=step, shard=shard, num_shards=num_shards)
+            if data is not None and (accept is None or accept(data)):
                 found[step] = path
     return dict(sorted(found.items()))
 

@@ -72,6 +72,11 @@ class Watchdog(ABC):
     def poke(self) -> None:
         self._poke.set()
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the last check ran (False after one raised, until one runs again)."""
+        return self._last_error is None
+
     @abstractmethod
     async def check(self) -> None:
         """Look at the source once and report what is new."""

@@ -24,7 +24,7 @@ import logging
 from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.nvidia_smi import NvidiaSmiError, run_nvidia_smi
 from host_monitor.wire import GpuReport
-from resiliency_protocol.states import utcnow
+from resiliency_protocol.clock import utcnow
 
 log = logging.getLogger(__name__)
 

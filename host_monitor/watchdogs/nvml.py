@@ -29,7 +29,7 @@ from typing import Any
 
 from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.wire import GpuReport
-from resiliency_protocol.states import utcnow
+from resiliency_protocol.clock import utcnow
 
 log = logging.getLogger(__name__)
 

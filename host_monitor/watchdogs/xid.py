@@ -29,7 +29,7 @@ from host_monitor.config import DEV_KMSG
 from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.nvidia_smi import GpuTopology, normalize_pci
 from host_monitor.wire import GpuReport
-from resiliency_protocol.states import utcnow
+from resiliency_protocol.clock import utcnow
 
 log = logging.getLogger(__name__)
 

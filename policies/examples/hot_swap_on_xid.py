@@ -29,14 +29,14 @@ class HotSwapOnXid(DefaultPolicy):
     name = "hot_swap_on_xid"
     immediate_xids: frozenset[int] = frozenset({48, 79})
 
-    def _node_failure_in_job(
+    def node_failure_in_job(
         self, event: Event, ctx: PolicyContext, job: str, node: str
     ) -> list[ActionRequest]:
         # Called by the default GPU_XID handler once it has ruled out a spare node (cordoned)
         # and a spent restart budget (nothing disruptive), so only the ladder changes here.
         if event.type is EventType.GPU_XID and self._xid(event) in self.immediate_xids:
-            return self._evict(event, ctx, job, node, "fatal XID, swapping without restart")
-        return super()._node_failure_in_job(event, ctx, job, node)
+            return self.evict(event, ctx, job, node, "fatal XID, swapping without restart")
+        return super().node_failure_in_job(event, ctx, job, node)
 
     @staticmethod
     def _xid(event: Event) -> int | None:

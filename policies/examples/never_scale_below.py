@@ -42,7 +42,7 @@ class NeverScaleBelow(DefaultPolicy):
                     out.append(restart)
                 else:
                     failed = action.params.get("exclude_node")
-                    out += self._remedy(context, restart, failed_node=failed)
+                    out += self.remedy(context, restart, failed_node=failed)
             else:
                 out.append(action)
         return out

@@ -107,6 +107,7 @@ class Actuator:
                 action.attempts,
                 limit,
                 error,
+                extra=log_fields(action),
             )
             if not retryable or action.attempts >= limit:
                 break
@@ -144,7 +145,20 @@ class Actuator:
             finished.node,
             status.value,
             f" ({error})" if error else "",
+            extra=log_fields(finished),
         )
         if status is ActionStatus.SUCCEEDED and self._on_succeeded is not None:
             await self._on_succeeded(finished)
         return finished
+
+
+def log_fields(action: ActionRecord) -> dict[str, object]:
+    """An action's fields for a structured log line (resiliency_protocol.logs)."""
+    return {
+        "action": action.id,
+        "action_type": action.type.value,
+        "job": action.job,
+        "node": action.node,
+        "event": action.event_id,
+        "fault_id": action.fault_id,
+    }

@@ -1,4 +1,5 @@
-"""The one interface every backend implements (dry-run, local processes, Kubernetes)."""
+"""The one interface every backend implements (dry-run, local processes, Kubernetes,
+simulated), and the shape of the table each declares from action type to handler."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from supervisor.action_params import ActionParams, InvalidParams, check_params, params_of
-from supervisor.domain import ActionRecord, ActionRequest, Event, JobView
+from supervisor.domain import ActionRecord, ActionRequest, ActionType, Event, JobView
 from supervisor.errors import SupervisorError
 
 P = TypeVar("P", bound=ActionParams)
+#: What a backend's handlers act on: the backend itself, or the cluster it drives.
+T = TypeVar("T")
 
 
 class ActionError(SupervisorError):
@@ -45,6 +48,32 @@ def params_for(action: ActionRecord, model: type[P]) -> P:
         raise ActionError(str(exc)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An action type a backend cannot do, said in its table (with why) rather than left
+    out: every table names every action type (tests/test_action_dispatch.py)."""
+
+    why: str
+
+
+#: Carries out one action on `T`; returns the result stored with the action.
+ActionHandler = Callable[[T, ActionRecord], Awaitable[Mapping[str, Any]]]
+#: Each action type to its handler, or to the reason the backend refuses it.
+ActionTable = Mapping[ActionType, ActionHandler[T] | Refused]
+
+
+async def dispatch(
+    backend: str, table: ActionTable[T], target: T, action: ActionRecord
+) -> Mapping[str, Any]:
+    """Hand `action` to its handler in `table`; a type the table refuses, or lacks, is an
+    ActionError naming the type and the backend (not retried: it would fail again)."""
+    entry = table.get(action.type)
+    if entry is None or isinstance(entry, Refused):
+        why = entry.why if entry is not None else "it has no handler for it"
+        raise ActionError(f"the {backend} backend cannot {action.type.value}: {why}")
+    return await entry(target, action)
+
+
 #: Raises Fenced when this replica may no longer act; called before every attempt and
 #: every call a backend makes to the outside world.
 Fence = Callable[[], None]
@@ -56,7 +85,7 @@ def no_fence() -> None:
 
 @dataclass(frozen=True, slots=True)
 class BackendHooks:
-    """What the supervisor offers a backend that watches the cluster itself (Kubernetes)."""
+    """What the supervisor offers a backend when it starts acting."""
 
     #: Raise events: they are recorded in the store, in order, then given to the policy.
     raise_events: Callable[[list[Event]], None]
@@ -90,9 +119,12 @@ class Backend(ABC):
     again for the same action after a crash or a retry, and the effect must be that of
     one call. It returns a small JSON-able result that is stored with the action, and
     raises `ActionError` on failure. The actuator bounds each call with a timeout.
+    Each backend hands actions on through its `ActionTable` (see `dispatch`).
     """
 
     name: ClassVar[str]
+    #: Every action type to its handler, or to why this backend refuses it (`dispatch`).
+    actions: ClassVar[ActionTable[Any]]
     #: Fault kinds this backend can act out on real processes (see `inject_fault`).
     process_faults: ClassVar[frozenset[str]] = frozenset()
 
@@ -107,6 +139,29 @@ class Backend(ABC):
         Backends that run no processes of their own cannot, and say so.
         """
         raise ActionError(f"the {self.name} backend cannot inject {kind} faults")
+
+    #: Told of each newer world of a job the backend starts (see `follow_worlds`).
+    _world_started: Callable[[str, int], None] | None = None
+
+    def follow_worlds(self, started: Callable[[str, int], None]) -> None:
+        """Tell `started(job, world)` the newest world of each job now, and of every newer
+        one this backend starts, before any rank of it starts: reports from the older
+        worlds are refused from then on (supervisor/sensor/worlds.py)."""
+        self._world_started = started
+        for job, world in self.worlds().items():
+            started(job, world)
+
+    def worlds(self) -> Mapping[str, int]:
+        """The newest world of each job, as this backend keeps it; {} when it does not."""
+        return {}
+
+    def world_started(self, job: str, world: int) -> None:
+        if self._world_started is not None:
+            self._world_started(job, world)
+
+    def act_in_epoch(self, epoch: int | None) -> None:  # noqa: B027 - optional hook
+        """Send `epoch` with every command to host monitors from now on (called before
+        any action runs; supervisor/actuator/leader_epoch.py). None: a dry run's."""
 
     async def start(self, hooks: BackendHooks) -> None:  # noqa: B027 - optional hook
         """Start watching the cluster, if this backend does (called once, on start)."""

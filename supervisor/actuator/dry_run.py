@@ -11,9 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from supervisor.actuator.backend import Backend, BackendHooks, ClusterNode
+from supervisor.actuator.backend import (
+    ActionTable,
+    Backend,
+    BackendHooks,
+    ClusterNode,
+    dispatch,
+)
 from supervisor.domain import ActionRecord, ActionType, JobView
 
 log = logging.getLogger(__name__)
@@ -55,6 +61,9 @@ class DryRunBackend(Backend):
         if action.idempotency_key in self._keys:
             return {"dry_run": True, "repeated": True}
         self._keys.add(action.idempotency_key)
+        return await dispatch(self.name, self.actions, self, action)
+
+    async def _record(self, action: ActionRecord) -> Mapping[str, Any]:
         self.calls.append(
             RecordedCall(
                 key=action.idempotency_key,
@@ -72,3 +81,6 @@ class DryRunBackend(Backend):
             dict(action.params),
         )
         return {"dry_run": True}
+
+    #: A dry run records whatever it is asked to do.
+    actions: ClassVar[ActionTable[DryRunBackend]] = dict.fromkeys(ActionType, _record)

@@ -30,6 +30,8 @@ from supervisor.api.routes import (
     goodput,
     health,
     info,
+    local_hosts,
+    maintenance,
     notifications,
     stream,
 )
@@ -165,6 +167,8 @@ def create_app(
     for module in modules:
         app.include_router(module.router)
     app.include_router(notifications.router)
+    app.include_router(maintenance.router)
+    app.include_router(local_hosts.router)
     dashboard.mount(app)
     app.heartbeats = HeartbeatEndpoint(runtime, agents)
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -237,6 +237,7 @@ class Controller:
                 event.node,
                 event.job,
                 incident.action_id,
+                extra=event_log_fields(event),
             )
             return []
         context = await self.context()
@@ -255,6 +256,7 @@ class Controller:
             event.node,
             event.job,
             ", ".join(a.type.value for a in actions) or "no action",
+            extra=event_log_fields(event),
         )
         if event.job is not None:
             mine = [a for a in actions if a.job == event.job]
@@ -268,3 +270,15 @@ class Controller:
             if opened is not None:
                 self.incidents.closed(opened)
         return done
+
+
+def event_log_fields(event: Event) -> dict[str, object]:
+    """An event's fields for a structured log line (resiliency_protocol.logs)."""
+    return {
+        "event": event.id,
+        "event_type": event.type.value,
+        "job": event.job,
+        "node": event.node,
+        "rank": event.rank,
+        "fault_id": event.fault_id,
+    }

@@ -4,10 +4,16 @@ the step sampler and the CLI.
 - :mod:`.calculator_log`: the gpu-recipes goodput calculator's JSON-lines log and its
   goodput formula.
 - :mod:`.model`: the input timeline (plain records) and the output report.
-- :mod:`.breakdown`: goodput and badput breakdown of a timeline (or of the calculator's log).
+- :mod:`.breakdown`: goodput and badput breakdown of a timeline, built on
+  :mod:`.step_computations` (attempts, step computations, kept or redone),
+  :mod:`.time_labels` (labelled intervals and the sweep over them) and
+  :mod:`.tier_stats` (per checkpoint tier figures).
+- :mod:`.calculator_timeline`: the calculator's log as a timeline, and its breakdown.
 - :mod:`.history`: a job's timeline from the supervisor's events, actions, checkpoint
   reports and step samples.
-- :mod:`.advice`: Young/Daly checkpoint intervals per tier, MTBF, ramdisk sizing.
+- :mod:`.advice`: checkpoint intervals per tier and MTBF, from
+  :mod:`.checkpoint_intervals` (Young's and Daly's formulas).
+- :mod:`.ramdisk`: ramdisk size per host for the in-memory tier.
 - :mod:`.report`: text tables for the CLI, JSON-able dicts for the API.
 - :mod:`.sampler`: the supervisor's periodic step samples (sensor -> store).
 - :mod:`.cli`: `supervisor goodput` and `supervisor advise`, online or offline.
@@ -16,27 +22,14 @@ the step sampler and the CLI.
 from supervisor.goodput.advice import (
     CheckpointAdvice,
     MtbfEstimate,
-    RamdiskSizing,
     TierAdvice,
     TierInput,
     advise,
     advise_from_report,
     check_tier_frequencies,
-    daly_interval,
     estimate_mtbf,
-    expected_waste,
-    interval_steps,
-    ramdisk_size_bytes,
-    ramdisk_sizing,
-    young_interval,
 )
-from supervisor.goodput.breakdown import (
-    compute_goodput,
-    goodput_from_calculator_log,
-    goodput_series,
-    timeline_from_calculator,
-    truncate,
-)
+from supervisor.goodput.breakdown import compute_goodput, goodput_series, truncate
 from supervisor.goodput.calculator_log import (
     CalculatorEvent,
     CalculatorEventType,
@@ -46,6 +39,16 @@ from supervisor.goodput.calculator_log import (
     parse_calculator_log,
     parse_timestamp,
     read_calculator_log,
+)
+from supervisor.goodput.calculator_timeline import (
+    goodput_from_calculator_log,
+    timeline_from_calculator,
+)
+from supervisor.goodput.checkpoint_intervals import (
+    daly_interval,
+    expected_waste,
+    interval_steps,
+    young_interval,
 )
 from supervisor.goodput.model import (
     DURABLE_TIER,
@@ -65,6 +68,7 @@ from supervisor.goodput.model import (
     TierStats,
     Timeline,
 )
+from supervisor.goodput.ramdisk import RamdiskSizing, ramdisk_size_bytes, ramdisk_sizing
 from supervisor.goodput.report import (
     advice_to_dict,
     goodput_to_dict,

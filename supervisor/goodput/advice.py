@@ -1,4 +1,4 @@
-"""Checkpoint advice: how often to checkpoint each tier, and how big the ramdisk must be.
+"""Checkpoint advice: how often to checkpoint each tier (ramdisk sizing: :mod:`.ramdisk`).
 
 Model (first-order, valid when save cost C << interval T << MTBF M). Checkpointing a tier
 every T seconds of computation, with a blocking save cost of C seconds, and failures that
@@ -28,10 +28,15 @@ MTBF is estimated as observed wall time / observed failures, and only from 2 fai
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from fractions import Fraction
 
+from supervisor.goodput.checkpoint_intervals import (
+    check_positive,
+    daly_interval,
+    expected_waste,
+    interval_steps,
+    young_interval,
+)
 from supervisor.goodput.model import (
     DURABLE_TIER,
     LOCAL_TIER,
@@ -49,47 +54,6 @@ MODEL = (
 
 #: Fewer observed failures than this give no MTBF estimate.
 MIN_FAILURES_FOR_MTBF = 2
-
-
-def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(
-            f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}"
-        )
-
-
-def young_interval(save_cost_s: float, mtbf_s: float) -> float:
-    """Young's optimum time between checkpoints: ``sqrt(2 * C * M)`` seconds."""
-    _check_positive("save_cost_s", save_cost_s, allow_zero=True)
-    _check_positive("mtbf_s", mtbf_s)
-    return math.sqrt(2 * save_cost_s * mtbf_s)
-
-
-def daly_interval(save_cost_s: float, mtbf_s: float) -> float:
-    """Daly's higher-order optimum time between checkpoints (seconds).
-
-    ``sqrt(2CM) * (1 + sqrt(C/(2M))/3 + (C/(2M))/9) - C`` for ``C < 2M``, else ``M``.
-    """
-    _check_positive("save_cost_s", save_cost_s, allow_zero=True)
-    _check_positive("mtbf_s", mtbf_s)
-    c, m = save_cost_s, mtbf_s
-    if c >= 2 * m:
-        return m
-    x = c / (2 * m)
-    return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
-
-
-def expected_waste(interval_s: float, save_cost_s: float, mtbf_s: float | None) -> float:
-    """Fraction of time lost by one tier: ``C/T + T/(2M)`` (no rework term without M)."""
-    _check_positive("interval_s", interval_s)
-    rework = interval_s / (2 * mtbf_s) if mtbf_s is not None else 0.0
-    return save_cost_s / interval_s + rework
-
-
-def interval_steps(interval_s: float, step_time_s: float) -> int:
-    """An interval in seconds as a whole number of steps (at least 1)."""
-    _check_positive("step_time_s", step_time_s)
-    return max(1, round(interval_s / step_time_s))
 
 
 # --- MTBF ---------------------------------------------------------------------------------
@@ -116,7 +80,7 @@ def estimate_mtbf(
     """MTBF = observed wall time / failures; "not enough data" below ``min_failures``."""
     if failures < 0:
         raise ValueError(f"failures must not be negative, got {failures}")
-    _check_positive("observed_s", observed_s, allow_zero=True)
+    check_positive("observed_s", observed_s, allow_zero=True)
     hours = observed_s / 3600
     if failures < max(1, min_failures) or observed_s <= 0:
         return MtbfEstimate(
@@ -149,8 +113,8 @@ class TierInput:
     min_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive("save_cost_s", self.save_cost_s, allow_zero=True)
-        _check_positive("min_interval_s", self.min_interval_s, allow_zero=True)
+        check_positive("save_cost_s", self.save_cost_s, allow_zero=True)
+        check_positive("min_interval_s", self.min_interval_s, allow_zero=True)
         if self.current_interval_steps is not None and self.current_interval_steps < 1:
             raise ValueError(
                 f"current_interval_steps must be at least 1, got {self.current_interval_steps}"
@@ -217,7 +181,7 @@ def _mtbf_value(value: float | MtbfEstimate | None, what: str, warnings: list[st
             warnings.append(f"{what}: {value.note}")
         return value.mtbf_s
     if value is not None:
-        _check_positive(what, value)
+        check_positive(what, value)
     return value
 
 
@@ -237,8 +201,8 @@ def advise(
     local tier cannot survive (a subset: it must not be shorter than ``mtbf_s``).
     """
     if step_time_s is not None:
-        _check_positive("step_time_s", step_time_s)
-    _check_positive("downtime_per_failure_s", downtime_per_failure_s, allow_zero=True)
+        check_positive("step_time_s", step_time_s)
+    check_positive("downtime_per_failure_s", downtime_per_failure_s, allow_zero=True)
     warnings: list[str] = []
     m_all = _mtbf_value(mtbf_s, "MTBF", warnings)
     m_dur = _mtbf_value(durable_mtbf_s, "durable-tier MTBF", warnings) if durable else None
@@ -437,89 +401,3 @@ def advise_from_report(
     if notes:
         advice = replace(advice, warnings=(*advice.warnings, *notes))
     return advice
-
-
-# --- ramdisk ------------------------------------------------------------------------------
-
-#: GKE's guide: "Total Checkpoint Size ≈ Number of Parameters x 12 bytes" (weights + optimizer).
-BYTES_PER_PARAMETER = 12
-
-
-def _exact(value: float) -> Fraction:
-    return Fraction(value) if isinstance(value, int) else Fraction(repr(value))
-
-
-@dataclass(frozen=True)
-class RamdiskSizing:
-    """Ramdisk per host, with the intermediate figures of GKE's calculation."""
-
-    parameters: float
-    hosts: int
-    buffer: float
-    bytes_per_parameter: float
-    #: parameters x bytes_per_parameter.
-    checkpoint_bytes: int
-    #: checkpoint_bytes / hosts.
-    shard_bytes: int
-    #: 2 x shard_bytes (two checkpoints held while the next one is written).
-    double_buffered_bytes: int
-    #: double_buffered_bytes x (1 + buffer), rounded up.
-    size_bytes: int
-
-    @property
-    def size_mib(self) -> int:
-        """Size in MiB, rounded up: the unit of xpk's ``--mtc-ramdisk-size`` (e.g. 60000Mi)."""
-        return -(-self.size_bytes // 2**20)
-
-
-def ramdisk_sizing(
-    parameters: float,
-    hosts: int,
-    buffer: float = 0.15,
-    *,
-    bytes_per_parameter: float = BYTES_PER_PARAMETER,
-) -> RamdiskSizing:
-    """Ramdisk size per host for the in-memory checkpoint tier, as GKE computes it.
-
-    GKE's guide ("Calculating Ramdisk Size Per Host"): total checkpoint size ≈ parameters x
-    12 bytes (model and optimizer state); it is sharded across the hosts; "Required
-    Ramdisk Size per Pod ≈ 2 * (Total Checkpoint Size / Number of Hosts in the Slice)";
-    "add a 10-15% buffer", applied as a factor: its example, 70e9 parameters on 32 hosts,
-    gives 840 GB, 26.25 GB per host, 52.5 GB doubled, x 1.15 ≈ 60.3 GB. Sizes are exact
-    (rational arithmetic) and rounded up to a whole byte only at the end.
-    """
-    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
-        raise ValueError(f"hosts must be a positive integer, got {hosts!r}")
-    _check_positive("parameters", parameters)
-    _check_positive("bytes_per_parameter", bytes_per_parameter)
-    _check_positive("buffer", buffer, allow_zero=True)
-    total = _exact(parameters) * _exact(bytes_per_parameter)
-    shard = total / hosts
-    doubled = 2 * shard
-    size = doubled * (1 + _exact(buffer))
-    return RamdiskSizing(
-        parameters=parameters,
-        hosts=hosts,
-        buffer=buffer,
-        bytes_per_parameter=bytes_per_parameter,
-        checkpoint_bytes=math.ceil(total),
-        shard_bytes=math.ceil(shard),
-        double_buffered_bytes=math.ceil(doubled),
-        size_bytes=math.ceil(size),
-    )
-
-
-def ramdisk_size_bytes(
-    parameters: float,
-    hosts: int,
-    buffer: float = 0.15,
-    *,
-    bytes_per_parameter: float = BYTES_PER_PARAMETER,
-) -> int:
-    """Bytes of ramdisk per host: ``2 x parameters x 12 / hosts x (1 + buffer)``, rounded up.
-
-    See :func:`ramdisk_sizing` for the rule (GKE's) and the intermediate figures.
-    """
-    return ramdisk_sizing(
-        parameters, hosts, buffer, bytes_per_parameter=bytes_per_parameter
-    ).size_bytes

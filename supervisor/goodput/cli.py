@@ -20,15 +20,14 @@ from typing import Any
 
 from supervisor.goodput.advice import (
     CheckpointAdvice,
-    RamdiskSizing,
     TierAdvice,
     TierInput,
     advise,
-    ramdisk_sizing,
 )
-from supervisor.goodput.breakdown import goodput_from_calculator_log
 from supervisor.goodput.calculator_log import read_calculator_log
+from supervisor.goodput.calculator_timeline import goodput_from_calculator_log
 from supervisor.goodput.model import Badput, GoodputReport, TierStats
+from supervisor.goodput.ramdisk import RamdiskSizing, ramdisk_sizing
 from supervisor.goodput.report import (
     advice_to_dict,
     goodput_to_dict,

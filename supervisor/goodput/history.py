@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.action_params import InvalidParams, ScaleDownParams, ScaleUpParams, check_params
 from supervisor.domain import (
     DISRUPTIVE_ACTIONS,
@@ -81,7 +82,7 @@ FAILURE_EVENTS = frozenset(
 #: Checkpoint tiers whose saves are the job's periodic checkpoints, saved by the workers
 #: at the step they report (not emergency ones, nor the copies a partner node's host
 #: monitor makes later, `peer`).
-PERIODIC_TIERS = frozenset({"local", "ram", "durable"})
+PERIODIC_TIERS = frozenset({Tier.LOCAL, Tier.RAM, Tier.DURABLE})
 
 #: Reports of one checkpoint by the ranks of a job arrive within this of each other.
 GROUPING_WINDOW_S = 30.0

@@ -5,7 +5,7 @@ The input is a :class:`Timeline`: what happened to one job, as a handful of reco
 knows about the store, the API or the workers' wire format, so an adapter can build a
 timeline from the event/action history and the workers' checkpoint reports, and the
 gpu-recipes goodput calculator's log maps onto it too
-(:func:`supervisor.goodput.breakdown.timeline_from_calculator`).
+(:func:`supervisor.goodput.calculator_timeline.timeline_from_calculator`).
 
 Meaning of each record (the breakdown in :mod:`supervisor.goodput.breakdown` relies on it):
 
@@ -37,13 +37,14 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.goodput.calculator_log import CalculatorGoodput
 
 #: Tier names used by default for the fast local tier and the durable tier.
 LOCAL_TIER = "local"
 EMERGENCY_TIER = "emergency"  # what the training side calls an emergency checkpoint
-RAM_TIER = "ram"  # the PyTorch checkpoint tiers' fast tier
-DURABLE_TIER = "durable"
+RAM_TIER = Tier.RAM  # the PyTorch checkpoint tiers' fast tier
+DURABLE_TIER = Tier.DURABLE
 
 
 def _check_time(name: str, value: float) -> None:

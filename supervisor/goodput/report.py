@@ -9,9 +9,10 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from supervisor.goodput.advice import CheckpointAdvice, RamdiskSizing
+from supervisor.goodput.advice import CheckpointAdvice
 from supervisor.goodput.calculator_log import CalculatorGoodput
 from supervisor.goodput.model import BADPUT_CATEGORIES, GoodputReport
+from supervisor.goodput.ramdisk import RamdiskSizing
 
 #: Labels of the badput categories in tables.
 CATEGORY_LABELS = {

@@ -6,6 +6,11 @@ the sensor already holds for each job and stores a sample only for the jobs whos
 moved (forwards, or back after a restart). A sample's time is when the sensor saw that
 step first (its last advance), not when it was sampled, so sampling adds no error beyond
 one heartbeat period. Samples that cannot be written are kept and written with the next.
+
+This stays a loop of its own rather than a job of the supervisor's scheduler: what it
+holds (the steps last sampled, the samples not written yet) lives in this replica's
+memory and is written when the supervisor stops; there is nothing to store as a job or
+to hand to another replica.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ The backend and its actions
     pod_links.py       what host monitors are told of the pods: worlds, partners
 
 The supervisor's replicas and agents
-    leader.py          leader election on a Lease
+    leader.py          leader election on a Lease: the supervisor run while it is held
+    lease.py           one replica's side of the Lease: acquire, renew, check, release
     token_review.py    host monitors' tokens, reviewed by the API server
 """

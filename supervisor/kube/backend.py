@@ -26,14 +26,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Mapping
-from functools import partial
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import httpx
 from kubernetes import client
 
-from supervisor.actuator.backend import ActionError, Backend, BackendHooks, ClusterNode
+from supervisor.actuator.backend import (
+    ActionError,
+    ActionTable,
+    Backend,
+    BackendHooks,
+    ClusterNode,
+    dispatch,
+)
+from supervisor.actuator.leader_epoch import stamp
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType, JobView
 from supervisor.kube import emergency, eviction, nodes, restart
@@ -53,8 +60,6 @@ log = logging.getLogger(__name__)
 
 #: How long execute() waits for the watches' first lists.
 SYNC_TIMEOUT_S = 30.0
-
-Handler = Callable[[ActionRecord], Awaitable[dict[str, Any]]]
 
 
 class KubeBackend(Backend):
@@ -122,24 +127,12 @@ class KubeBackend(Backend):
             self.discovery, self._http, self.ctx.host_monitor_url, lambda: self.calls.fence()
         )
         self.in_process = InProcessHealing(self.ctx, self.links)
-        self._handlers = self._dispatch_table()
-
-    def _dispatch_table(self) -> dict[ActionType, Handler]:
-        """Each action type to the function of its family."""
-        ctx, heal, rescaling = self.ctx, self.in_process.heal, Rescaling(self.ctx)
-        return {
-            ActionType.EMERGENCY_CHECKPOINT: partial(emergency.emergency_checkpoint, ctx),
-            ActionType.RESTART_IN_PLACE: partial(restart.restart_in_place, ctx, heal=heal),
-            ActionType.RESTART_WORKLOAD: partial(restart.restart_workload, ctx),
-            ActionType.HOT_SWAP: partial(nodes.hot_swap, ctx, heal=heal),
-            ActionType.SCALE_DOWN: rescaling.scale,
-            ActionType.SCALE_UP: rescaling.scale,
-            ActionType.CORDON: partial(nodes.cordon, ctx),
-            ActionType.UNCORDON: partial(nodes.uncordon, ctx),
-            ActionType.FORCE_DELETE_POD: partial(eviction.force_delete_pod, ctx),
-        }
+        self.rescaling = Rescaling(self.ctx)
 
     # --- lifecycle ------------------------------------------------------------------------
+
+    def act_in_epoch(self, epoch: int | None) -> None:
+        stamp(self._http, epoch)
 
     async def start(self, hooks: BackendHooks) -> None:
         self.ctx.hooks = hooks
@@ -207,10 +200,22 @@ class KubeBackend(Backend):
         self._start_watches()
         if not await self.discovery.synced(SYNC_TIMEOUT_S):
             raise ActionError("the Kubernetes watches have not listed yet", retryable=True)
-        handler = self._handlers.get(action.type)
-        if handler is None:
-            raise ActionError(f"the kubernetes backend cannot {action.type.value}")
         try:
-            return await handler(action)
+            return await dispatch(self.name, self.actions, self, action)
         except KubeError as exc:
             raise ActionError(str(exc), retryable=exc.retryable) from None
+
+    #: Each action type to the function of its family.
+    actions: ClassVar[ActionTable[KubeBackend]] = {
+        ActionType.EMERGENCY_CHECKPOINT: lambda b, a: emergency.emergency_checkpoint(b.ctx, a),
+        ActionType.RESTART_IN_PLACE: lambda b, a: restart.restart_in_place(
+            b.ctx, a, heal=b.in_process.heal
+        ),
+        ActionType.RESTART_WORKLOAD: lambda b, a: restart.restart_workload(b.ctx, a),
+        ActionType.HOT_SWAP: lambda b, a: nodes.hot_swap(b.ctx, a, heal=b.in_process.heal),
+        ActionType.SCALE_DOWN: lambda b, a: b.rescaling.scale(a),
+        ActionType.SCALE_UP: lambda b, a: b.rescaling.scale(a),
+        ActionType.CORDON: lambda b, a: nodes.cordon(b.ctx, a),
+        ActionType.UNCORDON: lambda b, a: nodes.uncordon(b.ctx, a),
+        ActionType.FORCE_DELETE_POD: lambda b, a: eviction.force_delete_pod(b.ctx, a),
+    }

@@ -8,7 +8,7 @@ from typing import Any
 
 from resiliency_protocol.emergency import emergency_checkpoint as fan_out
 from supervisor.action_params import EmergencyCheckpointParams
-from supervisor.actuator.backend import ActionError, params_for
+from supervisor.actuator.backend import ActionError, Fenced, params_for
 from supervisor.domain import ActionRecord
 from supervisor.kube import rmw
 from supervisor.kube.action_context import ActionContext, jobset_name
@@ -29,6 +29,7 @@ async def emergency_checkpoint(ctx: ActionContext, action: ActionRecord) -> dict
         timeout_s=budget,
         http_timeout_s=budget + 2,
         before_each=lambda: ctx.calls.fence(),
+        reraise=(Fenced,),
     )
     js = ctx.discovery.jobset(jobset)
     if not checkpoint.succeeded:

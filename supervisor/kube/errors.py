@@ -3,7 +3,7 @@
 KubeError                  anything this package raises of its own
 ├── KubeConfigError        no usable kubeconfig or service account (one line for the operator)
 ├── ApiUnreachable         no answer: timeouts, connection errors
-├── LeadershipLost         this replica no longer holds the Lease (leader.py)
+├── LeadershipLost         this replica no longer holds the Lease (lease.py)
 └── ApiError               the API server answered with an error: .status, .reason, .message
     ├── NotFound           404: the object is gone
     ├── Conflict           409: a stale resourceVersion, a failed precondition, AlreadyExists

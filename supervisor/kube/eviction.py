@@ -17,13 +17,14 @@ from kubernetes import client
 
 from resiliency_protocol.backoff import Backoff
 from supervisor.action_params import ForceDeletePodParams
-from supervisor.actuator.backend import params_for
+from supervisor.actuator.backend import ActionError, params_for
 from supervisor.domain import ActionRecord
 from supervisor.kube import objects as o
 from supervisor.kube import rmw
 from supervisor.kube.action_context import ActionContext
 from supervisor.kube.errors import ApiError, Conflict, NotFound, TooManyRequests
 from supervisor.kube.journal import Target, target_of
+from supervisor.kube.node_fencing import may_force_delete
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,11 @@ async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str
     cached = ctx.discovery.informers["Pod"].items.get(f"{ns}/{pod_name}")
     if cached is None or (uid and o.uid_of(cached) != uid):
         return {"pod": pod_name, "outcome": "gone"}
+    node = o.node_of(cached)
+    verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node) if node else None)
+    if not verdict.allowed:
+        # Not retried: it stays so until the node is back or fenced (node_fencing.py).
+        raise ActionError(f"pod {pod_name} not deleted with grace 0: {verdict.why}")
     options = client.V1DeleteOptions(
         grace_period_seconds=0,
         preconditions=client.V1Preconditions(uid=uid) if uid else None,

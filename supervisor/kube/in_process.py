@@ -56,6 +56,7 @@ from supervisor.kube.journal import (
     set_journal,
     target_of,
 )
+from supervisor.kube.node_fencing import may_force_delete
 from supervisor.kube.nodes import swap_out_node
 from supervisor.kube.objects import Obj
 from supervisor.kube.pod_links import PodLinks, live_pods
@@ -150,8 +151,15 @@ class InProcessHealing:
             await rmw.modify(ctx, "Node", node, partial(swap_out_node, ctx.settings))
         what = f"replacing the pods of {node} in-process (world {world.attempt})"
         outcome = await evict_targets(ctx, action, targets, "InProcessRestart", what)
+        fencing: dict[str, str] | None = None
         if not self._node_up(node):
-            await self._delete_now(targets)
+            # Grace 0 only where the old pods cannot still run (node_fencing.py).
+            verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node))
+            fencing = verdict.result()
+            if verdict.allowed:
+                await self._delete_now(targets)
+            else:
+                log.warning("%s: pods of %s not force-deleted: %s", key, node, verdict.why)
         timeout = ctx.settings.in_process_restart_timeout_s
         deadline = time.monotonic() + timeout
         while waiting := await self.links.joined(jobset, world.attempt):
@@ -160,6 +168,8 @@ class InProcessHealing:
                     f"ranks {waiting} did not join world {world.attempt} within"
                     f" in_process_restart_timeout_s={timeout:g}s"
                 )
+                if fencing is not None and fencing["status"] == "waiting":
+                    why += f" (old pods: {fencing['why']})"
                 await self._mark_fallback(jobset, key, why)
                 return await self._full_restart(action, node, swap, why)
             await asyncio.sleep(0.1)
@@ -173,6 +183,8 @@ class InProcessHealing:
                 if target_of(p) not in targets and not ctx.discovery.created_after(p, when)
             ),
         }
+        if fencing is not None:
+            result["old_pods"] = fencing
         if swap:
             result.update(node=node, spare=params_for(action, HotSwapParams).spare)
         what = (
@@ -237,7 +249,12 @@ class InProcessHealing:
         full = dataclasses.replace(
             action, type=ActionType.RESTART_WORKLOAD, idempotency_key=f"{key}/full"
         )
-        restarted = await restart_workload(ctx, full)
+        try:
+            restarted = await restart_workload(ctx, full)
+        except ActionError as exc:  # the action's error says why it came to this
+            raise ActionError(
+                f"{exc} (not healed in-process: {why})", retryable=exc.retryable
+            ) from exc
         result: dict[str, Any] = {"path": "full_restart", "in_process_error": why, **restarted}
         if swap:
             result.update(node=node, spare=params_for(action, HotSwapParams).spare)

@@ -29,10 +29,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
+from resiliency_protocol.node_commands import AssignWorldRequest, CheckpointPeer, NodeStatus
+from resiliency_protocol.states import WorkerState
 from supervisor.actuator.backend import Fenced
 from supervisor.kube import objects as o
 from supervisor.kube.discovery import Discovery
@@ -88,7 +90,7 @@ class PodLinks:
                 pods[rank] = pod
         return pods, shape.num_dp_replicas * shape.num_nodes_per_dp, shape.num_nodes_per_dp
 
-    def _world_requests(self) -> list[tuple[str, dict[str, Any]]]:
+    def _world_requests(self) -> list[tuple[str, AssignWorldRequest]]:
         """(node, body) of each world to tell.
 
         A world has one pod per rank, its members: the first pod of each rank seen while
@@ -118,14 +120,14 @@ class PodLinks:
                     continue  # a replacement: it joins the next world
                 if self._worlds_told.get(uid) == world.attempt:
                     continue
-                body = {
-                    "request_id": f"{uid}-{world.attempt}",
-                    "job": name,
-                    "rank": rank,
-                    "instance": uid,
-                    "attempt": str(world.attempt),
-                    "env": world.env(world_size),
-                }
+                body = AssignWorldRequest(
+                    request_id=f"{uid}-{world.attempt}",
+                    job=name,
+                    rank=rank,
+                    instance=uid,
+                    attempt=str(world.attempt),
+                    env=world.env(world_size),
+                )
                 todo.append((str(o.node_of(pod)), body))
         return todo
 
@@ -143,7 +145,7 @@ class PodLinks:
                     out[node] = partner
         return out
 
-    def _partner_requests(self) -> list[tuple[str, dict[str, str]]]:
+    def _partner_requests(self) -> list[tuple[str, CheckpointPeer]]:
         todo = []
         now = time.monotonic()
         for node, partner in sorted(self.partners().items()):
@@ -153,7 +155,7 @@ class PodLinks:
             told = self._partners_told.get(node)
             if told is not None and told[:2] == (partner, url) and now - told[2] < RESYNC_S:
                 continue
-            todo.append((node, {"node": partner, "url": url}))
+            todo.append((node, CheckpointPeer(node=partner, url=url)))
         return todo
 
     def pending(self) -> bool:
@@ -175,14 +177,17 @@ class PodLinks:
             del self._worlds_told[uid]
         return all(told)
 
-    async def _call(self, node: str, method: str, path: str, body: dict[str, Any]) -> bool:
+    async def _call(self, node: str, method: str, path: str, body: BaseModel) -> bool:
         url = self._url(node)
         if url is None:
             return False
         self._fence()
         try:
             response = await self._http.request(
-                method, f"{url}{path}", json=body, timeout=REQUEST_TIMEOUT_S
+                method,
+                f"{url}{path}",
+                json=body.model_dump(mode="json", exclude_unset=True),
+                timeout=REQUEST_TIMEOUT_S,
             )
         except httpx.HTTPError as exc:
             log.info("host monitor of %s: %s %s failed: %s", node, method, path, exc)
@@ -199,25 +204,25 @@ class PodLinks:
             return False
         return True
 
-    async def _tell_world(self, node: str, body: dict[str, Any]) -> bool:
+    async def _tell_world(self, node: str, body: AssignWorldRequest) -> bool:
         if not await self._call(node, "POST", "/v1/workers/world", body):
             return False
-        self._worlds_told[str(body["instance"])] = int(body["attempt"])
+        self._worlds_told[body.instance] = int(body.attempt)
         log.info(
             "JobSet %s: rank %d (pod %s on %s) is in world %s",
-            body["job"],
-            body["rank"],
-            body["instance"],
+            body.job,
+            body.rank,
+            body.instance,
             node,
-            body["attempt"],
+            body.attempt,
         )
         return True
 
-    async def _tell_partner(self, node: str, body: dict[str, str]) -> bool:
+    async def _tell_partner(self, node: str, body: CheckpointPeer) -> bool:
         if not await self._call(node, "PUT", "/v1/checkpoint-peer", body):
             return False
-        self._partners_told[node] = (body["node"], body["url"], time.monotonic())
-        log.info("node %s keeps its checkpoint copies on %s", node, body["node"])
+        self._partners_told[node] = (body.node, body.url, time.monotonic())
+        log.info("node %s keeps its checkpoint copies on %s", node, body.node)
         return True
 
     async def joined(self, jobset: str, attempt: int) -> list[int]:
@@ -229,22 +234,24 @@ class PodLinks:
         waiting = set(range(world_size))
         nodes = sorted({str(o.node_of(p)) for p in pods.values()})
 
-        async def status(node: str) -> dict[str, Any]:
+        async def status(node: str) -> NodeStatus | None:
             url = self._url(node)
             if url is None:
-                return {}
+                return None
             try:
                 response = await self._http.get(f"{url}/v1/status", timeout=REQUEST_TIMEOUT_S)
-            except httpx.HTTPError:
-                return {}
-            return response.json() if response.status_code == 200 else {}
+                if response.status_code != 200:
+                    return None
+                return NodeStatus.model_validate_json(response.content)
+            except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
+                return None
 
         for answer in await asyncio.gather(*(status(n) for n in nodes)):
-            if answer.get("job") != jobset:
+            if answer is None or answer.job != jobset:
                 continue
-            for worker in answer.get("workers") or []:
-                if worker.get("attempt") == str(attempt) and worker.get("state") == "running":
-                    waiting.discard(int(worker.get("rank", -1)))
+            for worker in answer.workers:
+                if worker.attempt == str(attempt) and worker.state == WorkerState.RUNNING:
+                    waiting.discard(worker.rank)
         return sorted(waiting)
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from resiliency_protocol import worker_env
 from supervisor.kube import objects as o
 from supervisor.kube.objects import Obj
 
@@ -33,7 +34,7 @@ class World:
 
     def env(self, world_size: int) -> dict[str, str]:
         return {
-            "WORKLOAD_ATTEMPT": str(self.attempt),
+            worker_env.WORKLOAD_ATTEMPT: str(self.attempt),
             "MASTER_PORT": str(self.master_port),
             "WORLD_SIZE": str(world_size),
         }

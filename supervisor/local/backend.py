@@ -13,7 +13,10 @@ workload; a policy may ask for either path with the action's `in_process` param)
 healed that way on restart in place and hot-swap: only the failed node's rank starts anew
 (from a warm standby when there is one), the survivors keep their processes and join a
 new world; past `in_process_restart_timeout_s`, or when a node refuses, every rank is
-restarted, and the action's result says which path was taken and why.
+restarted, and the action's result says which path was taken and why. A hot-swap whose
+old node does not answer at all (cut off, not down) restarts every rank: its ranks may
+still train with the survivors in the old world. Its result says what became of the old
+node's workers (`old_worker`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
+from pydantic import ValidationError
 
+from resiliency_protocol.faults import PROCESS_FAULT_KINDS, FaultKind
+from resiliency_protocol.launch import HostJoin
+from resiliency_protocol.node_commands import ProcessFault
 from supervisor.action_params import (
     CordonParams,
     EmergencyCheckpointParams,
@@ -35,21 +42,39 @@ from supervisor.action_params import (
     ScaleUpParams,
     UncordonParams,
 )
-from supervisor.actuator.backend import ActionError, Backend, checked_params
+from supervisor.actuator.backend import (
+    ActionError,
+    ActionTable,
+    Backend,
+    Refused,
+    dispatch,
+    params_for,
+)
 from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType
-from supervisor.local.cluster import (
-    ClusterError,
-    ClusterState,
-    InProcessFailed,
-    JobSpec,
-    LocalCluster,
-    NothingToSave,
-)
+from supervisor.local.cluster import ClusterError, InProcessFailed, LocalCluster, NothingToSave
+from supervisor.local.cluster_state import ClusterState, JobSpec
+from supervisor.local.hosts import HostJoins
 
 log = logging.getLogger(__name__)
 
-PROCESS_FAULTS = frozenset({"worker_crash", "worker_hang", "straggler", "xid", "ecc", "node_down"})
+
+def old_worker(node: str, stopped: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """What became of the swapped-out node's workers: `stopped` (its host monitor
+    answered the stop: their exit codes), `unreachable` (no answer: they may still run;
+    the supervisor refuses their reports as of an older world than `world`, and their
+    host monitor kills them when it is heard again) or `not_known` (stopped by an earlier
+    run of this action, before a supervisor restart)."""
+    outcome = stopped.get(node)
+    fenced = {"node": node, "fenced_below_world": world}
+    if outcome is None:
+        return {**fenced, "status": "not_known"}
+    if isinstance(outcome, str):
+        return {**fenced, "status": "unreachable", "may_still_run": True, "error": outcome}
+    return {**fenced, "status": "stopped", "exit_codes": outcome}
+
+
+PROCESS_FAULTS: frozenset[str] = PROCESS_FAULT_KINDS
 
 
 class LocalBackend(Backend):
@@ -60,16 +85,39 @@ class LocalBackend(Backend):
         try:
             state = ClusterState.load(run_dir)
         except FileNotFoundError:
-            raise ValueError(f"no local cluster in {run_dir} (cluster.json missing)") from None
+            token = settings.host_monitor_actuator_token
+            if token is None:
+                raise ValueError(
+                    f"no local cluster in {run_dir} (cluster.json missing), and no "
+                    "host_monitor_actuator_token for hosts to join it (host-monitor --launch)"
+                ) from None
+            # Empty until hosts that launched their own workers join it.
+            run_dir.mkdir(parents=True, exist_ok=True)
+            state = ClusterState(run_dir=str(run_dir), actuator_token=token.get_secret_value())
+            state.save()
         self.cluster = LocalCluster(
             state,
             stop_grace_s=settings.local_stop_grace_s,
             ssl_context=settings.host_monitor_ssl_context(),
         )
         self.settings = settings
+        self.cluster.on_world = self.world_started
+        self.hosts = HostJoins(state, self.world_started)
+
+    def act_in_epoch(self, epoch: int | None) -> None:
+        self.cluster.act_in_epoch(epoch)
+
+    def worlds(self) -> Mapping[str, int]:
+        job = self.cluster.state.job
+        return {} if job is None else {job.name: job.attempt}
 
     async def close(self) -> None:
         await self.cluster.close()
+
+    async def join_host(self, host: HostJoin) -> dict[str, Any]:
+        """A host that launched its node's workers joins the cluster (hosts.py)."""
+        async with self.cluster.lock:  # not while an action changes the cluster
+            return self.hosts.join(host)
 
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
         cluster = self.cluster
@@ -77,7 +125,7 @@ class LocalBackend(Backend):
             if action.idempotency_key in cluster.state.done_keys:
                 return {"repeated": True}
             try:
-                result = await self._dispatch(action)
+                result = await dispatch(self.name, self.actions, self, action)
             except NothingToSave as exc:
                 raise ActionError(str(exc)) from None
             except ClusterError as exc:
@@ -88,42 +136,68 @@ class LocalBackend(Backend):
             cluster.state.save()
             return result
 
-    async def _dispatch(self, action: ActionRecord) -> dict[str, Any]:
-        key = action.idempotency_key
-        if action.type is ActionType.FORCE_DELETE_POD:  # no pods here
-            raise ActionError(f"local backend cannot {action.type.value}")
-        match checked_params(action):
-            case EmergencyCheckpointParams(exclude_nodes=exclude):
-                # Leave the workers some of the actuator's time to answer before it gives up.
-                budget = max(0.5, self.settings.emergency_checkpoint_timeout_s * 0.9)
-                return await self.cluster.emergency_checkpoint(key, action.job, exclude, budget)
-            case RestartInPlaceParams(in_process=in_process):
-                job = self.cluster.job(action.job)
-                if self._in_process(in_process, job) and action.node in job.placement:
-                    return await self._restart(key, [action.node])
-                return await self.cluster.restart_job(key)
-            case RestartWorkloadParams():
-                self.cluster.job(action.job)
-                return await self.cluster.restart_job(key)
-            case HotSwapParams(spare=spare, in_process=in_process):
-                job = self.cluster.job(action.job)
-                return await self._hot_swap(
-                    key, action.job, action.node, spare, self._in_process(in_process, job)
-                )
-            case ScaleDownParams(to_replicas=to, exclude_node=excluded):
-                return await self._scale(key, action.job, to, excluded)
-            case ScaleUpParams(to_replicas=to):
-                return await self._scale(key, action.job, to, None)
-            case UncordonParams():
-                result = self._cordon(action.node, False)
-                if self.cluster.state.job is not None:  # a spare again: warm it up
-                    await self.cluster.prepare_spares(self.cluster.state.job)
-                return result
-            case CordonParams():
-                return self._cordon(action.node, True)
-        raise ActionError(f"local backend cannot {action.type.value}")
-
     # --- actions ---------------------------------------------------------------------------
+
+    async def _emergency_checkpoint(self, action: ActionRecord) -> dict[str, Any]:
+        exclude = params_for(action, EmergencyCheckpointParams).exclude_nodes
+        # Leave the workers some of the actuator's time to answer before it gives up.
+        budget = max(0.5, self.settings.emergency_checkpoint_timeout_s * 0.9)
+        key = action.idempotency_key
+        return await self.cluster.emergency_checkpoint(key, action.job, exclude, budget)
+
+    async def _restart_in_place(self, action: ActionRecord) -> dict[str, Any]:
+        in_process = params_for(action, RestartInPlaceParams).in_process
+        job = self.cluster.job(action.job)
+        if self._in_process(in_process, job) and action.node in job.placement:
+            return await self._restart(action.idempotency_key, [action.node])
+        return await self.cluster.restart_job(action.idempotency_key)
+
+    async def _restart_workload(self, action: ActionRecord) -> dict[str, Any]:
+        params_for(action, RestartWorkloadParams)  # none, but checked as every type's are
+        self.cluster.job(action.job)
+        return await self.cluster.restart_job(action.idempotency_key)
+
+    async def _hot_swap(self, action: ActionRecord) -> dict[str, Any]:
+        params = params_for(action, HotSwapParams)
+        in_process = self._in_process(params.in_process, self.cluster.job(action.job))
+        return await self._swap(
+            action.idempotency_key, action.job, action.node, params.spare, in_process
+        )
+
+    async def _scale_down(self, action: ActionRecord) -> dict[str, Any]:
+        params = params_for(action, ScaleDownParams)
+        return await self._scale(
+            action.idempotency_key, action.job, params.to_replicas, params.exclude_node
+        )
+
+    async def _scale_up(self, action: ActionRecord) -> dict[str, Any]:
+        to = params_for(action, ScaleUpParams).to_replicas
+        return await self._scale(action.idempotency_key, action.job, to, None)
+
+    async def _cordon(self, action: ActionRecord) -> dict[str, Any]:
+        params_for(action, CordonParams)
+        return self._set_cordoned(action.node, True)
+
+    async def _uncordon(self, action: ActionRecord) -> dict[str, Any]:
+        params_for(action, UncordonParams)
+        result = self._set_cordoned(action.node, False)
+        if self.cluster.state.job is not None:  # a spare again: warm it up
+            await self.cluster.prepare_spares(self.cluster.state.job)
+        return result
+
+    actions: ClassVar[ActionTable[LocalBackend]] = {
+        ActionType.EMERGENCY_CHECKPOINT: _emergency_checkpoint,
+        ActionType.RESTART_IN_PLACE: _restart_in_place,
+        ActionType.RESTART_WORKLOAD: _restart_workload,
+        ActionType.HOT_SWAP: _hot_swap,
+        ActionType.SCALE_DOWN: _scale_down,
+        ActionType.SCALE_UP: _scale_up,
+        ActionType.CORDON: _cordon,
+        ActionType.UNCORDON: _uncordon,
+        ActionType.FORCE_DELETE_POD: Refused("no pods here"),
+    }
+
+    # --- how actions are done --------------------------------------------------------------
 
     @staticmethod
     def _in_process(wanted: bool | None, job: JobSpec) -> bool:
@@ -144,7 +218,7 @@ class LocalBackend(Backend):
             result = await self.cluster.restart_job(f"{key}/full")
             return {"path": "full_restart", "in_process_error": str(exc), **result}
 
-    async def _hot_swap(
+    async def _swap(
         self,
         key: str,
         job_name: str | None,
@@ -167,11 +241,42 @@ class LocalBackend(Backend):
             state.save()
         elif not spare:
             spare = job.swapped_in or ""  # resumed after a crash: the swap is recorded
-        if in_process and spare:
+        silent = in_process and spare and await self._silent(node)
+        if silent:
+            # Cut off, not down: its rank may still train with the survivors in the old
+            # world, and an in-process heal would leave them at it until the stop gives
+            # up on it. Stopping every rank at once ends that world now.
+            why = f"{node} does not answer (cut off?): its ranks may still train with the survivors"
+            log.warning("hot-swap %s: restarting every rank: %s", key, why)
+            result = {
+                "path": "full_restart",
+                "in_process_error": why,
+                **await self.cluster.restart_job(key),
+            }
+        elif in_process and spare:
             result = await self._restart(key, [spare])
         else:
             result = await self.cluster.restart_job(key)
-        return {"replaced": node, "by": spare, **result}
+        return {
+            "replaced": node,
+            "by": spare,
+            # The in-process path may have stopped it before falling back to a full restart.
+            "old_worker": old_worker(
+                node, {**self.cluster.last_stops, **result.get("stopped", {})}, job.attempt
+            ),
+            **result,
+        }
+
+    async def _silent(self, node: str) -> bool:
+        """No answer at all within 2 s, not even a refused connection: the node is cut
+        off, not down (a node whose host monitor is gone refuses at once)."""
+        try:
+            await self.cluster.call(node, "/v1/status", timeout=2.0)
+        except httpx.TimeoutException:
+            return True
+        except (httpx.HTTPError, ClusterError):
+            return False
+        return False
 
     async def _pick_spare(self, wanted: str | None) -> str:
         spares = self.cluster.state.spares()
@@ -211,7 +316,7 @@ class LocalBackend(Backend):
         result = await self.cluster.restart_job(key)
         return {"num_dp_replicas": job.num_dp_replicas, **result}
 
-    def _cordon(self, node: str | None, cordon: bool) -> dict[str, Any]:
+    def _set_cordoned(self, node: str | None, cordon: bool) -> dict[str, Any]:
         state = self.cluster.state
         if node is None or node not in state.nodes:
             raise ActionError(f"node {node!r} is not part of this cluster")
@@ -228,11 +333,16 @@ class LocalBackend(Backend):
     ) -> Mapping[str, Any]:
         if kind not in PROCESS_FAULTS:
             return await super().inject_fault(kind, node, params)
-        body = {"kind": kind, **{k: v for k, v in params.items() if v is not None}}
+        try:
+            body = ProcessFault.model_validate(
+                {"kind": kind, **{k: v for k, v in params.items() if v is not None}}
+            )
+        except ValidationError as exc:  # what the host monitor would refuse with 422
+            raise ActionError(f"{node}/v1/faults: {exc}") from None
         try:
             return await self.cluster.call(node, "/v1/faults", body, timeout=5.0)
         except httpx.HTTPError as exc:
-            if kind == "node_down":  # the node died while answering: that is the point
+            if kind == FaultKind.NODE_DOWN:  # the node died while answering: that is the point
                 return {"kind": kind, "node": node}
             raise ActionError(f"cannot reach {node}: {exc}") from None
         except ClusterError as exc:

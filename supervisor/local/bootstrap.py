@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 
 from resiliency_protocol.tls import TLSError, client_context
-from supervisor.local.cluster import ClusterError, ClusterState, LocalCluster, NodeInfo
+from supervisor.local.cluster import ClusterError, LocalCluster
+from supervisor.local.cluster_state import ClusterState, NodeInfo
 from supervisor.local.demo import DemoOptions
 
 TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token

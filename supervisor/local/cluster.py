@@ -11,36 +11,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import ssl
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
+from resiliency_protocol import worker_env
 from resiliency_protocol.emergency import emergency_checkpoint
+from resiliency_protocol.launch import job_env, rendezvous_env
+from resiliency_protocol.node_commands import (
+    CheckpointPeer,
+    RejoinRequest,
+    StandbyRequest,
+    StartWorkersRequest,
+    StopWorkersRequest,
+    WorkerSpec,
+)
 from resiliency_protocol.tls import client_context
+from supervisor.actuator.backend import Fenced
+from supervisor.actuator.leader_epoch import stamp
 from supervisor.errors import SupervisorError
+from supervisor.local.cluster_state import ClusterState, JobSpec
+from supervisor.local.placement import checkpoint_partner
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "cluster.json"
-MAX_REMEMBERED_KEYS = 1000
 # The host monitor's default `checkpoint_root` (host_monitor/config.py): where its workers'
 # RAM checkpoint tier must live for the peer tier to copy it.
 HOST_MONITOR_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class ClusterError(SupervisorError):
@@ -55,90 +57,6 @@ class NothingToSave(ClusterError):
     """No worker of the job was there to be asked for an emergency checkpoint (none
     registered with its host monitor: a job without the worker client, or one still
     starting): asking again changes nothing."""
-
-
-class NodeInfo(BaseModel):
-    address: str
-    # The `checkpoint_root` its host monitor runs with; None: the host monitor's default.
-    checkpoint_root: str | None = None
-
-
-class JobSpec(BaseModel):
-    name: str
-    command: list[str]
-    env: dict[str, str] = Field(default_factory=dict)
-    num_dp_replicas: int = Field(ge=1)
-    num_nodes_per_dp: int = Field(ge=1)
-    # placement[g] is the node of group rank g (torchrun's GROUP_RANK): it runs the
-    # `nproc_per_node` ranks g * nproc_per_node ... (g + 1) * nproc_per_node - 1.
-    placement: list[str]
-    nproc_per_node: int = Field(1, ge=1)
-    attempt: int = 0
-    # The action key that started the current attempt: a resumed action does not stop
-    # the workers it already started, and its start requests are deduplicated.
-    started_by: str | None = None
-    # Nodes to stop and hand back as spares at the next restart (set with the placement).
-    pending_release: list[str] = Field(default_factory=list)
-    # The torch.distributed rendezvous port of the current attempt (MASTER_PORT), on rank
-    # 0's node: a fresh one per attempt, so that a new world never meets ranks of the old.
-    master_port: int | None = None
-    # The workload can heal in-process (the torch workload): restart in place and hot-swap
-    # then keep the survivors' processes and start only the replaced ranks.
-    in_process_restart: bool = False
-    # The node the last hot-swap put in (a resumed hot-swap starts its rank anew).
-    swapped_in: str | None = None
-    # Modules a warm standby of the command imports ahead of time on every node of the job
-    # and on the spares (host_monitor/standby.py): a rank started anew skips that import.
-    standby_preload: list[str] = Field(default_factory=list)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.placement) * self.nproc_per_node
-
-    def ranks_of(self, group_rank: int) -> range:
-        """The global ranks the node of `group_rank` runs."""
-        return range(group_rank * self.nproc_per_node, (group_rank + 1) * self.nproc_per_node)
-
-
-def checkpoint_partner(job: JobSpec, rank: int) -> str | None:
-    """The node whose host monitor keeps copies of `rank`'s RAM checkpoints (the peer
-    tier): the node of the same shard in the next data-parallel replica, so that losing a
-    whole replica loses no shard; with one replica, the node of the next rank. None for a
-    job of one node."""
-    world = len(job.placement)
-    offset = job.num_nodes_per_dp if job.num_dp_replicas > 1 else 1
-    partner = job.placement[(rank + offset) % world]
-    return None if partner == job.placement[rank] else partner
-
-
-class ClusterState(BaseModel):
-    run_dir: str
-    actuator_token: str
-    nodes: dict[str, NodeInfo] = Field(default_factory=dict)
-    cordoned: list[str] = Field(default_factory=list)
-    job: JobSpec | None = None
-    done_keys: list[str] = Field(default_factory=list)
-
-    @classmethod
-    def load(cls, run_dir: Path) -> ClusterState:
-        return cls.model_validate_json((run_dir / STATE_FILE).read_text())
-
-    def save(self) -> None:
-        path = Path(self.run_dir) / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as f:
-            f.write(self.model_dump_json(indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def spares(self) -> list[str]:
-        used = set(self.job.placement) if self.job else set()
-        return sorted(n for n in self.nodes if n not in used and n not in self.cordoned)
-
-    def remember(self, key: str) -> None:
-        self.done_keys.append(key)
-        del self.done_keys[:-MAX_REMEMBERED_KEYS]
 
 
 class LocalCluster:
@@ -162,6 +80,15 @@ class LocalCluster:
             verify=ssl_context if ssl_context is not None else client_context(),
         )
         self._lock = asyncio.Lock()
+        #: Told (job, attempt) of each newer world before any rank starts in it.
+        self.on_world: Callable[[str, int], None] | None = None
+        #: What the last stop on each node came to (exit codes, or why it could not).
+        self.last_stops: dict[str, Any] = {}
+        self.silent: set[str] = set()  # those the last stop got no answer from at all
+
+    def _new_world(self, job: JobSpec) -> None:
+        if self.on_world is not None:
+            self.on_world(job.name, job.attempt)
 
     @property
     def run_dir(self) -> Path:
@@ -170,6 +97,11 @@ class LocalCluster:
     @property
     def lock(self) -> asyncio.Lock:
         return self._lock
+
+    def act_in_epoch(self, epoch: int | None) -> None:
+        """Send the acting supervisor's epoch with every command (a host monitor refuses
+        an older one: supervisor/actuator/leader_epoch.py)."""
+        stamp(self._http, epoch)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -186,10 +118,12 @@ class LocalCluster:
         self,
         node: str,
         path: str,
-        body: dict[str, Any] | None = None,
+        body: BaseModel | None = None,
         *,
         timeout: float | None = None,
     ) -> dict[str, Any]:
+        """GET `path` of `node`'s host monitor, or POST `body` (the fields set in it: one
+        left out is the host monitor's default)."""
         info = self.state.nodes.get(node)
         if info is None:
             raise ClusterError(f"node {node!r} is not part of this cluster")
@@ -200,7 +134,9 @@ class LocalCluster:
         response = await (
             self._http.get(url, **kwargs)
             if body is None
-            else self._http.post(url, json=body, **kwargs)
+            else self._http.post(
+                url, json=body.model_dump(mode="json", exclude_unset=True), **kwargs
+            )
         )
         if response.status_code >= 400:
             raise ClusterError(f"{node}{path}: HTTP {response.status_code}: {response.text[:300]}")
@@ -215,7 +151,7 @@ class LocalCluster:
         return True
 
     async def _each(
-        self, path: str, bodies: dict[str, dict[str, Any]], *, timeout: float | None = None
+        self, path: str, bodies: Mapping[str, BaseModel], *, timeout: float | None = None
     ) -> dict[str, dict[str, Any] | Exception]:
         """POST to several nodes at once; failures come back as exceptions, per node."""
         results = await asyncio.gather(
@@ -226,28 +162,33 @@ class LocalCluster:
         for node, result in zip(bodies, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result
+            if isinstance(result, Fenced):
+                raise result  # a newer supervisor commands these nodes: this one must not
             out[node] = result
         return out
 
     # --- job operations ---------------------------------------------------------------------
 
     def worker_env(self, job: JobSpec, node: str) -> dict[str, str]:
+        if job.hosts_master_port is not None:  # launched by its hosts: theirs, not ours
+            world = job_env(len(job.placement), job.nproc_per_node, job.attempt)
+            return {**job.env, **world, **self.rendezvous_env(job)}
         run = self.run_dir
         info = self.state.nodes.get(node)
         root = (info.checkpoint_root if info else None) or HOST_MONITOR_CHECKPOINT_ROOT
         return {
             **job.env,
-            "WORKLOAD_ATTEMPT": str(job.attempt),
+            worker_env.WORKLOAD_ATTEMPT: str(job.attempt),
             "NUM_DP_REPLICAS": str(job.num_dp_replicas),
             "NUM_NODES_PER_DP": str(job.num_nodes_per_dp),
             "WORLD_SIZE": str(job.world_size),
             "RUN_DIR": str(run / "job"),
             "LOCAL_CKPT_DIR": str(run / "nodes" / node / "checkpoints"),
             "DURABLE_CKPT_DIR": str(run / "durable"),
-            "CHECKPOINT_DURABLE_DIR": str(run / "durable"),
+            worker_env.CHECKPOINT_DURABLE_DIR: str(run / "durable"),
             # The RAM tier: under the host monitor's checkpoint_root, so that it can copy
             # the saves to the partner node and restore the partner's copy here.
-            "CHECKPOINT_RAM_DIR": str(Path(root) / node),
+            worker_env.CHECKPOINT_RAM_DIR: str(Path(root) / node),
             "OUTPUT_DIR": str(run / "output"),
             # torch.distributed's environment, as torchrun sets it (RANK and LOCAL_RANK
             # come from the host monitor, GROUP_RANK with the start): rank 0's node hosts
@@ -259,14 +200,11 @@ class LocalCluster:
         if job.master_port is None or not job.placement:
             return {}
         info = self.state.nodes.get(job.placement[0])
-        host = urllib.parse.urlsplit(info.address).hostname if info else None
-        return {
-            "MASTER_ADDR": host or "127.0.0.1",
-            "MASTER_PORT": str(job.master_port),
-            "LOCAL_WORLD_SIZE": str(job.nproc_per_node),
-            # Restarts of the job so far (the boot is attempt 1).
-            "TORCHELASTIC_RESTART_COUNT": str(max(0, job.attempt - 1)),
-        }
+        given = job.hosts_master_addr
+        if job.hosts_master_node not in (None, job.placement[0]):
+            given = None  # rank 0's host was swapped for a spare: the spare's address
+        host = given or (info and urllib.parse.urlsplit(info.address).hostname)
+        return rendezvous_env(host or "127.0.0.1", job.master_port, job.nproc_per_node, job.attempt)
 
     async def restart_job(self, key: str) -> dict[str, Any]:
         """Stop every worker of the job, then start them all as a new attempt.
@@ -283,42 +221,44 @@ class LocalCluster:
             job.pending_release = []
             job.attempt += 1
             job.started_by = key
-            job.master_port = free_port()  # local mode: every node runs on this machine
+            job.master_port = job.next_master_port()
             self.state.save()
+        self._new_world(job)
         bodies = {
             node: self._start_body(key, job, rank, node) for rank, node in enumerate(job.placement)
         }
-        results = await asyncio.gather(
-            *(self.call(node, "/v1/workers/start", body) for node, body in bodies.items()),
-            return_exceptions=True,
-        )
-        failed = {
-            node: str(r)
-            for node, r in zip(bodies, results, strict=True)
-            if isinstance(r, Exception)
-        }
+        results = await self._each("/v1/workers/start", bodies)
+        failed = {node: str(r) for node, r in results.items() if isinstance(r, Exception)}
         if failed:
             raise ClusterError(f"could not start workers on {failed}")
         await self.prepare_spares(job)
         return {"attempt": job.attempt, "placement": list(job.placement), "stopped": stopped}
 
-    def _start_body(self, key: str, job: JobSpec, group_rank: int, node: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "request_id": f"{key}-{node}",
-            "job": job.name,
-            "command": job.command,
-            "env": {**self.worker_env(job, node), "GROUP_RANK": str(group_rank)},
-            "workers": [
-                {"rank": rank, "local_rank": local}
+    def _start_body(
+        self, key: str, job: JobSpec, group_rank: int, node: str
+    ) -> StartWorkersRequest:
+        optional: dict[str, Any] = {
+            "checkpoint_peer": self._partner(job, group_rank),
+            "standby_preload": job.standby_preload or None,
+        }
+        return StartWorkersRequest(
+            request_id=f"{key}-{node}",
+            job=job.name,
+            command=job.command,
+            env={**self.worker_env(job, node), "GROUP_RANK": str(group_rank)},
+            workers=[
+                WorkerSpec(rank=rank, local_rank=local)
                 for local, rank in enumerate(job.ranks_of(group_rank))
             ],
-        }
+            # Left out when none: what a host monitor that predates them takes.
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+
+    def _partner(self, job: JobSpec, group_rank: int) -> CheckpointPeer | None:
+        """The peer tier's partner of the node of `group_rank` in the current placement."""
         partner = checkpoint_partner(job, group_rank)
-        if partner is not None and partner in self.state.nodes:
-            body["checkpoint_peer"] = {"node": partner, "url": self.state.nodes[partner].address}
-        if job.standby_preload:
-            body["standby_preload"] = job.standby_preload
-        return body
+        info = self.state.nodes.get(partner) if partner is not None else None
+        return None if info is None else CheckpointPeer(node=str(partner), url=info.address)
 
     async def prepare_spares(self, job: JobSpec) -> None:
         """Warm standbys of the job on the spares, which a hot-swap may give a rank (best
@@ -326,12 +266,12 @@ class LocalCluster:
         if not job.standby_preload:
             return
         bodies = {
-            spare: {
-                "job": job.name,
-                "command": job.command,
-                "env": self.worker_env(job, spare),
-                "preload": job.standby_preload,
-            }
+            spare: StandbyRequest(
+                job=job.name,
+                command=job.command,
+                env=self.worker_env(job, spare),
+                preload=job.standby_preload,
+            )
             for spare in self.state.spares()
         }
         for spare, result in (await self._each("/v1/standby", bodies, timeout=5.0)).items():
@@ -359,23 +299,38 @@ class LocalCluster:
             job.pending_release = []
             job.attempt += 1
             job.started_by = key
-            job.master_port = free_port()
+            job.master_port = job.next_master_port()
             self.state.save()
+            if self.silent:
+                # Cut off, its ranks may train on with the survivors, whose collectives then
+                # never fail to make them look for the new world: a full restart ends it.
+                raise InProcessFailed(
+                    f"{sorted(self.silent)} did not answer the stop (cut off?): its ranks "
+                    "may still train with the survivors in the old world"
+                )
         attempt = str(job.attempt)
         survivors = [n for n in dict.fromkeys(job.placement) if n not in fresh_nodes]
         world = {
-            "WORKLOAD_ATTEMPT": attempt,
+            worker_env.WORKLOAD_ATTEMPT: attempt,
             "WORLD_SIZE": str(job.world_size),
             **self.rendezvous_env(job),
         }
         rejoin = {
-            node: {"request_id": f"{key}-{node}", "job": job.name, "attempt": attempt, "env": world}
+            node: RejoinRequest(
+                request_id=f"{key}-{node}",
+                job=job.name,
+                attempt=attempt,
+                env=world,
+                # The placement changed: each survivor's partner follows it (null: none).
+                checkpoint_peer=self._partner(job, job.placement.index(node)),
+            )
             for node in survivors
         }
         told = await self._each("/v1/workers/rejoin", rejoin)
         refused = {n: str(r) for n, r in told.items() if isinstance(r, Exception)}
         if refused:
             raise InProcessFailed(f"survivors could not rejoin: {refused}")
+        self._new_world(job)  # every survivor knows the new world: the old one is fenced
         starts = {
             node: self._start_body(key, job, group, node)
             for group, node in enumerate(job.placement)
@@ -429,14 +384,18 @@ class LocalCluster:
         self, nodes: Sequence[str], *, grace_s: float, release: Sequence[str] = ()
     ) -> dict[str, Any]:
         """Stop the workers on `nodes`; unreachable nodes are reported, not waited for."""
-        bodies = {n: {"grace_s": grace_s, "release": n in release} for n in nodes}
+        bodies = {n: StopWorkersRequest(grace_s=grace_s, release=n in release) for n in nodes}
         results = await self._each("/v1/workers/stop", bodies, timeout=grace_s + 10)
-        return {
+        outcomes = {
             node: f"unreachable: {type(r).__name__}"
             if isinstance(r, Exception)
             else r.get("exit_codes")
             for node, r in results.items()
         }
+        self.last_stops.update(outcomes)
+        # No answer at all (not even a refused connection): cut off, not down.
+        self.silent = {n for n, r in results.items() if isinstance(r, httpx.TimeoutException)}
+        return outcomes
 
     async def emergency_checkpoint(
         self, key: str, job_name: str | None, exclude: Sequence[str], timeout_s: float
@@ -445,7 +404,12 @@ class LocalCluster:
         nodes = [n for n in dict.fromkeys(job.placement) if n not in set(exclude)]
         hosts = {n: info.address if (info := self.state.nodes.get(n)) else None for n in nodes}
         checkpoint = await emergency_checkpoint(
-            self._http, hosts, request_id=key, timeout_s=timeout_s, http_timeout_s=timeout_s + 5
+            self._http,
+            hosts,
+            request_id=key,
+            timeout_s=timeout_s,
+            http_timeout_s=timeout_s + 5,
+            reraise=(Fenced,),
         )
         if not checkpoint.saved and not checkpoint.problems:
             raise NothingToSave(
@@ -463,5 +427,12 @@ class LocalCluster:
         common = set.intersection(*steps_by_shard.values()) if len(steps_by_shard) == n else set()
         saved = max((s for s in common if s is not None), default=None)
         # `missing_nodes` stays for readers of the result; it is empty, as a node that does
-        # not answer fails the checkpoint.
-        return {"step": saved, "acked_ranks": sorted(checkpoint.saved), "missing_nodes": []}
+        # not answer fails the checkpoint. `steps`: every step saved, as the Kubernetes
+        # backend reports them (ranks a fault split may hold two: a sharded job's layout
+        # is the job's, so `step` may name one not every shard reached).
+        return {
+            "step": saved,
+            "steps": checkpoint.steps,
+            "acked_ranks": sorted(checkpoint.saved),
+            "missing_nodes": [],
+        }

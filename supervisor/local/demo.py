@@ -25,7 +25,8 @@ from typing import IO, Any
 
 import httpx
 
-from supervisor.local.cluster import ClusterState, JobSpec, LocalCluster, NodeInfo, free_port
+from supervisor.local.cluster import LocalCluster
+from supervisor.local.cluster_state import ClusterState, JobSpec, NodeInfo, free_port
 
 RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -71,8 +72,19 @@ class DemoOptions:
     #: Your own job instead of the workload (`supervisor run`): the command every worker
     #: runs, with `workload_env` and torchrun's environment.
     command: list[str] | None = None
+    #: The command heals in-process (`supervisor run --in-process`): it runs its worlds
+    #: through training.healing. Off by default: a script that does not would only be
+    #: waited for, up to in_process_restart_timeout_s, before every rank restarts.
+    command_in_process: bool = False
     #: Workers per node (torchrun's --nproc-per-node).
     nproc_per_node: int = 1
+    #: Where each process runs, by name (`supervisor`, or a node's): the command prefix
+    #: that runs it there (e.g. `ip netns exec NS`, a host with a network of its own) and
+    #: the address it binds and is reached at. Left out: this machine, on 127.0.0.1.
+    hosts: dict[str, tuple[list[str], str]] = field(default_factory=dict)
+
+    def host(self, name: str) -> tuple[list[str], str]:
+        return self.hosts.get(name, ([], "127.0.0.1"))
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -104,6 +116,7 @@ class DemoOptions:
                 num_nodes_per_dp=self.nodes_per_dp,
                 placement=placement,
                 nproc_per_node=self.nproc_per_node,
+                in_process_restart=self.command_in_process,
             )
         return JobSpec(
             name=self.job,
@@ -157,7 +170,7 @@ class LocalDemo:
         self.operator_token = secrets.token_urlsafe(24)
         self.actuator_token = secrets.token_urlsafe(24)
         self.peer_token = secrets.token_urlsafe(24)  # shared by the nodes' host monitors
-        self.url = f"http://127.0.0.1:{options.port}"
+        self.url = f"http://{options.host('supervisor')[1]}:{options.port}"
         self.node_ports: dict[str, int] = {}
         self.monitors: dict[str, subprocess.Popen[bytes]] = {}
         self.supervisor: subprocess.Popen[bytes] | None = None
@@ -176,7 +189,7 @@ class LocalDemo:
     ) -> subprocess.Popen[bytes]:
         log = self._log(log_name)
         return subprocess.Popen(
-            args,
+            [*self.options.host(log_name.removeprefix("host-monitor-"))[0], *args],
             env={**os.environ, RUN_MARKER: str(self.run_dir), **env},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -203,6 +216,7 @@ class LocalDemo:
             "HOST_MONITOR_SUPERVISOR_URL": self.url,
             "HOST_MONITOR_AGENT_TOKEN": self.agent_token,
             "HOST_MONITOR_ACTUATOR_TOKEN": self.actuator_token,
+            "HOST_MONITOR_HOST": o.host(node)[1],
             "HOST_MONITOR_HOST_DAEMON_PORT": str(port),
             "HOST_MONITOR_HEARTBEAT_POLLING_PERIOD_S": str(o.heartbeat_polling_period_s),
             "HOST_MONITOR_WORKER_HEARTBEAT_TIMEOUT_S": str(max(2.0, o.heartbeat_timeout_s)),
@@ -241,7 +255,12 @@ class LocalDemo:
             "SUPERVISOR_POLICY": o.policy,
             **o.supervisor_env,
         }
-        args = [sys.executable, "-m", "supervisor.cli", "serve", "--port", str(o.port)]
+        prefix, address = o.host("supervisor")
+        args = [
+            *prefix,
+            *[sys.executable, "-m", "supervisor.cli", "serve"],
+            *["--host", address, "--port", str(o.port)],
+        ]
         # A stray SUPERVISOR_* setting in the caller's shell must not change the demo.
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
         log = self._log("supervisor")
@@ -280,7 +299,7 @@ class LocalDemo:
         )
 
     def _node_url(self, node: str) -> str:
-        return f"http://127.0.0.1:{self.node_ports[node]}"
+        return f"http://{self.options.host(node)[1]}:{self.node_ports[node]}"
 
     # --- lifecycle ----------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from supervisor.local.cluster import ClusterState, JobSpec
+from supervisor.local.cluster_state import ClusterState, JobSpec
 from supervisor.local.demo import LocalDemo
 from supervisor.local.tee import RankTee
 
@@ -41,6 +41,11 @@ FINISHED = ("succeeded", "failed")
 class Outcome:
     code: int
     why: str
+
+
+#: How a restart or a swap went, said in its line: in-process (the other ranks kept their
+#: processes) or with every rank started again.
+HEALED = {"in_process": " in-process", "full_restart": " by restarting every rank"}
 
 
 class JobRun:
@@ -207,7 +212,10 @@ class JobRun:
             self._told.add(action["id"])
             where = f" {action['node']}" if action["node"] else ""
             why = action["reason"] if action["status"] == "succeeded" else action["error"]
-            self.out.write(f"[supervisor]: {action['type']}{where} {action['status']}: {why}\n")
+            how = HEALED.get(str((action.get("result") or {}).get("path")), "")
+            self.out.write(
+                f"[supervisor]: {action['type']}{where} {action['status']}{how}: {why}\n"
+            )
         return in_flight
 
     def _api(self, path: str, **params: Any) -> Any:

@@ -2,7 +2,8 @@
 webhook, Slack, Alertmanager), by routes in the settings.
 
 - ``settings``: the routes as configured (sinks, matchers, where secrets come from);
-- ``notice``: what is said about one event or action, and a delivery's record;
+- what is said about one event or action, and a delivery's record, is
+  ``supervisor.notices`` (the store keeps deliveries, and imports nothing of this package);
 - ``routing``: which routes a notice goes to;
 - ``sinks``: the body each kind of receiver expects;
 - ``delivery``: the background worker that records and sends deliveries, with retries.

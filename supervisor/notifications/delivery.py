@@ -1,6 +1,6 @@
 """Sends notices to their routes from background tasks, never in the way of the supervisor.
 
-The runtime publishes each event and action change to the hub (supervisor.notify); the
+The runtime publishes each event and action change to the hub (supervisor.live_hub); the
 notifier reads them from a subscription of its own, whose backlog is bounded: when the
 database cannot keep up, the oldest unrouted items are dropped and counted
 (`supervisor_notifications_dropped`) rather than the heartbeat path slowed.
@@ -30,8 +30,9 @@ import httpx
 from resiliency_protocol.backoff import Backoff, attempt_delay
 from supervisor.config_parts import NotificationSettings
 from supervisor.domain import ActionRecord, Event
+from supervisor.live_hub import Hub, Message, Subscription
 from supervisor.metrics import Metrics
-from supervisor.notifications.notice import (
+from supervisor.notices import (
     Delivery,
     DeliveryStatus,
     NewDelivery,
@@ -42,7 +43,6 @@ from supervisor.notifications.notice import (
 from supervisor.notifications.routing import routes_for
 from supervisor.notifications.settings import Route
 from supervisor.notifications.sinks import Request, request_for
-from supervisor.notify import Hub, Message, Subscription
 from supervisor.store import Store
 
 log = logging.getLogger(__name__)

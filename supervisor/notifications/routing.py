@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from supervisor.domain import EventType
-from supervisor.notifications.notice import CLEARS, Notice
+from supervisor.notices import CLEARS, Notice
 from supervisor.notifications.settings import ANY, Route
 
 

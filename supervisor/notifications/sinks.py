@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from supervisor.domain import EventType
-from supervisor.notifications.notice import CLEARS, Notice, event_severity
+from supervisor.notices import CLEARS, Notice, event_severity
 from supervisor.notifications.routing import selects
 from supervisor.notifications.settings import Route
 

@@ -89,8 +89,10 @@ class Client:
     def get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
         return self._request("GET", path, params=params)
 
-    def post(self, path: str, body: Mapping[str, Any]) -> Any:
-        return self._request("POST", path, body=body)
+    def post(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> Any:
+        return self._request("POST", path, body=body, headers=headers)
 
     def delete(self, path: str) -> Any:
         return self._request("DELETE", path)
@@ -135,10 +137,11 @@ class Client:
         *,
         params: Mapping[str, Any] | None = None,
         body: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         query = {k: v for k, v in (params or {}).items() if v is not None}
         with self._reaching():
-            response = self._http.request(method, path, params=query, json=body)
+            response = self._http.request(method, path, params=query, json=body, headers=headers)
         raise_for_status(response)
         try:
             return response.json()

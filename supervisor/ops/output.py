@@ -1,33 +1,61 @@
-"""How the operator commands print: aligned tables, descriptions, JSON and YAML."""
+"""How the operator commands print, with kubectl's `-o`: aligned tables (`wide` adds
+columns), `name` (kind/name lines), JSON, YAML and `jsonpath=TEMPLATE`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-Format = Literal["table", "json", "yaml"]
+from supervisor.ops import jsonpath
+
+#: `table`, `json`, `yaml` (every command); `wide`, `name` and `jsonpath=TEMPLATE` where
+#: the command lists or shows objects (`output_format`).
+Format = str
 FORMATS: tuple[Format, ...] = ("table", "json", "yaml")
+KUBECTL_FORMATS: tuple[Format, ...] = ("table", "wide", "name", "json", "yaml")
+JSONPATH = "jsonpath="
 Row = Mapping[str, Any]
 
 #: Spaces between table columns (as kubectl).
 GAP = "   "
 
 
+def output_format(value: str) -> Format:
+    """`-o` of the commands with kubectl's formats: a template is checked here, so a bad
+    one is a usage error before anything is asked of the server."""
+    if value.startswith(JSONPATH):
+        try:
+            jsonpath.parse(value[len(JSONPATH) :])
+        except jsonpath.JsonPathError as exc:
+            raise argparse.ArgumentTypeError(f"jsonpath: {exc}") from None
+        return value
+    if value not in KUBECTL_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: one of {', '.join(KUBECTL_FORMATS)}, jsonpath=TEMPLATE"
+        )
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Column:
     header: str
     value: Callable[[Row], str]
+    #: Shown with `-o wide` only.
+    wide: bool = False
 
 
-def field(header: str, key: str, render: Callable[[Any], str] | None = None) -> Column:
+def field(
+    header: str, key: str, render: Callable[[Any], str] | None = None, *, wide: bool = False
+) -> Column:
     """A column showing one field of each row."""
     shown = render or text
-    return Column(header, lambda row: shown(row.get(key)))
+    return Column(header, lambda row: shown(row.get(key)), wide)
 
 
 def text(value: Any) -> str:
@@ -62,6 +90,20 @@ def when(value: Any) -> str:
     return parsed.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def age(value: Any, now: datetime | None = None) -> str:
+    """How long ago an API time (ISO 8601) was, as kubectl's AGE column: 12s, 3m12s."""
+    if not isinstance(value, str):
+        return text(value)
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return value
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    seconds = ((now or datetime.now(UTC)) - parsed).total_seconds()
+    return duration(max(0.0, seconds))
+
+
 def duration(seconds: Any) -> str:
     """Seconds as kubectl writes ages: 4.2s, 3m12s, 5h2m, 2d3h."""
     if not isinstance(seconds, int | float) or isinstance(seconds, bool):
@@ -84,9 +126,14 @@ def percent(fraction: Any) -> str:
     return f"{fraction * 100:.1f}%"
 
 
-def table(rows: Sequence[Row], columns: Sequence[Column]) -> str:
-    cells = [[c.header for c in columns]]
+def table(
+    rows: Sequence[Row], columns: Sequence[Column], *, wide: bool = False, headers: bool = True
+) -> str:
+    columns = [c for c in columns if wide or not c.wide]
+    cells = [[c.header for c in columns]] if headers else []
     cells += [[c.value(row) for c in columns] for row in rows]
+    if not cells:
+        return ""
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
         GAP.join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
@@ -126,8 +173,23 @@ def indented(block: str, by: int) -> str:
     return "\n".join(" " * by + line if line else line for line in block.split("\n"))
 
 
+def names(data: Any, kind: str) -> str:
+    """`-o name`: one `kind/name` line per object (its id where it has no name)."""
+    items = data if isinstance(data, list) else [data]
+    return "\n".join(f"{kind}/{item.get('name', item.get('id'))}" for item in items)
+
+
 def dump(data: Any, fmt: Format) -> str:
-    """JSON or YAML of what the API answered, for scripts."""
+    """JSON, YAML or a jsonpath template of what the API answered, for scripts. A
+    template sees a list as kubectl's do: `{.items[*].name}`."""
+    if fmt.startswith(JSONPATH):
+        scope = {"items": data} if isinstance(data, list) else data
+        return jsonpath.render(fmt[len(JSONPATH) :], scope)
     if fmt == "yaml":
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n")
     return json.dumps(data, indent=2, ensure_ascii=False)
+
+
+def json_line(record: Any) -> str:
+    """One object on one line (a stream of them is what jq reads)."""
+    return json.dumps(record, ensure_ascii=False)

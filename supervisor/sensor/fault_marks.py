@@ -1,6 +1,6 @@
 """The sensor's side of fault injection: which nodes' failures an injected fault explains.
 
-Faults are injected by `supervisor.faults.FaultInjector`; the sensor only has to know two
+Faults are injected by `supervisor.fault_injection.FaultInjector`; the sensor only has to know two
 things about them, kept here by node name:
 
 - **Muted nodes.** A `heartbeat_loss` fault mutes a node: the sensor drops its heartbeats,

@@ -15,12 +15,24 @@ some worker finished or exited with success).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Protocol
 
 from resiliency_protocol.heartbeat import WorkerReport
 from resiliency_protocol.states import WorkerState
+from supervisor.domain import JobPhase
 
-SensedPhase = Literal["running", "finishing", "finished"]
+SensedPhase = JobPhase
+
+
+class EndedOrNot(Protocol):
+    """What `phase` reads of a worker: its report, or its view."""
+
+    @property
+    def state(self) -> WorkerState: ...
+
+    @property
+    def exit_code(self) -> int | None: ...
+
 
 #: Worker states that are still at work (or may be: lost from view).
 _ALIVE = frozenset(
@@ -35,7 +47,7 @@ def ends_the_loop(worker: WorkerReport) -> bool:
     return worker.state is WorkerState.FINISHING
 
 
-def phase(finishing_since: float | None, workers: Iterable[WorkerReport]) -> SensedPhase:
+def phase(finishing_since: float | None, workers: Iterable[EndedOrNot]) -> SensedPhase:
     """The job's phase from when it began to finish (None: it did not say so) and the
     workers its alive nodes report."""
     workers = list(workers)

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from supervisor.simulate.faults import TraceError
+from supervisor.simulate.fault_sources import TraceError
 from supervisor.simulate.scenario import ScenarioError, load_scenario
 
 # The runner and what it runs (the whole supervisor) are imported by `run`: the other
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from supervisor.config import load_settings
-    from supervisor.simulate.faults import faults_from_events, write_trace
+    from supervisor.simulate.fault_sources import faults_from_events, write_trace
     from supervisor.store import EventFilter, open_store
 
     settings = load_settings(args.config)

@@ -1,5 +1,5 @@
 """The simulated cluster: nodes, spares, repairs, and one training job with its
-checkpoint tiers; and the backend through which the supervisor acts on it.
+checkpoint tiers. The backend through which the supervisor acts on it is backend.py.
 
 What the model assumes (ray's autoscaler states its provider's assumptions; so do we):
 - The job runs `num_dp_replicas` replicas of `num_nodes_per_dp` nodes; each node one
@@ -23,25 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.action_params import (
-    EmergencyCheckpointParams,
-    HotSwapParams,
-    ScaleDownParams,
-    ScaleUpParams,
-)
-from supervisor.actuator import ActionError, Backend, BackendHooks
-from supervisor.actuator.backend import ClusterNode, checked_params, params_for
+from resiliency_protocol.faults import SimulatedFault
+from supervisor.actuator import ActionError, BackendHooks
 from supervisor.domain import (
-    ActionRecord,
     ActionRequest,
     ActionType,
-    JobView,
-    NodeState,
-    WorkerState,
 )
 from supervisor.goodput.model import (
     EMERGENCY_TIER,
@@ -51,25 +41,15 @@ from supervisor.goodput.model import (
     ReplicaChange,
     StepReported,
 )
-from supervisor.sensor import GpuReport, HostHeartbeat, WorkerReport
-from supervisor.simulate.faults import Fault
+from supervisor.sensor import GpuReport, HostHeartbeat
+from supervisor.simulate.fault_sources import Fault
+from supervisor.simulate.hosts import SimNode, heartbeat
 from supervisor.simulate.scenario import Scenario, Survives, TierModel
 from supervisor.simulate.sensor import SimulatedSensor
 
 log = logging.getLogger(__name__)
 
 RUNNING, STALLED, STARTING, PENDING = "running", "stalled", "starting", "pending"
-
-
-@dataclass
-class SimNode:
-    name: str
-    slot: int | None = None  # its place in the job; None: not in the job
-    up: bool = True  # heartbeating
-    in_repair: bool = False
-    cordoned: bool = False
-    memory_lost: bool = False  # went down since the job's last restart
-    exited: bool = False  # a worker of it exited (crashed) and was not restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +125,7 @@ class SimulatedCluster:
         for fault in self.faults:
             self._timers.append(self._loop.call_at(fault.time, self._fault_now, fault))
         self.records.append(ReplicaChange(0.0, self.replicas, self.max_replicas))
-        self._begin_attempt(startup_s=self.job.startup_s)
+        self.begin_attempt(startup_s=self.job.startup_s)
 
     def close(self, now: float) -> None:
         self._tick(now)
@@ -177,13 +157,13 @@ class SimulatedCluster:
 
     # --- the job ----------------------------------------------------------------------------
 
-    def _now(self) -> float:
+    def now(self) -> float:
         assert self._loop is not None
         return self._loop.time()
 
-    def _begin_attempt(self, *, startup_s: float) -> None:
+    def begin_attempt(self, *, startup_s: float) -> None:
         """Start the job's workers now; training resumes once started and restored."""
-        now = self._now()
+        now = self.now()
         self._tick(now)
         if not self._fill_slots():
             self.state = PENDING
@@ -214,7 +194,7 @@ class SimulatedCluster:
 
     def _resume_training(self, step: int) -> None:
         self._resume = None
-        now = self._now()
+        now = self.now()
         self._tick(now)
         self.state = RUNNING
         self._base_step = step
@@ -238,7 +218,7 @@ class SimulatedCluster:
                 await asyncio.sleep(self.end * 2)
                 continue
             await asyncio.sleep(max(0.0, due - self._compute_s - self._elapsed()))
-            self._account_compute(self._now())
+            self._account_compute(self.now())
             self._segment_start = None  # blocked while saving
             step = self.step
             for name in sorted(self._next_save, key=lambda n: tiers[n].save_s):
@@ -247,19 +227,47 @@ class SimulatedCluster:
                 tier = tiers[name]
                 self._next_save[name] += tier.every_s
                 await self._save(tier, step)
-            self._segment_start = self._now()
+            self._segment_start = self.now()
 
     def _elapsed(self) -> float:
-        return self._now() - self._segment_start if self._segment_start is not None else 0.0
+        return self.now() - self._segment_start if self._segment_start is not None else 0.0
 
     async def _save(self, tier: TierModel, step: int) -> None:
         if tier.save_s:
             await asyncio.sleep(tier.save_s)
-        now = self._now()
+        now = self.now()
         self.records.append(StepReported(step, now - tier.save_s))
         self.records.append(CheckpointSaved(step, now, tier.save_s, tier.name))
         self.checkpoints.append(Checkpoint(step, now, tier.name, tier.survives, tier.restore_s))
         self._prune_checkpoints()
+
+    async def emergency_save(self) -> int:
+        """Save an emergency checkpoint now (training blocks for `emergency_checkpoint_s`);
+        its step. ActionError when there is nothing to save."""
+        if self.state == PENDING or (self.state == STARTING and self._resume is not None):
+            raise ActionError(f"the job is not running ({self.state}): nothing to save")
+        was_running = self.state == RUNNING
+        if was_running:
+            self._account_compute(self.now())
+            self._segment_start = None
+            if self._train is not None:
+                self._train.cancel()
+                self._train = None
+        step = self.step if was_running else self._stalled_step
+        cost, survives = self.job.emergency_checkpoint_s, self.job.emergency_checkpoint_survives
+        if cost:
+            await asyncio.sleep(cost)
+        now = self.now()
+        self.records.append(CheckpointSaved(step, now, cost, EMERGENCY_TIER))
+        # Kept in host memory (and on peers or storage, as `survives` says): it restores
+        # as fast as the fastest tier.
+        restore_s = min((t.restore_s for t in self.job.tiers), default=0.0)
+        self.checkpoints.append(Checkpoint(step, now, EMERGENCY_TIER, survives, restore_s))
+        self._prune_checkpoints()
+        if was_running and self.state == RUNNING:
+            self._segment_start = now
+            self._train = asyncio.get_running_loop().create_task(self._training())
+        return step
 
     def _prune_checkpoints(self) -> None:
         """Keep the newest checkpoint of each tier (older ones are never loaded)."""
@@ -277,9 +285,9 @@ class SimulatedCluster:
     def _any_lost(self) -> bool:
         return self._lost_since_restart > 0
 
-    def _stall(self, why: str) -> None:
+    def stall(self, why: str) -> None:
         """Training stops now (a fault on a node of the job)."""
-        now = self._now()
+        now = self.now()
         if self.state == RUNNING:
             self._account_compute(now)
             self._segment_start = None
@@ -307,7 +315,7 @@ class SimulatedCluster:
             if n is not None
         ]
 
-    def _free(self) -> list[SimNode]:
+    def free(self) -> list[SimNode]:
         """Nodes a job may take: up, not in the job, not cordoned, not in repair."""
         return [
             n
@@ -320,7 +328,7 @@ class SimulatedCluster:
         would); False when some stay empty."""
         k = self.model.num_nodes_per_dp
         wanted = range(self.replicas * k)
-        free = self._free()
+        free = self.free()
         for slot in wanted:
             if self.slots[slot] is None:
                 if not free:
@@ -331,38 +339,38 @@ class SimulatedCluster:
                 self.counters.spares_used += 1
         return True
 
-    def _vacate(self, node: SimNode) -> None:
+    def vacate(self, node: SimNode) -> None:
         if node.slot is not None:
             self.slots[node.slot] = None
             node.slot = None
 
-    def _to_repair(self, node: SimNode) -> None:
+    def to_repair(self, node: SimNode) -> None:
         """Out of service until repaired, then back (uncordoned) as a spare."""
         if node.in_repair:
             return
         node.in_repair = True
         self.counters.repairs += 1
         self._timers.append(
-            self._loop_call_at(self._now() + self.model.repair_s, self._repaired, node)
+            self._loop_call_at(self.now() + self.model.repair_s, self._repaired, node)
         )
 
     def _repaired(self, node: SimNode) -> None:
         asyncio.get_running_loop().create_task(self._back(node), name=f"repaired:{node.name}")
 
     async def _back(self, node: SimNode) -> None:
-        self._tick(self._now())
+        self._tick(self.now())
         node.in_repair = False
         node.up = True
         node.exited = False
         if node.slot is not None and self.state not in (RUNNING, STARTING):
-            self._vacate(node)  # its workers are gone: the job's next start places them
-        await self._report(node)
+            self.vacate(node)  # its workers are gone: the job's next start places them
+        await self.report(node)
         if node.cordoned and self._hooks is not None:
             request = ActionRequest(ActionType.UNCORDON, node=node.name, reason="repaired")
-            await self._hooks.request_action(request, f"sim-repaired-{node.name}-{self._now()}")
+            await self._hooks.request_action(request, f"sim-repaired-{node.name}-{self.now()}")
         self.counters.spares_returned += 1
         if self.state == PENDING:
-            self._begin_attempt(startup_s=self.job.startup_s)
+            self.begin_attempt(startup_s=self.job.startup_s)
 
     # --- faults ---------------------------------------------------------------------------
 
@@ -375,7 +383,7 @@ class SimulatedCluster:
             self.counters.faults_skipped += 1  # already down: nothing more to break
             return
         self.counters.faults_applied += 1
-        now = self._now()
+        now = self.now()
         self._tick(now)
         in_job = node.slot is not None and self.state in (RUNNING, STARTING, STALLED)
         assert self._sensor is not None
@@ -385,38 +393,38 @@ class SimulatedCluster:
             if node.slot is not None:
                 self._lost_since_restart += 1
             self._sensor.silence(node.name, now)
-            self._to_repair(node)
+            self.to_repair(node)
             if in_job:
-                self._stall(f"{node.name} down")
-        elif fault.kind == "network":
+                self.stall(f"{node.name} down")
+        elif fault.kind == SimulatedFault.NETWORK:
             node.up = False
             self._sensor.silence(node.name, now)
             if in_job:
-                self._stall(f"{node.name} unreachable")
+                self.stall(f"{node.name} unreachable")
             duration = float(fault.details.get("duration_s", 60.0))
             self._timers.append(self._loop_call_at(now + duration, self._reachable, node))
-        elif fault.kind in ("gpu_xid", "gpu_ecc"):
+        elif fault.kind in (SimulatedFault.GPU_XID, SimulatedFault.GPU_ECC):
             gpu = int(fault.details.get("gpu", 0)) % self.model.gpus_per_node
-            if fault.kind == "gpu_xid":
+            if fault.kind == SimulatedFault.GPU_XID:
                 report = GpuReport(kind="xid", gpu=gpu, code=int(fault.details.get("code", 79)))
             else:
                 report = GpuReport(kind="ecc", gpu=gpu, count=int(fault.details.get("count", 1)))
             if in_job:  # its workers die with it; the GPU report tells first
-                self._stall(f"{fault.kind} on {node.name}")
-            await self._report(node, gpu_reports=[report])
+                self.stall(f"{fault.kind} on {node.name}")
+            await self.report(node, gpu_reports=[report])
         elif fault.kind == "worker_crash":
             if in_job:
-                self._stall(f"worker crash on {node.name}")
+                self.stall(f"worker crash on {node.name}")
                 node.exited = True
-                await self._report(node, exit_code=int(fault.details.get("exit_code", 1)))
+                await self.report(node, exit_code=int(fault.details.get("exit_code", 1)))
         elif fault.kind == "worker_hang" and in_job:
-            self._stall(f"worker hang on {node.name}")
+            self.stall(f"worker hang on {node.name}")
 
     def _reachable(self, node: SimNode) -> None:
         if node.in_repair or node.up:
             return
         node.up = True
-        asyncio.get_running_loop().create_task(self._report(node), name=f"back:{node.name}")
+        asyncio.get_running_loop().create_task(self.report(node), name=f"back:{node.name}")
 
     # --- what the host monitors would report -------------------------------------------------
 
@@ -426,9 +434,9 @@ class SimulatedCluster:
     async def _report_all(self) -> None:
         for node in self.nodes.values():
             if node.up:
-                await self._report(node)
+                await self.report(node)
 
-    async def _report(
+    async def report(
         self,
         node: SimNode,
         *,
@@ -440,6 +448,13 @@ class SimulatedCluster:
         if key == self._reported.get(node.name) and not gpu_reports and node.up:
             return
         await self._ingest(self._heartbeat(node, gpu_reports=gpu_reports, exit_code=exit_code))
+
+    async def report_left(self) -> None:
+        """Nodes that left the job say so (their host monitors would)."""
+        for node in list(self.nodes.values()):
+            said = self._reported.get(node.name)
+            if node.slot is None and node.up and said is not None and said[0] == "job":
+                await self.report(node)
 
     def _key(self, node: SimNode, exit_code: int | None = None) -> tuple[Any, ...]:
         if node.slot is None:
@@ -456,34 +471,14 @@ class SimulatedCluster:
     ) -> HostHeartbeat:
         """What the node's host monitor says now (noted as said)."""
         self._reported[node.name] = self._key(node, exit_code)
-        if node.slot is None:
-            return HostHeartbeat(
-                node=node.name, state=NodeState.SPARE, gpu_reports=gpu_reports or []
-            )
-        workers = []
-        for local in range(self.model.gpus_per_node):
-            rank = node.slot * self.model.gpus_per_node + local
-            if node.exited and local == 0:
-                w = WorkerReport(
-                    rank=rank,
-                    local_rank=local,
-                    state=WorkerState.EXITED,
-                    exit_code=exit_code if exit_code is not None else 1,
-                    step=self._stalled_step,
-                )
-            elif self.state == PENDING:
-                w = WorkerReport(rank=rank, local_rank=local, state=WorkerState.STOPPED)
-            else:
-                w = WorkerReport(
-                    rank=rank, local_rank=local, state=WorkerState.RUNNING, step=self._stalled_step
-                )
-            workers.append(w)
-        return HostHeartbeat(
-            node=node.name,
-            state=NodeState.RUNNING,
+        return heartbeat(
+            node,
             job=self.job.name,
-            workers=workers,
+            gpus=self.model.gpus_per_node,
+            stopped=self.state == PENDING,
+            step=self._stalled_step,
             gpu_reports=gpu_reports or [],
+            exit_code=exit_code,
         )
 
     # --- accounting -------------------------------------------------------------------------
@@ -494,215 +489,8 @@ class SimulatedCluster:
         if span > 0:
             if self.replicas < self.max_replicas:
                 self.counters.reduced_s += span
-            if not self._free():
+            if not self.free():
                 self.counters.no_spare_s += span
             if self.state == PENDING:
                 self.counters.pending_s += span
         self._last_tick = now
-
-    # --- actions (the backend calls these) -------------------------------------------------------
-
-    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
-        kind = action.type
-        if kind is ActionType.EMERGENCY_CHECKPOINT:
-            return await self._emergency_checkpoint(action)
-        if kind is ActionType.CORDON:
-            return self._cordon(action, True)
-        if kind is ActionType.UNCORDON:
-            return self._cordon(action, False)
-        if kind is ActionType.FORCE_DELETE_POD:
-            return {"simulated": True}
-        if action.job not in (None, self.job.name):
-            raise ActionError(f"job: {action.job!r} is not the simulated job")
-        if kind is ActionType.RESTART_IN_PLACE:
-            down = [n.name for n in self.job_nodes() if not n.up]
-            if down:
-                raise ActionError(f"nodes {', '.join(down)} are down: cannot restart in place")
-            self._stall("restart in place")
-            self._begin_attempt(startup_s=self.job.in_place_restart_s)
-        elif kind is ActionType.RESTART_WORKLOAD:
-            self._stall("restart workload")
-            for node in self.job_nodes():
-                if not node.up:
-                    self._vacate(node)
-            self._begin_attempt(startup_s=self.job.startup_s)
-        elif kind is ActionType.HOT_SWAP:
-            await self._hot_swap(action)
-        elif kind in (ActionType.SCALE_DOWN, ActionType.SCALE_UP):
-            await self._scale(action)
-        else:  # pragma: no cover - every action type is handled above
-            raise ActionError(f"{kind.value} is not simulated")
-        return {"simulated": True, "state": self.state, "replicas": self.replicas}
-
-    def _cordon(self, action: ActionRecord, cordoned: bool) -> Mapping[str, Any]:
-        node = self.nodes.get(action.node or "")
-        if node is None:
-            raise ActionError(f"node: {action.node!r} is not a simulated node")
-        node.cordoned = cordoned
-        if cordoned and node.up and node.slot is None:
-            self._to_repair(node)
-        return {"simulated": True}
-
-    async def _emergency_checkpoint(self, action: ActionRecord) -> Mapping[str, Any]:
-        excluded = set(params_for(action, EmergencyCheckpointParams).exclude_nodes)
-        nodes = self.job_nodes()
-        missing = [n.name for n in nodes if not n.up or n.name in excluded]
-        if missing and self.job.emergency_checkpoint_survives == "process":
-            raise ActionError(
-                f"nodes {', '.join(missing)} cannot save and their state has no copy elsewhere"
-            )
-        if self.state == PENDING or (self.state == STARTING and self._resume is not None):
-            raise ActionError(f"the job is not running ({self.state}): nothing to save")
-        was_running = self.state == RUNNING
-        if was_running:
-            self._account_compute(self._now())
-            self._segment_start = None
-            if self._train is not None:
-                self._train.cancel()
-                self._train = None
-        step = self.step if was_running else self._stalled_step
-        cost = self.job.emergency_checkpoint_s
-        if cost:
-            await asyncio.sleep(cost)
-        now = self._now()
-        self.records.append(CheckpointSaved(step, now, cost, EMERGENCY_TIER))
-        self.checkpoints.append(
-            Checkpoint(
-                step,
-                now,
-                EMERGENCY_TIER,
-                self.job.emergency_checkpoint_survives,
-                self._restore_s(self.job.emergency_checkpoint_survives),
-            )
-        )
-        self._prune_checkpoints()
-        if was_running and self.state == RUNNING:
-            self._segment_start = now
-            self._train = asyncio.get_running_loop().create_task(self._training())
-        return {"simulated": True, "step": step}
-
-    def _restore_s(self, survives: Survives) -> float:
-        """An emergency checkpoint is kept in host memory (and on peers or storage, as
-        `survives` says): it restores as fast as the fastest tier."""
-        return min((t.restore_s for t in self.job.tiers), default=0.0)
-
-    async def _hot_swap(self, action: ActionRecord) -> None:
-        old = self.nodes.get(action.node or "")
-        wanted = params_for(action, HotSwapParams).spare
-        spare = self.nodes.get(wanted or "")
-        if old is None or old.slot is None:
-            raise ActionError(f"node: {action.node!r} does not run the job")
-        if spare is None or spare not in self._free():
-            raise ActionError(f"params.spare: {wanted!r} is not a free spare")
-        self._stall(f"hot swap of {old.name}")
-        slot = old.slot
-        self._vacate(old)
-        old.cordoned = True
-        self._to_repair(old)
-        spare.slot = slot
-        self.slots[slot] = spare.name
-        self.counters.spares_used += 1
-        if old.up:  # its host monitor says it left the job
-            await self._report(old)
-        self._begin_attempt(startup_s=self.job.startup_s)
-
-    async def _scale(self, action: ActionRecord) -> None:
-        params = checked_params(action)
-        if not isinstance(params, ScaleDownParams | ScaleUpParams):
-            raise ActionError(f"{action.type.value} is not a scale action")
-        to = params.to_replicas
-        if not 1 <= to <= self.max_replicas:
-            raise ActionError(
-                f"params.to_replicas: {to!r} is not between 1 and {self.max_replicas}"
-            )
-        k = self.model.num_nodes_per_dp
-        self._stall(f"scale to {to}")
-        if to < self.replicas:
-            exclude = params.exclude_node if isinstance(params, ScaleDownParams) else None
-            excluded = self.nodes.get(exclude or "")
-            for _ in range(self.replicas - to):
-                replica = self.replicas - 1
-                if excluded is not None and excluded.slot is not None:
-                    replica = excluded.slot // k
-                self._drop_replica(replica)
-                excluded = None
-        else:
-            need = (to - self.replicas) * k
-            if len(self._free()) < need:
-                raise ActionError(f"params.to_replicas: {to} needs {need} free nodes")
-        self.replicas = to
-        self.records.append(ReplicaChange(self._now(), to, self.max_replicas))
-        self._begin_attempt(startup_s=self.job.startup_s)
-        for node in list(self.nodes.values()):
-            if (
-                node.slot is None
-                and node.up
-                and (node.name in self._reported and self._reported[node.name][0] == "job")
-            ):
-                await self._report(node)
-
-    def _drop_replica(self, replica: int) -> None:
-        """Take replica `replica` out; the last running replica takes its place."""
-        k = self.model.num_nodes_per_dp
-        last = self.replicas - 1
-        for i in range(k):
-            name = self.slots[replica * k + i]
-            if name is not None:
-                node = self.nodes[name]
-                node.slot = None
-                self.slots[replica * k + i] = None
-                if not node.up or node.exited:
-                    node.cordoned = True
-                    self._to_repair(node)
-        if replica != last:
-            for i in range(k):
-                moved = self.slots[last * k + i]
-                self.slots[replica * k + i] = moved
-                self.slots[last * k + i] = None
-                if moved is not None:
-                    self.nodes[moved].slot = replica * k + i
-        self.replicas -= 1
-
-    def job_view(self) -> JobView:
-        return JobView(
-            name=self.job.name,
-            num_dp_replicas=self.replicas,
-            min_num_dp_replicas=self.model.min_num_dp_replicas or self.max_replicas,
-            max_num_dp_replicas=self.max_replicas,
-            num_nodes_per_dp=self.model.num_nodes_per_dp,
-            nodes=tuple(sorted(n.name for n in self.job_nodes())),
-        )
-
-
-class SimulatedBackend(Backend):
-    """Carries the supervisor's actions out on the simulated cluster."""
-
-    name = "simulated"
-
-    def __init__(self, cluster: SimulatedCluster) -> None:
-        self.cluster = cluster
-        self._done: dict[str, Mapping[str, Any]] = {}
-        #: What the supervisor offers on start (the repair workflow requests through it).
-        self.hooks: BackendHooks | None = None
-
-    async def start(self, hooks: BackendHooks) -> None:
-        self.hooks = hooks
-
-    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
-        done = self._done.get(action.idempotency_key)
-        if done is not None:  # idempotent: a repeated call has the first call's effect
-            return done
-        result = await self.cluster.execute(action)
-        self._done[action.idempotency_key] = result
-        return result
-
-    def job_views(self) -> Mapping[str, JobView]:
-        return {self.cluster.job.name: self.cluster.job_view()}
-
-    def cluster_nodes(self) -> Mapping[str, ClusterNode]:
-        return {
-            n.name: ClusterNode(
-                cordoned=n.cordoned, spare=n.slot is None and not n.in_repair and n.up
-            )
-            for n in self.cluster.nodes.values()
-        }

@@ -22,9 +22,10 @@ from supervisor.goodput.history import failures_by_incident
 from supervisor.goodput.model import GoodputReport, Remediation, Timeline
 from supervisor.runtime import Supervisor
 from supervisor.sensor import Changes, HostHeartbeat
+from supervisor.simulate.backend import SimulatedBackend
 from supervisor.simulate.clock import run_virtual
-from supervisor.simulate.cluster import Counters, SimulatedBackend, SimulatedCluster
-from supervisor.simulate.faults import Fault, map_nodes, read_trace, sample_mix
+from supervisor.simulate.cluster import Counters, SimulatedCluster
+from supervisor.simulate.fault_sources import Fault, map_nodes, read_trace, sample_mix
 from supervisor.simulate.scenario import Scenario, ScenarioError
 from supervisor.simulate.sensor import SimulatedSensor
 from supervisor.store import ActionFilter, EventFilter, Store

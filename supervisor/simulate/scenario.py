@@ -94,14 +94,14 @@ class FailureMix(_Model):
     """Failures per cause, as rates: per node-hour or per GPU-hour (`per`)."""
 
     per: Literal["node_hour", "gpu_hour"] = "node_hour"
-    #: cause -> failures per unit (see `supervisor.simulate.faults.CAUSES`).
+    #: cause -> failures per unit (see `supervisor.simulate.fault_sources.CAUSES`).
     rates: dict[str, float] = Field(default_factory=dict)
     #: How long a `network` fault keeps the node unreachable.
     network_outage_s: float = Field(60.0, gt=0)
 
     @model_validator(mode="after")
     def _known_causes(self) -> FailureMix:
-        from supervisor.simulate.faults import CAUSES
+        from supervisor.simulate.fault_sources import CAUSES
 
         for cause, rate in self.rates.items():
             if cause not in CAUSES:

@@ -132,10 +132,12 @@ class SimulatedSensor(Sensor):
         node = self._nodes.get(node_name)
         if node is None or not node.alive:
             return
-        node.workers = [
-            msgspec.structs.replace(w, step=step) if w.state is WorkerState.RUNNING else w
-            for w in node.workers
-        ]
+        node.heard_again(
+            [
+                msgspec.structs.replace(w, step=step) if w.state is WorkerState.RUNNING else w
+                for w in node.workers
+            ]
+        )
 
 
 __all__ = ["HANG", "Liveness", "SimulatedSensor"]

@@ -1,15 +1,9 @@
 """Persistence: the schema, its migrations, and the repository every other part uses."""
 
+from supervisor.store.counters import PolicyCounts
 from supervisor.store.database import UNAVAILABLE, make_engine, migrate
-from supervisor.store.repository import (
-    ActionFilter,
-    DeliveryFilter,
-    EventFilter,
-    InvalidCursor,
-    Page,
-    PolicyCounts,
-    Store,
-)
+from supervisor.store.queries import ActionFilter, DeliveryFilter, EventFilter, InvalidCursor, Page
+from supervisor.store.repository import Store
 from supervisor.store.retention import PRUNE_ORDER, HistoryTable, PrunedBatch
 
 __all__ = [

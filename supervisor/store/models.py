@@ -249,3 +249,16 @@ class NotificationDeliveryRow(Base):
     created_at: Mapped[datetime] = mapped_column(index=True)  # retention
     updated_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]
+
+
+class LeaderEpochRow(Base):
+    """The acting supervisor's epoch (resiliency_protocol/leaders.py): one row, taken one
+    higher by each supervisor that starts acting, carried on its commands to host
+    monitors. Outlives Leases, which start their own count over when made again."""
+
+    __tablename__ = "leader_epochs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(String(253))
+    acquired_at: Mapped[datetime]

@@ -43,11 +43,11 @@ ranks agree on that step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from resiliency_protocol.checkpoint_reports import Tier
+from training.checkpoint import durable as durable_tier
 from training.checkpoint import format as fmt
+from training.checkpoint.agreement import MAX_RESTORE_ROUNDS, RestoreAgreement, Restored
+from training.checkpoint.emergency import EmergencyCheckpointError, EmergencySaves
 from training.checkpoint.peer import PeerTier
-from training.checkpoint.restorer import Loaded, Restorer, Source
+from training.checkpoint.restorer import Restorer
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
+from training.checkpoint.schedule import SaveSchedule
 from training.checkpoint.settings import CheckpointSettings
 from training.checkpoint.state import (
     Snapshot,
@@ -67,17 +72,19 @@ from training.checkpoint.state import (
     TrainingState,
     local_data_ptr,
 )
+from training.checkpoint.world_fence import WorldFence
 from training.errors import TrainingError
-from training.worker_client import CheckpointTier, WorkerClient
+from training.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
-#: Restore rounds before giving up on agreeing (each drops steps some rank cannot load).
-MAX_RESTORE_ROUNDS = 16
-
-
-class EmergencyCheckpointError(TrainingError, RuntimeError):
-    """An emergency save could not be made (the message says why)."""
+__all__ = [
+    "MAX_RESTORE_ROUNDS",
+    "CheckpointSavesFailing",
+    "Checkpointer",
+    "EmergencyCheckpointError",
+    "Restored",
+]
 
 
 class CheckpointSavesFailing(TrainingError, RuntimeError):
@@ -85,19 +92,7 @@ class CheckpointSavesFailing(TrainingError, RuntimeError):
     protected by its checkpoints (the message names the last failure)."""
 
 
-@dataclass(frozen=True)
-class Restored:
-    """What `restore()` did on this rank."""
-
-    step: int  # 0: nothing to restore, start fresh
-    tier: Source | None  # "memory", "ram", "peer" or "durable"; None when starting fresh
-    size: int
-    seconds: float
-    #: A sharded state's restore: the tier each saving rank's directory was read from.
-    sources: dict[int, Source] = field(default_factory=dict)
-
-
-class Checkpointer:
+class Checkpointer(EmergencySaves, RestoreAgreement):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -139,17 +134,30 @@ class Checkpointer:
         self.ram_root: Path | None = (
             s.ram_root(self.job) if s.in_memory_checkpointing_freq else None
         )
-        self.durable_root: Path | None = s.durable_root() if s.s3_checkpointing_freq else None
+        #: The durable tier (a directory or a bucket: durable.py); its directory, if one.
+        self.durable: durable_tier.DurableStore | None = (
+            durable_tier.open_store(s, scratch=self._scratch())
+            if s.s3_checkpointing_freq or s.multi_tier_checkpointing_backup_interval_minutes
+            else None
+        )
+        # One copy of a replicated model is enough in the durable tier: rank 0's.
+        self._schedule = SaveSchedule(s, writes_durable=not (self.replicated and self.rank != 0))
+        self.durable_root: Path | None = self.durable.root if self.durable else None
         if peer is None:
             peer = PeerTier.from_env(self.rank)
         self.peer = peer
         self._buffers = StagingBuffers()
+        attempt = (lambda: client.attempt) if client is not None else None
+        self._fence = WorldFence(
+            rank=self.rank, ram_root=self.ram_root, durable=self.durable, attempt=attempt
+        )
         self._saver = Saver(
+            fence=self._fence,
             rank=self.rank,
             world_size=self.world_size,
             job=self.job,
             ram_root=self.ram_root,
-            durable_root=self.durable_root,
+            durable=self.durable,
             threads=s.ckpt_threads_per_rank,
             ram_keep=s.ram_topk_ckpt,
             durable_keep=s.topk_ckpt,
@@ -167,7 +175,7 @@ class Checkpointer:
             rank=self.rank,
             replicated=self.replicated,
             ram_root=self.ram_root,
-            durable_root=self.durable_root,
+            durable=self.durable,
             peer=self.peer,
             on_state_changing=self._loading,
         )
@@ -197,12 +205,21 @@ class Checkpointer:
         self._hook: Any = None
         self._hook_optimizer = hook_optimizer
         self._hook_into(optimizer)
-        for root in (self.ram_root, self.durable_root):
-            if root is not None:
-                root.mkdir(parents=True, exist_ok=True)
-                fmt.remove_temporaries(root, self.rank)
+        if self.ram_root is not None:
+            self.ram_root.mkdir(parents=True, exist_ok=True)
+            fmt.remove_temporaries(self.ram_root, self.rank)
+        if self.durable is not None:
+            try:
+                self.durable.remove_temporaries(self.rank)
+            except OSError as exc:  # a durable tier that is down fails its saves, reported
+                log.warning("checkpoint: durable tier %s: %r", self.durable.url, exc)
         if self.emergency and client is not None:
             client.serve_emergency_checkpoints(self.emergency_save)
+
+    def _scratch(self) -> Path | None:
+        """Local space for a bucket's saves without a RAM tier and for restores from it:
+        beside the RAM tier when there is one (tmpfs), else the system's temporary one."""
+        return self.ram_root.parent / f".durable-{self.ram_root.name}" if self.ram_root else None
 
     def _hook_into(self, optimizer: torch.optim.Optimizer | None) -> None:
         if self._hook is not None:
@@ -241,13 +258,7 @@ class Checkpointer:
 
     def due(self, step: int) -> tuple[bool, bool]:
         """(RAM due, durable due) at `step`."""
-        ram, durable = (
-            self.settings.in_memory_checkpointing_freq,
-            self.settings.s3_checkpointing_freq,
-        )
-        if self.replicated and self.rank != 0:
-            durable = 0  # one copy is enough: rank 0's
-        return (bool(ram) and step % ram == 0, bool(durable) and step % durable == 0)
+        return self._schedule.due(step)
 
     def step_done(self, step: int) -> bool:
         """Call after each completed step (optimizer stepped); saves when a tier is due.
@@ -297,7 +308,7 @@ class Checkpointer:
         copied to host memory, and the write goes on in the background.
         """
         to_ram = to_ram and self.ram_root is not None
-        to_durable = to_durable and self.durable_root is not None
+        to_durable = to_durable and self.durable is not None
         if not (to_ram or to_durable):
             return 0.0
         started = time.monotonic()
@@ -306,7 +317,7 @@ class Checkpointer:
             self._saver.wait()
         state = self.state.state_dict(step)
         background = self.settings.enable_async_ckpt
-        finish = None
+        finish: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         if background and self._marks_updates and self._stage_in_next_step:
             # Parameters and optimizer state change only in optimizer.step(): they are
             # copied in the save's thread while the next step's forward and backward run,
@@ -319,7 +330,8 @@ class Checkpointer:
 
             staged = self._buffers.stage(state, defer=deferred)
             self._staged.clear()
-            finish = self._finish_staging
+            # The save's thread copies them once this step's update has run on the GPU.
+            finish = functools.partial(self._finish_staging, ready=self.state.gpu_ready_event())
         else:
             staged = self._buffers.stage(state)
         blocking = time.monotonic() - started
@@ -333,9 +345,11 @@ class Checkpointer:
             self.blocking[-1] = blocking
         return blocking
 
-    def _finish_staging(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _finish_staging(
+        self, state: dict[str, Any], ready: torch.cuda.Event | None
+    ) -> dict[str, Any]:
         try:
-            return self._buffers.stage(state)
+            return self._buffers.stage(state, after=ready)
         finally:
             self._staged.set()
 
@@ -367,91 +381,6 @@ class Checkpointer:
         """Until the save in flight is committed (or failed); False on timeout."""
         return self._saver.wait(timeout_s)
 
-    def emergency_save(self) -> int:
-        """Save the last completed step now, to RAM and durable storage; returns the step.
-
-        Callable from any thread, while the main thread trains, waits in a collective, or
-        after that collective raised; needs no collective. Raises EmergencyCheckpointError
-        when no step is complete yet, or when the step in flight does not reach its
-        `step_done` within `emergency_checkpoint_timeout_s`.
-        """
-        if not self.emergency:
-            raise EmergencyCheckpointError("emergency checkpoints are off for this Checkpointer")
-        started = time.monotonic()
-        deadline = started + self.settings.emergency_checkpoint_timeout_s
-        with self._gate:
-            if not self._gate.wait_for(
-                lambda: not self._mid_step and self._holder is None,
-                timeout=max(0.0, deadline - time.monotonic()),
-            ):
-                raise EmergencyCheckpointError(
-                    "the step in flight did not finish its optimizer step within "
-                    f"{self.settings.emergency_checkpoint_timeout_s:g}s: not saving half a step"
-                )
-            snapshot = self._completed
-            if snapshot is None:
-                raise EmergencyCheckpointError("no completed step yet (restore has not finished)")
-            self._holder = threading.get_ident()
-        try:
-            self._write_emergency(snapshot, started, deadline)
-        finally:
-            with self._gate:
-                self._holder = None
-                self._gate.notify_all()
-        log.warning(
-            "checkpoint: emergency checkpoint of step %d saved in %.3fs",
-            snapshot.step,
-            time.monotonic() - started,
-        )
-        return snapshot.step
-
-    def _write_emergency(self, snapshot: Snapshot, started: float, deadline: float) -> None:
-        step = snapshot.step
-        # A periodic save being written holds the staging buffers, and may be this step's.
-        if not self._saver.wait(max(0.0, deadline - time.monotonic())):
-            raise EmergencyCheckpointError("a periodic save still being written took too long")
-        ram, durable = self.ram_root, self.durable_root
-        if ram is None and durable is None:
-            raise EmergencyCheckpointError("no tier to save to (RAM and durable are both off)")
-        if ram is not None and step in fmt.committed_steps(ram, self.rank):
-            source = fmt.rank_dir(ram, step, self.rank)
-            if durable is not None and step not in fmt.committed_steps(durable, self.rank):
-                manifest = fmt.read_manifest(source, step=step, rank=self.rank)
-                fmt.copy_committed(
-                    source,
-                    manifest,
-                    durable,
-                    sync=self.settings.sync_files,
-                    threads=self.settings.ckpt_threads_per_rank,
-                )
-            self._report_emergency(step, fmt.read_manifest(source).size, started)
-            return
-        if durable is not None and step in fmt.committed_steps(durable, self.rank):
-            self._report_emergency(
-                step, fmt.read_manifest(fmt.rank_dir(durable, step, self.rank)).size, started
-            )
-            return
-        # Straight from the live tensors: nothing changes them while this thread holds the
-        # gate, and the staging buffers may belong to the save that just finished.
-        try:
-            state = self.state.state_at(snapshot)
-        except ValueError as exc:
-            raise EmergencyCheckpointError(f"step {step}: {exc}") from None
-        job = SaveJob(
-            step, state, ram is not None, durable is not None, 0.0, started, emergency=True
-        )
-        self._saver.submit(job, background=False)
-        failed = [r for r in self._saver.results[-2:] if r.step == step and r.error]
-        if failed:
-            raise EmergencyCheckpointError(f"writing step {step} failed: {failed[-1].error}")
-
-    def _report_emergency(self, step: int, size: int, started: float) -> None:
-        if self.client is not None:
-            seconds = time.monotonic() - started
-            self.client.report_checkpoint_saved(
-                step, seconds, "emergency", size_bytes=size, total_s=seconds
-            )
-
     @property
     def save_results(self) -> list[SaveResult]:
         return self._saver.results
@@ -460,8 +389,12 @@ class Checkpointer:
         self._failures[result.tier] = self._failures.get(result.tier, 0) + 1
         self.last_failure = result
         if self.client is not None:
-            tier: CheckpointTier = (
-                "emergency" if result.emergency else "ram" if result.tier == "ram" else "durable"
+            tier = (
+                Tier.EMERGENCY
+                if result.emergency
+                else Tier.RAM
+                if result.tier == "ram"
+                else Tier.DURABLE
             )
             self.client.report_checkpoint_failed(
                 result.step,
@@ -480,7 +413,9 @@ class Checkpointer:
             self.client.report_checkpoint_saved(
                 result.step,
                 result.total_s if emergency else result.blocking_s,
-                "emergency" if emergency else ("ram" if result.tier == "ram" else "durable"),
+                Tier.EMERGENCY
+                if emergency
+                else (Tier.RAM if result.tier == "ram" else Tier.DURABLE),
                 size_bytes=result.size,
                 total_s=result.total_s,
             )
@@ -503,6 +438,9 @@ class Checkpointer:
                     f"rank {dist.get_rank()}"
                 )
             self.world_size = self._saver.world_size = dist.get_world_size()
+        self._fence.entered()
+        self._restorer.starts = self._agreed_starts()
+        self._fence.adopt(self._restorer.starts)
         candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.
         held = self._completed if in_memory and not self._mid_step else None
@@ -511,7 +449,9 @@ class Checkpointer:
         optimizer = self.state.optimizer
         self._fresh_optimizer = optimizer is not None and not optimizer.state
         try:
-            return self._agree_and_load(candidates, held, started)
+            step = self._agree_and_load(candidates, held, started)
+            self._fence.record(step)  # before any commit of this world
+            return step
         except RuntimeError:
             # A collective failed (another fault): what this rank holds may now be a
             # loaded step rather than its last completed one, so a later in-memory
@@ -519,78 +459,12 @@ class Checkpointer:
             if self._state_loaded:
                 self._completed = None
             raise
-
-    def _agree_and_load(
-        self, candidates: dict[int, Any], held: Snapshot | None, started: float
-    ) -> int:
-        self._state_loaded = False
-        dropped: set[int] = set()
-        loaded_before = False  # this rank's tensors hold a step the ranks then dropped
-        for _ in range(MAX_RESTORE_ROUNDS):
-            mine = sorted((set(candidates) | ({held.step} if held else set())) - dropped)
-            everyone = self._all_gather(
-                {"steps": mine, "world_size": self.world_size, "loaded": loaded_before}
-            )
-            for rank, theirs in enumerate(everyone):
-                if theirs["world_size"] != self.world_size:
-                    raise RuntimeError(
-                        f"rank {rank} restores with world_size={theirs['world_size']}, "
-                        f"this rank with {self.world_size}"
-                    )
-            common = set(mine)
-            for theirs in everyone:
-                common &= set(theirs["steps"])
-            if not common and any(theirs["loaded"] for theirs in everyone):
-                # Starting from step 0 would keep the weights some rank already loaded.
-                raise RuntimeError(
-                    "no step is left that every rank can load, and some ranks hold a step "
-                    "the others could not load: start the job again (it starts fresh)"
-                )
-            if not common:
-                if self._fresh_optimizer and self.state.optimizer is not None:
-                    self.state.optimizer.state.clear()
-                self.last_restore = Restored(0, None, 0, time.monotonic() - started)
-                log.info("checkpoint: no step every rank can load; starting from step 0")
-                self._step_completed(0)
-                return 0
-            step = max(common)
-            if held is not None and held.step == step:
-                self.state.rewind(held)
-                loaded: Loaded | None = Loaded("memory", 0, {})
-            else:
-                loaded = self._restorer.load(step, candidates.get(step, []))
-            oks = self._all_gather(loaded is not None)
-            if all(oks):
-                assert loaded is not None
-                tier, size = loaded.tier, loaded.size
-                seconds = time.monotonic() - started
-                self.last_restore = Restored(step, tier, size, seconds, loaded.sources)
-                if self.client is not None and tier != "memory":  # nothing was loaded
-                    self.client.report_checkpoint_loaded(
-                        step,
-                        seconds,
-                        tier,
-                        size_bytes=size,
-                        total_s=seconds,
-                    )
-                log.info("checkpoint: restored step %d from %s (%d bytes)", step, tier, size)
-                self._step_completed(step)
-                return step
-            if loaded is None:
-                dropped.add(step)
-            else:
-                loaded_before = True
-        raise RuntimeError(f"no checkpoint could be loaded after {MAX_RESTORE_ROUNDS} rounds")
+        finally:
+            if self.durable is not None:
+                self.durable.clear_staged()  # what a bucket's restore downloaded
 
     def _loading(self) -> None:
         self._state_loaded = True  # from here the live tensors may change
-
-    def _all_gather(self, mine: Any) -> list[Any]:
-        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return [mine]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, mine)
-        return out
 
     # --- shutdown ---------------------------------------------------------------------
 

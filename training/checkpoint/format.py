@@ -5,13 +5,14 @@
         .metadata, __0_0.distcp, ...  what torch.distributed.checkpoint wrote
 
 `manifest.json` = {"format": "resiliency-checkpoint/2", "step", "rank", "world_size",
-"job", "files": {name: {"size", "crc32c"}}, "created"}. A directory is written under a
-hidden temporary name beside its final one and renamed into place once every file and
-the manifest are on disk (fsynced), so a process killed mid-save never leaves a
-directory that looks complete. A reader trusts a directory only when its manifest
-parses, names the same step and rank as its path, and every listed file has its size;
-`verify` then streams each file through its checksum (a few MiB at a time, never the
-whole file in memory) before it is loaded.
+"job", "files": {name: {"size", "crc32c"}}, "created", "world"}; `world`, the job's attempt
+the commit was written in, is left out when not known (fencing.py says what it fences).
+A directory is written under a hidden temporary name beside its final one and renamed
+into place once every file and the manifest are on disk (fsynced), so a process killed
+mid-save never leaves a directory that looks complete. A reader trusts a directory only
+when its manifest parses, names the same step and rank as its path, and every listed
+file has its size; `verify` then streams each file through its checksum (a few MiB at a
+time, never the whole file in memory) before it is loaded.
 
 The checksum is CRC-32C (Castagnoli), summed with the CPU's crc32 instruction by the
 `crc32c` library: about 10 GB/s a core here against 3.7 for zlib's crc32, so summing the
@@ -19,6 +20,9 @@ bytes as they are written or read costs a tenth of a RAM tier's rate, not a thir
 also the checksum cloud buckets keep per object. Format `resiliency-checkpoint/1`, which
 summed with zlib's crc32, is still read, so that checkpoints taken before an upgrade
 restore.
+
+In a bucket (durable.py) the same layout is a set of objects with no rename: there a
+rank's step is committed when its manifest object, uploaded last, exists.
 
 The host monitor reads the same layout when it copies a rank's newest checkpoint to its
 partner node (the peer tier).
@@ -79,6 +83,8 @@ class Manifest:
     files: dict[str, FileEntry]
     created: float
     format: str = FORMAT
+    #: The world (the job's attempt) it was written in; None: not known (fencing.py).
+    world: int | None = None
 
     @property
     def size(self) -> int:
@@ -90,8 +96,10 @@ class Manifest:
 
     def to_json(self) -> str:
         key = CHECKSUMS[self.format][0]
+        world = {} if self.world is None else {"world": self.world}
         return json.dumps(
-            {
+            world
+            | {
                 "format": self.format,
                 "step": self.step,
                 "rank": self.rank,
@@ -133,7 +141,10 @@ class Manifest:
                 raise ValueError(f"manifest entry of {name!r} malformed")
             entries[name] = FileEntry(size, crc)
         created = raw.get("created", 0.0)
-        return cls(step, rank, world, job, entries, float(created), form)  # type: ignore[arg-type]
+        written = raw.get("world")
+        if written is not None and not (isinstance(written, int) and written >= 0):
+            raise ValueError("manifest world must be an integer >= 0")
+        return cls(step, rank, world, job, entries, float(created), form, written)  # type: ignore[arg-type]
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -164,6 +175,7 @@ def build_manifest(
     job: str | None,
     threads: int = 1,
     known: Mapping[str, tuple[int, int]] | None = None,
+    world: int | None = None,
 ) -> Manifest:
     """Checksum every file of `directory` (the manifest itself excluded), `threads` files
     at a time (crc32c releases the GIL while it sums a large buffer). `known`: (size,
@@ -185,7 +197,7 @@ def build_manifest(
         crcs = list(pool.map(file_checksum, (directory / name for name in left)))
     summed.update(zip(left, crcs, strict=True))
     files = {name: FileEntry(sizes[name], summed[name]) for name in names}
-    return Manifest(step, rank, world_size, job, files, time.time())
+    return Manifest(step, rank, world_size, job, files, time.time(), world=world)
 
 
 def read_manifest(directory: Path, *, step: int | None = None, rank: int | None = None) -> Manifest:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,8 +31,10 @@ from typing import Any, Literal
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from resiliency_protocol.checkpoint_reports import Tier
+from training.checkpoint import fencing, global_view
 from training.checkpoint import format as fmt
-from training.checkpoint import global_view
+from training.checkpoint.durable import DurableStore
 from training.checkpoint.peer import PeerTier
 from training.checkpoint.reader import DirectReader
 from training.checkpoint.settings import CheckpointSettings
@@ -39,7 +42,9 @@ from training.checkpoint.state import TrainingState
 
 log = logging.getLogger(__name__)
 
-Source = Literal["memory", "ram", "peer", "durable"]
+#: Where a restore read a state from: the tiers that serve loads, or this process's own
+#: memory (an in-process restart rewinds instead of loading).
+Source = Literal["memory", Tier.RAM, Tier.PEER, Tier.DURABLE]
 #: Sources from fastest to slowest: a sharded restore reports the slowest it read from.
 SPEED: dict[str, int] = {"memory": 0, "ram": 1, "peer": 2, "durable": 3}
 #: Files up to this size (DCP's metadata) are verified before a load reads them; larger
@@ -70,7 +75,7 @@ class Restorer:
         rank: int,
         replicated: bool,
         ram_root: Path | None,
-        durable_root: Path | None,
+        durable: DurableStore | None,
         peer: PeerTier,
         on_state_changing: Callable[[], None],
     ) -> None:
@@ -80,29 +85,86 @@ class Restorer:
         self.rank = rank
         self.replicated = replicated
         self.ram_root = ram_root
-        self.durable_root = durable_root
+        self.durable = durable
         self.peer = peer
         self._changing = on_state_changing
+        #: The worlds that started, and from which step: shadowed commits are left out
+        #: (fencing.py). Set by the agreement before `candidates()`.
+        self.starts: list[fencing.WorldStart] = []
 
     @property
     def sharded(self) -> bool:
         return self.state.sharded and not self.replicated
 
-    def _tiers(self) -> list[tuple[Source, Path]]:
-        tiers: list[tuple[Source, Path | None]] = [
-            ("ram", self.ram_root),
-            ("durable", self.durable_root),
-        ]
-        return [(tier, root) for tier, root in tiers if root is not None]
-
     def _committed(self, root: Path, step: int, rank: int) -> Path | None:
         directory = fmt.rank_dir(root, step, rank)
         try:
-            fmt.read_manifest(directory, step=step, rank=rank)
+            manifest = fmt.read_manifest(directory, step=step, rank=rank)
         except fmt.CheckpointCorrupt as exc:
             log.warning("checkpoint: skipping %s", exc)
             return None
-        return directory
+        return None if self._shadowed(directory, manifest.world, step) else directory
+
+    def _shadowed(self, where: object, world: int | None, step: int) -> bool:
+        """Whether a commit of `world` at `step` is on a branch a newer world left."""
+        if not fencing.shadowed(world, step, self.starts):
+            return False
+        log.warning(
+            "checkpoint: skipping %s: step %d of world %s, shadowed by a newer world's start (%s)",
+            where,
+            step,
+            "unknown" if world is None else world,
+            ", ".join(f"world {s.world} from step {s.step}" for s in self.starts[-3:]),
+        )
+        return True
+
+    def _peer_newest(self) -> int | None:
+        """The step of the partner's copy of this rank, unless shadowed."""
+        copy = self.peer.newest_copy()
+        if copy is None or self._shadowed("the partner's copy", copy[1], copy[0]):
+            return None
+        return copy[0]
+
+    def _wanted(self, committed: Callable[[], list[int]], every: bool) -> list[int]:
+        """This rank first, then (when `every`) the other ranks a tier holds."""
+        if not every:
+            return [self.rank]
+        return [self.rank] + [r for r in committed() if r != self.rank]
+
+    def _listed(self, every: bool) -> Iterator[tuple[Source, int, int, Path]]:
+        """(tier, rank, step, directory) of the committed rank directories in RAM, then in
+        the durable tier: this rank's, and every rank's when `every`. A bucket's are
+        staged locally (manifest and DCP metadata only); a durable tier that cannot be
+        listed is skipped, and said in the log."""
+        if self.ram_root is not None:
+            root = self.ram_root
+            for rank in self._wanted(lambda: fmt.committed_ranks(root), every):
+                for step in fmt.committed_steps(root, rank):
+                    directory = self._committed(root, step, rank)
+                    if directory is not None:
+                        yield Tier.RAM, rank, step, directory
+        store = self.durable
+        if store is None:
+            return
+        try:
+            found = [
+                (rank, step)
+                for rank in self._wanted(store.committed_ranks, every)
+                for step in store.committed_steps(rank)
+            ]
+        except Exception as exc:  # a bucket down: RAM and the peer copy may still serve
+            log.warning("checkpoint: durable tier %s not listed: %r", store.url, exc)
+            return
+        for rank, step in found:
+            try:
+                directory = store.stage(step, rank)
+                world = fmt.Manifest.from_json((directory / fmt.MANIFEST).read_bytes()).world
+                if not self._shadowed(f"{store.url} rank {rank}", world, step):
+                    yield Tier.DURABLE, rank, step, directory
+            except fmt.CheckpointCorrupt as exc:
+                log.warning("checkpoint: skipping %s", exc)
+            except Exception as exc:
+                log.warning("checkpoint: %s step %d rank %d: %r", store.url, step, rank, exc)
 
     # --- whole states -----------------------------------------------------------------
 
@@ -114,21 +176,14 @@ class Restorer:
         """Steps with their sources fastest first. With a replicated state, other ranks'
         directories count too, after this rank's own."""
         out: dict[int, WholeSources] = {}
-        for tier, root in self._tiers():
-            ranks = [self.rank]
-            if self.replicated:
-                ranks += [r for r in fmt.committed_ranks(root) if r != self.rank]
-            for rank in ranks:
-                for step in fmt.committed_steps(root, rank):
-                    directory = self._committed(root, step, rank)
-                    if directory is not None:
-                        out.setdefault(step, []).append((tier, directory))
+        for tier, _, step, directory in self._listed(self.replicated):
+            out.setdefault(step, []).append((tier, directory))
         if self.settings.enable_ckpt_load_replication and self.ram_root is not None:
-            peer_step = self.peer.newest()
+            peer_step = self._peer_newest()
             if peer_step is not None:
                 sources = out.setdefault(peer_step, [])
-                mine_in_ram = bool(sources) and sources[0][0] == "ram"
-                sources.insert(1 if mine_in_ram else 0, ("peer", None))
+                mine_in_ram = bool(sources) and sources[0][0] == Tier.RAM
+                sources.insert(1 if mine_in_ram else 0, (Tier.PEER, None))
         return dict(out)
 
     def load(self, step: int, sources: Any) -> Loaded | None:
@@ -147,6 +202,8 @@ class Restorer:
             else:
                 directory = where
             try:
+                if tier == "durable":
+                    self._fetch(directory)
                 manifest = fmt.read_manifest(directory, step=step)
                 self._read(step, directory, {"": (directory, manifest)}, verified=verified)
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
@@ -161,12 +218,8 @@ class Restorer:
 
     def _sharded_candidates(self) -> dict[int, Any]:
         found: dict[int, ShardSources] = {}
-        for tier, root in self._tiers():
-            for rank in fmt.committed_ranks(root):
-                for step in fmt.committed_steps(root, rank):
-                    directory = self._committed(root, step, rank)
-                    if directory is not None:
-                        found.setdefault(step, {}).setdefault(rank, []).append((tier, directory))
+        for tier, rank, step, directory in self._listed(True):
+            found.setdefault(step, {}).setdefault(rank, []).append((tier, directory))
         self._add_peer_copy(found)
         out: dict[int, ShardSources] = {}
         target = self.state.state_dict(0) if found else {}  # shapes only: read once
@@ -183,18 +236,18 @@ class Restorer:
         RAM lacks it (a replacement node): only its metadata tells what it covers."""
         if not (self.settings.enable_ckpt_load_replication and self.ram_root is not None):
             return
-        step = self.peer.newest()
+        step = self._peer_newest()
         if step is None:
             return
         mine = found.get(step, {}).get(self.rank, [])
-        if any(tier == "ram" for tier, _ in mine):
+        if any(tier == Tier.RAM for tier, _ in mine):
             return
         fetched = self.peer.fetch(step, self.ram_root)
         if fetched is None:
             return
         directory = self._committed(self.ram_root, step, self.rank)
         if directory is not None:
-            found.setdefault(step, {}).setdefault(self.rank, []).insert(0, ("peer", directory))
+            found.setdefault(step, {}).setdefault(self.rank, []).insert(0, (Tier.PEER, directory))
 
     def _gaps(self, sources: ShardSources, target: dict[str, Any]) -> list[str]:
         parts = []
@@ -217,11 +270,13 @@ class Restorer:
         left = {rank: list(found) for rank, found in sources.items()}
         while all(left.values()) and left:
             chosen = {rank: found[0] for rank, found in left.items()}
-            base = self.ram_root or self.durable_root
-            assert base is not None
+            base = self.ram_root or (self.durable and self.durable.root) or tempfile.gettempdir()
             try:
+                for rank, (tier, directory) in chosen.items():
+                    if tier == Tier.DURABLE:
+                        self._fetch(directory, rank)
                 with global_view.open_view(
-                    base, {rank: d for rank, (_, d) in chosen.items()}, self.rank
+                    Path(base), {rank: d for rank, (_, d) in chosen.items()}, self.rank
                 ) as view:
                     parts = {
                         f"rank-{rank}": (d, fmt.read_manifest(d, step=step, rank=rank))
@@ -244,10 +299,20 @@ class Restorer:
                 left = {r: f for r, f in left.items() if f}
                 continue
             used = {rank: chosen[rank][0] for rank in read if rank in chosen}
-            tier = max(used.values(), key=SPEED.__getitem__, default="ram")
+            tier = max(used.values(), key=SPEED.__getitem__, default=Tier.RAM)
             size = sum(parts[f"rank-{rank}"][1].size for rank in used)
             return Loaded(tier, size, used)
         return None
+
+    def _fetch(self, directory: Path, rank: int | None = None) -> None:
+        """Download the rest of a bucket's rank directory staged by `_listed`; a failure
+        is a CheckpointCorrupt naming the rank (so that another source is tried)."""
+        assert self.durable is not None
+        try:
+            self.durable.fetch(directory)
+        except Exception as exc:
+            where = f"rank-{rank}/" if rank is not None else ""
+            raise fmt.CheckpointCorrupt(f"{self.durable.url} {where}: {exc!r}") from None
 
     # --- the load ---------------------------------------------------------------------
 

@@ -1,11 +1,14 @@
 """Writes staged states to the tiers, in the background, one save at a time.
 
 A save job: `torch.distributed.checkpoint` writes the staged state into a temporary
-directory of the first tier due (RAM, else durable) with `ckpt_threads_per_rank` writer
-threads, each file checksummed as it is written (writer.py); the sums go into the
-manifest and the directory is committed by rename; the host monitor is asked to copy it
-to the partner node (peer tier); a durable save then copies the committed RAM directory
-(the same files and manifest); retention keeps the newest checkpoints of each tier.
+directory of the first tier due (RAM, else durable: a directory, or local scratch space
+uploaded to a bucket) with `ckpt_threads_per_rank` writer threads, each file checksummed
+as it is written (writer.py); the sums go into the manifest and the directory is
+committed (by rename; in a bucket, by the manifest uploaded last: durable.py); the host
+monitor is asked to copy it to the partner node (peer tier); a durable save then copies
+the committed RAM directory (the same files and manifest); retention keeps the newest
+checkpoints of each tier. A durable tier that fails (a bucket down past its bounded
+retries) fails that save only: it is reported, and the RAM tier keeps the step.
 
 A save due while the previous one is still being written waits for it: the staging
 buffers are the previous save's until it is on disk, and skipping a save would silently
@@ -28,6 +31,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from training.checkpoint import format as fmt
 from training.checkpoint import global_view
+from training.checkpoint.durable import DurableStore
+from training.checkpoint.world_fence import WorldFence
 from training.checkpoint.writer import SummingFileSystemWriter
 
 log = logging.getLogger(__name__)
@@ -81,7 +86,7 @@ class Saver:
         world_size: int,
         job: str | None,
         ram_root: Path | None,
-        durable_root: Path | None,
+        durable: DurableStore | None,
         threads: int,
         ram_keep: int,
         durable_keep: int,
@@ -89,21 +94,24 @@ class Saver:
         on_committed: Callable[[SaveResult], None],
         on_failed: Callable[[SaveResult], None] | None = None,
         replicated: bool = False,
+        fence: WorldFence | None = None,
     ) -> None:
         """`replicated`: rank 0's directory alone is the whole state (DDP); otherwise a
-        step is whole once every rank's directory is committed."""
+        step is whole once every rank's directory is committed. `fence`: each commit
+        records its world and is refused once a newer world has started (fencing.py)."""
         self.rank = rank
         self.replicated = replicated
         self.world_size = world_size
         self.job = job
         self.ram_root = ram_root
-        self.durable_root = durable_root
+        self.durable = durable
         self.threads = threads
         self.ram_keep = ram_keep
         self.durable_keep = durable_keep
         self.sync_files = sync_files
         self.on_committed = on_committed
         self.on_failed = on_failed
+        self.fence = fence
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
         self._idle = threading.Event()
@@ -163,10 +171,13 @@ class Saver:
         if job.finish_staging is not None:
             job.state = job.finish_staging(job.state)
         writing = time.monotonic()
-        first_root = self.ram_root if job.to_ram else self.durable_root
-        assert first_root is not None
         first_tier = "ram" if job.to_ram else "durable"
-        temp = fmt.new_temp_dir(first_root, job.step, self.rank)
+        if job.to_ram:
+            assert self.ram_root is not None
+            temp = fmt.new_temp_dir(self.ram_root, job.step, self.rank)
+        else:
+            assert self.durable is not None
+            temp = self.durable.write_dir(job.step, self.rank)
         try:
             writer = SummingFileSystemWriter(
                 temp, thread_count=self.threads, sync_files=self.sync_files
@@ -180,9 +191,18 @@ class Saver:
                 job=self.job,
                 threads=self.threads,
                 known=writer.sums,
+                world=self.fence.world if self.fence is not None else None,
             )
-            final = fmt.rank_dir(first_root, job.step, self.rank)
-            fmt.commit(temp, manifest, final, sync=self.sync_files)
+            if self.fence is not None:
+                self.fence.check(first_tier)
+            final: Path | None
+            if job.to_ram:
+                assert self.ram_root is not None
+                final = fmt.rank_dir(self.ram_root, job.step, self.rank)
+                fmt.commit(temp, manifest, final, sync=self.sync_files)
+            else:
+                assert self.durable is not None
+                final = self.durable.commit(temp, manifest)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
@@ -198,13 +218,18 @@ class Saver:
                 write_s=time.monotonic() - writing,
             )
         )
-        if job.to_ram and job.to_durable and self.durable_root is not None:
+        durable_ok = True
+        if job.to_ram and job.to_durable and self.durable is not None:
+            assert final is not None
             copied_at = time.monotonic()
             try:
-                path = fmt.copy_committed(
-                    final, manifest, self.durable_root, sync=self.sync_files, threads=self.threads
-                )
+                if self.fence is not None:
+                    self.fence.check("durable")
+                path = self.durable.copy_committed(final, manifest)
             except Exception as exc:  # the RAM tier holds the step: only durable failed
+                # Nor is retention run there: a rank refused as an older world's must not
+                # evict what a newer world keeps.
+                durable_ok = False
                 self._failed(job, "durable", exc)
             else:
                 # The loop blocked once, for the RAM save: the durable copy adds no blocking.
@@ -224,22 +249,31 @@ class Saver:
             # newest one still shares the step before it with the ranks that committed.
             pieces = not self.replicated and self.world_size > 1
             keep = max(self.ram_keep, 2) if pieces else self.ram_keep
+            if self.fence is not None:
+                self.fence.drop_shadowed("ram", self.rank)
             fmt.retain(self.ram_root, self.rank, keep)
-        if job.to_durable and self.durable_root is not None:
-            fmt.retain(self.durable_root, self.rank, self.durable_keep)
+        if job.to_durable and self.durable is not None and durable_ok:
+            try:
+                if self.fence is not None:
+                    self.fence.drop_shadowed("durable", self.rank)
+                self.durable.retain(self.rank, self.durable_keep)
+            except Exception as exc:  # the step is committed: retention runs again next time
+                log.warning("checkpoint: durable retention failed: %r", exc)
 
-    def publish(self, root: Path, step: int) -> None:
-        """Write `step`'s global metadata under `root` if every rank has committed."""
+    def publish(self, tier: str, step: int) -> None:
+        """Write `step`'s global metadata in `tier` if every rank has committed."""
         ranks = [0] if self.replicated else list(range(self.world_size))
         try:
-            global_view.publish(root, step, ranks, sync=self.sync_files)
-        except (OSError, fmt.CheckpointCorrupt) as exc:
+            if tier == "durable" and self.durable is not None:
+                self.durable.publish(step, ranks, sync=self.sync_files)
+            elif tier == "ram" and self.ram_root is not None:
+                global_view.publish(self.ram_root, step, ranks, sync=self.sync_files)
+        except Exception as exc:
             # The step still restores here (the restore merges the ranks' metadata itself).
             log.warning("checkpoint: global metadata of step %d not written: %r", step, exc)
 
     def _committed(self, result: SaveResult) -> None:
-        if result.path is not None:
-            self.publish(result.path.parent.parent, result.step)
+        self.publish(result.tier, result.step)
         self.results.append(result)
         try:
             self.on_committed(result)

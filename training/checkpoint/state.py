@@ -58,6 +58,9 @@ class Snapshot:
     #: for sharded models: an emergency save cannot take it later, while the main thread
     #: may hold unsharded parameters in a forward or backward stuck in a collective.
     weights: dict[str, Any] | None = None
+    #: Recorded on the training stream at that step (a GPU state): copies of its tensors
+    #: wait for it, not for the stream, which a collective that never ends can block.
+    ready: torch.cuda.Event | None = None
 
 
 class TrainingState:
@@ -142,7 +145,18 @@ class TrainingState:
                 "model": refs["model"],
                 "optim": {**refs["optim"], "param_groups": groups},
             }
-        return Snapshot(step, copy.deepcopy(self._small()), buffers, weights)
+        return Snapshot(
+            step, copy.deepcopy(self._small()), buffers, weights, self.gpu_ready_event()
+        )
+
+    def gpu_ready_event(self) -> torch.cuda.Event | None:
+        """An event on the current CUDA stream, when the model lives on a GPU: it
+        completes once the work queued so far (this step's update) has run."""
+        first = next(self.model.parameters(), None)
+        if first is None or not first.is_cuda:
+            return None
+        event: torch.cuda.Event = torch.cuda.current_stream(first.device).record_event()
+        return event
 
     def rewind(self, snapshot: Snapshot) -> None:
         """Put back what a forward and backward since `snapshot` changed (RNG, scheduler,
@@ -214,32 +228,60 @@ class StagingBuffers:
     Allocating 1 GB of fresh memory per save costs more than the copy (page faults on
     first touch), so buffers are reused while the state's shapes do not change. Pinned
     when CUDA is there, so that a GPU state copies without a bounce buffer.
+
+    GPU tensors are copied on a stream of their own, after an event (`after`, or one
+    recorded now on the caller's stream): never on the training stream, and never with a
+    device-wide synchronize. A rank stuck in a collective has that collective's kernel,
+    or a wait for it, queued on its training stream forever; a copy queued behind it, or
+    a synchronize, would hang the emergency save that is meant to rescue the step.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self.nbytes = 0
         self._on_gpu = False
+        self._stream: torch.cuda.Stream | None = None
+        self._after: torch.cuda.Event | None = None
+        self._waited = False
 
     def stage(
-        self, state: dict[str, Any], *, defer: Callable[[str, torch.Tensor], bool] | None = None
+        self,
+        state: dict[str, Any],
+        *,
+        defer: Callable[[str, torch.Tensor], bool] | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> dict[str, Any]:
         """A copy of `state` whose tensors live in the buffers (blocking until copied).
 
         Tensors for which `defer(path, tensor)` is true are left as they are (the live
         tensors): a second `stage` of the result, without `defer`, copies them later.
+        GPU tensors are read once `after` has completed (default: once the work queued
+        on the caller's current stream so far has run); a thread other than the one
+        that trains passes an event the training thread recorded.
         """
         seen: set[str] = set()
         self._on_gpu = False
+        self._after, self._waited = after, False
         staged = self._copy(state, "", seen, defer)
         if defer is None:
             for key in set(self._buffers) - seen:
                 del self._buffers[key]
         self.nbytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
-        if self._on_gpu:
-            torch.cuda.synchronize()  # the copies were issued non-blocking
+        if self._on_gpu and self._stream is not None:
+            self._stream.synchronize()  # the copies were issued non-blocking, on it alone
         result: dict[str, Any] = staged
         return result
+
+    def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        if not self._waited:
+            ready = self._after
+            if ready is None:
+                ready = torch.cuda.current_stream(device).record_event()
+            self._stream.wait_event(ready)
+            self._waited = True
+        return self._stream
 
     def _copy(
         self,
@@ -267,8 +309,12 @@ class StagingBuffers:
                 pin = value.is_cuda
                 buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
                 self._buffers[path] = buffer
-            buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-            self._on_gpu = self._on_gpu or value.is_cuda
+            if value.is_cuda:
+                with torch.cuda.stream(self._copy_stream(value.device)):
+                    buffer.copy_(value.detach(), non_blocking=True)
+                self._on_gpu = True
+            else:
+                buffer.copy_(value.detach())
             return buffer
         if isinstance(value, Mapping):
             return {k: self._copy(v, f"{path}/{k}", seen, defer) for k, v in value.items()}

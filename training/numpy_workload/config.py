@@ -16,6 +16,7 @@
 | `IN_MEMORY_CHECKPOINTING_FREQ` | `10` | Save to the local tier every this many steps (0: never). |
 | `S3_CHECKPOINTING_FREQ` | `20` | Save to the durable tier every this many steps (0: never). |
 | `KEEP_CHECKPOINTS` | `3` | Newest steps kept per tier. |
+| `MAX_CONSECUTIVE_SAVE_FAILURES` | `3` | Refused saves in a row before the worker stops. |
 | `OUTPUT_DIR` | `RUN_DIR/output` | Replica 0 writes the final weights here, `shard-<k>.npy`. |
 | `COLLECTIVE_TIMEOUT_S` | `600` | A collective waiting longer than this exits with code 3. |
 | `LOG_EVERY_STEPS` | `10` | One progress line every this many steps. |
@@ -23,6 +24,10 @@
 | `BATCH_SIZE` | `32` | Micro-batch rows per replica and shard. |
 | `LEARNING_RATE` | `0.05` | SGD learning rate. |
 | `MOMENTUM` | `0.9` | SGD momentum. |
+
+A numeric `WORKLOAD_ATTEMPT` is also the world the checkpoints are written in: a save is
+refused once a newer world has started in its tier (training/checkpoint/fencing.py), and
+`MAX_CONSECUTIVE_SAVE_FAILURES` refusals in a row to one tier stop the worker (0: never).
 
 The worker client reads `LOCAL_RANK`, `HOST_MONITOR_URL`, `HOST_MONITOR_WORKER_TOKEN`
 and `HOST_MONITOR_REQUEST_FILE` (see `training.worker_client`).
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from resiliency_protocol import worker_env
+from training.checkpoint.fencing import world_from_env
 from training.errors import TrainingError
 
 T = TypeVar("T")
@@ -55,11 +62,15 @@ class WorkloadConfig:
     step_time_s: float
     run_dir: Path
     attempt: str
+    #: The world this worker's checkpoints are written in (None: WORKLOAD_ATTEMPT is
+    #: not a number, nothing is fenced until a restore finds a world in the tiers).
+    world: int | None
     local_ckpt_dir: Path
     durable_ckpt_dir: Path
     local_freq: int
     durable_freq: int
     keep_checkpoints: int
+    max_consecutive_save_failures: int
     output_dir: Path
     collective_timeout_s: float
     log_every: int
@@ -121,7 +132,7 @@ class WorkloadConfig:
         if rank >= world:
             raise ConfigError(f"RANK={rank} is not below the world size {world}")
         run_dir = Path(env.get("RUN_DIR") or "workload-run")
-        attempt = env.get("WORKLOAD_ATTEMPT", "").strip() or "0"
+        attempt = env.get(worker_env.WORKLOAD_ATTEMPT, "").strip() or "0"
         if "/" in attempt or attempt in (".", ".."):
             raise ConfigError(f"invalid WORKLOAD_ATTEMPT={attempt!r}")
         durable = Path(env.get("DURABLE_CKPT_DIR") or run_dir / "durable")
@@ -134,11 +145,15 @@ class WorkloadConfig:
             step_time_s=get("STEP_TIME_S", float, 0.05, non_negative),
             run_dir=run_dir,
             attempt=attempt,
+            world=world_from_env(env),
             local_ckpt_dir=Path(env.get("LOCAL_CKPT_DIR") or run_dir / "local" / f"rank-{rank}"),
             durable_ckpt_dir=durable,
             local_freq=get("IN_MEMORY_CHECKPOINTING_FREQ", int, 10, non_negative),
             durable_freq=get("S3_CHECKPOINTING_FREQ", int, 20, non_negative),
             keep_checkpoints=get("KEEP_CHECKPOINTS", int, 3, positive),
+            max_consecutive_save_failures=get(
+                "MAX_CONSECUTIVE_SAVE_FAILURES", int, 3, non_negative
+            ),
             output_dir=Path(env.get("OUTPUT_DIR") or run_dir / "output"),
             collective_timeout_s=get("COLLECTIVE_TIMEOUT_S", float, 600.0, positive),
             log_every=get("LOG_EVERY_STEPS", int, 10, positive),

@@ -11,12 +11,17 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
+from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.logs import configure_worker_logging
+from training.checkpoint.fencing import StaleWorldCommit, WorldStart
 from training.errors import TrainingError
 from training.numpy_workload.checkpoint import CheckpointStore, write_output
 from training.numpy_workload.collective import CollectiveTimeout, FileCollective
 from training.numpy_workload.config import ConfigError, WorkloadConfig
+from training.numpy_workload.fence import TierFence, starts_roots
 from training.numpy_workload.model import (
     ShardState,
     apply_update,
@@ -44,6 +49,11 @@ class Terminated(TrainingError):
         self.signum = signum
 
 
+class CheckpointSavesRefused(TrainingError):
+    """`max_consecutive_save_failures` saves in a row to one tier were refused: a newer
+    world has started, so this worker trains on a branch no restore continues."""
+
+
 class _StopFlag:
     """SIGTERM / SIGINT only set a flag; the loop checks it at its safe points, so no
     write is ever cut in half by the signal."""
@@ -66,16 +76,22 @@ class Trainer:
         self.client = client
         self.stop = stop
         self.state: ShardState | None = None
+        tiers: dict[CheckpointTier, Path] = {
+            Tier.LOCAL: cfg.local_ckpt_dir,
+            Tier.DURABLE: cfg.durable_ckpt_dir,
+            Tier.EMERGENCY: cfg.emergency_ckpt_dir,
+        }
+        self.fence = TierFence(cfg.world, starts_roots(tiers))
         self.store = CheckpointStore(
-            {
-                "local": cfg.local_ckpt_dir,
-                "durable": cfg.durable_ckpt_dir,
-                "emergency": cfg.emergency_ckpt_dir,
-            },
+            tiers,
             shard=cfg.shard,
             num_shards=cfg.num_shards,
             keep=cfg.keep_checkpoints,
+            fence=self.fence,
         )
+        #: Saves refused in a row, by tier; and the last refusal (step, tier, error).
+        self.refused: dict[CheckpointTier, int] = {}
+        self.last_refused: tuple[int, CheckpointTier, str] | None = None
         self.collective = FileCollective(
             cfg.collective_dir,
             cfg.rank,
@@ -116,14 +132,43 @@ class Trainer:
         state = self.state
         if state is None:
             raise RuntimeError("no training state yet (still agreeing on the resume step)")
-        self.save(state, "emergency")
+        self.save(state, Tier.EMERGENCY)
         return state.step
 
     def save(self, state: ShardState, tier: CheckpointTier) -> None:
-        _, duration = self.store.save(state, tier)
+        """Save to `tier` and report it. A save refused because a newer world has started
+        is reported as failed and counted (`check_refusals`); an emergency one raises too,
+        so that its ack says it failed."""
+        try:
+            _, duration = self.store.save(state, tier)
+        except StaleWorldCommit as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.refused[tier] = self.refused.get(tier, 0) + 1
+            self.last_refused = (state.step, tier, error)
+            self.client.report_checkpoint_failed(state.step, tier, error)
+            self.say(f"checkpoint refused step={state.step} tier={tier}: {error}")
+            if tier == "emergency":
+                raise
+            return
+        self.refused.pop(tier, None)
         self.client.report_checkpoint_saved(state.step, duration, tier)
         what = "emergency checkpoint saved" if tier == "emergency" else "checkpoint saved"
         self.say(f"{what} step={state.step} tier={tier} duration_s={duration:.4f}")
+
+    def check_refusals(self) -> None:
+        """CheckpointSavesRefused once `max_consecutive_save_failures` saves in a row to
+        one tier were refused (each reported as it was): training on would only make
+        steps no restore loads."""
+        limit = self.cfg.max_consecutive_save_failures
+        count = max(self.refused.values(), default=0)
+        if not limit or count < limit or self.last_refused is None:
+            return
+        step, tier, error = self.last_refused
+        self.client.flush()  # the refusals' reports reach the supervisor first
+        raise CheckpointSavesRefused(
+            f"{count} checkpoint saves in a row to the {tier} tier failed "
+            f"(max_consecutive_save_failures={limit}); the last, of step {step}: {error}"
+        )
 
     # --- the run ---------------------------------------------------------------------
 
@@ -150,6 +195,7 @@ class Trainer:
         state = self.state
         while state.step < cfg.total_steps:
             self.safe_point()
+            self.check_refusals()
             computing = time.monotonic()
             grad, loss = local_gradient(
                 state,
@@ -168,9 +214,9 @@ class Trainer:
             if state.step % cfg.log_every == 0 or state.step == cfg.total_steps:
                 self.say(f"step={state.step}/{cfg.total_steps} loss={loss:.6g}")
             if cfg.local_freq and state.step % cfg.local_freq == 0:
-                self.save(state, "local")
+                self.save(state, Tier.LOCAL)
             if cfg.durable_freq and state.step % cfg.durable_freq == 0:
-                self.save(state, "durable")
+                self.save(state, Tier.DURABLE)
         self.client.finishing()  # out of the loop: its output is no hang
         if cfg.replica == 0:
             path = write_output(cfg.output_dir, cfg.shard, state.w)
@@ -181,9 +227,29 @@ class Trainer:
         return EXIT_OK
 
     def resume(self) -> ShardState:
-        """Agree with every rank on the newest step all of them can load, and load it."""
+        """Agree with every rank on the newest step all of them can load, leaving out those
+        shadowed by a newer world's start, load it, and record this world's start."""
+        state = self._agree_and_load()
+        self.fence.record(state.step)  # before any save of this world
+        return state
+
+    def agreed_starts(self) -> list[WorldStart]:
+        """The starts every rank sees, together: one recorded in a node's local tier fences
+        the files other nodes hold too."""
+        mine = [[start.world, start.step] for start in self.fence.starts()]
+        everyone = self.collective.all_gather("worlds", mine)
+        return sorted({WorldStart(int(w), int(s)) for theirs in everyone for w, s in theirs})
+
+    def _agree_and_load(self) -> ShardState:
         cfg = self.cfg
-        available = self.store.available()
+        starts = self.agreed_starts()
+        before = self.fence.world
+        if self.fence.adopt(starts) != before:
+            self.say(
+                f"goes on as world={self.fence.world}: a newer world than {before} has "
+                "started in these tiers (a new run that reuses them)"
+            )
+        available = self.store.available(starts)
         my_steps = sorted(available)
         mine: dict[str, object] = {
             "steps": my_steps,
@@ -210,9 +276,7 @@ class Trainer:
 
 
 def main() -> int:
-    logging.basicConfig(
-        level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s: %(message)s"
-    )
+    configure_worker_logging("warning", text_format="%(name)s %(levelname)s: %(message)s")
     try:
         cfg = WorkloadConfig.from_env()
     except ConfigError as exc:
@@ -235,6 +299,9 @@ def main() -> int:
     except ConfigError as exc:
         trainer.say(f"error: {exc}")
         code = EXIT_CONFIG
+    except CheckpointSavesRefused as exc:
+        trainer.say(f"stopped: {exc}")
+        code = EXIT_ERROR
     except Exception:
         log.exception("workload failed")
         code = EXIT_ERROR

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from resiliency_protocol import worker_env
 from training.errors import TrainingError
 
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
@@ -97,7 +98,9 @@ class TorchWorkloadConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:
         env = os.environ if env is None else env
         values: dict[str, object] = {}
-        attempt = env.get("WORKLOAD_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT") or "0"
+        attempt = (
+            env.get(worker_env.WORKLOAD_ATTEMPT) or env.get("TORCHELASTIC_RESTART_COUNT") or "0"
+        )
         values["attempt"] = attempt.strip()[:64]
         for field in fields(cls):
             if field.name == "attempt":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import sys
 import time
 from dataclasses import replace
@@ -34,7 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from resiliency_protocol.logs import configure_worker_logging
 from training.checkpoint import Checkpointer, CheckpointSettings
+from training.healing import abandon_process_group, first_line, wait_for_master
 from training.torch_workload.config import ConfigError, TorchWorkloadConfig
 from training.torch_workload.model import batch
 from training.torch_workload.parallel import Built, build, weights_sha256
@@ -68,7 +69,7 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
             client.close()
             return EXIT_NO_WORLD
         cfg = enter_world(cfg, *world)
-        wait_for_master(cfg, cfg.world_wait_s)
+        wait_for_master(cfg.rank, cfg.world_wait_s)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
     if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
         raise ConfigError("RANK / WORLD_SIZE differ from the process group's")
@@ -136,7 +137,7 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
             if world is None:
                 return EXIT_PEER_LOST
             cfg = enter_world(cfg, *world)
-            wait_for_master(cfg, cfg.peer_loss_wait_s)
+            wait_for_master(cfg.rank, cfg.peer_loss_wait_s)
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
             if dist.get_rank() != cfg.rank or dist.get_world_size() != cfg.world_size:
                 raise ConfigError("the new world gives this process another RANK / WORLD_SIZE")
@@ -221,38 +222,6 @@ def enter_world(cfg: TorchWorkloadConfig, attempt: str, env: dict[str, str]) -> 
     return replace(cfg, attempt=attempt, world_size=world_size)
 
 
-def wait_for_master(cfg: TorchWorkloadConfig, timeout_s: float) -> None:
-    """Until rank 0's rendezvous store accepts connections (rank 0 itself opens it).
-
-    In a new world the ranks are told at once but start unevenly (a replacement imports
-    torch first). A rank that reaches the store before it listens is sent by
-    torch.distributed into a randomised retry delay that reached 40 s here: probing with
-    a plain connection first keeps the join to the moment rank 0 is up."""
-    if cfg.rank == 0:
-        return
-    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.02)
-
-
-def abandon_process_group() -> None:
-    """Leave a process group whose peer is gone (its collectives already failed)."""
-    try:
-        dist.destroy_process_group()
-    except Exception as exc:  # a broken group may fail to tear down: it is left behind
-        log.warning("leaving the failed process group: %s", first_line(exc))
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
 def wait_for_new_world(
     cfg: TorchWorkloadConfig, step: int, client: WorkerClient
 ) -> tuple[str, dict[str, str]] | None:
@@ -274,9 +243,7 @@ def wait_for_new_world(
 
 
 def main() -> int:
-    logging.basicConfig(
-        level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s: %(message)s"
-    )
+    configure_worker_logging("warning", text_format="%(name)s %(levelname)s: %(message)s")
     try:
         cfg = TorchWorkloadConfig.from_env()
         settings = CheckpointSettings.from_env()

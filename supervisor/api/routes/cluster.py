@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
 
 from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.node_status import NodeStatus
 from supervisor.api.schemas import JobOut, NodeOut
-from supervisor.domain import NodeState
+from supervisor.domain import NodeState, NodeView
 from supervisor.job_state import job_state
 from supervisor.runtime import Supervisor
 
@@ -16,7 +19,13 @@ router = APIRouter(prefix="/api/v1", tags=["cluster"], dependencies=[Reader])
 @router.get("/nodes", response_model=list[NodeOut], summary="All nodes")
 async def list_nodes(
     supervisor: SupervisorDep,
-    state: NodeState | None = None,
+    state: Annotated[
+        NodeState | None, Query(description="As its host monitor reported it.")
+    ] = None,
+    status: Annotated[
+        list[NodeStatus] | None,
+        Query(description="What the node is now (lost, failed, draining, ...); repeatable."),
+    ] = None,
     job: str | None = None,
     alive: bool | None = None,
 ) -> list[NodeOut]:
@@ -31,7 +40,10 @@ async def list_nodes(
             continue
         if alive is not None and view.alive is not alive:
             continue
-        out.append(NodeOut.of(view, sensor.heartbeat_age_s(name)))
+        node = node_out(supervisor, view)
+        if status and node.status not in status:
+            continue
+        out.append(node)
     return out
 
 
@@ -40,7 +52,18 @@ async def get_node(supervisor: SupervisorDep, name: str) -> NodeOut:
     view = supervisor.sensor.node_view(name)
     if view is None:
         raise HTTPException(404, f"node {name!r} not found")
-    return NodeOut.of(view, supervisor.sensor.heartbeat_age_s(name))
+    return node_out(supervisor, view)
+
+
+def node_out(supervisor: Supervisor, view: NodeView) -> NodeOut:
+    sensor, settings = supervisor.sensor, supervisor.settings
+    return NodeOut.of(
+        view,
+        sensor.heartbeat_age_s(view.name),
+        timeout_s=settings.heartbeat_timeout_s,
+        dry_run=settings.dry_run,
+        flapping_clears_in_s=sensor.flapping_clears_in_s(view.name),
+    )
 
 
 @router.get("/jobs", response_model=list[JobOut], summary="All jobs")

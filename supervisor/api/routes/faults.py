@@ -7,10 +7,11 @@ import asyncio
 from fastapi import APIRouter, HTTPException, status
 
 from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
+from supervisor.api.drill_schemas import DrillIn
 from supervisor.api.routes.common import RecordId
 from supervisor.api.schemas import FaultIn, FaultOut
 from supervisor.errors import FaultNotSupported, UnknownTarget
-from supervisor.faults import FaultSpec
+from supervisor.fault_injection import FaultSpec
 
 router = APIRouter(
     prefix="/api/v1/faults", tags=["faults"], dependencies=[Operator, FaultInjection]
@@ -21,7 +22,7 @@ router = APIRouter(
     "", response_model=FaultOut, status_code=status.HTTP_201_CREATED, summary="Inject a fault"
 )
 async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
-    job = body.job
+    job = body.target_job()
     if body.node is not None:
         view = supervisor.sensor.node_view(body.node)
         if view is None:
@@ -33,6 +34,7 @@ async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
         job=job,
         params=body.params(),
         schedule=body.schedule_of(),
+        drill=body.schedule.drill() if isinstance(body.schedule, DrillIn) else None,
     )
     try:
         fault, events = await supervisor.inject_fault(spec)

@@ -20,10 +20,10 @@ from supervisor.goodput.advice import (
     CheckpointAdvice,
     advise_from_report,
     estimate_mtbf,
-    ramdisk_sizing,
 )
 from supervisor.goodput.history import HistorySources
 from supervisor.goodput.model import Badput, GoodputReport
+from supervisor.goodput.ramdisk import ramdisk_sizing
 from supervisor.goodput.service import GoodputService
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["goodput"], dependencies=[Reader])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
 from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
@@ -24,6 +25,7 @@ from supervisor.identity.authenticator import AgentAuthenticator, ReviewUnavaila
 from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
 from supervisor.sensor.sensor import UNCHANGED, RankClaimed
+from supervisor.sensor.worlds import StaleWorldReport
 
 PATH = "/api/v1/heartbeats"
 MAX_BODY = 1 << 20
@@ -45,6 +47,8 @@ class HeartbeatEndpoint:
         # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
         # what it already validated for the node; it changes nothing if it is invalid.
         self._ingest = supervisor.sensor.ingest
+        # Worker reports of an older world than their job's newest are never applied.
+        self._fence = supervisor.worlds.heartbeat
         self._max_skew_s = supervisor.settings.agent_clock_skew_s
         counter = supervisor.metrics.heartbeats_rejected
         self._rejected = {reason: counter.labels(reason.value) for reason in HeartbeatRejection}
@@ -114,6 +118,13 @@ class HeartbeatEndpoint:
                 self._rejected[HeartbeatRejection.INVALID].inc()
                 await _invalid(send, HeartbeatError(exc.loc, exc.message))
                 return
+        try:
+            fenced = self._fence(hb)
+        except StaleWorldReport as exc:
+            await _reply(send, 409, {**msgspec.structs.asdict(exc.reply), "detail": str(exc)})
+            return
+        if fenced is not hb:  # ended workers of an older world left out: not the body's
+            hb, body = fenced, None
         try:
             # Inline, not deferred: queuing the heartbeats of one loop turn to parse and apply
             # them together (warmer caches) cost more in futures and wake-ups than it saved,
@@ -267,8 +278,10 @@ def openapi_operation(schema_ref: str) -> dict[str, Any]:
                 "409": {
                     **error,
                     "description": "A worker claims a rank of its job that another alive node "
-                    "reports running: `message` names the rank and that node. Nothing was "
-                    "recorded.",
+                    "reports running: `message` names the rank and that node; or (`code` "
+                    "`stale_world`) live workers of an older world than the job's newest "
+                    "(`world`): the host monitor stops `ranks` and reports again. Nothing "
+                    "was recorded.",
                 },
                 "413": {**error, "description": "Body too large."},
                 "415": {**error, "description": "A Content-Type other than JSON."},

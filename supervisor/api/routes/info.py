@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from supervisor.api.deps import Credentials, Reader, SupervisorDep
-from supervisor.faults import SENSOR_FAULTS
+from supervisor.fault_injection import SENSOR_FAULTS
 
 router = APIRouter(prefix="/api/v1", tags=["info"], dependencies=[Reader])
 

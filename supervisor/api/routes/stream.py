@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from supervisor.api.deps import Reader, SupervisorDep
 from supervisor.api.schemas import ActionOut, EventOut
 from supervisor.domain import ActionRecord, Event
-from supervisor.notify import Hub, Item, Message
+from supervisor.live_hub import Hub, Item, Message
 
 router = APIRouter(prefix="/api/v1", tags=["stream"], dependencies=[Reader])
 

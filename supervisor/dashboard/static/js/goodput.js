@@ -5,9 +5,10 @@ import { api, query } from "./api.js";
 import { $, debounce, h, replaceChildren, s, setOptions } from "./dom.js";
 import { clock, duration, percent } from "./format.js";
 
-// As often as the node cards, nearly: the panel's last step and wall time keep up with
-// them (the server reuses a result for twice what it cost to compute).
-const REFRESH_MS = 5000;
+// The figure moves slowly between incidents; what changes it (the job's events and
+// actions, from the live stream) refreshes it within a moment. Reading it every few
+// seconds from each open tab cost a large job's supervisor more than all its nodes' views.
+const REFRESH_MS = 30000;
 const POINTS = 24;
 
 /** Badput causes, in the order they are stacked, with their labels and colours. */

@@ -7,6 +7,7 @@ import { Faults } from "./faults.js";
 import { words } from "./format.js";
 import { Goodput } from "./goodput.js";
 import { History } from "./history.js";
+import { Maintenance } from "./maintenance.js";
 import { Nodes } from "./nodes.js";
 import { LiveStream } from "./stream.js";
 
@@ -40,7 +41,11 @@ class Dashboard {
   constructor() {
     this.announcer = new Announcer($("#announcer"));
     this.history = new History({ announce: (t) => this.announcer.say(t) });
-    this.nodes = new Nodes({ onChange: (nodes) => this.nodesChanged(nodes) });
+    this.nodes = new Nodes({
+      onChange: (nodes) => this.nodesChanged(nodes),
+      maintenanceOf: (name) => this.maintenance.of(name),
+    });
+    this.maintenance = new Maintenance({ onChange: () => this.nodes.render() });
     this.faults = new Faults();
     this.goodput = new Goodput();
     this.stream = new LiveStream({
@@ -50,7 +55,6 @@ class Dashboard {
     });
     this.jobs = [];
     this.loaded = false;
-    this.refreshNodes = debounceLeading(() => this.nodes.load(), 300);
     this.refreshJobs = debounceLeading(() => this.loadJobs(), 1000);
     onUnauthorized(() => this.signIn("The operator token was refused. Enter it again."));
     $("#login-form").addEventListener("submit", (e) => this.submitToken(e));
@@ -88,6 +92,7 @@ class Dashboard {
     button.hidden = false;
     button.textContent = token() ? "Forget token" : "Enter operator token";
     this.faults.setInfo(info);
+    this.maintenance.setInfo(info);
     this.stream.start();
     // The stream's first message (resync) loads everything; if it cannot connect, load
     // anyway so the page shows the history while it keeps trying.
@@ -130,7 +135,13 @@ class Dashboard {
 
   async loadAll() {
     this.loaded = true;
-    await Promise.all([this.nodes.load(), this.loadJobs(), this.history.reload(), this.faults.load()]);
+    await Promise.all([
+      this.nodes.load(),
+      this.loadJobs(),
+      this.history.reload(),
+      this.faults.load(),
+      this.maintenance.load(),
+    ]);
   }
 
   async loadJobs() {
@@ -153,14 +164,14 @@ class Dashboard {
       this.history.onEvent(data);
       this.nodes.onEvent(data);
       this.goodput.onEvent(data);
-      this.refreshNodes();
       if (data.job && !this.jobs.some((j) => j.name === data.job)) this.refreshJobs();
       if (data.fault_id !== null) this.faults.load();
       this.announcer.say(`Event ${words(data.type)}${data.node ? ` on ${data.node}` : ""}`);
     } else if (kind === "action") {
       this.history.onAction(data);
       this.goodput.onEvent(data);
-      if (data.status === "succeeded") this.refreshNodes();
+      this.nodes.onAction(data);
+      this.maintenance.onAction(data);
       const target = data.node ?? data.job ?? "";
       this.announcer.say(`Action ${words(data.type)}${target ? ` on ${target}` : ""}: ${data.status}`);
     }

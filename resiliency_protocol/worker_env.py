@@ -1,0 +1,29 @@
+"""The environment variables a worker process is started with and reads: the host
+monitor and the supervisor set them, the training side reads them. Each name is written
+here once. Imports nothing from supervisor, host_monitor or training.
+"""
+
+from __future__ import annotations
+
+#: The worker's global and node-local rank (torchrun's names).
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+#: Where the worker reaches its node's host monitor, and the bearer token it sends.
+HOST_MONITOR_URL = "HOST_MONITOR_URL"
+HOST_MONITOR_WORKER_TOKEN = "HOST_MONITOR_WORKER_TOKEN"
+#: The host monitor's TLS: the CA bundle that verifies it, and the name its certificate is
+#: checked against instead of the URL's host.
+HOST_MONITOR_CA_FILE = "HOST_MONITOR_CA_FILE"
+HOST_MONITOR_SERVER_NAME = "HOST_MONITOR_SERVER_NAME"
+#: The file that holds the id of the emergency checkpoint the worker is signalled for.
+HOST_MONITOR_REQUEST_FILE = "HOST_MONITOR_REQUEST_FILE"
+#: The job the worker belongs to (a spare host monitor learns its job from it).
+HOST_MONITOR_JOB = "HOST_MONITOR_JOB"
+#: The torch.distributed world the worker starts in (the job's attempt).
+WORKLOAD_ATTEMPT = "WORKLOAD_ATTEMPT"
+#: What the worker runs in, once: on Kubernetes its pod's UID (the downward API).
+POD_UID = "POD_UID"
+#: The checkpoint tiers' directories and the durable tier's URL.
+CHECKPOINT_RAM_DIR = "CHECKPOINT_RAM_DIR"
+CHECKPOINT_DURABLE_DIR = "CHECKPOINT_DURABLE_DIR"
+CHECKPOINT_DURABLE_URL = "CHECKPOINT_DURABLE_URL"

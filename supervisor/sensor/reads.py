@@ -1,0 +1,124 @@
+"""What the rest of the supervisor reads of the sensor's picture.
+
+The node and job records are the sensor's own: others read them through these methods
+(views, names, a few facts), never the records themselves. `Sensor` has them from
+`SensorReads`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from supervisor.config_parts import SensingSettings
+from supervisor.domain import JobView, NodeState, NodeView, wall_time
+from supervisor.sensor.clock import SensorClock
+from supervisor.sensor.finishing import SensedPhase, phase
+from supervisor.sensor.jobs import JobRecord
+from supervisor.sensor.nodes import NodeRecord
+
+
+class SensorReads(SensorClock):
+    # What `Sensor` sets up.
+    settings: SensingSettings
+    _nodes: dict[str, NodeRecord]
+    _jobs: dict[str, JobRecord]
+
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes
+
+    def has_job(self, name: str) -> bool:
+        return name in self._jobs
+
+    def node_names(self) -> list[str]:
+        """Every node the sensor knows (alive or not), sorted."""
+        return sorted(self._nodes)
+
+    def job_names(self) -> list[str]:
+        """Every job the sensor knows, sorted."""
+        return sorted(self._jobs)
+
+    def node_address(self, name: str) -> str | None:
+        """Where the node's host monitor listens, as its last heartbeat said."""
+        node = self._nodes.get(name)
+        return node.address if node is not None else None
+
+    def healthy_nodes(self) -> list[tuple[str, NodeState, bool]]:
+        """(name, state, cordoned) of each node alive and not flapping: those that may
+        serve as spares. Read from the records, without building every node's view."""
+        return [
+            (node.name, node.state, node.cordoned)
+            for node in self._nodes.values()
+            if node.alive and not node.flapping
+        ]
+
+    def running_jobs(self) -> set[str]:
+        """The jobs of which some node reports running."""
+        running = NodeState.RUNNING
+        nodes = self._nodes
+        return {
+            name
+            for name, job in self._jobs.items()
+            if any((node := nodes.get(n)) is not None and node.state is running for n in job.nodes)
+        }
+
+    def job_steps(self) -> list[tuple[str, int, float]]:
+        """(job, newest step, Unix time the sensor first saw it) for each job with a step."""
+        loop_now = self._clock()
+        wall_now = wall_time()
+        return [
+            (name, job.progress.max_step, wall_now - (loop_now - job.progress.last_progress))
+            for name, job in self._jobs.items()
+            if job.progress.max_step >= 0
+        ]
+
+    def node_view(self, name: str) -> NodeView | None:
+        node = self._nodes.get(name)
+        return node.view(self._wall_offset()) if node else None
+
+    def job_view(self, name: str) -> JobView | None:
+        job = self._jobs.get(name)
+        return job.view() if job else None
+
+    def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
+        offset = self._wall_offset()
+        return (
+            {name: n.view(offset) for name, n in self._nodes.items()},
+            {
+                name: replace(j.view(), phase=self.job_phase(name) or "running")
+                for name, j in self._jobs.items()
+            },
+        )
+
+    def heartbeat_age_s(self, name: str) -> float | None:
+        node = self._nodes.get(name)
+        if node is None:
+            return None
+        return max(0.0, wall_time() - node.last_heartbeat(self._wall_offset()))
+
+    def flapping_clears_in_s(self, name: str) -> float | None:
+        """Seconds until a flapping node that is up loses the mark: it is cleared by the
+        first heartbeat after `flap_window_s` of steady heartbeats. None: not flapping,
+        or lost (the steady time starts when it is heard again)."""
+        node = self._nodes.get(name)
+        if node is None or not node.flapping or not node.alive:
+            return None
+        return max(0.0, node.up_since + self.settings.flap_window_s - self._clock())
+
+    def job_phase(self, job_name: str) -> SensedPhase | None:
+        """running, finishing or finished (supervisor/sensor/finishing.py); None: unknown."""
+        job = self._jobs.get(job_name)
+        if job is None:
+            return None
+        nodes = [n for n in (self._nodes.get(n) for n in job.nodes) if n is not None]
+        # Their views, kept until the workers change: not decoded again on each read.
+        workers = [w for n in nodes if n.alive for w in n.worker_views()]
+        if not any(n.alive for n in nodes):
+            # Every node gone (the hosts of a job that ended exit, pods are deleted): what
+            # they said last, but a node taken out of service (one a hot-swap replaced)
+            # speaks for no rank any more. Workers last seen at work count as at work.
+            workers = [w for n in nodes if not n.cordoned for w in n.worker_views()]
+        return phase(job.finishing_since, workers)
+
+    def hang_timeout_s(self, job_name: str) -> float | None:
+        job = self._jobs.get(job_name)
+        return job.progress.timeout_s if job and job.progress.watching else None

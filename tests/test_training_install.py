@@ -1,0 +1,125 @@
+"""A training image's install: `pip install 'resiliency-supervisor[training]'` in a clean
+virtual environment brings what the training processes import and nothing of the
+service; a save and a restore of a PyTorch state then run there, and the service's
+command says which extra it needs instead of failing with a traceback.
+
+Slow-ish (a wheel of the project is built, torch's dependencies come from pip's cache),
+so the one environment is made once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import venv
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICE_ONLY = ("fastapi", "uvicorn", "sqlalchemy", "alembic", "psycopg", "kubernetes")
+SERVICE_ONLY += ("pydantic_settings", "prometheus_client", "pynvml", "numpy")
+
+# Run with the clean environment's Python, from a directory outside the repository, so
+# that every import comes from what was installed.
+SAVE_AND_RESTORE = r"""
+import importlib.util, json, sys, tempfile
+import torch
+from training.checkpoint import Checkpointer, CheckpointSettings
+
+root = tempfile.mkdtemp()
+settings = CheckpointSettings(
+    in_memory_checkpointing_freq=2, s3_checkpointing_freq=4,
+    ram_dir=f"{root}/ram", durable_dir=f"{root}/durable", enable_peer_ckpt=False,
+)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.AdamW(model.parameters())
+ckpt = Checkpointer(model, opt, settings=settings, job="install")
+assert ckpt.restore() == 0
+for step in range(1, 5):
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step(); opt.zero_grad()
+    ckpt.step_done(step)
+ckpt.close()
+fresh = torch.nn.Linear(8, 8)
+again = Checkpointer(fresh, torch.optim.AdamW(fresh.parameters()), settings=settings, job="install")
+restored = again.restore()
+again.close()
+pairs = zip(model.state_dict().values(), fresh.state_dict().values())
+same = all(torch.equal(a, b) for a, b in pairs)
+missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]
+print(json.dumps({"restored": restored, "same": same, "absent": missing,
+                  "training_from": __import__("training").__file__}))
+"""
+
+
+@pytest.fixture(scope="module")
+def training_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("training-install")
+    env_dir = home / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    _link_torch(python, home / "torch")
+    subprocess.run([*pip, f"{REPO}[training]"], check=True, timeout=600, cwd=home)
+    yield python
+
+
+def _link_torch(python: Path, into: Path) -> None:
+    """The exact torch build this machine's tests use, linked into the clean environment
+    (torch and its distribution record only: pip sees it installed and brings its
+    dependencies itself). Unpacking the same 750 MB again would prove nothing more."""
+    installed = Path(torch.__file__).resolve().parents[1]
+    into.mkdir()
+    for name in ("torch", "torchgen", "functorch", f"torch-{torch.__version__}.dist-info"):
+        if (installed / name).exists():
+            (into / name).symlink_to(installed / name)
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(site) / "linked_torch.pth").write_text(f"{into}\n")
+
+
+def test_the_training_extra_saves_and_restores_without_the_service(
+    training_env: Path, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [str(training_env), "-c", SAVE_AND_RESTORE, *SERVICE_ONLY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["restored"] == 4 and result["same"], result
+    # Installed, not read from this checkout; and none of the service's packages came.
+    assert not result["training_from"].startswith(str(REPO)), result
+    assert sorted(result["absent"]) == sorted(SERVICE_ONLY), result
+
+
+@pytest.mark.parametrize(
+    ("command", "extra"), [("supervisor", "server"), ("host-monitor", "host-monitor")]
+)
+def test_the_service_commands_name_the_extra_they_need(
+    training_env: Path, tmp_path: Path, command: str, extra: str
+) -> None:
+    done = subprocess.run(
+        [str(training_env.parent / command), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.endswith(f"pip install 'resiliency-supervisor[{extra}]'"), line

@@ -1,0 +1,175 @@
+"""In-process healing for a training script of your own: its processes outlive a fault.
+
+When a rank fails, the supervisor (asked to heal in-process: `supervisor run
+--in-process`, the local backend's `JobSpec.in_process_restart`, a JobSet's annotation)
+stops and starts anew only the failed node's ranks and hands every other rank a new
+world through its host monitor: MASTER_ADDR, a fresh MASTER_PORT, WORLD_SIZE and the
+attempt. A surviving rank leaves the failed process group, joins the new one, and goes
+on from the state it holds (`Checkpointer.restore(in_memory=True)` rewinds the failed
+step); the new ranks load that step from the tiers. Python's start, torch's import and
+the load of every survivor are saved.
+
+The script's loop becomes one pass per world::
+
+    healing = InProcessHealing(client, backend="gloo")
+    for world in healing.worlds():  # the first world, then one per in-process heal
+        start = ckpt.restore(in_memory=world.rejoined)
+        ddp = DistributedDataParallel(model)  # wrapped again in each world
+        with world.train():  # a collective that fails ends this world, not the process
+            for step in range(start + 1, total + 1):
+                ...
+        del ddp  # its hooks on the parameters go with it
+
+A failed collective (a peer gone) ends `world.train()` quietly; `worlds()` then leaves
+the process group and waits, up to `peer_loss_wait_s` (PEER_LOSS_WAIT_S, 120 s), for the
+next world; meanwhile the worker client's thread serves the supervisor's emergency
+checkpoint from the last completed step. No world within that time (the supervisor
+restarts every rank with new processes instead, or no host monitor is there to ask):
+`NoNewWorld`, with the collective's error as its cause, and the process ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from training.errors import TrainingError
+from training.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+#: How long a rank whose collective failed waits for a new world (seconds).
+DEFAULT_PEER_LOSS_WAIT_S = 120.0
+
+
+class NoNewWorld(TrainingError):
+    """A collective failed and no new world came within `peer_loss_wait_s`."""
+
+
+@dataclass
+class World:
+    """One world this process trains in: `attempt` (WORKLOAD_ATTEMPT), and whether this
+    process came into it from an older one holding its state (`rejoined`)."""
+
+    attempt: str
+    rejoined: bool
+    #: The collective error that ended it, if one did.
+    failure: RuntimeError | None = field(default=None, repr=False)
+
+    @contextmanager
+    def train(self) -> Iterator[None]:
+        """The body that trains in this world: a RuntimeError (what torch.distributed
+        raises when a peer is gone) ends it and is kept as `failure`."""
+        try:
+            yield
+        except RuntimeError as exc:
+            self.failure = exc
+            log.warning("world %s ended: %s", self.attempt, first_line(exc))
+
+
+class InProcessHealing:
+    """The worlds of one rank: the first from its environment, each next one from its
+    host monitor after a collective failed."""
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        *,
+        backend: str = "gloo",
+        timeout: timedelta | None = None,
+        peer_loss_wait_s: float | None = None,
+    ) -> None:
+        self.client = client
+        self.backend = backend
+        self.timeout = timeout
+        wait = peer_loss_wait_s
+        if wait is None:
+            wait = float(os.environ.get("PEER_LOSS_WAIT_S", DEFAULT_PEER_LOSS_WAIT_S))
+        if wait < 0:
+            raise ValueError(f"peer_loss_wait_s must be >= 0, got {wait}")
+        self.peer_loss_wait_s = wait
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    def worlds(self) -> Iterator[World]:
+        """Yield the first world, then a new one each time the last ended on a failed
+        collective; return once a world's training ended without one."""
+        self._join()
+        world = World(self.client.attempt or os.environ.get("WORKLOAD_ATTEMPT", "0"), False)
+        # Registered once in the process group: the supervisor then knows this rank
+        # trains in this attempt's world.
+        self.client.register(world_size=dist.get_world_size())
+        while True:
+            yield world
+            if world.failure is None:
+                return
+            failure = world.failure
+            abandon_process_group()
+            assigned = self._next_world()
+            if assigned is None:
+                raise NoNewWorld(
+                    f"rank {self.rank}: a collective failed and no new world came within "
+                    f"PEER_LOSS_WAIT_S={self.peer_loss_wait_s:g}s"
+                ) from failure
+            attempt, env = assigned
+            os.environ.update(env)
+            wait_for_master(self.rank, self.peer_loss_wait_s)
+            self._join()
+            self.client.joined(attempt)
+            world = World(attempt, True)
+
+    def _join(self) -> None:
+        dist.init_process_group(self.backend, timeout=self.timeout)
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if dist.get_rank() != self.rank or dist.get_world_size() != size:
+            raise TrainingError(
+                f"the process group gives this process rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, its environment RANK={self.rank} of WORLD_SIZE={size}"
+            )
+
+    def _next_world(self) -> tuple[str, dict[str, str]] | None:
+        """Hold the state (the emergency checkpoint may save it) until the host monitor
+        hands a new world; None without one in time, or without a host monitor."""
+        if not self.client.online:
+            return None
+        log.warning("rank %d: waiting for a new world", self.rank)
+        return self.client.new_world(self.peer_loss_wait_s)
+
+
+def wait_for_master(rank: int, timeout_s: float) -> None:
+    """Until rank 0's rendezvous store accepts connections (rank 0 itself opens it).
+
+    In a new world the ranks are told at once but start unevenly (a replacement imports
+    torch first). A rank that reaches the store before it listens is sent by
+    torch.distributed into a randomised retry delay that reached 40 s here: probing with
+    a plain connection first keeps the join to the moment rank 0 is up."""
+    if rank == 0:
+        return
+    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.02)
+
+
+def abandon_process_group() -> None:
+    """Leave a process group whose peer is gone (its collectives already failed)."""
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a broken group may fail to tear down: it is left behind
+        log.warning("leaving the failed process group: %s", first_line(exc))
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
