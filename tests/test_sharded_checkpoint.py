@@ -125,6 +125,21 @@ def test_fsdp2_resume_from_ram_is_bit_exact(tmp_path: Path, fsdp_reference: str)
     assert one(second, "full_sha256") == fsdp_reference
 
 
+def test_no_step_every_rank_can_load_starts_as_fresh_as_a_run_never_interrupted(
+    tmp_path: Path, fsdp_reference: str
+) -> None:
+    """Rank 1's shards are gone from every tier, rank 0's are there: listing them reads a
+    state dict, which makes AdamW's state; starting from step 0 must find it fresh."""
+    run_job(tmp_path, "first", 2, stop_at=13)
+    shutil.rmtree(tmp_path / "ram" / "node-1")
+    for step in fmt.committed_steps(tmp_path / "durable", 1):
+        fmt.remove_step(tmp_path / "durable", step, 1)
+    assert fmt.committed_steps(tmp_path / "durable", 0) == [10]
+    second = run_job(tmp_path, "second", 2)
+    assert {r["restored"] for r in second.values()} == {0}
+    assert one(second, "full_sha256") == fsdp_reference
+
+
 def test_a_committed_step_is_a_standard_dcp_checkpoint(tmp_path: Path) -> None:
     run_job(tmp_path, "first", 2, stop_at=10)
     step = fmt.step_dir(tmp_path / "durable", 10)

@@ -438,16 +438,17 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
                     f"rank {dist.get_rank()}"
                 )
             self.world_size = self._saver.world_size = dist.get_world_size()
+        # Reading a state dict makes a fresh optimizer's state (DCP's helper steps it
+        # with no gradient), and listing a sharded state's candidates reads one: if
+        # nothing is loaded after all, it must be fresh again (Adam's step count).
+        optimizer = self.state.optimizer
+        self._fresh_optimizer = optimizer is not None and not optimizer.state
         self._fence.entered()
         self._restorer.starts = self._agreed_starts()
         self._fence.adopt(self._restorer.starts)
         candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.
         held = self._completed if in_memory and not self._mid_step else None
-        # Reading a state dict makes a fresh optimizer's state (DCP's helper steps it
-        # with no gradient): if nothing is loaded after all, it must be fresh again.
-        optimizer = self.state.optimizer
-        self._fresh_optimizer = optimizer is not None and not optimizer.state
         try:
             step = self._agree_and_load(candidates, held, started)
             self._fence.record(step)  # before any commit of this world

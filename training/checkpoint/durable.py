@@ -27,7 +27,7 @@ import re
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -72,7 +72,9 @@ class DurableStore(ABC):
         """The committed manifest; CheckpointCorrupt when missing or unreadable."""
 
     @abstractmethod
-    def retain(self, rank: int, keep: int) -> list[int]: ...
+    def retain(self, rank: int, keep: int, aside: Iterable[int] = ()) -> list[int]:
+        """Remove all but the newest `keep` committed steps of `rank` (`aside`: emergency
+        saves, see `format.beyond_retention`); returns those removed."""
 
     @abstractmethod
     def remove_temporaries(self, rank: int) -> None: ...
@@ -138,9 +140,9 @@ class LocalStore(DurableStore):
         assert self.root is not None
         return fmt.read_manifest(fmt.rank_dir(self.root, step, rank), step=step, rank=rank)
 
-    def retain(self, rank: int, keep: int) -> list[int]:
+    def retain(self, rank: int, keep: int, aside: Iterable[int] = ()) -> list[int]:
         assert self.root is not None
-        return fmt.retain(self.root, rank, keep)
+        return fmt.retain(self.root, rank, keep, aside=aside)
 
     def remove_temporaries(self, rank: int) -> None:
         assert self.root is not None
@@ -267,14 +269,15 @@ class ObjectStore(DurableStore):
             list(pool.map(upload, names))
         self.bucket.put_bytes(base + fmt.MANIFEST, manifest.to_json().encode())
 
-    def retain(self, rank: int, keep: int) -> list[int]:
-        """Every object of this rank's steps but the newest `keep` committed ones, the
-        leftovers of uploads cut short included."""
+    def retain(self, rank: int, keep: int, aside: Iterable[int] = ()) -> list[int]:
+        """Every object of this rank's steps but the newest `keep` committed ones
+        (`aside`: emergency saves, see `format.beyond_retention`), the leftovers of
+        uploads cut short included."""
         steps = self._steps()
         committed = [
             s for s in steps if self.bucket.size(self._dir(s, rank) + fmt.MANIFEST) is not None
         ]
-        kept = set(committed[max(0, len(committed) - keep) :])
+        kept = set(committed) - set(fmt.beyond_retention(committed, keep, aside))
         removed = []
         for step in steps:
             if step not in kept and self._remove(step, rank) and step in committed:

@@ -357,12 +357,30 @@ def remove_step(root: Path, step: int, rank: int) -> None:
         parent.rmdir()  # only when no other rank's directory is left
 
 
-def retain(root: Path, rank: int, keep: int, *, protect: Iterable[int] = ()) -> list[int]:
-    """Remove all but the newest `keep` committed steps of `rank`; returns those removed.
-    Steps in `protect` (being copied elsewhere) stay."""
-    steps = committed_steps(root, rank)
+def beyond_retention(steps: Iterable[int], keep: int, aside: Iterable[int] = ()) -> list[int]:
+    """Which of `steps` retention removes: all but the newest `keep` of those not `aside`.
+    Steps `aside` (emergency saves) do not count: each stays while it is newer than the
+    oldest step kept, so that an emergency save never pushes out the periodic step that a
+    rank which could not save it (the failed one) shares with the others."""
+    extra = set(aside)
+    regular = sorted(s for s in steps if s not in extra)
+    kept = regular[max(0, len(regular) - keep) :]
+    oldest = kept[0] if kept else None
+    return sorted(
+        s for s in steps if s not in kept and not (s in extra and (oldest is None or s > oldest))
+    )
+
+
+def retain(
+    root: Path, rank: int, keep: int, *, protect: Iterable[int] = (), aside: Iterable[int] = ()
+) -> list[int]:
+    """Remove all but the newest `keep` committed steps of `rank` (`aside`: emergency
+    saves, see `beyond_retention`); returns those removed. Steps in `protect` (being
+    copied elsewhere) stay."""
     protected = set(protect)
-    removed = [s for s in steps[: max(0, len(steps) - keep)] if s not in protected]
+    removed = [
+        s for s in beyond_retention(committed_steps(root, rank), keep, aside) if s not in protected
+    ]
     for step in removed:
         remove_step(root, step, rank)
     return removed

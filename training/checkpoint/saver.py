@@ -114,6 +114,8 @@ class Saver:
         self.fence = fence
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
+        #: Per tier, the steps emergency saves committed: retention does not count them.
+        self.emergency_steps: dict[str, set[int]] = {"ram": set(), "durable": set()}
         self._idle = threading.Event()
         self._idle.set()
         self._lock = threading.Lock()
@@ -240,10 +242,15 @@ class Saver:
                     )
                 )
         if job.emergency:
-            # An emergency save adds to the tiers and evicts nothing: with a sharded state
-            # a rank that could not save it (the dead one) needs the periodic step the
-            # others still hold. The next periodic save's retention removes the surplus.
+            # An emergency save adds to the tiers and evicts nothing, nor counts in a later
+            # retention: with a sharded state a rank that could not save it (the dead one)
+            # needs the periodic step the others still hold.
+            self.emergency_steps["ram" if job.to_ram else "durable"].add(job.step)
+            if job.to_ram and job.to_durable and durable_ok:
+                self.emergency_steps["durable"].add(job.step)
             return
+        for tier in ("ram", "durable") if job.to_durable and durable_ok else ("ram",):
+            self.emergency_steps[tier].discard(job.step)  # saved again as a periodic step
         if job.to_ram and self.ram_root is not None:
             # A state in pieces keeps one step more: a rank killed while writing the
             # newest one still shares the step before it with the ranks that committed.
@@ -251,12 +258,14 @@ class Saver:
             keep = max(self.ram_keep, 2) if pieces else self.ram_keep
             if self.fence is not None:
                 self.fence.drop_shadowed("ram", self.rank)
-            fmt.retain(self.ram_root, self.rank, keep)
+            aside = self.emergency_steps["ram"]
+            aside -= set(fmt.retain(self.ram_root, self.rank, keep, aside=aside))
         if job.to_durable and self.durable is not None and durable_ok:
             try:
                 if self.fence is not None:
                     self.fence.drop_shadowed("durable", self.rank)
-                self.durable.retain(self.rank, self.durable_keep)
+                aside = self.emergency_steps["durable"]
+                aside -= set(self.durable.retain(self.rank, self.durable_keep, aside=aside))
             except Exception as exc:  # the step is committed: retention runs again next time
                 log.warning("checkpoint: durable retention failed: %r", exc)
 
