@@ -43,11 +43,22 @@ def workload(request: pytest.FixtureRequest) -> str:
     return name
 
 
+_references: dict[tuple[int, int, int, str], Any] = {}
+
+
 def reference_weights(
     tmp: Path, replicas: int, nodes_per_dp: int, steps: int, workload: str = "numpy"
 ) -> Any:
     """Final weights of an uninterrupted run (offline workers, no monitor): the shards
-    (numpy), or the weights' hash (torch)."""
+    (numpy), or the weights' hash (torch). Deterministic: run once per job shape for
+    every test of the session."""
+    key = (replicas, nodes_per_dp, steps, workload)
+    if key not in _references:
+        _references[key] = run_reference(tmp, replicas, nodes_per_dp, steps, workload)
+    return _references[key]
+
+
+def run_reference(tmp: Path, replicas: int, nodes_per_dp: int, steps: int, workload: str) -> Any:
     run = tmp / "reference"
     world = replicas * nodes_per_dp
     port = free_port()

@@ -140,9 +140,19 @@ class Run:
             self.proc.wait(10)
 
 
+_references: dict[tuple[str, int], str] = {}
+
+
 def reference_weights(tmp: Path, script: Path, nproc: int = 4) -> str:
     """The hash of the final weights of the same `nproc` ranks under torchrun, without a
-    fault."""
+    fault: run once per script and size for every test of the module."""
+    key = (script.read_text(), nproc)
+    if key not in _references:
+        _references[key] = run_reference(tmp, script, nproc)
+    return _references[key]
+
+
+def run_reference(tmp: Path, script: Path, nproc: int) -> str:
     weights = tmp / "reference.sha256"
     env = user_env(
         tmp,

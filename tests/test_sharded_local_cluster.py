@@ -46,8 +46,19 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
     yield from demos(tmp_path, "torch")
 
 
+_references: dict[tuple[int, str], str] = {}
+
+
 def reference(tmp: Path, world: int, parallelism: str) -> str:
-    """The final weights' hash of the same job run without faults (offline ranks)."""
+    """The final weights' hash of the same job run without faults (offline ranks); run
+    once per layout for the module's tests."""
+    key = (world, parallelism)
+    if key not in _references:
+        _references[key] = run_reference(tmp, world, parallelism)
+    return _references[key]
+
+
+def run_reference(tmp: Path, world: int, parallelism: str) -> str:
     run = tmp / "reference"
     port = free_port()
     procs = []
