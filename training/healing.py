@@ -26,6 +26,12 @@ next world; meanwhile the worker client's thread serves the supervisor's emergen
 checkpoint from the last completed step. No world within that time (the supervisor
 restarts every rank with new processes instead, or no host monitor is there to ask):
 `NoNewWorld`, with the collective's error as its cause, and the process ends.
+
+With `world_wait_s` (WORLD_WAIT_S) above 0, even the first world comes from the host
+monitor: the pods of a JobSet that heals in-process, where a replacement pod, created by
+its Job like any other, cannot tell from its environment which world the survivors are
+in. The rank registers (with its POD_UID), waits up to that long for its world, and
+raises `NoNewWorld` without one.
 """
 
 from __future__ import annotations
@@ -86,26 +92,21 @@ class InProcessHealing:
         backend: str = "gloo",
         timeout: timedelta | None = None,
         peer_loss_wait_s: float | None = None,
+        world_wait_s: float | None = None,
     ) -> None:
         self.client = client
         self.backend = backend
         self.timeout = timeout
-        wait = peer_loss_wait_s
-        if wait is None:
-            wait = float(os.environ.get("PEER_LOSS_WAIT_S", DEFAULT_PEER_LOSS_WAIT_S))
-        if wait < 0:
-            raise ValueError(f"peer_loss_wait_s must be >= 0, got {wait}")
-        self.peer_loss_wait_s = wait
+        self.peer_loss_wait_s = _seconds(
+            "peer_loss_wait_s", peer_loss_wait_s, "PEER_LOSS_WAIT_S", DEFAULT_PEER_LOSS_WAIT_S
+        )
+        self.world_wait_s = _seconds("world_wait_s", world_wait_s, "WORLD_WAIT_S", 0.0)
         self.rank = int(os.environ.get("RANK", "0"))
 
     def worlds(self) -> Iterator[World]:
         """Yield the first world, then a new one each time the last ended on a failed
         collective; return once a world's training ended without one."""
-        self._join()
-        world = World(self.client.attempt or os.environ.get("WORKLOAD_ATTEMPT", "0"), False)
-        # Registered once in the process group: the supervisor then knows this rank
-        # trains in this attempt's world.
-        self.client.register(world_size=dist.get_world_size())
+        world = self._first_world()
         while True:
             yield world
             if world.failure is None:
@@ -125,6 +126,28 @@ class InProcessHealing:
             self.client.joined(attempt)
             world = World(attempt, True)
 
+    def _first_world(self) -> World:
+        if self.world_wait_s > 0 and self.client.online:
+            # Registered first: the host monitor hands a world to a registered worker.
+            self.client.register(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            assigned = self.client.new_world(self.world_wait_s, first=True)
+            if assigned is None:
+                raise NoNewWorld(
+                    f"rank {self.rank}: no world assigned within "
+                    f"WORLD_WAIT_S={self.world_wait_s:g}s"
+                )
+            attempt, env = assigned
+            os.environ.update(env)
+            wait_for_master(self.rank, self.world_wait_s)
+            self._join()
+            self.client.joined(attempt)
+            return World(attempt, False)
+        self._join()
+        # Registered once in the process group: the supervisor then knows this rank
+        # trains in this attempt's world.
+        self.client.register(world_size=dist.get_world_size())
+        return World(self.client.attempt or os.environ.get("WORKLOAD_ATTEMPT", "0"), False)
+
     def _join(self) -> None:
         dist.init_process_group(self.backend, timeout=self.timeout)
         size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,6 +164,13 @@ class InProcessHealing:
             return None
         log.warning("rank %d: waiting for a new world", self.rank)
         return self.client.new_world(self.peer_loss_wait_s)
+
+
+def _seconds(name: str, given: float | None, variable: str, default: float) -> float:
+    value = float(os.environ.get(variable) or default) if given is None else float(given)
+    if value < 0:
+        raise ValueError(f"{name} ({variable}) must be >= 0, got {value:g}")
+    return value
 
 
 def wait_for_master(rank: int, timeout_s: float) -> None:
