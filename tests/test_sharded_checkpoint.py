@@ -266,3 +266,20 @@ def test_tensor_parallel_resumes_bit_exactly_and_reshards_from_2_ranks_to_4(
     four = run_job(tmp_path, "four", 4, steps=30, stop_at=STEPS, env=tp)
     assert one(four, "restored") == STEPS
     assert one(four, "restored_sha256") == reference  # the same full tensors, resharded
+
+
+def test_a_load_reads_only_the_rank_directories_its_plan_needs(tmp_path: Path) -> None:
+    """Which saving ranks' files DCP's plan reads, from their metadata alone: a rank in the
+    layout it saved with needs its own directory only (a bucket's others stay where they
+    are); items every rank wrote come from the rank given first."""
+    from torch.distributed.checkpoint import save
+
+    dirs = {rank: tmp_path / f"rank-{rank}" for rank in (0, 1)}
+    save({"a": torch.zeros(4), "step": 7}, checkpoint_id=str(dirs[0]), no_dist=True)
+    save({"b": torch.ones(4), "step": 7}, checkpoint_id=str(dirs[1]), no_dist=True)
+    a, b = {"a": torch.empty(4)}, {"b": torch.empty(4)}
+    assert global_view.ranks_read(dirs, 0, a) == {0}
+    assert global_view.ranks_read(dirs, 1, b) == {1}
+    assert global_view.ranks_read(dirs, 0, {**a, **b}) == {0, 1}
+    assert global_view.ranks_read(dirs, 1, {"step": 0}) == {1}
+    assert global_view.ranks_read(dirs, 0, {**b, "step": 0}) == {0, 1}

@@ -162,6 +162,23 @@ def remove_views(base: Path) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
+def ranks_read(sources: Mapping[int, Path], first: int | None, target: dict[str, Any]) -> set[int]:
+    """The saving ranks of `sources` (rank -> directory, its DCP metadata there) whose
+    files a load of `target` through `open_view(..., sources, first)` reads: DCP's plan,
+    made from the metadata alone. A rank restoring in the layout it saved with reads its
+    own directory only, so a bucket's other rank directories need no download."""
+    order = sorted(sources, key=lambda r: (r != first, r))
+    merged = merge([(f"rank-{rank}", rank_metadata(sources[rank])) for rank in order])
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(target, merged, is_coordinator=False)
+    storage = merged.storage_data or {}
+    ranks = set()
+    for item in planner.create_local_plan().items:
+        prefix = storage[item.storage_index].relative_path.split("/", 1)[0]
+        ranks.add(int(prefix.removeprefix("rank-")))
+    return ranks
+
+
 def missing(metadata: Metadata, target: dict[str, Any]) -> list[str]:
     """What of `target` (a state dict to load into) `metadata` cannot fill: keys it lacks
     and tensors whose local part its chunks do not cover whole. Reads no data."""

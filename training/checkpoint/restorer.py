@@ -269,7 +269,7 @@ class Restorer:
     def _load_sharded(self, step: int, sources: ShardSources) -> Loaded | None:
         left = {rank: list(found) for rank, found in sources.items()}
         while all(left.values()) and left:
-            chosen = {rank: found[0] for rank, found in left.items()}
+            chosen = self._read_from({rank: found[0] for rank, found in left.items()}, step)
             base = self.ram_root or (self.durable and self.durable.root) or tempfile.gettempdir()
             try:
                 for rank, (tier, directory) in chosen.items():
@@ -303,6 +303,22 @@ class Restorer:
             size = sum(parts[f"rank-{rank}"][1].size for rank in used)
             return Loaded(tier, size, used)
         return None
+
+    def _read_from(
+        self, chosen: dict[int, tuple[Source, Path]], step: int
+    ) -> dict[int, tuple[Source, Path]]:
+        """Of the saving ranks' chosen directories, those the load reads (in the layout
+        it was saved with, this rank's own alone): a bucket's others are not
+        downloaded. All of them when the plan cannot be made from their metadata (the
+        load then says what is wrong)."""
+        try:
+            needed = global_view.ranks_read(
+                {rank: d for rank, (_, d) in chosen.items()}, self.rank, self.state.state_dict(step)
+            )
+        except Exception as exc:  # a damaged metadata file: the load names the rank
+            log.info("checkpoint: step %d: no read plan from the metadata: %r", step, exc)
+            return chosen
+        return {rank: chosen[rank] for rank in chosen if rank in needed} or chosen
 
     def _fetch(self, directory: Path, rank: int | None = None) -> None:
         """Download the rest of a bucket's rank directory staged by `_listed`; a failure
