@@ -119,12 +119,7 @@ class InProcessHealing:
                     f"rank {self.rank}: a collective failed and no new world came within "
                     f"PEER_LOSS_WAIT_S={self.peer_loss_wait_s:g}s"
                 ) from failure
-            attempt, env = assigned
-            os.environ.update(env)
-            wait_for_master(self.rank, self.peer_loss_wait_s)
-            self._join()
-            self.client.joined(attempt)
-            world = World(attempt, True)
+            world = self._enter(assigned, self.peer_loss_wait_s, rejoined=True)
 
     def _first_world(self) -> World:
         if self.world_wait_s > 0 and self.client.online:
@@ -136,17 +131,23 @@ class InProcessHealing:
                     f"rank {self.rank}: no world assigned within "
                     f"WORLD_WAIT_S={self.world_wait_s:g}s"
                 )
-            attempt, env = assigned
-            os.environ.update(env)
-            wait_for_master(self.rank, self.world_wait_s)
-            self._join()
-            self.client.joined(attempt)
-            return World(attempt, False)
+            return self._enter(assigned, self.world_wait_s, rejoined=False)
         self._join()
         # Registered once in the process group: the supervisor then knows this rank
         # trains in this attempt's world.
         self.client.register(world_size=dist.get_world_size())
         return World(self.client.attempt or os.environ.get("WORKLOAD_ATTEMPT", "0"), False)
+
+    def _enter(
+        self, assigned: tuple[str, dict[str, str]], wait_s: float, *, rejoined: bool
+    ) -> World:
+        """Join the world the host monitor handed: (attempt, its environment)."""
+        attempt, env = assigned
+        os.environ.update(env)
+        wait_for_master(self.rank, wait_s)
+        self._join()
+        self.client.joined(attempt)
+        return World(attempt, rejoined)
 
     def _join(self) -> None:
         dist.init_process_group(self.backend, timeout=self.timeout)

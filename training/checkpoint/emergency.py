@@ -97,7 +97,7 @@ class EmergencySaves:
             if durable is not None and step not in durable.committed_steps(self.rank):
                 manifest = fmt.read_manifest(source, step=step, rank=self.rank)
                 durable.copy_committed(source, manifest)
-                self._saver.emergency_steps["durable"].add(step)
+                self._saver.emergency_step("durable", step)
             self._report_emergency(step, fmt.read_manifest(source).size, started)
             return
         if durable is not None and step in durable.committed_steps(self.rank):

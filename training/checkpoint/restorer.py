@@ -269,7 +269,8 @@ class Restorer:
     def _load_sharded(self, step: int, sources: ShardSources) -> Loaded | None:
         left = {rank: list(found) for rank, found in sources.items()}
         while all(left.values()) and left:
-            chosen = self._read_from({rank: found[0] for rank, found in left.items()}, step)
+            target = self.state.state_dict(step)
+            chosen = self._read_from({rank: found[0] for rank, found in left.items()}, target)
             base = self.ram_root or (self.durable and self.durable.root) or tempfile.gettempdir()
             try:
                 for rank, (tier, directory) in chosen.items():
@@ -282,7 +283,7 @@ class Restorer:
                         f"rank-{rank}": (d, fmt.read_manifest(d, step=step, rank=rank))
                         for rank, (_, d) in chosen.items()
                     }
-                    read = self._read(step, view, parts, verified=False)
+                    read = self._read(step, view, parts, verified=False, target=target)
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
                 bad = {int(m.group(1)) for m in _RANK_PATH.finditer(str(exc))} & set(left)
                 log.warning("checkpoint: step %d not loadable as chosen: %s", step, exc)
@@ -305,7 +306,7 @@ class Restorer:
         return None
 
     def _read_from(
-        self, chosen: dict[int, tuple[Source, Path]], step: int
+        self, chosen: dict[int, tuple[Source, Path]], target: dict[str, Any]
     ) -> dict[int, tuple[Source, Path]]:
         """Of the saving ranks' chosen directories, those the load reads (in the layout
         it was saved with, this rank's own alone): a bucket's others are not
@@ -313,10 +314,10 @@ class Restorer:
         load then says what is wrong)."""
         try:
             needed = global_view.ranks_read(
-                {rank: d for rank, (_, d) in chosen.items()}, self.rank, self.state.state_dict(step)
+                {rank: d for rank, (_, d) in chosen.items()}, self.rank, target
             )
         except Exception as exc:  # a damaged metadata file: the load names the rank
-            log.info("checkpoint: step %d: no read plan from the metadata: %r", step, exc)
+            log.info("checkpoint: no read plan from the ranks' metadata: %r", exc)
             return chosen
         return {rank: chosen[rank] for rank in chosen if rank in needed} or chosen
 
@@ -339,6 +340,7 @@ class Restorer:
         parts: dict[str, tuple[Path, fmt.Manifest]],
         *,
         verified: bool,
+        target: dict[str, Any] | None = None,
     ) -> set[int]:
         """Load the checkpoint at `path` (a rank directory, or a view whose `parts` are
         its rank directories by prefix) into the live state, each file checked against
@@ -346,7 +348,8 @@ class Restorer:
         the shards as they are read (one pass over the bytes, not two), any file the load
         left unread after. Raises CheckpointCorrupt when a sum disagrees: the live tensors
         then hold a part of it, which the next source's load overwrites whole. Returns
-        the saving ranks whose files were read (views only)."""
+        the saving ranks whose files were read (views only). `target`: the state dict to
+        load into, when the caller has made it already."""
         threads = self.settings.ckpt_threads_per_rank
         forms = {manifest.format for _, manifest in parts.values()}
         checksum = next(iter(parts.values()))[1].checksum
@@ -367,7 +370,8 @@ class Restorer:
             for directory, manifest in parts.values():
                 fmt.verify(directory, manifest, threads=threads)
         reader = DirectReader(path, thread_count=threads, sums=sums, checksum=checksum)
-        target = self.state.state_dict(step)
+        if target is None:
+            target = self.state.state_dict(step)
         self._changing()
         try:
             dcp_load(target, storage_reader=reader, no_dist=True)

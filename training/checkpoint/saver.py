@@ -120,6 +120,11 @@ class Saver:
         self._idle.set()
         self._lock = threading.Lock()
 
+    def emergency_step(self, tier: str, step: int) -> None:
+        """Record that an emergency save committed `step` in `tier` (not counted by
+        retention, see `format.beyond_retention`)."""
+        self.emergency_steps[tier].add(step)
+
     @property
     def busy(self) -> bool:
         return not self._idle.is_set()
@@ -245,9 +250,9 @@ class Saver:
             # An emergency save adds to the tiers and evicts nothing, nor counts in a later
             # retention: with a sharded state a rank that could not save it (the dead one)
             # needs the periodic step the others still hold.
-            self.emergency_steps["ram" if job.to_ram else "durable"].add(job.step)
+            self.emergency_step("ram" if job.to_ram else "durable", job.step)
             if job.to_ram and job.to_durable and durable_ok:
-                self.emergency_steps["durable"].add(job.step)
+                self.emergency_step("durable", job.step)
             return
         for tier in ("ram", "durable") if job.to_durable and durable_ok else ("ram",):
             self.emergency_steps[tier].discard(job.step)  # saved again as a periodic step
