@@ -295,10 +295,17 @@ class DefaultPolicy(Policy):
 
     @handles(EventType.SPARE_AVAILABLE, EventType.NODE_RECOVERED)
     def on_capacity(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
-        """Scale jobs below their maximum up by one replica while spares suffice."""
+        """Scale jobs below their maximum up by one replica while spares suffice: spares
+        beyond those that jobs short of nodes will take (a JobSet just recreated by a scale
+        has no pod placed yet: its own nodes look like spares)."""
         if not ctx.limits.enable_workload_scaling:
             return []
-        free = list(ctx.spares)
+        short = sum(
+            max(0, view.num_dp_replicas * view.num_nodes_per_dp - len(view.nodes))
+            for view in ctx.jobs.values()
+            if view.phase != "finished"
+        )
+        free = list(ctx.spares)[short:]
         out: list[ActionRequest] = []
         for name in sorted(ctx.jobs):
             view = ctx.jobs[name]

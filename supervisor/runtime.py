@@ -329,13 +329,17 @@ class Supervisor:
             )
         # The cluster says which nodes are cordoned and which run no workload. A spare
         # must also be known to the sensor and alive: without a heartbeating host monitor
-        # it has no health signal and no emergency checkpoint, so none is invented.
+        # it has no health signal and no emergency checkpoint, so none is invented. A node
+        # the cluster has placed a pod on is no spare, even before that pod's workers
+        # tell its host monitor (a JobSet just recreated by a scale takes its old nodes).
         for name, node in self.backend.cluster_nodes().items():
             view = nodes.get(name)
             if view is None:
                 continue
             if node.spare and view.alive:
                 view = replace(view, state=NodeState.SPARE, job=None, workers=())
+            elif view.state is NodeState.SPARE and not node.cordoned:
+                view = replace(view, state=NodeState.UNDEFINED)
             nodes[name] = replace(view, cordoned=node.cordoned)
         return nodes, jobs
 

@@ -62,11 +62,16 @@ def test_the_pytorch_jobset_is_a_valid_supervised_jobset_that_heals_in_process()
     assert "DisruptionTarget with FailJob" in str(failure_policy.in_process_refusal(numpy_jobset))
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "w"}, "spec": job_spec}
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
-    # DDP: one node per replica, and the shape the Kubernetes backend reads says so.
+    # DDP: one node per replica, a pod per node with a rank per GPU, and the shape the
+    # Kubernetes backend reads says so.
     shape = kube_objects.job_shape(jobset, min_default=2, max_default=4, nodes_default=4)
-    assert (shape.num_dp_replicas, shape.num_nodes_per_dp) == (2, 1)
+    assert (shape.num_dp_replicas, shape.num_nodes_per_dp, shape.nproc_per_node) == (2, 1, 8)
+    assert shape.world_size == 16
     assert job_spec["parallelism"] == job_spec["completions"] == 1
     env = {v["name"]: v for v in trainer_of(jobset)["env"]}
+    assert env["NPROC_PER_NODE"]["value"] == str(shape.nproc_per_node)
+    limits = trainer_of(jobset)["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == shape.nproc_per_node
     numpy_env = {v["name"]: v for v in trainer_of(numpy_jobset)["env"]}
     for name in ("HOST_MONITOR_URL", "HOST_MONITOR_JOB", "HOST_MONITOR_WORKER_TOKEN"):
         assert env[name] == numpy_env[name], name
@@ -100,6 +105,8 @@ def resolve_env(trainer: dict[str, Any], labels: dict[str, str]) -> dict[str, st
 
 
 def test_each_pod_command_forms_the_torch_world_and_trains(tmp_path: Path) -> None:
+    """Two pods of two ranks each (the example's 8 would be 16 processes on this
+    machine's 2 cores)."""
     jobset = load(EXAMPLE)
     trainer = trainer_of(jobset)
     port = str(free_port())
@@ -124,6 +131,7 @@ def test_each_pod_command_forms_the_torch_world_and_trains(tmp_path: Path) -> No
             CHECKPOINT_DURABLE_DIR=str(tmp_path / "durable"),
             S3_CHECKPOINTING_FREQ="10",
             OUTPUT_DIR=str(tmp_path / "output"),
+            NPROC_PER_NODE="2",
         )
         base = {k: v for k, v in os.environ.items() if not k.startswith(("HOST_", "CHECKPOINT_"))}
         procs.append(
@@ -147,7 +155,8 @@ def test_each_pod_command_forms_the_torch_world_and_trains(tmp_path: Path) -> No
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out
         outputs.append(out)
-    for rank, out in enumerate(outputs):
-        assert f"torch workload rank={rank}: start attempt=0 world_size=2: " in out
-        assert f"rank={rank}: step=10/12" in out
+    for pod, out in enumerate(outputs):
+        for rank in (2 * pod, 2 * pod + 1):  # the pod's ranks, in torchrun's order
+            assert f"torch workload rank={rank}: start attempt=0 world_size=4: " in out
+            assert f"rank={rank}: step=10/12" in out
     assert (tmp_path / "output" / "weights.sha256").exists()

@@ -504,6 +504,14 @@ async def test_the_cluster_says_which_nodes_are_spares_and_cordoned(
         assert unmonitored not in context.nodes
         assert {context.nodes[n].state for n in used} == {NodeState.RUNNING}
 
+        # A node Kubernetes has placed a pod on is no spare, even while its host monitor,
+        # which has not heard of the pod's workers yet, says it is.
+        beats.says[used[0]] = {"node": used[0], "state": "spare"}
+        await wait(lambda: supervisor.sensor.node_view(used[0]).state is NodeState.SPARE)
+        context = await supervisor.controller.context()
+        assert context.spares == (stale,)
+        beats.running(used[0], 0)
+
         kube.patch("Node", stale, {"spec": {"unschedulable": True}})  # kubectl cordon
 
         async def cordoned() -> bool:

@@ -90,6 +90,36 @@ async def test_a_platform_that_fences_nodes_lets_them_go_at_once(
         kube.wait_for(lambda: kube.get("Pod", name) is None, 5)
 
 
+async def test_a_scale_down_deletes_a_down_nodes_pods_only_once_it_is_known_down(
+    kube: FakeKube, make_settings: SettingsFactory
+) -> None:
+    """Scaling a JobSet away from a lost node recreates it once its old pods are gone; the
+    pod on the NotReady node never goes by itself. Not known down: the scale fails naming
+    why (and is retried); with the out-of-service taint it deletes that pod with grace 0 and
+    completes."""
+    pods = setup_cluster(kube, annotations={o.MIN_REPLICAS: "1"})
+    name, node = pods[0]["metadata"]["name"], pods[0]["spec"]["nodeName"]
+    kube.set_node_ready(node, False)
+    settings = kube_settings(make_settings, pod_termination_threshold_s=1.0)
+    async with started(kube, settings) as backend:
+        await until(backend, lambda: len(backend.discovery.nodes_of("train")) == 2)
+        a = action(ActionType.SCALE_DOWN, to_replicas=1, exclude_node=node, reason="no spare")
+        with pytest.raises(ActionError, match=f"pods of {node}: node {node} is NotReady") as e:
+            await backend.execute(a)
+        assert e.value.retryable
+        assert kube.get("Pod", name) is not None  # it may still run
+
+        taints = (kube.get("Node", node) or {})["spec"].get("taints") or []
+        taint = {"key": OUT_OF_SERVICE, "value": "nodeshutdown", "effect": "NoExecute"}
+        kube.patch("Node", node, {"spec": {"taints": [*taints, taint]}})
+        await until(backend, lambda: o.has_taint(cached(backend, "Node", node) or {},
+                                                 OUT_OF_SERVICE))  # fmt: skip
+        assert await backend.execute(a) == {"num_dp_replicas": 1, "from_replicas": 2}
+        assert kube.get("Pod", name) is None
+        js = kube.get("JobSet", "train")
+        assert js is not None and js["spec"]["replicatedJobs"][0]["replicas"] == 1
+
+
 @pytest.mark.skipif(find_spec("torch") is None, reason="the in-process JobSet runs torch")
 def test_an_in_process_heal_waits_for_a_node_not_known_down(tmp_path: Path) -> None:
     """The node of rank 0 of the in-process PyTorch JobSet stops answering (NotReady, its

@@ -67,13 +67,17 @@ def job(
     min_replicas: int = 2,
     max_replicas: int = 8,
     per_dp: int = 1,
+    placed: int | None = None,
 ) -> JobView:
+    """A job whose pods run on `placed` nodes (default: all it needs)."""
+    placed = replicas * per_dp if placed is None else placed
     return JobView(
         name=name,
         num_dp_replicas=replicas,
         min_num_dp_replicas=min_replicas,
         max_num_dp_replicas=max_replicas,
         num_nodes_per_dp=per_dp,
+        nodes=tuple(f"{name}-node-{i}" for i in range(placed)),
     )
 
 
@@ -386,6 +390,16 @@ def test_restart_budget_is_per_job() -> None:
 def test_spare_scales_up_a_job_below_max(event_type: EventType) -> None:
     c = ctx([spare("s1")], [job(replicas=3, max_replicas=4)])
     assert decide(ev(event_type, "s1"), c) == [cp("j"), scale_up(4)]
+
+
+def test_spares_a_job_short_of_nodes_will_take_do_not_scale_another_up() -> None:
+    """A JobSet just recreated by a scale down has no pod placed yet: the node it is about
+    to take (its own, seen as a spare meanwhile) is no capacity to scale up with."""
+    recreated = job("j", replicas=1, max_replicas=2, placed=0)
+    assert decide(ev(E.SPARE_AVAILABLE, "s1"), ctx([spare("s1")], [recreated])) == []
+    # One spare more than it lacks: that one is capacity.
+    two = ctx([spare("s1"), spare("s2")], [recreated])
+    assert decide(ev(E.SPARE_AVAILABLE, "s2"), two) == [cp("j"), scale_up(2)]
 
 
 def test_scale_up_respects_max_replicas() -> None:

@@ -36,10 +36,12 @@ raises `NoNewWorld` without one.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -112,7 +114,7 @@ class InProcessHealing:
             if world.failure is None:
                 return
             failure = world.failure
-            abandon_process_group()
+            abandon_process_group(failure)
             assigned = self._next_world()
             if assigned is None:
                 raise NoNewWorld(
@@ -193,12 +195,25 @@ def wait_for_master(rank: int, timeout_s: float) -> None:
             time.sleep(0.02)
 
 
-def abandon_process_group() -> None:
-    """Leave a process group whose peer is gone (its collectives already failed)."""
+def abandon_process_group(failure: BaseException | None = None) -> None:
+    """Leave a process group whose peer is gone (its collectives already failed), so that
+    its connections close now: a rank still waiting on this one in a collective then
+    fails too, rather than wait for the collective's timeout.
+
+    The group closes its connections only once nothing refers to it, and `failure` (the
+    error of the failed collective) does through the frames of its traceback (the DDP
+    module, the autograd graph): their locals are cleared first, and what is left in
+    reference cycles is collected after."""
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        traceback.clear_frames(failure.__traceback__)
+        failure = failure.__cause__ or failure.__context__
     try:
         dist.destroy_process_group()
     except Exception as exc:  # a broken group may fail to tear down: it is left behind
         log.warning("leaving the failed process group: %s", first_line(exc))
+    gc.collect()
 
 
 def first_line(exc: BaseException) -> str:

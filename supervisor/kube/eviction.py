@@ -8,6 +8,7 @@ precondition: a pod replaced meanwhile is left alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -143,3 +144,23 @@ async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str
             f"pod {pod_name} deleted with grace period 0",
         )
     return {"pod": pod_name, "outcome": "deleted"}
+
+
+def node_up(ctx: ActionContext, node: str) -> bool:
+    """Whether the node's kubelet can end its pods: Ready, and its host monitor not silent."""
+    obj = ctx.discovery.node(node)
+    heartbeating = ctx.hooks.node_heartbeating(node) if ctx.hooks is not None else None
+    return obj is not None and o.node_ready(obj) and heartbeating is not False
+
+
+async def delete_now(ctx: ActionContext, targets: Sequence[Target]) -> None:
+    """Delete pods of a node that is down (grace 0): no kubelet will ever confirm their
+    graceful end. Only where node_fencing.may_force_delete allows it."""
+    for name, uid in targets:
+        options = client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
+        )
+        with contextlib.suppress(NotFound, Conflict):
+            await ctx.calls.run(
+                f"delete pod {name}", ctx.core.delete_namespaced_pod, name, ctx.ns, body=options
+            )

@@ -29,15 +29,11 @@ since the event"), as one after a JobSet restart is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
-
-from kubernetes import client
 
 from supervisor.action_params import HotSwapParams, RestartInPlaceParams
 from supervisor.actuator.backend import ActionError, checked_params, params_for
@@ -45,12 +41,11 @@ from supervisor.domain import ActionRecord, ActionType
 from supervisor.kube import objects as o
 from supervisor.kube import rmw
 from supervisor.kube.action_context import ActionContext, node_name
-from supervisor.kube.errors import Conflict, KubeError, NotFound
-from supervisor.kube.eviction import evict_targets
+from supervisor.kube.errors import KubeError, NotFound
+from supervisor.kube.eviction import delete_now, evict_targets, node_up
 from supervisor.kube.failure_policy import in_process_refusal
 from supervisor.kube.journal import (
     JournalEntry,
-    Target,
     entry_of,
     journal_of,
     set_journal,
@@ -152,12 +147,12 @@ class InProcessHealing:
         what = f"replacing the pods of {node} in-process (world {world.attempt})"
         outcome = await evict_targets(ctx, action, targets, "InProcessRestart", what)
         fencing: dict[str, str] | None = None
-        if not self._node_up(node):
+        if not node_up(ctx, node):
             # Grace 0 only where the old pods cannot still run (node_fencing.py).
             verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node))
             fencing = verdict.result()
             if verdict.allowed:
-                await self._delete_now(targets)
+                await delete_now(ctx, targets)
             else:
                 log.warning("%s: pods of %s not force-deleted: %s", key, node, verdict.why)
         timeout = ctx.settings.in_process_restart_timeout_s
@@ -205,25 +200,6 @@ class InProcessHealing:
         await rmw.modify(ctx, "JobSet", jobset, mark_healed)
         await rmw.finish(ctx, "JobSet", jobset, key, result)
         return result
-
-    def _node_up(self, node: str) -> bool:
-        ctx = self.ctx
-        obj = ctx.discovery.node(node)
-        heartbeating = ctx.hooks.node_heartbeating(node) if ctx.hooks is not None else None
-        return obj is not None and o.node_ready(obj) and heartbeating is not False
-
-    async def _delete_now(self, targets: Sequence[Target]) -> None:
-        """Delete pods of a node that is down (grace 0): their eviction marked them
-        DisruptionTarget; no kubelet will ever confirm their graceful end."""
-        ctx = self.ctx
-        for name, uid in targets:
-            options = client.V1DeleteOptions(
-                grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
-            )
-            with contextlib.suppress(NotFound, Conflict):
-                await ctx.calls.run(
-                    f"delete pod {name}", ctx.core.delete_namespaced_pod, name, ctx.ns, body=options
-                )
 
     async def _mark_fallback(self, jobset: str, key: str, why: str) -> None:
         def change(js: Obj) -> bool:

@@ -29,6 +29,8 @@ OURS = "resiliency.supervisor.io/"
 MIN_REPLICAS = OURS + "min-num-dp-replicas"
 MAX_REPLICAS = OURS + "max-num-dp-replicas"
 NODES_PER_DP = OURS + "num-nodes-per-dp"
+#: Ranks (worker processes) in each pod, as torchrun's --nproc-per-node (default 1).
+NPROC_PER_NODE = OURS + "nproc-per-node"
 DP_REPLICATED_JOB = OURS + "dp-replicated-job"
 NUM_DP_REPLICAS = OURS + "num-dp-replicas"
 ORIGINAL_SPEC = OURS + "original-spec"
@@ -286,6 +288,12 @@ class JobShape:
     max_num_dp_replicas: int
     num_nodes_per_dp: int
     original_replicas: int
+    nproc_per_node: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the job: a rank per worker of each of its pods."""
+        return self.num_dp_replicas * self.num_nodes_per_dp * self.nproc_per_node
 
 
 def _int_annotation(annotations: dict[str, str], key: str, default: int) -> int:
@@ -317,4 +325,5 @@ def job_shape(js: Obj, *, min_default: int, max_default: int, nodes_default: int
         max_num_dp_replicas=_int_annotation(annotations, MAX_REPLICAS, max(max_default, original)),
         num_nodes_per_dp=nodes,
         original_replicas=original,
+        nproc_per_node=max(1, _int_annotation(annotations, NPROC_PER_NODE, 1)),
     )

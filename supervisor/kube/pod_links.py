@@ -4,7 +4,8 @@ checkpoint partner (the peer tier).
 
 **Worlds.** A JobSet annotated `resiliency.supervisor.io/in-process-restart: "true"` has a
 current world (worlds.py). Its pods bound to a node are assigned that world through their
-node's host monitor (POST /v1/workers/world, for the pod's UID), once per pod and world:
+node's host monitor (POST /v1/workers/world, for the pod's UID and each of its ranks: a
+pod runs `resiliency.supervisor.io/nproc-per-node` of them), once per rank and world:
 the survivors of an in-process heal learn the new world when the heal moves the JobSet to
 it, a replacement pod when it is scheduled. Its workers wait for it (WORLD_WAIT_S), so that
 no worker starts in a world the others have left (see `_world_requests`).
@@ -33,6 +34,7 @@ from collections.abc import Callable
 import httpx
 from pydantic import BaseModel
 
+from resiliency_protocol.launch import ranks_of
 from resiliency_protocol.node_commands import AssignWorldRequest, CheckpointPeer, NodeStatus
 from resiliency_protocol.states import WorkerState
 from supervisor.actuator.backend import Fenced
@@ -69,26 +71,28 @@ class PodLinks:
         self._http = http
         self._url = host_monitor_url
         self._fence = fence
-        self._worlds_told: dict[str, int] = {}  # pod UID -> attempt
-        self._members: dict[str, tuple[int, dict[int, str]]] = {}  # JobSet -> world, ranks
+        self._worlds_told: dict[tuple[str, int], int] = {}  # (pod UID, rank) -> attempt
+        # JobSet -> (world, node rank -> the UID of its member pod)
+        self._members: dict[str, tuple[int, dict[int, str]]] = {}
         self._partners_told: dict[str, tuple[str, str, float]] = {}  # node -> partner, url, when
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
     # --- what should be known ---------------------------------------------------------------
 
-    def _ranks(self, js: Obj) -> tuple[dict[int, Obj], int, int]:
-        """(rank -> pod, world size, nodes per replica) of the JobSet's live pods."""
+    def _pods(self, js: Obj) -> tuple[dict[int, Obj], o.JobShape]:
+        """(node rank -> pod, shape) of the JobSet's live pods: a pod is a node of the job,
+        running the ranks `ranks_of(node rank, nproc_per_node)`."""
         shape = self.discovery.shape(js)
         rjob = o.dp_replicated_job(js) or {}
         pods: dict[int, Obj] = {}
         for pod in live_pods(self.discovery, o.name_of(js)):
             if o.labels_of(pod).get(o.REPLICATED_JOB_NAME) not in (None, rjob.get("name")):
                 continue
-            rank = o.pod_rank(pod, shape.num_nodes_per_dp)
-            if rank is not None:
-                pods[rank] = pod
-        return pods, shape.num_dp_replicas * shape.num_nodes_per_dp, shape.num_nodes_per_dp
+            node_rank = o.pod_rank(pod, shape.num_nodes_per_dp)
+            if node_rank is not None:
+                pods[node_rank] = pod
+        return pods, shape
 
     def _world_requests(self) -> list[tuple[str, AssignWorldRequest]]:
         """(node, body) of each world to tell.
@@ -105,41 +109,42 @@ class PodLinks:
         for name, js in self.discovery.jobsets().items():
             if not o.in_process_enabled(js):
                 continue
-            pods, world_size, _ = self._ranks(js)
+            pods, shape = self._pods(js)
             world = current_world(js, list(pods.values()))
             attempt, members = self._members.get(name, (world.attempt, {}))
             present = {o.uid_of(p) for p in self.discovery.pods_of(name) if not o.pod_finished(p)}
             if attempt != world.attempt or not set(members.values()) & present:
                 members = {}
             self._members[name] = (world.attempt, members)
-            for rank, pod in sorted(pods.items()):
+            for node_rank, pod in sorted(pods.items()):
                 uid = o.uid_of(pod)
                 if uid in world.replaced:
                     continue  # being replaced: its replacement is the member
-                if members.setdefault(rank, uid) != uid:
+                if members.setdefault(node_rank, uid) != uid:
                     continue  # a replacement: it joins the next world
-                if self._worlds_told.get(uid) == world.attempt:
-                    continue
-                body = AssignWorldRequest(
-                    request_id=f"{uid}-{world.attempt}",
-                    job=name,
-                    rank=rank,
-                    instance=uid,
-                    attempt=str(world.attempt),
-                    env=world.env(world_size),
-                )
-                todo.append((str(o.node_of(pod)), body))
+                for rank in ranks_of(node_rank, shape.nproc_per_node):
+                    if self._worlds_told.get((uid, rank)) == world.attempt:
+                        continue
+                    body = AssignWorldRequest(
+                        request_id=f"{uid}-{rank}-{world.attempt}",
+                        job=name,
+                        rank=rank,
+                        instance=uid,
+                        attempt=str(world.attempt),
+                        env=world.env(shape.world_size),
+                    )
+                    todo.append((str(o.node_of(pod)), body))
         return todo
 
     def partners(self) -> dict[str, str]:
         """node -> the node that keeps copies of its RAM checkpoints."""
         out: dict[str, str] = {}
         for js in self.discovery.jobsets().values():
-            pods, world_size, nodes_per_dp = self._ranks(js)
-            replicas = world_size // max(1, nodes_per_dp)
-            offset = nodes_per_dp if replicas > 1 else 1
-            for rank, pod in pods.items():
-                partner_pod = pods.get((rank + offset) % max(1, world_size))
+            pods, shape = self._pods(js)
+            nodes = shape.num_dp_replicas * shape.num_nodes_per_dp
+            offset = shape.num_nodes_per_dp if shape.num_dp_replicas > 1 else 1
+            for node_rank, pod in pods.items():
+                partner_pod = pods.get((node_rank + offset) % max(1, nodes))
                 node, partner = o.node_of(pod), o.node_of(partner_pod) if partner_pod else None
                 if node and partner and partner != node:
                     out[node] = partner
@@ -173,8 +178,8 @@ class PodLinks:
         )
         informer = self.discovery.informers.get("Pod")
         live = {o.uid_of(p) for p in informer.items.values()} if informer else set()
-        for uid in [u for u in self._worlds_told if u not in live]:
-            del self._worlds_told[uid]
+        for key in [k for k in self._worlds_told if k[0] not in live]:
+            del self._worlds_told[key]
         return all(told)
 
     async def _call(self, node: str, method: str, path: str, body: BaseModel) -> bool:
@@ -207,7 +212,7 @@ class PodLinks:
     async def _tell_world(self, node: str, body: AssignWorldRequest) -> bool:
         if not await self._call(node, "POST", "/v1/workers/world", body):
             return False
-        self._worlds_told[body.instance] = int(body.attempt)
+        self._worlds_told[(body.instance, body.rank)] = int(body.attempt)
         log.info(
             "JobSet %s: rank %d (pod %s on %s) is in world %s",
             body.job,
@@ -230,8 +235,8 @@ class PodLinks:
         js = self.discovery.jobset(jobset)
         if js is None:
             return []
-        pods, world_size, _ = self._ranks(js)
-        waiting = set(range(world_size))
+        pods, shape = self._pods(js)
+        waiting = set(range(shape.world_size))
         nodes = sorted({str(o.node_of(p)) for p in pods.values()})
 
         async def status(node: str) -> NodeStatus | None:

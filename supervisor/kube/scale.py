@@ -26,7 +26,16 @@ from supervisor.kube import rmw
 from supervisor.kube.action_context import ActionContext, jobset_name
 from supervisor.kube.errors import Conflict, NotFound
 from supervisor.kube.events import event_name
-from supervisor.kube.journal import JournalEntry, entry_of, journal_of, set_journal
+from supervisor.kube.eviction import delete_now, node_up
+from supervisor.kube.journal import (
+    JournalEntry,
+    Target,
+    entry_of,
+    journal_of,
+    set_journal,
+    target_of,
+)
+from supervisor.kube.node_fencing import may_force_delete
 from supervisor.kube.nodes import swap_out_node
 from supervisor.kube.objects import Obj
 
@@ -124,12 +133,14 @@ class Rescaling:
                 return False
             return not [p for p in ctx.discovery.pods_of(jobset) if not o.pod_finished(p)]
 
+        waiting = await release_pods_of_down_nodes(ctx, jobset)
         limit = ctx.settings.pod_termination_threshold_s
         if not await ctx.discovery.wait_until(old_gone, limit):
             left = sorted(o.name_of(p) for p in ctx.discovery.pods_of(jobset))
+            why = "".join(f"; pods of {node}: {reason}" for node, reason in waiting.items())
             raise ActionError(
                 f"old pods of {jobset} still there after pod_termination_threshold_s="
-                f"{limit:g}s: {left}",
+                f"{limit:g}s: {left}{why}",
                 retryable=True,
             )
         try:
@@ -218,6 +229,25 @@ def rescaled(ctx: ActionContext, js: Obj, to: int, action: ActionRecord) -> Obj:
     )
     set_journal(body, journal)
     return body
+
+
+async def release_pods_of_down_nodes(ctx: ActionContext, jobset: str) -> dict[str, str]:
+    """The old JobSet's pods on a node that is down never end by themselves (no kubelet
+    confirms it): deleted with grace 0 where node_fencing allows; node -> why not,
+    for the others."""
+    by_node: dict[str, list[Target]] = {}
+    for pod in ctx.discovery.pods_of(jobset):
+        node = o.node_of(pod)
+        if node and not o.pod_finished(pod) and not node_up(ctx, node):
+            by_node.setdefault(node, []).append(target_of(pod))
+    waiting = {}
+    for node, targets in sorted(by_node.items()):
+        verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node))
+        if verdict.allowed:
+            await delete_now(ctx, targets)
+        else:
+            waiting[node] = verdict.why
+    return waiting
 
 
 async def body_from_event(ctx: ActionContext, jobset: str, key: str) -> Obj | None:

@@ -3,6 +3,7 @@
 | Variable | Default | Meaning |
 |---|---|---|
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | (torchrun) | The process group. |
+| `LOCAL_RANK` | `0` | The rank's GPU on its node (torchrun's; CUDA only). |
 | `SEED` | `0` | Seeds the initial weights and every batch. |
 | `TOTAL_STEPS` | `200` | Steps to train. |
 | `STOP_AFTER_STEP` | `0` | Stop (exit 0) after this step; 0: train to the end. |
@@ -68,6 +69,7 @@ class TorchWorkloadConfig:
     dp_replicate: int = 2
     collective_timeout_s: float = 600.0
     attempt: str = "0"
+    local_rank: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -93,6 +95,8 @@ class TorchWorkloadConfig:
             raise ConfigError("COLLECTIVE_TIMEOUT_S must be > 0")
         if self.dp_replicate < 1:
             raise ConfigError(f"DP_REPLICATE={self.dp_replicate} must be >= 1")
+        if self.local_rank < 0:
+            raise ConfigError(f"LOCAL_RANK={self.local_rank} must be >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:

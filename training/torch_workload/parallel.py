@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout as set_group_timeout
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from training.torch_workload.config import TorchWorkloadConfig
 from training.torch_workload.model import DecoderLM
@@ -76,6 +78,50 @@ def build(cfg: TorchWorkloadConfig) -> Built:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.total_steps)
     return Built(model, optimizer, scheduler)
+
+
+def data_parallel(model: torch.nn.Module) -> DistributedDataParallel:
+    """`model` under DDP, with each gradient's average summed in rank order.
+
+    DDP's all-reduce sums each element of a gradient in an order set by where it lies in
+    its bucket, and DDP lays its buckets out again after its first iteration (in the order
+    the gradients became ready): the first step after each wrapping (a resume, a new world)
+    would sum in another order than a run without a fault. Over more than two ranks a
+    floating-point sum changes with its order, and the weights would no longer be
+    bit-identical to that run's. Gathering each bucket and adding rank 0's first makes every
+    sum independent of the layout, for an all-gather (world size x the bucket) instead of
+    an all-reduce: a price this workload, a small model made to be checked bit for bit,
+    pays gladly.
+    """
+    # Its one buffer (the causal mask) is the same constant on every rank: no broadcast of
+    # it in each forward pass, which then holds no collective.
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    ddp.register_comm_hook(None, _rank_ordered_mean)
+    return ddp
+
+
+def _rank_ordered_mean(_state: None, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    world = dist.get_world_size()
+    gathered = [torch.empty_like(buffer) for _ in range(world)]
+    work = dist.all_gather(gathered, buffer, async_op=True)
+    assert work is not None  # async_op=True
+
+    def mean(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        done.value()  # raises the gather's failure (a lost rank): the step fails with it
+        total = gathered[0].clone()
+        for part in gathered[1:]:
+            total.add_(part)
+        return total.div_(world)
+
+    averaged: torch.futures.Future[torch.Tensor] = work.get_future().then(mean)
+    return averaged
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (postponed).
+_rank_ordered_mean.__annotations__.update(
+    {"bucket": GradBucket, "return": torch.futures.Future[torch.Tensor]}
+)
 
 
 def weights_sha256(model: torch.nn.Module) -> str | None:

@@ -31,14 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from resiliency_protocol.logs import configure_worker_logging
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.healing import abandon_process_group, first_line, wait_for_master
 from training.torch_workload.config import ConfigError, TorchWorkloadConfig
 from training.torch_workload.model import batch
-from training.torch_workload.parallel import Built, build, weights_sha256
+from training.torch_workload.parallel import Built, build, data_parallel, weights_sha256
 from training.worker_client import WorkerClient
 
 EXIT_OK = 0
@@ -58,6 +57,8 @@ def say(cfg: TorchWorkloadConfig, message: str) -> None:
 def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
     torch.set_num_threads(1)  # several ranks share a machine; and determinism
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(cfg.local_rank)  # a GPU per rank of the node, as torchrun's
     client = WorkerClient.from_env()
     assigned = bool(cfg.world_wait_s) and client.online  # offline: nobody assigns one
     if assigned:
@@ -117,13 +118,7 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
                     n = sum(p.numel() for p in built.model.parameters())
                     say(cfg, f"model: {n:,} parameters ({cfg.parallelism})")
                 client.report_step(step)
-                # Its one buffer (the causal mask) is the same constant on every rank: no
-                # broadcast of it in each forward pass, which then holds no collective.
-                trained = (
-                    built.model
-                    if built.sharded
-                    else DistributedDataParallel(built.model, broadcast_buffers=False)
-                )
+                trained = built.model if built.sharded else data_parallel(built.model)
                 step, failure = train(cfg, trained, built, ckpt, client, step)
                 del trained  # DDP's reducer's hooks on the parameters go with it
                 if failure is None:
@@ -132,7 +127,7 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
             # Left at once: its connections close, so that a rank still waiting in a
             # collective with this one (HSDP: the other replica group's all-reduce) fails
             # too rather than wait for gloo's timeout, and holds its step like this one.
-            abandon_process_group()
+            abandon_process_group(failure)
             world = wait_for_new_world(cfg, step, client)
             if world is None:
                 return EXIT_PEER_LOST
