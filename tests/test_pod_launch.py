@@ -66,7 +66,7 @@ def test_a_failed_rank_ends_the_pods_other_ranks_and_the_pod_with_its_exit_code(
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 7, err
     assert time.monotonic() - started < 20  # the sleepers were stopped, not waited for
-    assert "failed; stopping the pod's other ranks" in err
+    assert "rank 1 (pid " in err and "exited 7; stopping the pod's other ranks" in err
     for pid in map(int, pids.read_text().split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -33,7 +33,6 @@ PROG = "python -m training.pod_launch"
 #: How long the other ranks get to end after SIGTERM, once one failed, before SIGKILL.
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-USAGE_EXIT = 2
 
 
 def rank_env(
@@ -87,9 +86,11 @@ class PodRanks:
             failed = [p for p in self.procs if p.returncode not in (None, 0)]
             if failed:
                 first = failed[0]
+                code = exit_code(int(first.returncode))
                 if running:
-                    self._stop(running, why=f"rank process {first.pid} failed")
-                return exit_code(int(first.returncode))
+                    rank = self._envs[self.procs.index(first)]["RANK"]
+                    self._stop(running, why=f"rank {rank} (pid {first.pid}) exited {code}")
+                return code
             if not running:
                 return 0
             time.sleep(0.1)
