@@ -604,6 +604,34 @@ async def test_hang_reported_again_after_progress_resumes_and_stalls(
     assert emitted.events[0].node is None and emitted.events[0].rank is None
 
 
+async def test_a_hang_is_reported_though_heartbeats_come_slower_than_the_polling_period(
+    make_sensor: SensorFactory,
+) -> None:
+    # The sensor expects a heartbeat every 10 ms; they come every 40 ms. A node last heard
+    # from over 15 ms ago looks silent, so the hang check waits for that node's heartbeat
+    # deadline (310 ms later: a phase of 30 ms into the next 40 ms beat, silent again).
+    # A node heard from since that wait is no reason to wait again.
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.01,
+        heartbeat_timeout_s=0.3,
+        hang_timeout_s=0.1,
+        hang_warmup_intervals=0,
+    )
+    step = {"n": 1}
+    pump = Pump(
+        sensor, lambda _: [stepping("n1", step["n"]), stepping("n2", step["n"], (1,))], 0.04
+    ).start()
+    try:
+        await asyncio.sleep(0.1)
+        step["n"] = 2  # one advance, then the job stalls
+        # The hang timeout, then one wait for a node's deadline: 0.41 s (without the rule,
+        # the check waits again on every deadline it finds a node silent at).
+        await until(lambda: bool(emitted.events), patience=3.0)
+    finally:
+        await pump.stop()
+    assert types(emitted.events) == [E.HANG]
+
+
 async def test_hang_learned_timeout(make_sensor: SensorFactory) -> None:
     sensor, _ = make_sensor(
         heartbeat_timeout_s=5.0,

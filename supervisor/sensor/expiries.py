@@ -162,15 +162,20 @@ class DeadlineHandlers(SensorClock):
             # nothing is left to hang. Progress arms the check again.
             return
         now = self._deadlines.time()
+        # A node heard from since the last wait is no reason to wait again: heartbeats
+        # slower than the polling period would otherwise put the hang off for ever.
+        heard_since = job.hang_deferred_at
         silent = [
             node.last_seen + self._timeout_s
             for node in alive
             if now - node.last_seen > _SILENT_PERIODS * self.settings.heartbeat_polling_period_s
+            and (heard_since is None or node.last_seen <= heard_since)
         ]
         if silent:
             # A node of the job has missed its heartbeats: the job stalls because of it,
             # most likely. Its heartbeat deadline decides first (a lost node disarms this
             # check and is remediated once, as a node loss); then look again.
+            job.hang_deferred_at = now
             self._deadlines.arm((HANG, name), max(silent) + _AFTER_NODE_DEADLINE_S)
             return
         job.hang_reported = True

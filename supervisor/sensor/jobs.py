@@ -18,6 +18,9 @@ class JobRecord:
     progress: JobProgress
     nodes: set[str] = field(default_factory=set)
     hang_reported: bool = False
+    #: When a hang check last waited for a silent node's deadline (None: it has not since
+    #: the last progress). A node heard from after that is no reason to wait again.
+    hang_deferred_at: float | None = None
     #: When its first worker left the loop (finishing.py); None while it runs.
     finishing_since: float | None = None
     # rank -> the node whose last accepted heartbeat has it running or starting. A rank

@@ -210,6 +210,7 @@ class Sensor(SensorReads, DeadlineHandlers):
             return
         job.progress.restarted()
         job.finishing_since = None
+        job.hang_deferred_at = None
         self._deadlines.disarm((HANG, job_name))
         self._deadlines.disarm((FINISHING, job_name))
 
@@ -392,6 +393,7 @@ class Sensor(SensorReads, DeadlineHandlers):
     def _advanced(self, job: JobRecord, now: float) -> None:
         """The job made progress: watch it for a hang again from now."""
         job.hang_reported = False
+        job.hang_deferred_at = None
         if job.progress.watching and job.finishing_since is None:
             self._deadlines.arm((HANG, job.name), now + job.progress.timeout_s)
 
