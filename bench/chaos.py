@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.chaos_network import NetworkChaos, NetworkFault
 from bench.stall import Stalled, StallWatch
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
@@ -71,6 +72,10 @@ class ChaosConfig:
     workload: str = "numpy"
     #: No new step for this many hang timeouts, unfinished: the run fails (stalled).
     stall_hang_timeouts: float = 3.0
+    #: Every host on a network of its own, cut at random as well (bench/chaos_network.py),
+    #: a fault every `network_mean_interval_s` on average.
+    network_faults: bool = False
+    network_mean_interval_s: float = 30.0
 
     @property
     def finish_within_s(self) -> float:
@@ -96,6 +101,13 @@ class ChaosResult:
     error: str | None = None
     #: The job stalled: for how long, at which step, and what the supervisor said.
     stalled: str | None = None
+    #: The network faults drawn (with network_faults), and what the supervisor refused or
+    #: dropped of an older world's reports ("report outcome" -> count).
+    network: list[NetworkFault] = field(default_factory=list)
+    network_error: str | None = None
+    stale_reports: dict[str, float] = field(default_factory=dict)
+    #: Where the logs and records of a run that went wrong were kept, for a post-mortem.
+    kept: str | None = None
 
 
 def reference_weights(run: Path, config: ChaosConfig) -> Output:
@@ -172,40 +184,74 @@ def run(config: ChaosConfig) -> ChaosResult:
     with tempfile.TemporaryDirectory(prefix="bench-chaos-", dir=_tmp_root()) as tmp:
         root = Path(tmp)
         expected = reference_weights(root / "reference", config)
-        demo = LocalDemo(
-            DemoOptions(
-                run_dir=root / "run",
-                port=free_port(),
-                replicas=config.replicas,
-                nodes_per_dp=config.nodes_per_dp,
-                spares=config.spares,
-                seed=SEED,
-                total_steps=config.total_steps,
-                step_time_s=config.step_time_s,
-                heartbeat_polling_period_s=config.heartbeat_polling_period_s,
-                heartbeat_timeout_s=config.heartbeat_timeout_s,
-                node_repair_s=config.node_repair_s,
-                workload=config.workload,
-                workload_env=(
-                    dict(TORCH_ENV, OMP_NUM_THREADS="1") if config.workload == "torch" else {}
-                ),
-            )
+        options = DemoOptions(
+            run_dir=root / "run",
+            port=free_port(),
+            replicas=config.replicas,
+            nodes_per_dp=config.nodes_per_dp,
+            spares=config.spares,
+            seed=SEED,
+            total_steps=config.total_steps,
+            step_time_s=config.step_time_s,
+            heartbeat_polling_period_s=config.heartbeat_polling_period_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            node_repair_s=config.node_repair_s,
+            workload=config.workload,
+            workload_env=(
+                dict(TORCH_ENV, OMP_NUM_THREADS="1") if config.workload == "torch" else {}
+            ),
         )
+        network = None
+        if config.network_faults:
+            network = NetworkChaos(options.nodes, config.network_mean_interval_s, SEED)
+            options.hosts = network.hosts()
+            # gloo would advertise the address its host name resolves to (loopback).
+            options.workload_env["GLOO_SOCKET_IFNAME"] = "eth0"
+        demo = LocalDemo(options)
         try:
             demo.start()
-            _chaos(demo, config, result)
+            _chaos(demo, config, result, network)
         except Stalled as exc:
             result.stalled = str(exc)
         except (RuntimeError, httpx.HTTPError, TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
+            if network is not None:
+                _account_network(demo, network, result)
             demo.stop()
             time.sleep(1.0)
             result.orphans = len(leftover_processes(demo.run_dir))
+            if network is not None:
+                network.close()
         got = _output(demo.run_dir / "output", config)
         if got is not None:
             result.weights_match = _same(got, expected)
+        if result.weights_match is not True or result.error or result.stalled:
+            result.kept = _keep(demo.run_dir)
     return result
+
+
+def _account_network(demo: LocalDemo, network: NetworkChaos, result: ChaosResult) -> None:
+    network.stop()
+    result.network = network.faults
+    result.network_error = network.error
+    try:
+        network.account(demo)
+        result.stale_reports = network.stale_reports(demo)
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        result.network_error = f"the account: {type(exc).__name__}: {exc}"
+
+
+def _keep(run_dir: Path) -> str:
+    """The run's logs and the supervisor's database, copied out of the run's temporary
+    directory (sockets and the tiers' checkpoints left behind)."""
+    kept = Path(tempfile.mkdtemp(prefix="bench-chaos-kept-"))
+    for log in run_dir.rglob("*.log"):  # the supervisor's, each host monitor's and worker's
+        (kept / log.relative_to(run_dir)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, kept / log.relative_to(run_dir))
+    for db in run_dir.glob("supervisor.db*"):
+        shutil.copy2(db, kept / db.name)
+    return str(kept)
 
 
 def _same(got: Output, expected: Output) -> bool:
@@ -223,7 +269,9 @@ def _tmp_root() -> str | None:
     )
 
 
-def _chaos(demo: LocalDemo, config: ChaosConfig, result: ChaosResult) -> None:
+def _chaos(
+    demo: LocalDemo, config: ChaosConfig, result: ChaosResult, network: NetworkChaos | None
+) -> None:
     job = demo.options.job
     _until(lambda: (_step(demo) or 0) >= 10, 120, "the job to train")
     response = httpx.post(
@@ -240,15 +288,22 @@ def _chaos(demo: LocalDemo, config: ChaosConfig, result: ChaosResult) -> None:
         hang_timeouts=config.stall_hang_timeouts,
     )
     window_ends = time.monotonic() + config.minutes * 60
+    if network is not None:
+        network.start(demo)
     try:
         while time.monotonic() < window_ends:
             demo.repair_nodes()
+            if network is not None:
+                network.repair_cordoned(demo, config.node_repair_s)
             watch.check()
             time.sleep(0.5)
     except Stalled:
         result.final_step = _step(demo)
         _account(demo, schedule, result)
         raise
+    finally:
+        if network is not None:
+            network.stop()  # no more cuts; the last one heals
     httpx.delete(
         f"{demo.url}/api/v1/faults/{schedule}",
         headers={"Authorization": f"Bearer {demo.operator_token}"},
@@ -257,6 +312,8 @@ def _chaos(demo: LocalDemo, config: ChaosConfig, result: ChaosResult) -> None:
 
     def finished() -> bool:
         demo.repair_nodes()
+        if network is not None:
+            network.repair_cordoned(demo, config.node_repair_s)
         watch.check()
         return _output(demo.run_dir / "output", config) is not None
 

@@ -1,9 +1,11 @@
 """The chaos run's rows in `python -m bench` (`--only chaos`): one run per workload,
-NumPy and PyTorch, each judged on its own (bench/chaos.py)."""
+NumPy and PyTorch, then the PyTorch job again with network faults as well (every host in
+a network namespace of its own, bench/chaos_network.py), each judged on its own
+(bench/chaos.py)."""
 
 from __future__ import annotations
 
-from bench import chaos
+from bench import chaos, chaos_network
 from bench.table import Row, verdict
 
 WORKLOADS = ("numpy", "torch")
@@ -15,6 +17,54 @@ def chaos_rows(minutes: float) -> list[Row]:
         nodes_per_dp = 1 if workload == "torch" else 2  # the torch job is data parallel
         config = chaos.ChaosConfig(minutes=minutes, workload=workload, nodes_per_dp=nodes_per_dp)
         rows += _rows(config, chaos.run(config))
+    why_not = chaos_network.unavailable()
+    if why_not is not None:
+        rows.append(Row("Chaos (torch) with network faults", "not run", why_not, verdict="info"))
+        return rows
+    config = chaos.ChaosConfig(
+        minutes=minutes, workload="torch", nodes_per_dp=1, network_faults=True
+    )
+    result = chaos.run(config)
+    return rows + _rows(config, result) + _network_rows(config, result)
+
+
+def _network_rows(config: chaos.ChaosConfig, result: chaos.ChaosResult) -> list[Row]:
+    faults = result.network
+    kinds: dict[str, int] = {}
+    for fault in faults:
+        kinds[fault.kind] = kinds.get(fault.kind, 0) + 1
+    failed = [f for f in faults if f.failed_actions]
+    undetected = [f for f in faults if not f.detected]
+    stale = result.stale_reports
+    rows = [
+        Row(
+            f"  network faults (mean {config.network_mean_interval_s:g} s apart, "
+            f"{chaos_network.DURATION_S[0]:g}-{chaos_network.DURATION_S[1]:g} s each): "
+            "seen by the supervisor, no action failed",
+            f"{sum(1 for f in faults if f.detected and not f.failed_actions)} of {len(faults)} "
+            f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items())) or 'none'})"
+            + (f"; {result.network_error}" if result.network_error else ""),
+            f"events on the node, cut or within {chaos_network.AFTERMATH_S:g} s of the heal",
+            "all",
+            verdict(bool(faults) and not failed and not undetected and not result.network_error),
+        ),
+        Row(
+            "  an older world's reports refused / dropped (heartbeats; checkpoints)",
+            f"{stale.get('heartbeat refused', 0):g} / {stale.get('heartbeat dropped', 0):g}; "
+            f"{stale.get('checkpoint refused', 0):g} / {stale.get('checkpoint dropped', 0):g}",
+            "none of them applied",
+        ),
+    ]
+    for fault in undetected:
+        rows.append(Row(f"  undetected: {fault.kind} on {fault.node}", "-", verdict="FAIL"))
+    for fault in failed:
+        rows.append(
+            Row(
+                f"  {fault.kind} on {fault.node}: {'; '.join(fault.failed_actions)}",
+                "-",
+                verdict="FAIL",
+            )
+        )
     return rows
 
 
@@ -45,7 +95,8 @@ def _rows(config: chaos.ChaosConfig, result: chaos.ChaosResult) -> list[Row]:
             "match"
             if result.weights_match
             else ("differ" if result.weights_match is False else "the job did not finish"),
-            f"an uninterrupted run, same seed, {config.total_steps} steps",
+            f"an uninterrupted run, same seed, {config.total_steps} steps"
+            + (f"; logs kept in {result.kept}" if result.kept else ""),
             "match",
             verdict(result.weights_match is True),
         ),

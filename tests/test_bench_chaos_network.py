@@ -1,0 +1,145 @@
+"""The chaos run's network faults (bench/chaos_network.py) on real network namespaces:
+each kind cuts what it says while it lasts and heals after; the account gives each fault
+the events of its node and the failed actions of its window."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from bench.chaos_network import NetworkChaos, NetworkFault, unavailable
+
+REASON = unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+PORT = 7711
+LISTEN = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(64)\n"
+    "while True: s.accept()[0].close()\n"
+)
+CONNECT = (
+    "import socket, sys\n"
+    "try: socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.5).close()\n"
+    "except OSError: sys.exit(1)\n"
+)
+
+
+@pytest.fixture
+def chaos() -> Iterator[NetworkChaos]:
+    network = NetworkChaos(["node-0", "node-1"], 60.0, seed=1, durations_s=(2.5, 2.5))
+    try:
+        for host in network.net.hosts.values():
+            subprocess.Popen(
+                [*host.exec_args(), sys.executable, "-c", LISTEN, host.address, str(PORT)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        yield network
+    finally:
+        network.close()  # kills the listeners too
+
+
+def reaches(chaos: NetworkChaos, source: str, target: str) -> bool:
+    host = chaos.net.hosts[source]
+    address = chaos.net.hosts[target].address
+    args = [*host.exec_args(), sys.executable, "-c", CONNECT, address, str(PORT)]
+    return subprocess.run(args, capture_output=True, timeout=10).returncode == 0
+
+
+def seen_during(chaos: NetworkChaos, kind: str, node: str) -> dict[str, bool]:
+    """Who reaches whom 1 s into a fault of `kind` on `node` (it lasts 2.5 s)."""
+    fault = threading.Thread(target=chaos.one, args=(kind, node))
+    fault.start()
+    time.sleep(1.0)
+    seen = {
+        "supervisor->node": reaches(chaos, "supervisor", node),
+        "node->supervisor": reaches(chaos, node, "supervisor"),
+        "peer->node": reaches(chaos, "node-1", node),
+    }
+    fault.join(timeout=30)
+    return seen
+
+
+def wait_until_listening(chaos: NetworkChaos) -> None:
+    deadline = time.monotonic() + 20
+    while not all(reaches(chaos, "supervisor", n) for n in ("node-0", "node-1")):
+        assert time.monotonic() < deadline, "the listeners did not start"
+        time.sleep(0.2)
+
+
+def test_each_kind_cuts_what_it_says_then_heals(chaos: NetworkChaos) -> None:
+    wait_until_listening(chaos)
+    assert seen_during(chaos, "supervisor_cut", "node-0") == {
+        "supervisor->node": False,
+        "node->supervisor": False,
+        "peer->node": True,  # the node trains on with its peers
+    }
+    assert reaches(chaos, "supervisor", "node-0") and reaches(chaos, "node-0", "supervisor")
+    assert seen_during(chaos, "link_down", "node-0") == {
+        "supervisor->node": False,
+        "node->supervisor": False,
+        "peer->node": False,
+    }
+    assert reaches(chaos, "supervisor", "node-0") and reaches(chaos, "node-1", "node-0")
+    [cut, down] = chaos.faults
+    assert (cut.kind, cut.node, down.kind) == ("supervisor_cut", "node-0", "link_down")
+    assert cut.healed is not None and cut.healed - cut.started >= timedelta(seconds=2.4)
+
+
+class Records:
+    """What the account reads of the supervisor (`LocalDemo.api`), one page at a time."""
+
+    def __init__(self, events: list[dict[str, Any]], actions: list[dict[str, Any]]) -> None:
+        self.pages = {"/api/v1/events": events, "/api/v1/actions": actions}
+
+    def api(self, path: str, limit: int = 500, cursor: str | None = None) -> dict[str, Any]:
+        items = self.pages[path]
+        start = int(cursor or 0)
+        more = start + limit < len(items)
+        return {
+            "items": items[start : start + limit],
+            "next_cursor": str(start + limit) if more else None,
+        }
+
+
+def test_the_account_gives_each_fault_its_nodes_events_and_its_windows_failures(
+    chaos: NetworkChaos,
+) -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def at_time(seconds: float) -> datetime:
+        return t0 + timedelta(seconds=seconds)
+
+    def at(seconds: float) -> str:
+        return at_time(seconds).isoformat()
+
+    chaos.faults = [
+        NetworkFault("link_down", "node-0", t0, t0 + timedelta(seconds=5)),
+        NetworkFault("flapping", "node-1", at_time(100), at_time(110)),
+    ]
+    events = [
+        {"type": "host_heartbeat_lost", "node": "node-0", "time": at(2)},
+        {"type": "node_recovered", "node": "node-0", "time": at(24)},  # within 20 s after
+        {"type": "host_heartbeat_lost", "node": "node-0", "time": at(60)},  # long after
+        {"type": "node_flapping", "node": "node-1", "time": at(104)},
+        {"type": "hang", "node": "node-0", "time": at(105)},  # another node's
+    ] * 300  # over one page
+    actions = [
+        {"type": "hot_swap", "status": "succeeded", "created_at": at(3), "error": None},
+        {"type": "emergency_checkpoint", "status": "failed", "created_at": at(106), "error": "x"},
+    ]
+    chaos.account(Records(events, actions))  # type: ignore[arg-type]
+    down, flapping = chaos.faults
+    assert set(down.events) == {"host_heartbeat_lost", "node_recovered"} and down.detected
+    assert down.failed_actions == []
+    assert set(flapping.events) == {"node_flapping"}
+    assert flapping.failed_actions == ["emergency_checkpoint: x"]
