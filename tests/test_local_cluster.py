@@ -327,10 +327,20 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     assert_same_weights(weights, expected)
 
 
+#: Long enough to scale down and back up before the end (back up by step 75 here).
+SCALE_STEPS = 300
+
+
 def test_no_spare_scales_down_then_back_up_when_the_node_returns(
-    start_demo: Callable[..., LocalDemo],
+    start_demo: Callable[..., LocalDemo], tmp_path: Path, workload: str
 ) -> None:
-    demo = start_demo(spares=0, node_repair_s=2.0, total_steps=100_000)
+    """With the torch job, the one replica left trains on both replicas' batches
+    (training/torch_workload/elastic.py): the weights are those of a run that never
+    lost a node."""
+    expected = (
+        reference_weights(tmp_path, 2, 1, SCALE_STEPS, workload) if workload == "torch" else None
+    )
+    demo = start_demo(spares=0, node_repair_s=2.0, total_steps=SCALE_STEPS)
     wait_for(lambda: job_step(demo) >= 10, what="training to reach step 10")
     victim = demo.options.nodes[0]
     inject(demo, kind="node_down", node=victim)
@@ -358,7 +368,11 @@ def test_no_spare_scales_down_then_back_up_when_the_node_returns(
     assert [e["node"] for e in recovered] == [victim]
     assert demo.api("/api/v1/jobs/demo")["num_dp_replicas"] == 2
     step = job_step(demo)
+    assert step < SCALE_STEPS, "the job finished before it grew back"
     wait_for(lambda: job_step(demo) > step + 3, what="training on two replicas again")
+    if workload == "torch":
+        weights = wait_for(lambda: output(demo), within=180, what="the job to finish")
+        assert_same_weights(weights, expected)
 
 
 def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(

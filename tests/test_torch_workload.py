@@ -56,3 +56,22 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path: Path) -> None:
     done = torchrun(tmp_path, "out", D_MODEL="30")
     assert done.returncode != 0
     assert "D_MODEL=30 must be a multiple of N_HEADS=4" in done.stderr
+
+
+def test_a_world_smaller_than_the_jobs_trains_on_every_batch_of_a_step(tmp_path: Path) -> None:
+    """The job of 2 replicas goes on with 1 (no spare) and grows back to 2: with
+    DATA_REPLICAS=2, the one rank left trains each step on both replicas' batches
+    (training/torch_workload/elastic.py), and the weights are those of a run on 2 ranks
+    throughout."""
+    whole = torchrun(tmp_path / "whole", "out", 2)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    reference = (tmp_path / "whole" / "out" / "weights.sha256").read_text()
+    cut = tmp_path / "cut"
+    resumed = {}
+    for nproc, stop in ((2, "17"), (1, "24"), (2, "")):
+        done = torchrun(cut, "out", nproc, STOP_AFTER_STEP=stop, DATA_REPLICAS="2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        resumed[nproc] = done.stdout
+    assert "world_size=1: resumed step=15" in resumed[1]
+    assert "world_size=2: resumed step=20" in resumed[2]
+    assert (cut / "out" / "weights.sha256").read_text() == reference

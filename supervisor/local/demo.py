@@ -128,6 +128,13 @@ class DemoOptions:
                 "IN_MEMORY_CHECKPOINTING_FREQ": str(self.in_memory_checkpointing_freq),
                 "S3_CHECKPOINTING_FREQ": str(self.s3_checkpointing_freq),
                 **({"PARALLELISM": self.parallelism} if self.workload == "torch" else {}),
+                # A scale-down trains on every batch of a step still (elastic.py): the
+                # weights stay those of the full job's run.
+                **(
+                    {"DATA_REPLICAS": str(self.replicas)}
+                    if self.workload == "torch" and self.parallelism == "ddp"
+                    else {}
+                ),
                 # A sharded rank left waiting in another mesh group's collective (HSDP)
                 # must fail well within the in-process restart's bound to rejoin.
                 **({"COLLECTIVE_TIMEOUT_S": "8"} if self.parallelism != "ddp" else {}),

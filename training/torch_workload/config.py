@@ -20,6 +20,7 @@
 | `PARALLELISM` | `ddp` | `ddp`, `fsdp` (FSDP2 over every rank), `hsdp` (FSDP2, 2-D mesh). |
 | `DP_REPLICATE` | `2` | `hsdp`: replica groups (WORLD_SIZE a multiple of it). |
 | `COLLECTIVE_TIMEOUT_S` | `600` | A collective waiting longer fails (every group). |
+| `DATA_REPLICAS` | `WORLD_SIZE` | `ddp`: batches per step, in any world (elastic.py). |
 
 `WORLD_WAIT_S` above 0, with a host monitor: the supervisor assigns the world to start in
 (a JobSet that heals in-process); wait this long for it, and exit 4 without one.
@@ -70,6 +71,13 @@ class TorchWorkloadConfig:
     collective_timeout_s: float = 600.0
     attempt: str = "0"
     local_rank: int = 0
+    #: Batches per step (`ddp`), fixed for the job's life: a smaller world trains on all
+    #: of them (elastic.py). 0: the world size.
+    data_replicas: int = 0
+
+    @property
+    def batches_per_step(self) -> int:
+        return self.data_replicas or self.world_size
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -97,6 +105,8 @@ class TorchWorkloadConfig:
             raise ConfigError(f"DP_REPLICATE={self.dp_replicate} must be >= 1")
         if self.local_rank < 0:
             raise ConfigError(f"LOCAL_RANK={self.local_rank} must be >= 0")
+        if self.data_replicas < 0:
+            raise ConfigError(f"DATA_REPLICAS={self.data_replicas} must be >= 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TorchWorkloadConfig:

@@ -36,7 +36,7 @@ from resiliency_protocol.logs import configure_worker_logging
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.healing import abandon_process_group, first_line, wait_for_master
 from training.torch_workload.config import ConfigError, TorchWorkloadConfig
-from training.torch_workload.model import batch
+from training.torch_workload.elastic import batch_loss, elastic_step_gradients
 from training.torch_workload.parallel import Built, build, data_parallel, weights_sha256
 from training.worker_client import WorkerClient
 
@@ -118,7 +118,10 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
                     n = sum(p.numel() for p in built.model.parameters())
                     say(cfg, f"model: {n:,} parameters ({cfg.parallelism})")
                 client.report_step(step)
-                trained = built.model if built.sharded else data_parallel(built.model)
+                # DDP's hook averages over the world: a step of another number of batches
+                # sums them itself (elastic.py).
+                ddp = not built.sharded and cfg.batches_per_step == cfg.world_size
+                trained = data_parallel(built.model) if ddp else built.model
                 step, failure = train(cfg, trained, built, ckpt, client, step)
                 del trained  # DDP's reducer's hooks on the parameters go with it
                 if failure is None:
@@ -175,27 +178,21 @@ def train(
     all-reduce, FSDP's all-gathers and reduce-scatters) run in forward and backward,
     before `optimizer.step()`."""
     optimizer, scheduler = built.optimizer, built.scheduler
+    # A world of another size than the step's batches (a scale-down): elastic.py.
+    elastic = not built.sharded and cfg.batches_per_step != cfg.world_size
     while step < cfg.total_steps and not (cfg.stop_after_step and step >= cfg.stop_after_step):
-        inputs, targets = batch(
-            cfg.seed,
-            step + 1,
-            cfg.rank,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            vocab_size=cfg.vocab_size,
-        )
         try:
-            computing = time.monotonic()
-            logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)
-            )
-            # With DDP the forward pass holds no collective (it all-reduces in backward):
-            # its time is this rank's own, what a straggler shows in. (FSDP all-gathers in
-            # it; on a GPU this would need the kernels' time: CUDA events around it.)
-            compute_s = time.monotonic() - computing
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
+            if elastic:
+                loss, compute_s = elastic_step_gradients(cfg, model, step + 1)
+            else:
+                computing = time.monotonic()
+                loss = batch_loss(cfg, model, step + 1, cfg.rank)
+                # With DDP the forward pass holds no collective (it all-reduces in
+                # backward): its time is this rank's own, what a straggler shows in. (FSDP
+                # all-gathers in it; on a GPU this would need the kernels' time.)
+                compute_s = time.monotonic() - computing
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]  # DDP's all-reduce runs here
         except RuntimeError as exc:  # torch.distributed's errors included
             return step, exc
         optimizer.step()
