@@ -14,8 +14,10 @@ Ladder, per event (see `DefaultPolicy`):
 * an XID of the application's own (or a driver transient; see `supervisor.xid`): restart
   the workload; the node stays in service and the XID does not count against it. An XID
   whose response is `ignore` is only recorded;
-* spare available / node recovered: scale jobs below their maximum back up, one replica each,
-  as long as there are enough spares;
+* spare available / node recovered: restart a job that nothing runs since its latest
+  remedy failed (a last-resort restart on a node that was down) once the spares would hold
+  it; scale jobs below their maximum back up, one replica each, as long as there are
+  enough spares;
 * workload down: restart the workload, or scale it down by one replica when its pods are
   pending for lack of nodes (scaling enabled, above the minimum);
 * pod stuck terminating: force-delete that pod (grace period 0);
@@ -298,18 +300,18 @@ class DefaultPolicy(Policy):
         """Scale jobs below their maximum up by one replica while spares suffice: spares
         beyond those that jobs short of nodes will take (a JobSet just recreated by a scale
         has no pod placed yet: its own nodes look like spares)."""
+        out = self._restart_the_stranded(event, ctx)
         if not ctx.limits.enable_workload_scaling:
-            return []
+            return out
         short = sum(
             max(0, view.num_dp_replicas * view.num_nodes_per_dp - len(view.nodes))
             for view in ctx.jobs.values()
             if view.phase != "finished"
         )
         free = list(ctx.spares)[short:]
-        out: list[ActionRequest] = []
         for name in sorted(ctx.jobs):
             view = ctx.jobs[name]
-            if view.phase == "finished":
+            if view.phase == "finished" or self._stranded(ctx, name):
                 continue
             need = max(1, view.num_nodes_per_dp)
             if view.num_dp_replicas >= view.max_num_dp_replicas or len(free) < need:
@@ -326,6 +328,35 @@ class DefaultPolicy(Policy):
             )
             out += self.remedy(ctx, action)
         return out
+
+    def _restart_the_stranded(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
+        """Restart each job that nothing runs since its latest remedy failed (a last-resort
+        restart on a node that was down), once spares would hold it: no other event
+        would ever start it again."""
+        out: list[ActionRequest] = []
+        for name in sorted(ctx.failed_last_remedy):
+            view = ctx.jobs.get(name)
+            if view is None or not self._stranded(ctx, name):
+                continue
+            if len(ctx.spares) < view.num_dp_replicas * max(1, view.num_nodes_per_dp):
+                continue
+            reason = (
+                f"{describe(event)}: nothing runs {name} since its last remedy failed;"
+                " nodes are back: restarting it"
+            )
+            out += self.remedy(ctx, actions.restart_workload(name, reason=reason))
+        return out
+
+    @staticmethod
+    def _stranded(ctx: PolicyContext, name: str) -> bool:
+        """Nothing runs the job since its latest remedy failed."""
+        view = ctx.jobs.get(name)
+        return (
+            name in ctx.failed_last_remedy
+            and view is not None
+            and view.phase != "finished"
+            and not view.nodes
+        )
 
     @handles(EventType.WORKLOAD_DOWN)
     def on_workload_down(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:

@@ -81,6 +81,9 @@ class PolicyContext:
     # Remedies per job in a row that were not followed by training progress (every rank
     # past the step it stood at when the remedy was decided).
     no_progress_restarts: Mapping[str, int] = field(default_factory=dict)
+    # Jobs whose latest disruptive action (a restart, a swap, a scale) failed: what was
+    # stopped for it may not have started again, and nothing else will start it.
+    failed_last_remedy: frozenset[str] = frozenset()
 
     @property
     def spares(self) -> tuple[str, ...]:

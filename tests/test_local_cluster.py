@@ -375,6 +375,36 @@ def test_no_spare_scales_down_then_back_up_when_the_node_returns(
         assert_same_weights(weights, expected)
 
 
+@pytest.mark.parametrize("workload", ["numpy"], indirect=True)
+def test_a_job_whose_last_resort_restart_failed_starts_again_once_its_node_is_back(
+    start_demo: Callable[..., LocalDemo], workload: str
+) -> None:
+    """One replica, no spare: its node goes down, and the last resort, a restart on that
+    node, fails. Once the node is repaired and back as a spare, the job is started again
+    on it; nothing else would ever start it."""
+    demo = start_demo(replicas=1, spares=0, total_steps=100_000)
+    wait_for(lambda: job_step(demo) >= 10, what="training to reach step 10")
+    victim = demo.options.nodes[0]
+    inject(demo, kind="node_down", node=victim)
+    failed = wait_for(lambda: finished_actions(demo, 2), within=120, what="the last resort")
+    assert [(a["type"], a["status"]) for a in failed][-1] == ("restart_workload", "failed")
+    step = job_step(demo)
+    demo.options.node_repair_s = 0.0
+    wait_for(lambda: demo.repair_nodes() == [victim], within=30, what="the repair")
+    restarted = wait_for(
+        lambda: [
+            a
+            for a in finished_actions(demo, len(failed) + 1)[len(failed) :]
+            if a["type"] == "restart_workload"
+        ],
+        within=60,
+        what="the restart once the node is back",
+    )
+    assert [a["status"] for a in restarted] == ["succeeded"], restarted
+    assert "since its last remedy failed" in restarted[0]["reason"]
+    wait_for(lambda: job_step(demo) > step + 3, what="training again")
+
+
 def test_supervisor_killed_mid_remediation_takes_over_and_repeats_nothing(
     start_demo: Callable[..., LocalDemo], tmp_path: Path, workload: str
 ) -> None:

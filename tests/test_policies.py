@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -400,6 +401,26 @@ def test_spares_a_job_short_of_nodes_will_take_do_not_scale_another_up() -> None
     # One spare more than it lacks: that one is capacity.
     two = ctx([spare("s1"), spare("s2")], [recreated])
     assert decide(ev(E.SPARE_AVAILABLE, "s2"), two) == [cp("j"), scale_up(2)]
+
+
+@pytest.mark.parametrize("event_type", [E.SPARE_AVAILABLE, E.NODE_RECOVERED])
+def test_a_job_nothing_runs_since_its_last_remedy_failed_is_restarted_once_nodes_are_back(
+    event_type: EventType,
+) -> None:
+    """Its last-resort restart failed (its node was down): when the node is back as a
+    spare, the job starts again on it; not while spares would not hold it, not when
+    something runs it, nor past its budget."""
+    stranded = job("j", replicas=1, max_replicas=2, placed=0)
+    back = replace(ctx([spare("s1")], [stranded]), failed_last_remedy=frozenset({"j"}))
+    assert decide(ev(event_type, "s1"), back) == [cp("j"), restart_workload("j")]
+    # Without the failed remedy it is a JobSet whose pods are about to be placed: wait.
+    assert decide(ev(event_type, "s1"), replace(back, failed_last_remedy=frozenset())) == []
+    two = replace(back, jobs={"j": job("j", replicas=2, max_replicas=2, placed=0)})
+    assert decide(ev(event_type, "s1"), two) == []  # two nodes needed, one spare
+    running = replace(back, jobs={"j": job("j", replicas=1, max_replicas=2)})
+    assert decide(ev(event_type, "s1"), running) == [cp("j"), scale_up(2)]
+    spent = replace(back, restarts_in_window={"j": 10})
+    assert decide(ev(event_type, "s1"), spent) == []
 
 
 def test_scale_up_respects_max_replicas() -> None:

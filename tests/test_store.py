@@ -457,6 +457,25 @@ def test_action_lifecycle(store: Store) -> None:
     assert store.get_action(10**9) is None
 
 
+def test_the_jobs_whose_latest_disruptive_action_failed(store: Store) -> None:
+    """What the policy reads to restart a job nothing runs since its last remedy failed:
+    the latest disruptive action of each job decides; a checkpoint or a cordon does not."""
+
+    def done(request: ActionRequest, key: str, status: ActionStatus) -> None:
+        action, _ = store.create_action(request, key=key, source="policy")
+        store.start_attempt(action.id)
+        store.finish_action(action.id, status)
+
+    done(actions.restart_workload("j1"), "a", ActionStatus.FAILED)
+    done(actions.restart_workload("j2"), "b", ActionStatus.FAILED)
+    done(actions.scale_up("j2", to_replicas=2), "c", ActionStatus.SUCCEEDED)
+    done(actions.emergency_checkpoint("j1"), "d", ActionStatus.FAILED)
+    done(actions.hot_swap("j3", "n1", spare="s1"), "e", ActionStatus.FAILED)
+    assert store.policy_counts(T0).failed_last_remedy == {"j1", "j3"}
+    done(actions.restart_workload("j3"), "f", ActionStatus.SUCCEEDED)
+    assert store.policy_counts(T0).failed_last_remedy == {"j1"}
+
+
 def test_unfinished_actions_and_unhandled_events(store: Store) -> None:
     keys = ["pending", "running", "succeeded", "failed"]
     made = {

@@ -173,6 +173,7 @@ class Controller:
             action_counts=counts.action_counts,
             restarts_in_window=restarts,
             no_progress_restarts=self.budgets.counts(),
+            failed_last_remedy=counts.failed_last_remedy,
         )
 
     def decide(self, event: Event, context: PolicyContext) -> list[ActionRequest]:

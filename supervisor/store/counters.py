@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 
 from supervisor.domain import (
     RESTART_ACTIONS,
+    ActionStatus,
     ActionType,
 )
 from supervisor.store.base import FAILURES, NODE_SCOPE, RepositoryBase
@@ -23,6 +24,8 @@ class PolicyCounts:
     node_failures: dict[str, int]
     action_counts: dict[tuple[str, ActionType], int]
     restarts_in_window: dict[str, int]
+    #: Jobs whose latest disruptive action failed: nothing of them may be running.
+    failed_last_remedy: frozenset[str] = frozenset()
 
 
 class PolicyCounters(RepositoryBase):
@@ -40,6 +43,19 @@ class PolicyCounters(RepositoryBase):
                 .where(ActionRow.dry_run == self.dry_run)
                 .group_by(ActionRow.job)
             ).all()
+            latest = (
+                select(func.max(ActionRow.id).label("id"))
+                .where(ActionRow.type.in_(restart_types))
+                .where(ActionRow.job.is_not(None))
+                .where(ActionRow.dry_run == self.dry_run)
+                .group_by(ActionRow.job)
+                .subquery()
+            )
+            failed_last = session.scalars(
+                select(ActionRow.job)
+                .join(latest, ActionRow.id == latest.c.id)
+                .where(ActionRow.status == ActionStatus.FAILED.value)
+            ).all()
         node_failures = {
             c.key: c.value for c in counters if c.scope == NODE_SCOPE and c.name == FAILURES
         }
@@ -52,4 +68,5 @@ class PolicyCounters(RepositoryBase):
             node_failures=node_failures,
             action_counts=action_counts,
             restarts_in_window={job: count for job, count in recent if job},
+            failed_last_remedy=frozenset(job for job in failed_last if job),
         )

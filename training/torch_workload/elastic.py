@@ -22,6 +22,12 @@ from training.torch_workload.config import TorchWorkloadConfig
 from training.torch_workload.model import batch
 
 
+def takes_elastic_steps(cfg: TorchWorkloadConfig, sharded: bool) -> bool:
+    """Whether this world's steps are taken here rather than by DDP and its hook: a
+    replicated model in a world of another size than the step's batches."""
+    return not sharded and cfg.batches_per_step != cfg.world_size
+
+
 def seed_dropout(seed: int, step: int, replica: int) -> None:
     """Dropout's random numbers for `replica`'s batch of `step`: the same in every world."""
     torch.manual_seed(seed * 1_000_003 + step * 1_009 + replica + 7)

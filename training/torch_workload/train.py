@@ -36,7 +36,11 @@ from resiliency_protocol.logs import configure_worker_logging
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.healing import abandon_process_group, first_line, wait_for_master
 from training.torch_workload.config import ConfigError, TorchWorkloadConfig
-from training.torch_workload.elastic import batch_loss, elastic_step_gradients
+from training.torch_workload.elastic import (
+    batch_loss,
+    elastic_step_gradients,
+    takes_elastic_steps,
+)
 from training.torch_workload.parallel import Built, build, data_parallel, weights_sha256
 from training.worker_client import WorkerClient
 
@@ -120,8 +124,8 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
                 client.report_step(step)
                 # DDP's hook averages over the world: a step of another number of batches
                 # sums them itself (elastic.py).
-                ddp = not built.sharded and cfg.batches_per_step == cfg.world_size
-                trained = data_parallel(built.model) if ddp else built.model
+                elastic = takes_elastic_steps(cfg, built.sharded)
+                trained = built.model if built.sharded or elastic else data_parallel(built.model)
                 step, failure = train(cfg, trained, built, ckpt, client, step)
                 del trained  # DDP's reducer's hooks on the parameters go with it
                 if failure is None:
@@ -178,8 +182,7 @@ def train(
     all-reduce, FSDP's all-gathers and reduce-scatters) run in forward and backward,
     before `optimizer.step()`."""
     optimizer, scheduler = built.optimizer, built.scheduler
-    # A world of another size than the step's batches (a scale-down): elastic.py.
-    elastic = not built.sharded and cfg.batches_per_step != cfg.world_size
+    elastic = takes_elastic_steps(cfg, built.sharded)  # a scale-down's world
     while step < cfg.total_steps and not (cfg.stop_after_step and step >= cfg.stop_after_step):
         try:
             if elastic:
