@@ -334,10 +334,8 @@ class DefaultPolicy(Policy):
         restart on a node that was down), once spares would hold it: no other event
         would ever start it again."""
         out: list[ActionRequest] = []
-        for name in sorted(ctx.failed_last_remedy):
-            view = ctx.jobs.get(name)
-            if view is None or not self._stranded(ctx, name):
-                continue
+        for name in sorted(n for n in ctx.failed_last_remedy if self._stranded(ctx, n)):
+            view = ctx.jobs[name]
             if len(ctx.spares) < view.num_dp_replicas * max(1, view.num_nodes_per_dp):
                 continue
             reason = (
