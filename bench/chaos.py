@@ -16,10 +16,16 @@ still training when the last fault lands.
 Per fault the schedule injected (`GET /api/v1/faults`, the children of the schedule):
 - refused: the node refused it (its worker was already down, being restarted): ended at
   once, nothing caused;
-- remediated: it caused at least one event, and none of the actions taken for its events
-  failed or is still open (a fault whose consequence another fault's restart already
-  healed has its actions skipped, or none: it counts as remediated);
-- not remediated: no event within its window (undetected), or an action for it failed.
+- remediated: it caused at least one event, no action taken for its events is still
+  open, and it was healed as bench/chaos_judge.py judges (its last remedy succeeded, or a
+  later remedy of the job did soon after; which one is listed). A fault whose consequence
+  another fault's restart already healed has its actions skipped, or none: it counts as
+  remediated;
+- not remediated: no event within its window (undetected), an action still open, or its
+  last remedy failed and no later one healed the job.
+An emergency checkpoint that did not commit (none of the job's workers between worlds had
+anything to save, or a rank could not) does not make the fault's remedy fail: it is listed
+apart, each with its error, for the operator.
 Also: actions still open after the job finished (stuck), processes left after the
 cluster is stopped (orphans), and whether the final weights match bit for bit.
 
@@ -43,6 +49,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.chaos_judge import judge
 from bench.chaos_network import NetworkChaos, NetworkFault
 from bench.stall import Stalled, StallWatch
 from supervisor.local.cluster_state import free_port
@@ -68,14 +75,28 @@ class ChaosConfig:
     #: After the window, the job has this long to finish: at least 10 minutes, and three
     #: times the window (a loaded machine trains slower than step_time_s says).
     finish_timeout_s: float = 600.0
-    #: `numpy` or `torch` (then nodes_per_dp is 1: it is data parallel).
+    #: `numpy` or `torch` (then nodes_per_dp is 1: each node holds one rank).
     workload: str = "numpy"
+    #: The torch job's layout: `ddp`, or `hsdp` (FSDP2 on a 2-D mesh: replicas / 2
+    #: replica groups of 2 shards each, so that every shard has a copy on another node).
+    parallelism: str = "ddp"
     #: No new step for this many hang timeouts, unfinished: the run fails (stalled).
     stall_hang_timeouts: float = 3.0
     #: Every host on a network of its own, cut at random as well (bench/chaos_network.py),
     #: a fault every `network_mean_interval_s` on average.
     network_faults: bool = False
     network_mean_interval_s: float = 30.0
+    #: Scale down when no spare is left, back up later. Off for a job whose weights
+    #: depend on its world (HSDP: its ranks' gradients are reduced in another order in
+    #: another world), so that its final weights can be compared bit for bit: every
+    #: remedy keeps its layout (a hot-swap, else a restart once its nodes are back).
+    scaling: bool = True
+
+    @property
+    def title(self) -> str:
+        if self.parallelism == "ddp":
+            return self.workload
+        return f"{self.workload} {self.parallelism.upper()} {self.replicas // 2}x2"
 
     @property
     def finish_within_s(self) -> float:
@@ -92,7 +113,11 @@ class ChaosResult:
     refused: int = 0
     remediated: int = 0
     not_remediated: list[str] = field(default_factory=list)  # "kind on node: why"
+    #: Emergency checkpoints that did not commit: "kind on node: error".
+    checkpoints_not_committed: list[str] = field(default_factory=list)
     by_kind: dict[str, int] = field(default_factory=dict)
+    #: Faults whose own remedy failed, healed by a later one: "kind on node: by type #id".
+    healed_later: list[str] = field(default_factory=list)
     actions: dict[str, int] = field(default_factory=dict)  # "type status" -> count
     stuck_actions: int = 0
     orphans: int = 0
@@ -142,6 +167,7 @@ def reference_weights(run: Path, config: ChaosConfig) -> Output:
                 CHECKPOINT_RAM_DIR=str(run / f"ram-{rank}"),
                 S3_CHECKPOINTING_FREQ="0",
                 OMP_NUM_THREADS="1",
+                PARALLELISM=config.parallelism,
                 **TORCH_ENV,
             )
         procs.append(
@@ -197,13 +223,30 @@ def run(config: ChaosConfig) -> ChaosResult:
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             node_repair_s=config.node_repair_s,
             workload=config.workload,
+            parallelism=config.parallelism,
             workload_env=(
                 dict(TORCH_ENV, OMP_NUM_THREADS="1") if config.workload == "torch" else {}
             ),
             # A fault every few seconds is far more than the restart budget is meant for
-            # (30 disruptive actions an hour, then the job is given up as broken): the run
-            # measures healing, so the budget is out of its way.
-            supervisor_env={"SUPERVISOR_MAX_RESTARTS_IN_WINDOW": "100000"},
+            # (30 disruptive actions an hour, or 3 remedies in a row not followed by
+            # progress, then the job is given up as broken: a 10-minute run was, the next
+            # fault landing before the job stepped again), and than the flap rule is (3
+            # losses of a node in 5 minutes: each node loses its heartbeats that often
+            # here, and a 10-minute run stalled with all four out of the pool as
+            # flapping). The run measures healing, so these are out of its way.
+            supervisor_env={
+                "SUPERVISOR_MAX_RESTARTS_IN_WINDOW": "100000",
+                "SUPERVISOR_MAX_NO_PROGRESS_RESTARTS": "100000",
+                "SUPERVISOR_FLAP_MAX_LOSSES": "100000",
+                "SUPERVISOR_ENABLE_WORKLOAD_SCALING": str(config.scaling).lower(),
+                # Four ranks and six host monitors on two cores: room for the in-process
+                # join of a sharded job (as the HSDP MTTR rows give it).
+                **(
+                    {"SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "60"}
+                    if config.parallelism != "ddp"
+                    else {}
+                ),
+            },
         )
         network = None
         if config.network_faults:
@@ -377,15 +420,17 @@ def _account(demo: LocalDemo, schedule: int, result: ChaosResult) -> None:
             continue
         result.injected += 1
         result.by_kind[fault["kind"]] = result.by_kind.get(fault["kind"], 0) + 1
-        mine = [actions[i] for i in fault["actions"] if i in actions]
-        failed = [a for a in mine if a["status"] == "failed"]
-        if failed:
-            reasons = "; ".join(f"{a['type']}: {a['error']}" for a in failed)
-            result.not_remediated.append(f"{what}: {reasons}")
-        elif any(a["status"] not in ("succeeded", "failed") for a in mine):
-            result.not_remediated.append(f"{what}: an action still open")
-        else:
-            result.remediated += 1
+        mine = [actions[i] for i in sorted(fault["actions"]) if i in actions]
+        verdict = judge(mine, list(actions.values()))
+        result.checkpoints_not_committed += [
+            f"{what}: {error}" for error in verdict.checkpoints_not_committed
+        ]
+        if not verdict.healed:
+            result.not_remediated.append(f"{what}: {verdict.why_not}")
+            continue
+        result.remediated += 1
+        if verdict.healed_by is not None:
+            result.healed_later.append(f"{what}: by {verdict.healed_by}")
 
 
 def _refused(fault: dict[str, Any]) -> bool:

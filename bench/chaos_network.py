@@ -8,12 +8,15 @@ one switch with no route out (tests/netns.py). A background thread draws a fault
   node's workers train on with their peers (the split brain of a partition);
 - `link_down`: the node's cable is pulled: it reaches no one, and no one reaches it;
 - `flapping`: the link between the supervisor and the node goes down and up every
-  `FLAP_S`.
+  `FLAP_S`;
+- `peer_cut`: the node and every other node no longer hear each other, both ways, while
+  the supervisor hears them all: its job's collectives stall with no heartbeat missed.
 Each lasts `DURATION_S` (drawn), then heals. One fault at a time: the next is drawn once
 the last healed.
 
 The account of each fault: what the supervisor saw of the node while it was cut or soon
-after (its events), and whether an action taken then failed.
+after (its events), and whether the job was healed, judged by the job's actions taken
+then as bench/chaos_judge.py judges the supervisor's own faults.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from typing import Any
 
 import httpx
 
+from bench.chaos_judge import Judgement, judge, timestamp
 from supervisor.local.demo import LocalDemo
 from tests.netns import Network, unavailable
 
-KINDS = ("supervisor_cut", "link_down", "flapping")
+KINDS = ("supervisor_cut", "link_down", "flapping", "peer_cut")
 #: How long a fault lasts: drawn between these, seconds.
 DURATION_S = (3.0, 10.0)
 #: A flapping link is down, then up, this long each time.
@@ -49,7 +53,11 @@ class NetworkFault:
     started: datetime
     healed: datetime | None = None
     events: list[str] = field(default_factory=list)  # "type" of each event on the node
-    failed_actions: list[str] = field(default_factory=list)
+    #: As bench/chaos_judge.py judges the job's actions taken while it was cut or soon after.
+    verdict: Judgement = field(default_factory=Judgement)
+    #: The supervisor held the node lost already when the cut began (a process fault
+    #: downed it): a cut of it has nothing new to show.
+    already_lost: bool = False
 
     @property
     def detected(self) -> bool:
@@ -126,6 +134,11 @@ class NetworkChaos:
             elif kind == "link_down":
                 self.net.link_down(node)
                 self._stop.wait(duration)
+            elif kind == "peer_cut":
+                for peer in self.net.hosts:
+                    if peer not in (node, "supervisor"):
+                        self.net.drop(node, peer, "both")
+                self._stop.wait(duration)
             else:
                 while time.monotonic() < ends and not self._stop.is_set():
                     self.net.drop(node, "supervisor", "both")
@@ -165,9 +178,10 @@ class NetworkChaos:
             self._cordoned_since.pop(name, None)
 
     def account(self, demo: LocalDemo) -> None:
-        """Each fault's events and failed actions, from the supervisor's records."""
+        """Each fault's events on its node, and the verdict on the actions the job got
+        while the node was cut or soon after, from the supervisor's records."""
         events = _all(demo, "/api/v1/events")
-        actions = _all(demo, "/api/v1/actions")
+        actions = [a for a in _all(demo, "/api/v1/actions") if a.get("job") == demo.options.job]
         for fault in self.faults:
             healed = fault.healed or datetime.now(UTC)
             window = (fault.started, healed + timedelta(seconds=AFTERMATH_S))
@@ -176,11 +190,9 @@ class NetworkChaos:
                 for e in events
                 if e.get("node") == fault.node and _within(e["time"], window)
             ]
-            fault.failed_actions = [
-                f"{a['type']}: {a.get('error')}"
-                for a in actions
-                if a["status"] == "failed" and _within(a["created_at"], window)
-            ]
+            fault.already_lost = _lost_at(events, fault.node, fault.started)
+            mine = [a for a in actions if _within(a["created_at"], window)]
+            fault.verdict = judge(mine, actions)
 
     def stale_reports(self, demo: LocalDemo) -> dict[str, float]:
         """`supervisor_stale_world_reports_total` by "report outcome": what the supervisor
@@ -215,8 +227,23 @@ def _all(demo: LocalDemo, path: str) -> list[dict[str, Any]]:
             return items
 
 
+def _lost_at(events: list[dict[str, Any]], node: str, when: datetime) -> bool:
+    """Whether the supervisor held `node` lost at `when`: its last loss or recovery
+    before then was a loss."""
+    last = None
+    for event in events:
+        if event.get("node") != node or event["type"] not in LIFE_EVENTS:
+            continue
+        seen = timestamp(event["time"])
+        if seen is not None and seen < when and (last is None or seen >= last[0]):
+            last = (seen, event["type"])
+    return last is not None and last[1] == "host_heartbeat_lost"
+
+
+#: The events that say a node was lost, or back.
+LIFE_EVENTS = frozenset({"host_heartbeat_lost", "node_recovered"})
+
+
 def _within(stamp: str, window: tuple[datetime, datetime]) -> bool:
-    when = datetime.fromisoformat(stamp)
-    if when.tzinfo is None:  # the records are in UTC
-        when = when.replace(tzinfo=UTC)
-    return window[0] <= when <= window[1]
+    when = timestamp(stamp)
+    return when is not None and window[0] <= when <= window[1]

@@ -35,6 +35,7 @@ from host_monitor.heartbeat import HeartbeatSender
 from host_monitor.launch import Launch, Launcher
 from host_monitor.metrics import HeartbeatCounts, HostMonitorMetrics
 from host_monitor.node import CheckpointRecord, Node
+from host_monitor.peer_probes import PeerProbes
 from host_monitor.peer_tier import PeerTier, peer_counts
 from host_monitor.server import create_app
 from host_monitor.watchdogs import GpuReporter, Watchdog
@@ -127,7 +128,8 @@ class Agent:
         url, advertised = urls(sock, s.scheme)
         self._ssl = s.ssl_context()  # checked at start-up (cli.py)
         node = Node(s, self.worker_token, url)
-        sender = self._sender(node, advertised)
+        probes = self._probes()
+        sender = self._sender(node, advertised, probes)
         forwarder = self._forwarder(node)  # hooked before any worker can report
         xid, ecc, faults = await self._watchdogs(node, sender)
         peer = PeerTier(s, node, forwarder)
@@ -182,6 +184,8 @@ class Agent:
             tasks.append(asyncio.create_task(self._nvml.run(), name="nvml-watchdog"))
         if sender is not None:
             tasks.append(asyncio.create_task(sender.run(), name="heartbeat"))
+        if probes is not None:
+            tasks.append(asyncio.create_task(probes.run(), name="peer-probes"))
         if forwarder is not None:
             tasks.append(asyncio.create_task(forwarder.run(), name="checkpoint-forwarder"))
         if self.launch is not None:
@@ -236,7 +240,23 @@ class Agent:
         node.rounds.on_round_done = metrics.emergency_round
         return metrics
 
-    def _sender(self, node: Node, address: str) -> HeartbeatSender | None:
+    def _probes(self) -> PeerProbes | None:
+        s = self.settings
+        credential = s.supervisor_credential()
+        if s.supervisor_url is None or credential is None or not s.probe_peers:
+            return None
+        return PeerProbes(
+            s.supervisor_url,
+            credential,
+            s.node,
+            s.heartbeat_polling_period_s,
+            ssl_context=self._ssl,
+            peer_ssl_context=s.peer_ssl_context(),
+        )
+
+    def _sender(
+        self, node: Node, address: str, probes: PeerProbes | None
+    ) -> HeartbeatSender | None:
         s = self.settings
         if s.supervisor_url is None:
             log.warning("supervisor_url not set: no heartbeats will be sent")
@@ -254,6 +274,7 @@ class Agent:
             ssl_context=self._ssl,
             mirrors=s.shadow_supervisor_urls,
             on_stale_world=lambda stale: self._stale_world(node, stale),
+            unreachable_peers=probes.unreachable if probes is not None else None,
         )
         node.on_change = sender.trigger
         node.wait_for_delivery = True

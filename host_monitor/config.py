@@ -100,6 +100,12 @@ class HostMonitorSettings(BaseSettings):
     heartbeat_polling_period_s: float = Field(
         5.0, gt=0, description="How often a heartbeat is sent to the supervisor."
     )
+    probe_peers: bool = Field(
+        True,
+        description="Probe the peers the supervisor names (GET /healthz of their host "
+        "monitors, every heartbeat period, 1 s at least) and name in the heartbeats those "
+        "that do not answer: how the supervisor tells a node cut off from its peers.",
+    )
     worker_heartbeat_timeout_s: float = Field(
         10.0,
         gt=0,

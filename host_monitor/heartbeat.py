@@ -75,11 +75,13 @@ class HeartbeatSender:
         ssl_context: ssl.SSLContext | None = None,
         mirrors: Sequence[str] = (),
         on_stale_world: Callable[[StaleWorld], None] | None = None,
+        unreachable_peers: Callable[[], list[str]] | None = None,
     ) -> None:
         """`ssl_context`: how an https:// supervisor is verified (default: the system's
         trust store). `mirrors`: base URLs of dry-run supervisors shadowing this one,
         each sent a copy of every heartbeat (see `HeartbeatMirror`). `on_stale_world`:
-        told when the supervisor refuses workers of an older world."""
+        told when the supervisor refuses workers of an older world. `unreachable_peers`:
+        the peers this node's probes cannot reach (peer_probes.py)."""
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
@@ -99,6 +101,7 @@ class HeartbeatSender:
         self.mirrors = [HeartbeatMirror(url, self._credential, self._ssl) for url in mirrors]
         self._on_stale_world = on_stale_world
         self.stale_worlds = 0  # refusals for an older world, for status and tests
+        self._unreachable_peers = unreachable_peers
 
     # --- used by the rest of the agent ----------------------------------------------------
 
@@ -161,6 +164,7 @@ class HeartbeatSender:
             workers=[] if spare else snap.workers,
             gpu_reports=list(self._pending),
             address=self.address,
+            unreachable_peers=self._unreachable_peers() if self._unreachable_peers else [],
         )
         check_heartbeat(body)  # what the supervisor would refuse, refused here
         return body

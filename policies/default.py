@@ -46,6 +46,7 @@ from supervisor.domain import (
     ActionRequest,
     Event,
     EventType,
+    WorkerState,
 )
 from supervisor.event_details import (
     GpuClassDetails,
@@ -65,7 +66,11 @@ from supervisor.xid import XidResponse, response_of
 HARDWARE_FAULTS = frozenset({EventType.GPU_XID, EventType.GPU_ECC, EventType.NODE_FLAPPING})
 #: Node failures that are the node's, not the job's: a spare heals them whatever the
 #: job's restart budget.
-NOT_THE_JOBS_FAULT = HARDWARE_FAULTS | {EventType.HOST_HEARTBEAT_LOST, EventType.NODE_NOT_READY}
+NOT_THE_JOBS_FAULT = HARDWARE_FAULTS | {
+    EventType.HOST_HEARTBEAT_LOST,
+    EventType.NODE_NOT_READY,
+    EventType.NODE_CUT_OFF,
+}
 
 
 def describe(event: Event) -> str:
@@ -143,10 +148,16 @@ class DefaultPolicy(Policy):
     def _in_job_ladder(
         self, event: Event, ctx: PolicyContext, job: str, node: str | None
     ) -> list[ActionRequest]:
-        """Restart in place while the job has in-job restarts left, else the workload."""
+        """Restart in place while the job has in-job restarts left, else the workload.
+        After a remedy of the job that failed, the workload: an in-job restart needs the
+        rest of the job alive, and nothing says it is."""
         used, limit = ctx.in_job_restarts(job), ctx.limits.max_in_job_restarts
         what = describe(event)
-        if used < limit:
+        if job in ctx.failed_last_remedy:
+            action = actions.restart_workload(
+                job, reason=f"{what}: the job's last remedy failed, restarting it whole"
+            )
+        elif used < limit:
             action = actions.restart_in_place(
                 job, node, reason=f"{what}: in-job restart {used + 1} of {limit}"
             )
@@ -201,6 +212,9 @@ class DefaultPolicy(Policy):
         failures, limit = ctx.failures_of(node), ctx.limits.max_workload_restarts
         if event.type is EventType.NODE_FLAPPING:
             return self.evict(event, ctx, job, node, "a flapping node must go")
+        if event.type is EventType.NODE_CUT_OFF:
+            # Restarting on the same nodes would stall at the first collective again.
+            return self.evict(event, ctx, job, node, "its ranks cannot reach their peers")
         gpu = details_of(event)
         hardware = isinstance(gpu, GpuClassDetails) and gpu.origin == "hardware"
         if response_of(event) is XidResponse.REPLACE_NODE and hardware:
@@ -331,12 +345,17 @@ class DefaultPolicy(Policy):
 
     def _restart_the_stranded(self, event: Event, ctx: PolicyContext) -> list[ActionRequest]:
         """Restart each job that nothing runs since its latest remedy failed (a last-resort
-        restart on a node that was down), once spares would hold it: no other event
-        would ever start it again."""
+        restart on a node that was down), once nodes would hold it: spares for a job left
+        with no node, its own nodes all alive again for one that kept them. No other
+        event would ever start it again."""
         out: list[ActionRequest] = []
         for name in sorted(n for n in ctx.failed_last_remedy if self._stranded(ctx, n)):
             view = ctx.jobs[name]
-            if len(ctx.spares) < view.num_dp_replicas * max(1, view.num_nodes_per_dp):
+            if view.nodes:
+                held = all((node := ctx.node(n)) is not None and node.alive for n in view.nodes)
+            else:
+                held = len(ctx.spares) >= view.num_dp_replicas * max(1, view.num_nodes_per_dp)
+            if not held:
                 continue
             reason = (
                 f"{describe(event)}: nothing runs {name} since its last remedy failed;"
@@ -347,13 +366,17 @@ class DefaultPolicy(Policy):
 
     @staticmethod
     def _stranded(ctx: PolicyContext, name: str) -> bool:
-        """Nothing runs the job since its latest remedy failed."""
+        """Nothing runs the job since its latest remedy failed: it holds no node, or no
+        worker of it runs on the nodes it holds."""
         view = ctx.jobs.get(name)
-        return (
-            name in ctx.failed_last_remedy
-            and view is not None
-            and view.phase != "finished"
-            and not view.nodes
+        if name not in ctx.failed_last_remedy or view is None or view.phase == "finished":
+            return False
+        nodes = [ctx.node(n) for n in view.nodes]
+        return all(node is not None for node in nodes) and not any(
+            worker.state in (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.FINISHING)
+            for node in nodes
+            if node is not None
+            for worker in node.workers
         )
 
     @handles(EventType.WORKLOAD_DOWN)

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from resiliency_protocol.exceptions import ProtocolError
+from resiliency_protocol.peer_probes import MAX_UNREACHABLE
 from resiliency_protocol.states import NAME_PATTERN, NodeState, WorkerState
 from resiliency_protocol.worlds import World
 
@@ -109,6 +110,9 @@ class HostHeartbeat(
     gpu_reports: Annotated[list[GpuReport], msgspec.Meta(max_length=256)] = []
     address: Annotated[str, msgspec.Meta(max_length=255)] | None = None
     topology: Annotated[dict[str, str], msgspec.Meta(max_length=16)] = {}
+    # Peers whose host monitors this one probed and could not reach (resiliency_protocol/
+    # peer_probes.py); empty while every one answers.
+    unreachable_peers: Annotated[list[Name], msgspec.Meta(max_length=MAX_UNREACHABLE)] = []
 
 
 _rank = operator.attrgetter("rank")
@@ -182,6 +186,9 @@ def check_heartbeat(hb: HostHeartbeat) -> None:
             raise HeartbeatError(("job",), "a spare node reports no job")
         if hb.workers:
             raise HeartbeatError(("workers",), "a spare node reports no workers")
+    for i, peer in enumerate(hb.unreachable_peers):
+        if peer not in _valid_names:
+            _check_name(("unreachable_peers", i), peer)
     workers = hb.workers
     if len(workers) > 1 and len(set(map(_rank, workers))) != len(workers):
         seen: set[int] = set()
@@ -193,9 +200,10 @@ def check_heartbeat(hb: HostHeartbeat) -> None:
             seen.add(worker.rank)
 
 
-def _check_name(field: str, name: str) -> None:
+def _check_name(field: str | tuple[str | int, ...], name: str) -> None:
     if _name_match(name) is None:
-        raise HeartbeatError((field,), f"Expected str matching regex {NAME_PATTERN!r}")
+        loc = (field,) if isinstance(field, str) else field
+        raise HeartbeatError(loc, f"Expected str matching regex {NAME_PATTERN!r}")
     if len(_valid_names) >= _VALID_NAMES_MAX:
         _valid_names.clear()
     _valid_names.add(name)

@@ -23,17 +23,21 @@ class WorkerSpec(BaseModel):
     local_rank: int = Field(ge=0)
 
 
-class CheckpointPeer(BaseModel):
-    """The partner of the peer checkpoint tier: the node whose host monitor keeps a copy of
-    this node's newest checkpoint shards (and whose shards this node keeps)."""
+class HostMonitorAddress(BaseModel):
+    """Another node, and where its host monitor listens."""
 
     model_config = ConfigDict(extra="forbid")
     node: Name
     url: str = Field(
         max_length=2048,
         pattern=r"^https?://[^\s/]+(/\S*)?$",
-        description="Base URL of the partner's host monitor.",
+        description="Base URL of the node's host monitor.",
     )
+
+
+class CheckpointPeer(HostMonitorAddress):
+    """The partner of the peer checkpoint tier: the node whose host monitor keeps a copy of
+    this node's newest checkpoint shards (and whose shards this node keeps)."""
 
 
 class StartWorkersRequest(BaseModel):

@@ -37,6 +37,8 @@ class EventType(StrEnum):
     SPARE_AVAILABLE = "spare_available"
     NODE_RECOVERED = "node_recovered"
     NODE_FLAPPING = "node_flapping"
+    # Heard by the supervisor, but its peers cannot reach it nor it them (peer probes).
+    NODE_CUT_OFF = "node_cut_off"
     # Raised by the Kubernetes backend's watchers.
     POD_STUCK_TERMINATING = "pod_stuck_terminating"
     WORKLOAD_DOWN = "workload_down"
@@ -57,6 +59,7 @@ NODE_FAILURE_EVENTS = frozenset(
         EventType.GPU_HEALTH,
         EventType.NODE_FLAPPING,
         EventType.NODE_NOT_READY,
+        EventType.NODE_CUT_OFF,
     }
 )
 

@@ -73,6 +73,17 @@ class NodeFlappingDetails(HeartbeatSilenceDetails):
     window_s: float | None = None
 
 
+class NodeCutOffDetails(EventDetails):
+    """The supervisor hears the node, but it and its peers cannot reach each other: its
+    ranks cannot train with theirs (supervisor/sensor/peer_cuts.py)."""
+
+    event_types = frozenset({EventType.NODE_CUT_OFF})
+    cannot_reach: list[str] | None = None
+    """The peers the node said it cannot reach."""
+    unreachable_from: list[str] | None = None
+    """The peers that said they cannot reach it."""
+
+
 class NodeRecoveredDetails(EventDetails):
     event_types = frozenset({EventType.NODE_RECOVERED})
     state: str | None = None
@@ -237,6 +248,7 @@ EVENT_DETAILS: Mapping[EventType, type[EventDetails]] = {
     for model in (
         HostHeartbeatLostDetails,
         NodeFlappingDetails,
+        NodeCutOffDetails,
         NodeRecoveredDetails,
         SpareAvailableDetails,
         WorkerExitedDetails,

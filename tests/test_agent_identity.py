@@ -101,6 +101,33 @@ async def test_a_node_credential_speaks_for_its_node_only(api: Api) -> None:
     assert (await refused(api))["other_node"] == 2
 
 
+async def test_a_node_asks_whom_to_probe_for_itself_only(api: Api) -> None:
+    """GET /api/v1/nodes/{node}/probe-targets: the node's neighbours on the ring of live
+    nodes, for the node's own credential; another node's, 403; a node never heard, 404."""
+    for n in ("n1", "n2", "n3"):
+        body = {**heartbeat(n), "address": f"http://{n}.example:7000"}
+        assert (
+            await api.beat(body, headers=bearer(node_credential(NODE_KEY, n)))
+        ).status_code == 204
+    n1 = bearer(node_credential(NODE_KEY, "n1"))
+    r = await api.client.get("/api/v1/nodes/n1/probe-targets", headers=n1)
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "peers": [
+            {"node": "n2", "url": "http://n2.example:7000"},
+            {"node": "n3", "url": "http://n3.example:7000"},
+        ]
+    }
+    other = await api.client.get("/api/v1/nodes/n2/probe-targets", headers=n1)
+    assert other.status_code == 403
+    assert other.json()["message"] == "node: 'n2' is not the node of this credential ('n1')"
+    n9 = bearer(node_credential(NODE_KEY, "n9"))
+    unknown = await api.client.get("/api/v1/nodes/n9/probe-targets", headers=n9)
+    assert unknown.status_code == 404 and "n9" in unknown.json()["message"]
+    anonymous = await api.client.get("/api/v1/nodes/n1/probe-targets")
+    assert anonymous.status_code == 401
+
+
 async def test_forged_credentials_and_the_shared_token_are_401_when_not_allowed(api: Api) -> None:
     good = node_credential(NODE_KEY, "n1")
     forged = [

@@ -740,7 +740,7 @@ class FlakyBackend(DryRunBackend):
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
         n = self.attempts[action.idempotency_key] = self.attempts.get(action.idempotency_key, 0) + 1
         if n <= self.failures:
-            raise ActionError(f"busy (attempt {n})", retryable=self.retryable)
+            raise ActionError(f"busy ({n})", retryable=self.retryable)
         return await super().execute(action)
 
 
@@ -770,7 +770,8 @@ async def test_retries_are_bounded(make_settings: SettingsFactory) -> None:
     async with running(make_settings(action_max_attempts=2), FlakyBackend(5)) as api:
         action = await _cordon(api)
     assert action["status"] == "failed" and action["attempts"] == 2
-    assert action["error"] == "busy (attempt 2)"
+    # The last attempt's error, and that it was the last of the bounded attempts.
+    assert action["error"] == "busy (2) (attempt 2 of 2)"
 
 
 async def test_permanent_errors_are_not_retried(make_settings: SettingsFactory) -> None:

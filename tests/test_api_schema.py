@@ -34,6 +34,7 @@ AGENT_OPERATIONS = {
     ("POST", "/api/v1/heartbeats"),
     ("POST", "/api/v1/checkpoints"),
     ("POST", "/api/v1/local/hosts"),
+    ("GET", "/api/v1/nodes/{node}/probe-targets"),
 }
 #: Server-sent events: the response never ends, so no check can read it whole
 #: (tests/test_stream.py covers it).

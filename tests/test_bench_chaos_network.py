@@ -1,6 +1,6 @@
 """The chaos run's network faults (bench/chaos_network.py) on real network namespaces:
 each kind cuts what it says while it lasts and heals after; the account gives each fault
-the events of its node and the failed actions of its window."""
+the events of its node and the verdict on the job's actions of its window."""
 
 from __future__ import annotations
 
@@ -10,16 +10,20 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.chaos_judge import LATER_REMEDY_S
 from bench.chaos_network import NetworkChaos, NetworkFault, unavailable
+from supervisor.local.demo import DemoOptions
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 PORT = 7711
+JOB = "chaos"
 LISTEN = (
     "import socket, sys\n"
     "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
@@ -90,8 +94,19 @@ def test_each_kind_cuts_what_it_says_then_heals(chaos: NetworkChaos) -> None:
         "peer->node": False,
     }
     assert reaches(chaos, "supervisor", "node-0") and reaches(chaos, "node-1", "node-0")
-    [cut, down] = chaos.faults
-    assert (cut.kind, cut.node, down.kind) == ("supervisor_cut", "node-0", "link_down")
+    assert seen_during(chaos, "peer_cut", "node-0") == {
+        "supervisor->node": True,  # the supervisor hears it: only its peers do not
+        "node->supervisor": True,
+        "peer->node": False,
+    }
+    assert reaches(chaos, "node-1", "node-0") and reaches(chaos, "node-0", "node-1")
+    [cut, down, peers] = chaos.faults
+    assert (cut.kind, cut.node, down.kind, peers.kind) == (
+        "supervisor_cut",
+        "node-0",
+        "link_down",
+        "peer_cut",
+    )
     assert cut.healed is not None and cut.healed - cut.started >= timedelta(seconds=2.4)
 
 
@@ -100,6 +115,7 @@ class Records:
 
     def __init__(self, events: list[dict[str, Any]], actions: list[dict[str, Any]]) -> None:
         self.pages = {"/api/v1/events": events, "/api/v1/actions": actions}
+        self.options = DemoOptions(run_dir=Path("/nonexistent"), job=JOB)
 
     def api(self, path: str, limit: int = 500, cursor: str | None = None) -> dict[str, Any]:
         items = self.pages[path]
@@ -111,9 +127,13 @@ class Records:
         }
 
 
-def test_the_account_gives_each_fault_its_nodes_events_and_its_windows_failures(
+def test_the_account_gives_each_fault_its_nodes_events_and_the_verdict_on_its_window(
     chaos: NetworkChaos,
 ) -> None:
+    """A fault's actions are the job's taken while its node was cut or within AFTERMATH_S
+    of the heal; they are judged as the supervisor's own faults' are: by the last remedy,
+    or a later one of the same job soon after; a checkpoint that did not commit is listed
+    apart and fails nothing."""
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
 
     def at_time(seconds: float) -> datetime:
@@ -125,6 +145,8 @@ def test_the_account_gives_each_fault_its_nodes_events_and_its_windows_failures(
     chaos.faults = [
         NetworkFault("link_down", "node-0", t0, t0 + timedelta(seconds=5)),
         NetworkFault("flapping", "node-1", at_time(100), at_time(110)),
+        NetworkFault("peer_cut", "node-2", at_time(200), at_time(205)),
+        NetworkFault("supervisor_cut", "node-0", at_time(300), at_time(305)),
     ]
     events = [
         {"type": "host_heartbeat_lost", "node": "node-0", "time": at(2)},
@@ -132,14 +154,38 @@ def test_the_account_gives_each_fault_its_nodes_events_and_its_windows_failures(
         {"type": "host_heartbeat_lost", "node": "node-0", "time": at(60)},  # long after
         {"type": "node_flapping", "node": "node-1", "time": at(104)},
         {"type": "hang", "node": "node-0", "time": at(105)},  # another node's
+        {"type": "node_cut_off", "node": "node-2", "time": at(203)},
+        {"type": "host_heartbeat_lost", "node": "node-0", "time": at(302)},
     ] * 300  # over one page
+
+    def action(id_: int, type_: str, status: str, seconds: float, **more: Any) -> dict[str, Any]:
+        record = {"id": id_, "type": type_, "status": status, "job": JOB}
+        record.update(created_at=at(seconds), finished_at=at(seconds + 1), error=None)
+        return {**record, **more}
+
     actions = [
-        {"type": "hot_swap", "status": "succeeded", "created_at": at(3), "error": None},
-        {"type": "emergency_checkpoint", "status": "failed", "created_at": at(106), "error": "x"},
+        action(1, "hot_swap", "succeeded", 3),
+        action(2, "emergency_checkpoint", "failed", 106, error="nothing to save"),
+        action(3, "hot_swap", "succeeded", 107),
+        # Its spare went down as it started; the next remedy, 30 s on, healed the job.
+        action(4, "hot_swap", "failed", 204, error="no reachable spare node"),
+        action(5, "restart_workload", "succeeded", 235),
+        # Another job's success heals nothing of this one's.
+        action(6, "hot_swap", "failed", 303, error="could not start workers"),
+        action(7, "hot_swap", "succeeded", 310, job="other"),
+        action(8, "restart_workload", "succeeded", 303 + 1 + LATER_REMEDY_S + 5),
     ]
     chaos.account(Records(events, actions))  # type: ignore[arg-type]
-    down, flapping = chaos.faults
+    down, flapping, peers, cut = chaos.faults
     assert set(down.events) == {"host_heartbeat_lost", "node_recovered"} and down.detected
-    assert down.failed_actions == []
+    assert (down.verdict.healed, down.verdict.healed_by) == (True, None)
     assert set(flapping.events) == {"node_flapping"}
-    assert flapping.failed_actions == ["emergency_checkpoint: x"]
+    assert flapping.verdict.healed
+    assert flapping.verdict.checkpoints_not_committed == ["nothing to save"]
+    assert (peers.verdict.healed, peers.verdict.healed_by) == (True, "restart_workload #5")
+    assert not cut.verdict.healed
+    assert cut.verdict.why_not == "hot_swap: could not start workers"
+    # node-0 was back (t=24) when its link went down, lost again (t=60) when the
+    # supervisor was cut from it: that cut could show nothing new.
+    assert not down.already_lost and cut.already_lost
+    assert not flapping.already_lost and not peers.already_lost

@@ -10,16 +10,22 @@ without faults.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from supervisor.actuator.backend import ActionError
+from supervisor.domain import ActionRecord, ActionStatus, ActionType
+from supervisor.local.backend import LocalBackend
 from supervisor.local.demo import LocalDemo
+from tests.conftest import SettingsFactory
 from tests.test_local_cluster import (
     STEPS,
     demos,
@@ -134,4 +140,68 @@ def test_twenty_recoveries_in_a_row_leak_nothing_and_lose_nothing(
     assert min(threads[-5:]) <= min(threads[:5]) + 2, (before, seen)
     assert min(fds[-5:]) <= min(fds[:5]) + 2, (before, seen)
     weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
+    assert weights == expected
+
+
+def test_a_swap_retried_after_its_full_restart_failed_starts_that_world_again(
+    start_demo: Callable[..., LocalDemo], make_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    """A hot-swap's in-process heal fails (the survivor's host monitor is gone), and so
+    does the full restart after it (that node cannot be started). Once the node is back,
+    the action's retry sends the starts of the world the full restart began, which the
+    spare that got its start answers again, and the job trains on to the weights of a run
+    without faults. (It used to try in-process again, in one more world, and sent the
+    spare another start under the same request id: 409, failed again.)"""
+    expected = reference_weights(tmp_path, 2, 1, STEPS, "torch")
+    demo = start_demo()
+    wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    survivor, victim, spare = demo.options.nodes
+    demo.kill_supervisor()  # the test's backend acts instead, one try at a time
+    settings = make_settings(
+        backend="local",
+        local_run_dir=str(demo.run_dir),
+        local_stop_grace_s=2,
+        in_process_restart_timeout_s=30,
+    )
+    swap = ActionRecord(
+        id=1,
+        type=ActionType.HOT_SWAP,
+        status=ActionStatus.RUNNING,
+        idempotency_key="drill-hot_swap",
+        source="test",
+        created_at=datetime.now(UTC),
+        job=demo.options.job,
+        node=victim,
+        params={"spare": spare, "in_process": True},
+    )
+    monitor = demo.monitors[survivor]
+    monitor.kill()
+    monitor.wait(10)
+
+    async def tries() -> tuple[str, dict[str, Any]]:
+        backend = LocalBackend(demo.run_dir, settings)
+        try:
+            with pytest.raises(ActionError) as first:
+                await backend.execute(swap)
+            assert first.value.retryable
+            demo.start_monitor(survivor)  # back, with no worker
+            demo.wait_ready(f"{demo._node_url(survivor)}/healthz")
+            return str(first.value), dict(await backend.execute(swap))
+        finally:
+            await backend.close()
+
+    error, result = asyncio.run(tries())
+    assert f"could not start workers on {{'{survivor}'" in error, error
+    assert (result["path"], result["replaced"], result["by"]) == ("full_restart", victim, spare)
+    assert result["placement"] == [survivor, spare], result
+    attempt = str(result["attempt"])
+    wait_for(
+        lambda: all(
+            [(w["attempt"], w["state"]) for w in node_status(demo, node)["workers"]]
+            == [(attempt, "running")]
+            for node in (survivor, spare)
+        ),
+        what=f"a rank on each node, training in world {attempt}",
+    )
+    weights = wait_for(lambda: output(demo), within=180, what="the job to finish")
     assert weights == expected

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.actuator import DryRunBackend
+from supervisor.actuator import ActionError, DryRunBackend
 from supervisor.domain import ActionRecord, ActionType, utcnow
 from tests.conftest import SettingsFactory
 from tests.test_api import Api, running
@@ -69,25 +69,34 @@ async def actions(api: Api) -> list[dict[str, Any]]:
     return items[::-1]
 
 
+#: A job that hangs soon after it stops stepping, and whose hosts are never lost.
+HANGS: dict[str, Any] = {
+    "heartbeat_polling_period_s": 0.05,
+    "heartbeat_timeout_s": 30,
+    "hang_timeout_s": 0.3,
+    "hang_warmup_intervals": 0,
+}
+
+
+async def hang_remedy_running(api: Api) -> dict[str, Any]:
+    """Train 8 steps, then stop stepping: the hang's restart in place, once it runs."""
+    await train(api, 8)
+
+    async def remedy_running() -> Any:
+        await send(api, beat("n0", 8), beat("n1", 8))
+        return [a for a in await actions(api) if a["type"] == "restart_in_place"]
+
+    (restart,) = await until(remedy_running)
+    return restart  # type: ignore[no-any-return]
+
+
 async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
     make_settings: SettingsFactory,
 ) -> None:
-    settings = make_settings(
-        heartbeat_polling_period_s=0.05,
-        heartbeat_timeout_s=30,
-        hang_timeout_s=0.3,
-        hang_warmup_intervals=0,
-    )
     # The restart lasts long enough for the crash to arrive while it runs, even when the
     # machine is slow.
-    async with running(settings, backend=SlowRestarts(4.0)) as api:
-        await train(api, 8)
-
-        async def remedy_running() -> Any:
-            await send(api, beat("n0", 8), beat("n1", 8))
-            return [a for a in await actions(api) if a["type"] == "restart_in_place"]
-
-        (restart,) = await until(remedy_running)  # the hang's remedy, now running
+    async with running(make_settings(**HANGS), backend=SlowRestarts(4.0)) as api:
+        restart = await hang_remedy_running(api)
         # The hung worker then crashes, while its remedy runs.
         await send(api, beat("n0", 8, state="exited", exit_code=137), beat("n1", 8))
         await api.settle()
@@ -116,12 +125,15 @@ async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
 async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
     make_settings: SettingsFactory,
 ) -> None:
-    settings = make_settings(heartbeat_polling_period_s=0.05, heartbeat_timeout_s=0.5)
+    # Lost after 2 s of silence, within the 3-s restart: on a loaded machine a round of
+    # beats (four nodes, then the actions listed) has taken over 0.5 s, and the nodes
+    # still beating were lost too.
+    settings = make_settings(heartbeat_polling_period_s=0.05, heartbeat_timeout_s=2.0)
     spare = {"node": "s1", "state": "spare"}
-    async with running(settings, backend=SlowRestarts(1.5)) as api:
+    async with running(settings, backend=SlowRestarts(3.0)) as api:
         await send(api, spare)
         await train(api, 5, ("n0", "n1", "n2"))
-        # n0's worker crashes: the job restarts in place (1.5 s here).
+        # n0's worker crashes: the job restarts in place (3 s here).
         crashed = beat("n0", 5, state="exited", exit_code=1)
 
         async def restart_running() -> Any:
@@ -130,7 +142,7 @@ async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
 
         await until(restart_running)
         # Meanwhile n2's worker ends on a collective timeout (exit 3), and n1 goes silent
-        # (lost after 0.5 s): the first is the same incident, the second a node of its own.
+        # (lost after 2 s): the first is the same incident, the second a node of its own.
         peer_gone = beat("n2", 5, state="exited", exit_code=3)
 
         async def swapped() -> Any:
@@ -196,3 +208,57 @@ async def keep_up(api: Api, find: Any, spare: Any, count: int = 1) -> Any:
     await send(api, beat("n0", 5), beat("n1", 5), spare)
     found = await find()
     return found if len(found) >= count else None
+
+
+class FailingSlowRestartsInPlace(SlowRestarts):
+    """A restart in place runs for `seconds`, then fails (its workers never joined);
+    anything else does nothing, as a dry run."""
+
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        result = await super().execute(action)
+        if action.type is ActionType.RESTART_IN_PLACE:
+            raise ActionError("the new world did not join", retryable=False)
+        return result
+
+
+async def test_a_remedy_that_fails_while_every_worker_exits_is_followed_by_another(
+    make_settings: SettingsFactory,
+) -> None:
+    """The events that came while a remedy ran are no longer answered by it once it
+    failed: the first goes to the policy (the whole job is restarted, the in-job rung
+    having failed), the others attach to that new remedy. Without it the job would stay
+    down: its workers are gone, and nothing else would ever be reported."""
+    async with running(make_settings(**HANGS), backend=FailingSlowRestartsInPlace(3.0)) as api:
+        in_place = await hang_remedy_running(api)
+        # While it runs, every worker of the job exits. The hosts go on beating: nothing
+        # else is ever raised (no worker runs to hang or fall silent, no host is lost).
+        exited = (
+            beat("n0", 8, state="exited", exit_code=1),
+            beat("n1", 8, state="exited", exit_code=1),
+        )
+
+        async def restarted_whole() -> Any:
+            await send(api, *exited)
+            done = await actions(api)
+            return done if any(a["type"] == "restart_workload" for a in done) else None
+
+        done = await until(restarted_whole)
+        await api.settle()
+        done = await actions(api)
+        assert [(a["type"], a["status"]) for a in done] == [
+            ("emergency_checkpoint", "succeeded"),
+            ("restart_in_place", "failed"),
+            ("emergency_checkpoint", "succeeded"),
+            ("restart_workload", "succeeded"),
+        ], done
+        whole = done[3]
+        assert "last remedy failed" in whole["reason"], whole
+        crashes = (await api.get("/api/v1/events", type="worker_exited"))["items"][::-1]
+        assert len(crashes) == 2, crashes
+        first, second = crashes
+        # Neither is attached to the failed remedy: the first drove the new one, the
+        # second is attached to it.
+        assert whole["event_id"] == first["id"] and first["incident_action_id"] is None
+        assert second["incident_action_id"] == whole["id"]
+        listed = await api.get(f"/api/v1/actions/{in_place['id']}")
+        assert listed["attached_events"] == []

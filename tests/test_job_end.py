@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from supervisor.domain import WorkerState, WorkerView
+from supervisor.sensor.finishing import phase
 from tests.conftest import SettingsFactory
 from tests.test_api import OPERATOR, Api, running
 
@@ -76,6 +78,33 @@ async def test_ten_normal_finishes_in_a_row_raise_no_hang_and_take_no_action(api
     kinds = {(e["type"], e["details"].get("exit_code")) for e in events}
     assert kinds == {("worker_exited", 0)}, events  # the finish, nothing else
     assert (await api.get("/api/v1/actions"))["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("finishing_since", "exits", "expected"),
+    [
+        (None, [0, 0], "finished"),  # a normal end
+        (5.0, [0, 0], "finished"),
+        (5.0, [0, 134], "finished"),  # rank 0's output written; a rank aborted at exit
+        (5.0, [None, None], "finished"),  # ended, exit codes not known (a pod)
+        (None, [1, 1], "running"),  # failed: remedied
+        # Said they were finishing (a worker's close() on its way out of a failure), then
+        # all failed: not an end, whatever the order.
+        (5.0, [1, 1], "running"),
+        (5.0, [3, None], "running"),
+    ],
+)
+def test_a_jobs_end_is_a_success_not_any_exit_after_finishing(
+    finishing_since: float | None, exits: list[int | None], expected: str
+) -> None:
+    workers = [
+        WorkerView(rank, 0, 100, WorkerState.EXITED, 8, code) for rank, code in enumerate(exits)
+    ]
+    assert phase(finishing_since, workers) == expected
+    running = [*workers, WorkerView(9, 0, 109, WorkerState.RUNNING, 8)]
+    assert phase(finishing_since, running) == (
+        "running" if finishing_since is None else "finishing"
+    )
 
 
 async def test_a_job_that_stalls_while_running_still_hangs(api: Api) -> None:

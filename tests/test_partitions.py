@@ -32,6 +32,7 @@ from tests.test_local_cluster import (
     resumed_steps,
     wait_for,
 )
+from tests.test_sharded_local_cluster import reference as sharded_reference
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -50,13 +51,20 @@ FLAPPING_S = 12.0
 LIVE = ("starting", "running", "finishing", "lost")
 
 
-@pytest.fixture(params=["numpy", "torch"])
+@pytest.fixture(params=["numpy", "torch", "fsdp"])
 def workload(request: pytest.FixtureRequest) -> str:
-    """Each scenario runs the NumPy job and the torch one (DDP, healed in-process)."""
-    if request.param == "torch":
+    """Each scenario runs the NumPy job, the torch one (DDP, healed in-process), and the
+    torch one sharded with FSDP2 where it says so."""
+    if request.param != "numpy":
         pytest.importorskip("torch")
     name: str = request.param
     return name
+
+
+#: The sharded job's saves in its RAM tier (and so its partner's copies) every this many
+#: steps: without replicas, a lost rank's shard of a newer step exists nowhere. Every
+#: step, so that a partition loses at most one.
+SHARDED_SAVES_EVERY = 1
 
 
 @pytest.fixture
@@ -74,13 +82,34 @@ def start_demo(tmp_path: Path, net: Network, workload: str) -> Iterator[Callable
     # gloo would advertise the address its host name resolves to (loopback): the
     # host's own interface instead, which the other hosts reach.
     env = {**TORCH_ENV, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
-    extra: dict[str, Any] = {"workload_env": env} if workload == "torch" else {}
+    extra: dict[str, Any] = {} if workload == "numpy" else {"workload_env": env}
+    if workload == "fsdp":
+        extra.update(
+            parallelism="fsdp",
+            in_memory_checkpointing_freq=SHARDED_SAVES_EVERY,
+            s3_checkpointing_freq=10,
+        )
 
     def placed(start: Callable[..., LocalDemo]) -> Callable[..., LocalDemo]:
         return lambda **overrides: start(hosts=hosts, **extra, **overrides)
 
-    for start in demos(tmp_path, workload):
+    for start in demos(tmp_path, "numpy" if workload == "numpy" else "torch"):
         yield placed(start)
+
+
+def most_lost(workload: str) -> int:
+    """Steps a scenario may lose behind the emergency checkpoint's: none for a replicated
+    state (every rank's copy is whole); for the sharded job, the cut rank's shard of that
+    step may be on its own node only, so the newest step every shard has is the last one
+    its partner got: with a RAM save every step (SHARDED_SAVES_EVERY), one step back."""
+    return SHARDED_SAVES_EVERY if workload == "fsdp" else 0
+
+
+def expected_weights(tmp_path: Path, workload: str) -> Any:
+    """The final weights of the job run without faults."""
+    if workload == "fsdp":
+        return sharded_reference(tmp_path, 2, "fsdp", STEPS)
+    return reference_weights(tmp_path, 2, 1, STEPS, workload)
 
 
 def metric(demo: LocalDemo, name: str, **labels: str) -> float:
@@ -126,9 +155,9 @@ def running(pids: list[int], net: Network, node: str) -> list[int]:
 def test_supervisor_cut_from_a_training_node_then_healed_after_the_hot_swap(
     start_demo: Callable[..., LocalDemo], net: Network, tmp_path: Path, workload: str
 ) -> None:
-    expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
+    expected = expected_weights(tmp_path, workload)
     demo = start_demo(total_steps=STEPS)
-    wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    wait_for(lambda: job_step(demo) >= 20, within=120, what="training to reach step 20")
     victim, spare = NODES[1], NODES[2]
     old_pids = worker_pids(demo, victim)
     assert old_pids, "the victim runs a worker"
@@ -147,7 +176,7 @@ def test_supervisor_cut_from_a_training_node_then_healed_after_the_hot_swap(
     assert swap["old_worker"]["status"] == "unreachable", swap
     assert swap["old_worker"]["may_still_run"] is True
     assert swap["old_worker"]["fenced_below_world"] == swap["attempt"]
-    if workload == "torch":
+    if workload != "numpy":
         # Not healed in-process: the cut-off rank may still train with the survivor in the
         # old world, whose collectives then never fail; restarting the survivor ends it.
         assert swap["path"] == "full_restart", swap
@@ -173,19 +202,69 @@ def test_supervisor_cut_from_a_training_node_then_healed_after_the_hot_swap(
     if refused:
         assert wait_for(lambda: node_status(demo, victim)["state"] == "spare", what="spare")
 
-    weights = wait_for(lambda: output(demo), within=180, what="the job to finish")
+    weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
     assert_same_weights(weights, expected)
     # At most the step in flight was lost: every rank of the new world resumed from one
     # step, at or after the emergency checkpoint's, itself at or after the step the job
     # was at when cut. (A later one is a periodic save of the old world, which trained on
-    # until the swap stopped its survivor, before the newer world started.)
+    # until the swap stopped its survivor, before the newer world started.) The sharded
+    # job has no replica of the cut rank's shard: the newest step every shard has, its
+    # partner's copy of a periodic save, at most one step back (most_lost).
     saved = actions[0]["result"]["step"]
     assert saved >= step_before
     resumes = {step for step, _ in resumed_steps(demo)}
-    assert len(resumes) == 1 and min(resumes) >= saved, resumes
+    assert len(resumes) == 1 and min(resumes) >= saved - most_lost(workload), (saved, resumes)
     # Nothing the node said of its old world drove an action in the newer one.
     after = demo.api("/api/v1/actions")["items"][::-1]
     assert [a["type"] for a in after] == ["emergency_checkpoint", "hot_swap"], after
+
+
+@pytest.mark.parametrize("workload", ["torch", "fsdp"], indirect=True)  # ranks that talk
+def test_a_node_cut_from_its_peers_but_heard_by_the_supervisor_is_swapped_out(
+    start_demo: Callable[..., LocalDemo], net: Network, tmp_path: Path, workload: str
+) -> None:
+    """node-1 can no longer reach node-0 nor the spare (nor they it), while the supervisor
+    hears everyone: the job's collectives stall, but no heartbeat is missed. The host
+    monitors' peer probes tell the supervisor which node is cut off (node-1 reaches none of
+    its peers, and both say so of it), so it is swapped out at once, its stop delivered,
+    and the job (DDP, or FSDP2) trains on to the weights of a run without the fault;
+    nothing is restarted in place on the cut-off node first."""
+    expected = expected_weights(tmp_path, workload)
+    demo = start_demo(total_steps=STEPS)
+    wait_for(lambda: job_step(demo) >= 20, within=120, what="training to reach step 20")
+    victim, spare = NODES[1], NODES[2]
+    old_pids = worker_pids(demo, victim)
+    for peer in (NODES[0], spare):
+        net.drop(victim, peer, "both")
+    actions = wait_for(lambda: finished_actions(demo, 2), within=120, what="the hot-swap")
+    assert [(a["type"], a["status"]) for a in actions] == [
+        ("emergency_checkpoint", "succeeded"),
+        ("hot_swap", "succeeded"),
+    ], actions
+    (cause,) = [e for e in demo.api("/api/v1/events")["items"] if e["id"] == actions[1]["event_id"]]
+    assert (cause["type"], cause["node"]) == ("node_cut_off", victim), cause
+    assert cause["details"]["cannot_reach"] == [NODES[0], spare], cause
+    swap = actions[1]["result"]
+    assert (swap["replaced"], swap["by"]) == (victim, spare)
+    # Heard by the supervisor, its worker was stopped: no rank of the old world is left.
+    assert swap["old_worker"]["status"] == "stopped", swap
+    assert not running(old_pids, net, victim)
+    weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
+    assert_same_weights(weights, expected)
+    saved = actions[0]["result"]["step"]
+    resumes = {step for step, _ in resumed_steps(demo)}
+    if workload == "torch":
+        assert resumes == {saved}, (saved, resumes)  # the step in flight, saved from the stall
+    else:
+        # The cut-off rank saved its shard of that step too, but on its own node only: its
+        # push to the partner was cut. The newest step every shard can be loaded from is
+        # the last one its partner got, at most one step back (most_lost).
+        assert len(resumes) == 1 and min(resumes) >= saved - most_lost(workload), (saved, resumes)
+    after = demo.api("/api/v1/actions")["items"]
+    assert [a["type"] for a in after if a["type"] != "cordon"] == [
+        "hot_swap",
+        "emergency_checkpoint",
+    ]
 
 
 def partner(demo: LocalDemo, node: str) -> str | None:
@@ -225,7 +304,6 @@ def test_the_survivors_partner_follows_an_in_process_swap(
     assert partner(demo, spare) == NODES[0]
 
 
-@pytest.mark.parametrize("workload", ["numpy"], indirect=True)
 def test_a_flapping_link_is_healed_once_and_the_job_stays_exact(
     start_demo: Callable[..., LocalDemo], net: Network, tmp_path: Path, workload: str
 ) -> None:
@@ -233,7 +311,7 @@ def test_a_flapping_link_is_healed_once_and_the_job_stays_exact(
     while: node-1 is swapped out once (whether the stop reached it or not), nothing more
     is done however often it comes and goes, no worker of its old world outlives the
     flapping by more than OLD_WORLD_BOUND_S, and the weights are a fault-free run's."""
-    expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
+    expected = expected_weights(tmp_path, workload)
     demo = start_demo(total_steps=STEPS)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     victim = NODES[1]
@@ -254,12 +332,12 @@ def test_a_flapping_link_is_healed_once_and_the_job_stays_exact(
     )
     weights = wait_for(lambda: output(demo), within=180, what="the job to finish")
     assert_same_weights(weights, expected)
-    actions = demo.api("/api/v1/actions")["items"][::-1]
-    assert [a["type"] for a in actions if a["type"] != "cordon"] == [
-        "emergency_checkpoint",
-        "hot_swap",
-    ], actions
+    actions = [a for a in demo.api("/api/v1/actions")["items"][::-1] if a["type"] != "cordon"]
+    assert [a["type"] for a in actions] == ["emergency_checkpoint", "hot_swap"], actions
     assert all(a["status"] == "succeeded" for a in actions), actions
     swap = actions[1]["result"]
     assert swap["replaced"] == victim
     assert swap["old_worker"]["status"] in ("stopped", "unreachable"), swap
+    saved = actions[0]["result"]["step"]
+    resumes = {step for step, _ in resumed_steps(demo)}
+    assert len(resumes) == 1 and min(resumes) >= saved - most_lost(workload), (saved, resumes)

@@ -25,6 +25,8 @@ from supervisor.domain import (
     JobView,
     NodeState,
     NodeView,
+    WorkerState,
+    WorkerView,
 )
 from supervisor.policy import Policy, PolicyContext, PolicyLimits
 
@@ -315,6 +317,26 @@ def test_flapping_node_skips_restart_rung() -> None:
     assert decide(ev(E.NODE_FLAPPING, "n3", "j"), c) == [cp("j", "n3"), hot_swap("n3", "s1")]
 
 
+def test_a_node_cut_off_from_its_peers_is_swapped_out_at_once() -> None:
+    """Its ranks would stall at their first collective again: no restart in place, even
+    on its first failure; nor in a job whose restart budget is spent (not its fault)."""
+    event = ev(E.NODE_CUT_OFF, "n3", "j")
+    first = ctx([node("n3"), spare("s1")], [job()], failures={"n3": 1}, max_workload_restarts=5)
+    assert decide(event, first) == [cp("j", "n3"), hot_swap("n3", "s1")]
+    room = ctx([node("n3")], [job(replicas=4)], failures={"n3": 1}, max_workload_restarts=5)
+    assert decide(event, room) == [cp("j", "n3"), scale_down(3, "n3")]
+    placed = "j-node-0"  # a node the job's view holds
+    spent = ctx(
+        [node(placed), spare("s1")],
+        [job()],
+        failures={placed: 4},
+        recent={"j": 3},
+        max_restarts_in_window=3,
+    )
+    swapped = decide(ev(E.NODE_CUT_OFF, placed, "j"), spent)
+    assert swapped == [cp("j", placed), hot_swap(placed, "s1")]
+
+
 def test_flapping_node_scales_down_then_restarts() -> None:
     event = ev(E.NODE_FLAPPING, "n3", "j")
     room = ctx([node("n3")], [job(replicas=4)], failures={"n3": 1}, max_workload_restarts=5)
@@ -391,6 +413,30 @@ def test_restart_budget_is_per_job() -> None:
 def test_spare_scales_up_a_job_below_max(event_type: EventType) -> None:
     c = ctx([spare("s1")], [job(replicas=3, max_replicas=4)])
     assert decide(ev(event_type, "s1"), c) == [cp("j"), scale_up(4)]
+
+
+def test_a_job_that_kept_its_nodes_but_runs_nothing_since_its_remedy_failed_restarts_on_them() -> (
+    None
+):
+    """Its whole restart failed on a node that was down (scaling off, no spare): when that
+    node is back, every node it holds alive and no worker of it running, it restarts
+    there; not while a node of it is still down, nor while a worker of it runs."""
+    held = job("j", replicas=2, max_replicas=2)
+    a, b = held.nodes
+
+    def worker(state: WorkerState) -> WorkerView:
+        return WorkerView(rank=0, local_rank=0, pid=1, state=state, step=5)
+
+    exited = replace(node(a), workers=(worker(WorkerState.EXITED),))
+    back = replace(
+        ctx([exited, node(b)], [held], enable_workload_scaling=False),
+        failed_last_remedy=frozenset({"j"}),
+    )
+    assert decide(ev(E.NODE_RECOVERED, b), back) == [cp("j"), restart_workload("j")]
+    down = replace(back, nodes={a: exited, b: node(b, alive=False)})
+    assert decide(ev(E.NODE_RECOVERED, a), down) == []
+    runs = replace(node(b), workers=(worker(WorkerState.RUNNING),))
+    assert decide(ev(E.NODE_RECOVERED, b), replace(back, nodes={a: exited, b: runs})) == []
 
 
 def test_spares_a_job_short_of_nodes_will_take_do_not_scale_another_up() -> None:

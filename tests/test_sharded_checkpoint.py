@@ -217,15 +217,24 @@ def test_hsdp_shard_lost_with_its_node_is_read_from_the_other_replica(tmp_path: 
 
 def test_a_corrupted_shard_is_read_from_another_tier(tmp_path: Path, fsdp_reference: str) -> None:
     run_job(tmp_path, "first", 2, stop_at=12)
+    second = resume_with_rank_1s_ram_copy_damaged(tmp_path)
+    assert one(second, "full_sha256") == fsdp_reference
+
+
+def resume_with_rank_1s_ram_copy_damaged(
+    tmp_path: Path, env: Mapping[str, str] | None = None
+) -> dict[int, dict[str, Any]]:
+    """Damage rank 1's RAM copy of step 10, then run the job again: rank 1 reads its
+    shards from durable storage, rank 0 from its RAM. The second run's results."""
     shard = fmt.rank_dir(tmp_path / "ram" / "node-1", 10, 1) / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
     shard.write_bytes(bytes(data))
-    second = run_job(tmp_path, "second", 2)
+    second = run_job(tmp_path, "second", 2, env=env)
     assert one(second, "restored") == 10
     assert second[1]["sources"] == {"1": "durable"}
     assert second[0]["sources"] == {"0": "ram"}
-    assert one(second, "full_sha256") == fsdp_reference
+    return second
 
 
 @pytest.fixture
@@ -240,7 +249,17 @@ def test_fsdp_rank_on_an_empty_spare_reads_its_shard_from_the_partners_copy(
     """No durable tier: a lost node's shard exists only in its partner's copy (real host
     monitors, the peer tier on). The spare that takes its rank fetches it; both ranks
     agree on that step and the run ends as one never interrupted."""
-    ram_only = {"S3_CHECKPOINTING_FREQ": "0"}
+    second = resume_on_an_empty_spare(tmp_path, monitors)
+    assert one(second, "full_sha256") == fsdp_reference
+
+
+def resume_on_an_empty_spare(
+    tmp_path: Path, monitors: dict[str, Any], env: Mapping[str, str] | None = None
+) -> dict[int, dict[str, Any]]:
+    """Run the job on node-a and node-b with no durable tier, then again with node-b's
+    rank on the spare node-s: it reads its shards from node-b's copy on its partner. The
+    second run's results."""
+    ram_only = {**(env or {}), "S3_CHECKPOINTING_FREQ": "0"}
     placed = on_nodes(tmp_path, monitors, ["node-a", "node-b"])
     run_job(tmp_path, "first", 2, stop_at=17, env=ram_only, **placed)
     wait_pushed(monitors, "node-b", 1, 15)
@@ -249,7 +268,7 @@ def test_fsdp_rank_on_an_empty_spare_reads_its_shard_from_the_partners_copy(
     assert one(second, "restored") == 15
     assert second[1]["sources"] == {"1": "peer"}
     assert second[0]["sources"] == {"0": "ram"}
-    assert one(second, "full_sha256") == fsdp_reference
+    return second
 
 
 def test_tensor_parallel_resumes_bit_exactly_and_reshards_from_2_ranks_to_4(

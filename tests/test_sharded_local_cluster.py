@@ -46,19 +46,19 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
     yield from demos(tmp_path, "torch")
 
 
-_references: dict[tuple[int, str], str] = {}
+_references: dict[tuple[int, str, int], str] = {}
 
 
-def reference(tmp: Path, world: int, parallelism: str) -> str:
+def reference(tmp: Path, world: int, parallelism: str, steps: int = STEPS) -> str:
     """The final weights' hash of the same job run without faults (offline ranks); run
-    once per layout for the module's tests."""
-    key = (world, parallelism)
+    once per layout and length for the session's tests."""
+    key = (world, parallelism, steps)
     if key not in _references:
-        _references[key] = run_reference(tmp, world, parallelism)
+        _references[key] = run_reference(tmp, world, parallelism, steps)
     return _references[key]
 
 
-def run_reference(tmp: Path, world: int, parallelism: str) -> str:
+def run_reference(tmp: Path, world: int, parallelism: str, steps: int) -> str:
     run = tmp / "reference"
     port = free_port()
     procs = []
@@ -72,7 +72,7 @@ def run_reference(tmp: Path, world: int, parallelism: str) -> str:
             RANK=str(rank),
             WORLD_SIZE=str(world),
             SEED=str(SEED),
-            TOTAL_STEPS=str(STEPS),
+            TOTAL_STEPS=str(steps),
             OUTPUT_DIR=str(run / "output"),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),

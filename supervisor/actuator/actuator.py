@@ -110,6 +110,8 @@ class Actuator:
                 extra=log_fields(action),
             )
             if not retryable or action.attempts >= limit:
+                if action.attempts > 1:  # the whole action took that many bounded attempts
+                    error = f"{error} (attempt {action.attempts} of {limit})"
                 break
             await asyncio.to_thread(self.store.note_attempt_error, action.id, error)
             self.changed(replace(action, error=error))

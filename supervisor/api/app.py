@@ -33,6 +33,7 @@ from supervisor.api.routes import (
     local_hosts,
     maintenance,
     notifications,
+    peer_probes,
     stream,
 )
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
@@ -169,6 +170,7 @@ def create_app(
     app.include_router(notifications.router)
     app.include_router(maintenance.router)
     app.include_router(local_hosts.router)
+    app.include_router(peer_probes.router)
     dashboard.mount(app)
     app.heartbeats = HeartbeatEndpoint(runtime, agents)
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -52,6 +52,15 @@ class SensingSettings(SettingsGroup):
     flap_max_losses: int = Field(
         3, ge=2, description="Losses within flap_window_s that mark a node as flapping."
     )
+    peer_cut_confirm_s: float | None = Field(
+        None,
+        ge=0,
+        description="A node judged cut off from its peers (node_cut_off) is reported once "
+        "the judgement has held this long. Unset: two probe rounds and a heartbeat period "
+        "(2 x max(heartbeat_polling_period_s, 1 s) + heartbeat_polling_period_s), so that "
+        "what nodes said during a blip that cut one from everyone, the supervisor included, "
+        "is replaced by newer reports first.",
+    )
     gpu_report_cooldown_s: float = Field(
         60.0, ge=0, description="Repeats of the same GPU error on a node within this are dropped."
     )

@@ -18,7 +18,15 @@ from supervisor.actuator import Actuator, Fenced
 from supervisor.config_parts import RemediationSettings
 from supervisor.controller.budget import Budgets, usage_error
 from supervisor.controller.incidents import Incidents
-from supervisor.domain import ActionRecord, ActionRequest, Event, JobView, NodeView, utcnow
+from supervisor.domain import (
+    ActionRecord,
+    ActionRequest,
+    ActionStatus,
+    Event,
+    JobView,
+    NodeView,
+    utcnow,
+)
 from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext
 from supervisor.store import UNAVAILABLE, Store
@@ -263,13 +271,15 @@ class Controller:
             mine = [a for a in actions if a.job == event.job]
             self._judge_budget(event, context, mine, unmendable)
         opened = self.incidents.opened(event, actions, dict(context.nodes))
-        done = []
+        done: list[ActionRecord] = []
         try:
             for action in actions:
                 done.append(await self.actuator.run(action))
         finally:
             if opened is not None:
-                self.incidents.closed(opened)
+                healer = next((a for a in done if a.id == opened.action_id), None)
+                failed = healer is not None and healer.status is ActionStatus.FAILED
+                self.incidents.closed(opened, failed=failed)
         return done
 
 

@@ -16,6 +16,13 @@ of its own, when
   when the remedy was decided (same node, rank and pid): the old worker's end, seen late.
   A worker the remedy started that fails is a new failure, and escalates as usual.
 
+A remedy that failed heals nothing: the failures seen while it ran are still there, and
+nothing else may come to say so (every worker of the job may be gone). So no event is
+attached to a failed incident: the next one goes to the policy, which sees the failed
+remedy in its context and decides afresh; the events after it attach to that remedy.
+Since a job's lane runs its work in order, the events that came while a remedy ran are
+handled only once it finished, when whether it failed is known.
+
 Kept in memory, per job, the newest incident only; after a restart of the supervisor the
 events left unhandled go to the policy as before.
 """
@@ -58,6 +65,7 @@ class Incident:
     #: (node, rank, pid) of the job's workers when the remedy was decided.
     workers: frozenset[tuple[str, int, int]]
     finished_at: datetime | None = None
+    failed: bool = False
 
 
 class Incidents:
@@ -91,16 +99,17 @@ class Incidents:
         self._newest[job] = incident
         return incident
 
-    def closed(self, incident: Incident) -> None:
-        """Its remedy was carried out (succeeded or not)."""
+    def closed(self, incident: Incident, *, failed: bool) -> None:
+        """Its remedy was carried out; `failed`: its healing action failed."""
         incident.finished_at = utcnow()
+        incident.failed = failed
 
     def incident_of(self, event: Event) -> Incident | None:
         """The incident `event` belongs to, if any (see the module docstring)."""
         if event.job is None:
             return None
         incident = self._newest.get(event.job)
-        if incident is None or incident.trigger.id == event.id:
+        if incident is None or incident.trigger.id == event.id or incident.failed:
             return None
         if event.type is EventType.WORKER_EXITED and WorkerExitedDetails.of(event).exit_code == 0:
             return None  # a worker that finished: no failure

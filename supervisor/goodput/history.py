@@ -74,6 +74,7 @@ FAILURE_EVENTS = frozenset(
         EventType.GPU_ECC,
         EventType.NODE_FLAPPING,
         EventType.NODE_NOT_READY,
+        EventType.NODE_CUT_OFF,
         EventType.WORKLOAD_DOWN,
         EventType.POD_STUCK_TERMINATING,
     }

@@ -209,13 +209,23 @@ class LocalBackend(Backend):
         """In-process restart of the survivors with new ranks on `fresh`; a full restart
         when that fails or takes longer than `in_process_restart_timeout_s` (the result
         says which path was taken, and why)."""
+        full = f"{key}/full"
+        if self.cluster.job(None).started_by == full:
+            # A retry after the full restart began (a node failed to start): that world's
+            # starts are sent again, as they were; no second in-process try, no new world.
+            why = "an earlier try of this action gave way to a full restart"
+            return {
+                "path": "full_restart",
+                "in_process_error": why,
+                **await self.cluster.restart_job(full),
+            }
         try:
             return await self.cluster.restart_in_process(
                 key, fresh, timeout_s=self.settings.in_process_restart_timeout_s
             )
         except InProcessFailed as exc:
             log.warning("in-process restart %s failed, restarting every rank: %s", key, exc)
-            result = await self.cluster.restart_job(f"{key}/full")
+            result = await self.cluster.restart_job(full)
             return {"path": "full_restart", "in_process_error": str(exc), **result}
 
     async def _swap(
@@ -251,7 +261,9 @@ class LocalBackend(Backend):
             result = {
                 "path": "full_restart",
                 "in_process_error": why,
-                **await self.cluster.restart_job(key),
+                # The key of the in-process path's fallback: a retry that finds the node
+                # answering again goes on with this world rather than try in-process.
+                **await self.cluster.restart_job(f"{key}/full"),
             }
         elif in_process and spare:
             result = await self._restart(key, [spare])

@@ -59,6 +59,13 @@ class NothingToSave(ClusterError):
     starting): asking again changes nothing."""
 
 
+def request_id(key: str, node: str, attempt: int) -> str:
+    """A node's start or rejoin request of an action's try in a world: sent again alike
+    after a crash (the host monitor answers it again instead of acting twice), another
+    one for each new world (a retry that had to start one more)."""
+    return f"{key}-{node}-world-{attempt}"
+
+
 class LocalCluster:
     """Operations on the cluster through the host monitors' HTTP API."""
 
@@ -242,7 +249,7 @@ class LocalCluster:
             "standby_preload": job.standby_preload or None,
         }
         return StartWorkersRequest(
-            request_id=f"{key}-{node}",
+            request_id=request_id(key, node, job.attempt),
             job=job.name,
             command=job.command,
             env={**self.worker_env(job, node), "GROUP_RANK": str(group_rank)},
@@ -317,7 +324,7 @@ class LocalCluster:
         }
         rejoin = {
             node: RejoinRequest(
-                request_id=f"{key}-{node}",
+                request_id=request_id(key, node, job.attempt),
                 job=job.name,
                 attempt=attempt,
                 env=world,

@@ -9,7 +9,10 @@ worker still finishing then, or still running, is stuck, and raises a `hang` of 
 
 The phase the job is in, as the sensor sees it, is `running`, `finishing` (it began to
 end, and some worker is still at work) or `finished` (none left at work, and it ended:
-some worker finished or exited with success).
+some worker exited with success, or they said they were finishing and none exited with a
+failure). Workers that said so and then all failed did not end the job: it failed while
+ending (a worker's `close()` says it is finishing on its way out of a failure too), and it
+is remedied as any other failed job.
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ def phase(finishing_since: float | None, workers: Iterable[EndedOrNot]) -> Sense
     workers = list(workers)
     if any(w.state in _ALIVE for w in workers):
         return "running" if finishing_since is None else "finishing"
-    ended = finishing_since is not None or any(
-        w.state is WorkerState.EXITED and w.exit_code == 0 for w in workers
-    )
+    exited = [w.exit_code for w in workers if w.state is WorkerState.EXITED]
+    succeeded = 0 in exited
+    failed = any(code not in (None, 0) for code in exited)
+    ended = succeeded or (finishing_since is not None and not failed)
     return "finished" if ended else "running"
 
 

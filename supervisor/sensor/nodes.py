@@ -58,6 +58,7 @@ class NodeRecord:
         "ranks",
         "states",
         "all_running",
+        "unreachable",
         "_workers",
         "address",
         "topology",
@@ -68,6 +69,8 @@ class NodeRecord:
         "ecc_counts",
         "gpu_seen",
         "deadline_key",
+        "cut_off",
+        "cut_since",
         "_views",
         "_views_of",
     )
@@ -101,6 +104,11 @@ class NodeRecord:
         self.ranks: tuple[int, ...] | None = None
         self.states = ""
         self.all_running = False  # every worker is running
+        # The peers it last said it cannot reach (peer_cuts.py), sorted; and whether it
+        # was judged cut off from them, once reported until it reaches them again.
+        self.unreachable: tuple[str, ...] = ()
+        self.cut_off = False
+        self.cut_since: float | None = None  # judged cut off since, not yet reported
         # The workers as last reported: their reports, or the heartbeat's bytes. Bytes
         # are one object kept per node instead of its ~33 parsed ones (8 reports and
         # their ints), which were freed cold in the CPU's caches at the node's next

@@ -16,12 +16,16 @@ from supervisor.sensor.finishing import SensedPhase, phase
 from supervisor.sensor.jobs import JobRecord
 from supervisor.sensor.nodes import NodeRecord
 
+#: The probe ring (`probe_targets`) is this old at most.
+RING_REFRESH_S = 5.0
+
 
 class SensorReads(SensorClock):
     # What `Sensor` sets up.
     settings: SensingSettings
     _nodes: dict[str, NodeRecord]
     _jobs: dict[str, JobRecord]
+    _ring_built: tuple[float, list[str], dict[str, int]] | None = None
 
     def has_node(self, name: str) -> bool:
         return name in self._nodes
@@ -41,6 +45,32 @@ class SensorReads(SensorClock):
         """Where the node's host monitor listens, as its last heartbeat said."""
         node = self._nodes.get(name)
         return node.address if node is not None else None
+
+    def probe_targets(self, name: str, each_side: int) -> list[tuple[str, str]]:
+        """(name, address) of `name`'s neighbours, `each_side` on each side, on the ring of
+        the live nodes with an address, in name order (peer_cuts.py): each node probes as
+        many and is probed by as many, whatever the cluster's size."""
+        ring, index = self._ring()
+        at = index.get(name)
+        if at is None or len(ring) < 2:
+            return []
+        peers = dict.fromkeys(
+            ring[(at + step) % len(ring)]
+            for offset in range(1, each_side + 1)
+            for step in (offset, -offset)
+        )
+        peers.pop(name, None)
+        return [(peer, address) for peer in peers if (address := self._nodes[peer].address)]
+
+    def _ring(self) -> tuple[list[str], dict[str, int]]:
+        """The live nodes with an address, sorted, and each one's place: built again at
+        most every RING_REFRESH_S (every node asks for its targets now and then; sorting
+        10,000 names for each would cost more than its heartbeats)."""
+        now = self._deadlines.time()
+        if self._ring_built is None or now - self._ring_built[0] >= RING_REFRESH_S:
+            ring = sorted(n.name for n in self._nodes.values() if n.alive and n.address)
+            self._ring_built = (now, ring, {name: i for i, name in enumerate(ring)})
+        return self._ring_built[1], self._ring_built[2]
 
     def healthy_nodes(self) -> list[tuple[str, NodeState, bool]]:
         """(name, state, cordoned) of each node alive and not flapping: those that may

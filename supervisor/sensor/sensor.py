@@ -13,12 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from resiliency_protocol.heartbeat import (
-    GpuReport,
-    HostHeartbeat,
-    WorkerReport,
-    check_heartbeat,
-)
+from resiliency_protocol.heartbeat import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from supervisor.config_parts import SensingSettings, WorkloadSettings
 from supervisor.domain import EventType, JobView, NodeState, NodeView, WorkerState
 from supervisor.metrics import Metrics
@@ -32,6 +27,7 @@ from supervisor.sensor.finishing import ends_the_loop
 from supervisor.sensor.gpu_reports import GpuReports
 from supervisor.sensor.jobs import JobRecord
 from supervisor.sensor.nodes import NODE, DeadlineKey, NodeRecord, rank_of, state_of, step_of
+from supervisor.sensor.peer_cuts import PeerCuts, peer_cut_confirm_s
 from supervisor.sensor.progress import HangParams, JobProgress
 from supervisor.sensor.reads import SensorReads
 from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
@@ -81,6 +77,7 @@ class Sensor(SensorReads, DeadlineHandlers):
         events = NodeEvents(self.fault_marks)
         self._event = events.event
         self._gpu = GpuReports(settings, self.metrics, events)
+        self._cuts = PeerCuts(self._nodes, self._event, peer_cut_confirm_s(settings))
         self._timeout_s = settings.heartbeat_timeout_s
         self._hang = HangParams(
             fixed_timeout_s=settings.hang_timeout_s,
@@ -122,6 +119,7 @@ class Sensor(SensorReads, DeadlineHandlers):
             and hb.state is node.state
             and hb.job == node.job
             and not hb.gpu_reports
+            and not (hb.unreachable_peers or node.unreachable)
         ):
             # The steady state of every node, every period: the same workers in the same
             # states, only steps moving. It is most of the supervisor's CPU at scale, so
@@ -164,6 +162,8 @@ class Sensor(SensorReads, DeadlineHandlers):
         else:
             self._update(node, hb, now, changes)
         self._deadlines.arm(node.deadline_key, now + self._timeout_s)
+        if hb.unreachable_peers or node.unreachable:
+            changes.events += self._cuts.heard(node, hb.unreachable_peers, now)
         if hb.gpu_reports:
             for report in hb.gpu_reports:
                 if (event := self._gpu.event(node, report, now, None)) is not None:

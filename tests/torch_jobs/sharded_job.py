@@ -5,9 +5,12 @@ AdamW, the `Checkpointer` as docs/training.md shows it. One process per rank, st
 the test with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Deterministic in the step
 and the layout: each step's batch is drawn from a generator seeded by (step, rank), and
 dropout draws from torch's global RNG (saved and restored with the checkpoint). Env:
-- JOB_PARALLELISM: `fsdp` (1-D mesh over every rank), `hsdp` (JOB_REPLICAS x the rest)
-  or `tp` (tensor parallel: the first Linear column-wise, the last row-wise).
-- JOB_STEPS: train until this step; JOB_STOP_AT: stop after this step (saves flushed).
+- JOB_PARALLELISM: `fsdp` (1-D mesh over every rank), `hsdp` (JOB_REPLICAS x the rest),
+  `tp` (tensor parallel: the first Linear column-wise, the last row-wise), `fsdp1`
+  (FullyShardedDataParallel, each Linear a unit) or `fsdp1-mesh` (the same on a mesh).
+- JOB_STEPS: train until this step; JOB_STOP_AT: stop after this step (saves flushed);
+  JOB_EMERGENCY_AT: take an emergency checkpoint after this step (its step, or its error,
+  goes in the result's "emergency").
 - JOB_RESULT: where rank r writes {"restored", "tier", "sources", "final_step",
   "full_sha256" (of the full, unsharded model and optimizer state at the end),
   "restored_sha256" (the same, right after the restore), "saves"}.
@@ -27,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -35,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from training.checkpoint import Checkpointer, CheckpointSettings
+from training.checkpoint.emergency import EmergencyCheckpointError
 from training.worker_client import WorkerClient
 
 
@@ -94,9 +100,21 @@ def main() -> int:
         torch.nn.Dropout(0.1),
         torch.nn.Linear(width, 8),
     )
-    if os.environ.get("JOB_PARALLELISM") == "tp":
+    parallelism = os.environ.get("JOB_PARALLELISM", "fsdp")
+    if parallelism == "tp":
         plan = {"0": ColwiseParallel(), "3": RowwiseParallel()}
         parallelize_module(model, mesh, plan)
+    elif parallelism in ("fsdp1", "fsdp1-mesh"):
+        # FSDP1 as its users wrap it: each Linear a unit of its own, the original
+        # parameters kept; on the CPU, `device_id` says so. With a mesh its sharded
+        # state dict holds DTensors, without one ShardedTensors.
+        model = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+            device_mesh=mesh if parallelism == "fsdp1-mesh" else None,
+        )
     else:
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
@@ -113,6 +131,8 @@ def main() -> int:
         settings=CheckpointSettings.from_env(),
         client=client if client.online else None,
         job=os.environ.get("HOST_MONITOR_JOB") or "sharded-test",
+        # Served for the host monitor when online; taken by the job itself when asked to.
+        emergency=client.online or bool(os.environ.get("JOB_EMERGENCY_AT")),
     )
     start = ckpt.restore()
     restored = ckpt.last_restore
@@ -120,6 +140,8 @@ def main() -> int:
     steps = int(os.environ["JOB_STEPS"])
     stop_at = int(os.environ.get("JOB_STOP_AT", "0")) or steps
     step = start
+    emergency_at = int(os.environ.get("JOB_EMERGENCY_AT", "0"))
+    emergency = None
     while step < min(steps, stop_at):
         step += 1
         # Tensor parallel ranks work on the same batch; data-parallel ones on their own.
@@ -133,6 +155,11 @@ def main() -> int:
         optimizer.step()
         position.samples_seen += 8
         ckpt.step_done(step)
+        if step == emergency_at:
+            try:
+                emergency: int | str = ckpt.emergency_save()
+            except EmergencyCheckpointError as exc:
+                emergency = str(exc)
     ckpt.close()
     result = {
         "restored": start,
@@ -143,6 +170,7 @@ def main() -> int:
         "full_sha256": full_sha256(model, optimizer),
         "restored_sha256": restored_sha,
         "saves": [[r.step, r.tier, r.error] for r in ckpt.save_results],
+        "emergency": emergency,
     }
     Path(os.environ["JOB_RESULT"]).write_text(json.dumps(result))
     client.close()

@@ -96,6 +96,8 @@ class RestoreAgreement:
             oks = self._all_gather(loaded is not None)
             if all(oks):
                 assert loaded is not None
+                if loaded.tier != "memory":
+                    self._restorer.apply_loaded()
                 tier, size = loaded.tier, loaded.size
                 seconds = time.monotonic() - started
                 self.last_restore = Restored(step, tier, size, seconds, loaded.sources)
@@ -112,7 +114,7 @@ class RestoreAgreement:
                 return step
             if loaded is None:
                 dropped.add(step)
-            else:
+            elif not self.state.gathered:  # a gathered state is applied only once agreed
                 loaded_before = True
         raise RuntimeError(f"no checkpoint could be loaded after {MAX_RESTORE_ROUNDS} rounds")
 

@@ -446,9 +446,13 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         self._fence.entered()
         self._restorer.starts = self._agreed_starts()
         self._fence.adopt(self._restorer.starts)
+        self._restorer.begin()
         candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.
+        # Nor for a gathered state (FSDP1), whose load every rank applies together.
         held = self._completed if in_memory and not self._mid_step else None
+        if self.state.gathered:
+            held = None
         try:
             step = self._agree_and_load(candidates, held, started)
             self._fence.record(step)  # before any commit of this world
@@ -461,6 +465,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
                 self._completed = None
             raise
         finally:
+            self._restorer.end()
             if self.durable is not None:
                 self.durable.clear_staged()  # what a bucket's restore downloaded
 

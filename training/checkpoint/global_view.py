@@ -41,9 +41,9 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.tensor import DTensor
 
 from training.checkpoint import format as fmt
+from training.checkpoint.state import local_numel
 
 METADATA = ".metadata"
 _VIEW_PREFIX = ".view-"
@@ -196,7 +196,7 @@ def missing(metadata: Metadata, target: dict[str, Any]) -> list[str]:
         if fqn not in metadata.state_dict_metadata:
             gaps.append(fqn)
         elif isinstance(value, torch.Tensor):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if covered.get(fqn, 0) < local.numel():
-                gaps.append(f"{fqn} ({covered.get(fqn, 0)} of {local.numel()} elements)")
+            held = local_numel(value)
+            if covered.get(fqn, 0) < held:
+                gaps.append(f"{fqn} ({covered.get(fqn, 0)} of {held} elements)")
     return gaps

@@ -91,6 +91,38 @@ class Restorer:
         #: The worlds that started, and from which step: shadowed commits are left out
         #: (fencing.py). Set by the agreement before `candidates()`.
         self.starts: list[fencing.WorldStart] = []
+        #: A gathered state's (FSDP1's) state dict, read once per restore by every rank
+        #: together (`begin`): each load fills it, and it is applied once the ranks agree
+        #: (`apply_loaded`), both collectives that no rank may skip.
+        self._template: dict[str, Any] | None = None
+        self._loaded: dict[str, Any] | None = None
+
+    def begin(self) -> None:
+        """Start a restore (every rank, together)."""
+        self._loaded = None
+        self._template = self.state.state_dict(0) if self.state.gathered else None
+
+    def end(self) -> None:
+        """The restore is over: drop the copy of a gathered state (a whole shard set)."""
+        self._template = self._loaded = None
+
+    def apply_loaded(self) -> None:
+        """Put what the agreed load filled into a gathered state (every rank, together);
+        nothing for other states, which a load fills in place."""
+        loaded, self._loaded = self._loaded, None
+        if self._template is not None:
+            if loaded is None:
+                raise RuntimeError("the ranks agreed on a step this rank did not load")
+            self._changing()
+            self.state.apply(loaded)
+
+    def _target(self, step: int) -> dict[str, Any]:
+        """The state dict a load of `step` fills: the live state, or a gathered state's
+        copy read at `begin`."""
+        if self._template is None:
+            return self.state.state_dict(step)
+        self._template["step"] = step
+        return self._template
 
     @property
     def sharded(self) -> bool:
@@ -222,7 +254,7 @@ class Restorer:
             found.setdefault(step, {}).setdefault(rank, []).append((tier, directory))
         self._add_peer_copy(found)
         out: dict[int, ShardSources] = {}
-        target = self.state.state_dict(0) if found else {}  # shapes only: read once
+        target = self._target(0) if found else {}  # shapes only: read once
         for step, sources in found.items():
             gaps = self._gaps(sources, target)
             if gaps:
@@ -269,7 +301,7 @@ class Restorer:
     def _load_sharded(self, step: int, sources: ShardSources) -> Loaded | None:
         left = {rank: list(found) for rank, found in sources.items()}
         while all(left.values()) and left:
-            target = self.state.state_dict(step)
+            target = self._target(step)
             chosen = self._read_from({rank: found[0] for rank, found in left.items()}, target)
             base = self.ram_root or (self.durable and self.durable.root) or tempfile.gettempdir()
             try:
@@ -294,7 +326,7 @@ class Restorer:
                     if tier in ("ram", "peer") and self.ram_root is not None:
                         fmt.remove_step(self.ram_root, step, rank)
                 if any(not left[rank] for rank in bad) and self._gaps(
-                    {r: f for r, f in left.items() if f}, self.state.state_dict(step)
+                    {r: f for r, f in left.items() if f}, self._target(step)
                 ):
                     return None
                 left = {r: f for r, f in left.items() if f}
@@ -371,8 +403,9 @@ class Restorer:
                 fmt.verify(directory, manifest, threads=threads)
         reader = DirectReader(path, thread_count=threads, sums=sums, checksum=checksum)
         if target is None:
-            target = self.state.state_dict(step)
-        self._changing()
+            target = self._target(step)
+        if self._template is None:
+            self._changing()
         try:
             dcp_load(target, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException):
@@ -394,7 +427,11 @@ class Restorer:
                     and (not prefix or _joined(prefix, n) in reader.opened)
                 ]
                 fmt.verify(directory, manifest, threads=threads, names=unread)
-        if self.state.apply(target) != step:
+        if self._template is not None:  # applied once every rank loaded
+            if int(target["step"]) != step:
+                raise fmt.CheckpointCorrupt(f"{path}: holds another step")
+            self._loaded = target
+        elif self.state.apply(target) != step:
             raise fmt.CheckpointCorrupt(f"{path}: holds another step")
         return {int(m.group(1)) for f in reader.opened if (m := _RANK_PATH.match(f))}
 

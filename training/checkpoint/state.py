@@ -8,6 +8,13 @@ A sharded model (FSDP2, HSDP, tensor parallel: parameters and optimizer state he
 DTensors) gives a state dict of DTensors, each rank holding its local shards; staging
 copies each DTensor's local shard to host memory and keeps its sharding (mesh, placements,
 global shape), so that DCP writes it with its global offsets and a later load can reshard.
+
+FSDP1 (`FullyShardedDataParallel`) is `gathered`: its sharded state dict is made by a
+collective (it all-gathers the flat parameters, then cuts them again) and holds copies,
+as DTensors when it was given a device mesh, else as ShardedTensors (staged alike, their
+local shards copied with their metadata). Its state is read on every rank together
+(periodic saves, restores), never from ranks that may be stuck in a collective: an
+emergency save of such a model stands on the newest periodic save.
 """
 
 from __future__ import annotations
@@ -20,15 +27,21 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 
 def is_sharded(state: Any) -> bool:
     """Whether a state dict holds a DTensor whose shards differ between ranks (a
-    placement other than Replicate): its ranks' checkpoints are pieces of one whole."""
+    placement other than Replicate), or a ShardedTensor: its ranks' checkpoints are
+    pieces of one whole."""
     if isinstance(state, DTensor):
         return any(not p.is_replicate() for p in state.placements)
+    if isinstance(state, ShardedTensor):
+        return True
     if isinstance(state, Mapping):
         return any(is_sharded(v) for v in state.values())
     if isinstance(state, list | tuple):
@@ -37,8 +50,20 @@ def is_sharded(state: Any) -> bool:
 
 
 def local_data_ptr(tensor: torch.Tensor) -> int:
-    """The address of a tensor's (a DTensor's: its local shard's) data."""
+    """The address of a tensor's (a DTensor's: its local shard's) data; 0 for a
+    ShardedTensor (always a copy: see `TrainingState.gathered`)."""
+    if isinstance(tensor, ShardedTensor):
+        return 0
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """The elements this rank holds of a tensor (a DTensor's or ShardedTensor's shards)."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local().numel()
+    if isinstance(tensor, ShardedTensor):
+        return sum(shard.tensor.numel() for shard in tensor.local_shards())
+    return tensor.numel()
 
 
 class Stateful(Protocol):
@@ -78,12 +103,15 @@ class TrainingState:
         self.extra = dict(extra or {})
         self._sharded: bool | None = None
         self._weights_refs: dict[str, Any] | None = None
+        #: Whether reading the model's state is a collective that returns copies (FSDP1).
+        self.gathered = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
     @property
     def sharded(self) -> bool:
         """Whether the model's state is sharded across ranks (see `is_sharded`)."""
         if self._sharded is None:
-            self._sharded = is_sharded(self.model.state_dict())
+            # FSDP1's state dict is a collective: not read here, on one rank's whim.
+            self._sharded = self.gathered or is_sharded(self.model.state_dict())
         return self._sharded
 
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -125,7 +153,9 @@ class TrainingState:
         weights = None
         # Only once the optimizer holds state: before its first step, DCP's state dict
         # helper would make some (a step with no gradient), changing what training does.
-        if self.sharded and self.optimizer is not None and self.optimizer.state:
+        # FSDP1 gives copies: not references that later steps update (see `gathered`).
+        live = self.sharded and not self.gathered
+        if live and self.optimizer is not None and self.optimizer.state:
             # The same tensors from step to step (updated in place by optimizer.step()):
             # taken once, then reused.
             if self._weights_refs is None or not self._weights_refs["optim"].get("state"):
@@ -186,6 +216,12 @@ class TrainingState:
     def state_at(self, snapshot: Snapshot) -> dict[str, Any]:
         """The state of `snapshot`'s step: live parameters and optimizer state (unchanged
         since, as long as no `optimizer.step()` ran), the rest from the snapshot."""
+        if snapshot.weights is None and self.gathered:
+            raise ValueError(
+                "FSDP1 makes its state dict with a collective, which ranks stuck in one"
+                " cannot join: the newest periodic save stands (with"
+                " in_memory_checkpointing_freq=1 it is the last completed step)"
+            )
         if snapshot.weights is None and self.sharded:
             # Read now, its parameters may be a forward's unsharded ones: not a state.
             raise ValueError("no sharded state was taken at that step (no update yet)")
@@ -298,6 +334,15 @@ class StagingBuffers:
             # The local shard in host memory with the DTensor's sharding (the constructor
             # keeps the tensor where it is; `from_local` would move it to the mesh's device).
             return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        if isinstance(value, ShardedTensor):
+            shards = [
+                Shard(self._copy(shard.tensor, f"{path}/shard-{i}", seen, None), shard.metadata)
+                for i, shard in enumerate(value.local_shards())
+            ]
+            # Built from this rank's shards and the global metadata it holds: no collective.
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards, value.metadata(), process_group=value._process_group
+            )
         if isinstance(value, torch.Tensor):
             seen.add(path)
             if defer is not None and defer(path, value):

@@ -13,7 +13,7 @@ const MAX_ROWS = 1000;
 const FAILURES = new Set([
   "host_heartbeat_lost", "worker_heartbeat_lost", "worker_exited", "hang", "gpu_xid",
   "gpu_ecc", "gpu_health", "node_flapping", "pod_stuck_terminating", "workload_down",
-  "node_not_ready", "straggler", "checkpoint_failed",
+  "node_not_ready", "node_cut_off", "straggler", "checkpoint_failed",
 ]);
 const RECOVERIES = new Set(["node_recovered", "spare_available", "straggler_recovered"]);
 

@@ -28,6 +28,12 @@ const GPU_EVENTS = ["gpu_xid", "gpu_ecc", "gpu_health"];
 const STRAGGLER_EVENTS = ["straggler", "straggler_recovered"];
 const JOB_ACTIONS = ["restart_in_place", "restart_workload", "hot_swap", "scale_down", "scale_up"];
 
+/** `map[key] = event` unless it holds a newer event (a higher id) already. */
+function keepNewest(map, key, event) {
+  const held = map.get(key);
+  if (!held || held.id == null || event.id == null || held.id <= event.id) map.set(key, event);
+}
+
 export class Nodes {
   constructor({ onChange, maintenanceOf = () => undefined }) {
     this.onChange = onChange;
@@ -38,6 +44,7 @@ export class Nodes {
     this.fetchedAt = 0;
     this.gpu = new Map(); // node -> newest GPU error event
     this.stragglers = new Map(); // node -> newest straggler or straggler_recovered event
+    this.liveDuringLoad = null; // live events while a load's reads are in flight
     this.statusSeen = new Map(); // node -> {status, at}: when the page learned its status
     this.dirty = new Set();
     this.dirtyJobs = new Set();
@@ -56,6 +63,9 @@ export class Nodes {
   async load() {
     if (this.loading) return this.loading;
     this.loading = (async () => {
+      // Events that come live while the reads are in flight: the lists read may predate
+      // them, and they must not be wiped with the maps below.
+      this.liveDuringLoad = [];
       try {
         const [nodes, gpuEvents, stragglerEvents] = await Promise.all([
           api("/api/v1/nodes"),
@@ -70,10 +80,15 @@ export class Nodes {
         for (const event of gpuEvents.items.slice().reverse()) this.noteGpu(event);
         this.stragglers.clear();
         for (const event of stragglerEvents.items.slice().reverse()) this.noteStraggler(event);
+        for (const event of this.liveDuringLoad) {
+          this.noteGpu(event);
+          this.noteStraggler(event);
+        }
         this.changed();
       } catch (err) {
         $("#nodes-summary").textContent = `Could not load the nodes: ${err.message}`;
       } finally {
+        this.liveDuringLoad = null;
         this.loading = null;
         clearTimeout(this.timer);
         this.timer = setTimeout(() => this.load(), RESYNC_MS);
@@ -89,16 +104,19 @@ export class Nodes {
   }
 
   noteGpu(event) {
-    if (event.node && GPU_EVENTS.includes(event.type)) this.gpu.set(event.node, event);
+    if (event.node && GPU_EVENTS.includes(event.type)) keepNewest(this.gpu, event.node, event);
   }
 
   /** The newest straggler event of each node: marked while it is not recovered. */
   noteStraggler(event) {
-    if (event.node && STRAGGLER_EVENTS.includes(event.type)) this.stragglers.set(event.node, event);
+    if (event.node && STRAGGLER_EVENTS.includes(event.type)) {
+      keepNewest(this.stragglers, event.node, event);
+    }
   }
 
   /** A live event: the node it names is read again. */
   onEvent(event) {
+    this.liveDuringLoad?.push(event);
     this.noteGpu(event);
     this.noteStraggler(event);
     if (event.node) this.mark(event.node);
