@@ -185,6 +185,10 @@ def test_demo_takes_a_policy_and_settings_and_survives_its_supervisor(tmp_path: 
         while step() <= before:  # trained on, and seen by the new supervisor
             assert time.monotonic() < deadline, "no progress after the supervisor's restart"
             time.sleep(0.2)
+        # The step may come from the other node's heartbeat: node-0's may still be on its way.
+        while httpx.get(f"{api}/nodes/node-0", headers=headers, timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "node-0 not heard by the new supervisor"
+            time.sleep(0.2)
         fault = httpx.post(
             f"{api}/faults", json={"kind": "worker_crash", "node": "node-0"}, headers=headers
         )

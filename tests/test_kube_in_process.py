@@ -273,15 +273,26 @@ def test_a_crashed_worker_is_replaced_alone(tmp_path: Path, reference: str) -> N
     with running(tmp_path) as env:
         pods = training(env, past=30)
         # The rank's process, which the pod's launcher started.
-        os.kill(env.rank_processes(pods[1])[1], signal.SIGKILL)
+        killed = env.rank_processes(pods[1])[1]
+        os.kill(killed, signal.SIGKILL)
         weights = wait_for(env.weights, 300, "the job to finish")
         assert weights == reference
         actions = wait_for(env.settled, 30, "actions settled")
+        events = {e["id"]: e for e in env.events()}
+        seen = (actions, list(events.values()), env.log_of(pods[0])[-3000:])
+        exits = [e for e in events.values() if (e.get("details") or {}).get("pid") == killed]
+        assert [e["type"] for e in exits] == ["worker_exited"], seen
         restarts = [a for a in actions if a["type"] == "restart_in_place"]
-        assert len(restarts) == 1, actions
-        assert restarts[0]["result"]["path"] == "in_process", restarts[0]["result"]
+        assert restarts, seen
+        assert restarts[0]["result"]["path"] == "in_process", seen
+        # One remedy for the crash. A later restart may only answer a failure of another
+        # worker (on this 2-core machine, one starved past the 1.5-s heartbeat timeout
+        # while four ranks and their host monitors run), never this crash again.
+        for later in restarts[1:]:
+            trigger = events[later["event_id"]]
+            assert (trigger.get("details") or {}).get("pid") != killed, seen
         starts = RESUMED.findall(env.log_of(pods[0]))
-        assert [(r, a, t) for r, a, _, t in starts] == [("0", "1", "memory")]
+        assert [(r, a, t) for r, a, _, t in starts][:1] == [("0", "1", "memory")], seen
         js = env.kube.get("JobSet", JOB)
         assert js is not None and js["status"].get("restarts", 0) == 0
 
