@@ -150,10 +150,14 @@ class DefaultPolicy(Policy):
     ) -> list[ActionRequest]:
         """Restart in place while the job has in-job restarts left, else the workload.
         After a remedy of the job that failed, the workload: an in-job restart needs the
-        rest of the job alive, and nothing says it is."""
+        rest of the job alive, and nothing says it is; but first off a node of it that is
+        down, where that restart would fail again."""
         used, limit = ctx.in_job_restarts(job), ctx.limits.max_in_job_restarts
         what = describe(event)
         if job in ctx.failed_last_remedy:
+            down = self._held_down(ctx, job)
+            if down is not None:
+                return self._off_the_down_node(event, ctx, job, down)
             action = actions.restart_workload(
                 job, reason=f"{what}: the job's last remedy failed, restarting it whole"
             )
@@ -202,6 +206,25 @@ class DefaultPolicy(Policy):
             fallback = f"no spare and {job} at its minimum of {view.min_num_dp_replicas} replicas"
         action = actions.restart_workload(job, reason=f"{what}, {fallback}: last resort")
         return self.remedy(ctx, action, failed_node=node)
+
+    def _off_the_down_node(
+        self, event: Event, ctx: PolicyContext, job: str, down: str
+    ) -> list[ActionRequest]:
+        """The job's last remedy failed and `down`, a node it holds, is not alive: swap a
+        spare in and start every rank afresh (nothing says any still runs, to heal
+        in-process), else `evict`'s scale down or last resort."""
+        why = f"the job's last remedy failed and its node {down} is down"
+        spares = [s for s in ctx.spares if s != down]
+        if not spares:
+            return self.evict(event, ctx, job, down, why)
+        action = actions.hot_swap(
+            job,
+            down,
+            spare=spares[0],
+            reason=f"{describe(event)}: {why}, spare {spares[0]} available",
+            in_process=False,
+        )
+        return self.remedy(ctx, action, failed_node=down)
 
     def node_failure_in_job(
         self, event: Event, ctx: PolicyContext, job: str, node: str
@@ -363,6 +386,13 @@ class DefaultPolicy(Policy):
             )
             out += self.remedy(ctx, actions.restart_workload(name, reason=reason))
         return out
+
+    @staticmethod
+    def _held_down(ctx: PolicyContext, job: str) -> str | None:
+        """The first node the job holds that is known and not alive."""
+        view = ctx.job(job)
+        held = view.nodes if view is not None else ()
+        return next((n for n in held if (node := ctx.node(n)) is not None and not node.alive), None)
 
     @staticmethod
     def _stranded(ctx: PolicyContext, name: str) -> bool:

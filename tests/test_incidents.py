@@ -262,3 +262,60 @@ async def test_a_remedy_that_fails_while_every_worker_exits_is_followed_by_anoth
         assert second["incident_action_id"] == whole["id"]
         listed = await api.get(f"/api/v1/actions/{in_place['id']}")
         assert listed["attached_events"] == []
+
+
+class FailingFirstHotSwap(DryRunBackend):
+    """The first hot-swap fails (its spare never joined); anything else does nothing, as a
+    dry run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swaps = 0
+
+    async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
+        if action.type is ActionType.HOT_SWAP:
+            self.swaps += 1
+            if self.swaps == 1:
+                raise ActionError("the spare did not join", retryable=False)
+        return await super().execute(action)
+
+
+async def test_after_a_failed_hot_swap_the_node_still_down_is_swapped_before_any_restart(
+    make_settings: SettingsFactory,
+) -> None:
+    """n1 is lost and its hot-swap fails: the job holds a node that is down. The next
+    failure of the job does not restart it whole on that node (it would fail there
+    again): n1 is swapped for the spare once more, every rank started afresh."""
+    settings = make_settings(
+        heartbeat_polling_period_s=0.05, heartbeat_timeout_s=2.0, max_workload_restarts=0
+    )
+    spare = {"node": "s2", "state": "spare"}
+    async with running(settings, backend=FailingFirstHotSwap()) as api:
+        await send(api, spare)
+        await train(api, 5)
+
+        async def remedied_twice() -> Any:
+            # n1 is silent from now on; n0 and the spare beat on, and after the failed
+            # swap n0's worker crashes.
+            done = await actions(api)
+            failed = [a for a in done if a["type"] == "hot_swap" and a["status"] == "failed"]
+            n0 = beat("n0", 5, state="exited", exit_code=1) if failed else beat("n0", 5)
+            await send(api, n0, spare)
+            remedies = [
+                a
+                for a in done
+                if a["type"] != "emergency_checkpoint" and a["status"] in ("succeeded", "failed")
+            ]
+            return len(remedies) >= 2
+
+        await until(remedied_twice)
+        await api.settle()
+        done = await actions(api)
+        disruptive = [a for a in done if a["type"] != "emergency_checkpoint"]
+        assert [(a["type"], a["node"], a["status"]) for a in disruptive] == [
+            ("hot_swap", "n1", "failed"),
+            ("hot_swap", "n1", "succeeded"),
+        ], done
+        again = disruptive[1]
+        assert again["params"] == {"spare": "s2", "in_process": False}, again
+        assert "last remedy failed and its node n1 is down" in again["reason"], again

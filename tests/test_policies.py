@@ -439,6 +439,31 @@ def test_a_job_that_kept_its_nodes_but_runs_nothing_since_its_remedy_failed_rest
     assert decide(ev(E.NODE_RECOVERED, b), replace(back, nodes={a: exited, b: runs})) == []
 
 
+@pytest.mark.parametrize(
+    "event_type", [E.WORKER_EXITED, E.WORKER_HEARTBEAT_LOST, E.HANG], ids=lambda t: t.value
+)
+def test_after_a_failed_remedy_a_node_of_the_job_that_is_down_goes_before_the_restart(
+    event_type: EventType,
+) -> None:
+    """A whole restart of a job whose last remedy failed would fail again on a node of
+    it that is down: a spare takes that node's place, every rank started afresh; with no
+    spare it scales down without it, and only then the last resort restarts it whole. With
+    every node alive, the whole restart as before."""
+    held = job("j", replicas=2, max_replicas=2, min_replicas=1)
+    a, b = held.nodes
+    failed = {"failed_last_remedy": frozenset({"j"})}
+    event = ev(event_type, a, "j", rank=0, exit_code=1)
+    with_spare = replace(ctx([node(a), node(b, alive=False), spare("s1")], [held]), **failed)
+    swap = (A.HOT_SWAP, "j", b, {"spare": "s1", "in_process": False})
+    assert decide(event, with_spare) == [cp("j", b), swap]
+    no_spare = replace(with_spare, nodes={a: node(a), b: node(b, alive=False)})
+    assert decide(event, no_spare) == [cp("j", b), scale_down(1, b)]
+    fixed = replace(no_spare, limits=replace(no_spare.limits, enable_workload_scaling=False))
+    assert decide(event, fixed) == [cp("j", b), restart_workload("j")]
+    alive = replace(with_spare, nodes={a: node(a), b: node(b), "s1": spare("s1")})
+    assert decide(event, alive) == [cp("j", a), restart_workload("j")]
+
+
 def test_spares_a_job_short_of_nodes_will_take_do_not_scale_another_up() -> None:
     """A JobSet just recreated by a scale down has no pod placed yet: the node it is about
     to take (its own, seen as a spare meanwhile) is no capacity to scale up with."""
