@@ -451,9 +451,9 @@ def test_after_a_failed_remedy_a_node_of_the_job_that_is_down_goes_before_the_re
     every node alive, the whole restart as before."""
     held = job("j", replicas=2, max_replicas=2, min_replicas=1)
     a, b = held.nodes
-    failed = {"failed_last_remedy": frozenset({"j"})}
     event = ev(event_type, a, "j", rank=0, exit_code=1)
-    with_spare = replace(ctx([node(a), node(b, alive=False), spare("s1")], [held]), **failed)
+    nodes = [node(a), node(b, alive=False), spare("s1")]
+    with_spare = replace(ctx(nodes, [held]), failed_last_remedy=frozenset({"j"}))
     swap = (A.HOT_SWAP, "j", b, {"spare": "s1", "in_process": False})
     assert decide(event, with_spare) == [cp("j", b), swap]
     no_spare = replace(with_spare, nodes={a: node(a), b: node(b, alive=False)})
