@@ -75,3 +75,45 @@ def test_a_world_smaller_than_the_jobs_trains_on_every_batch_of_a_step(tmp_path:
     assert "world_size=1: resumed step=15" in resumed[1]
     assert "world_size=2: resumed step=20" in resumed[2]
     assert (cut / "out" / "weights.sha256").read_text() == reference
+
+
+SAY_MANY = """
+import sys
+from training.torch_workload.config import TorchWorkloadConfig
+from training.torch_workload.train import say
+cfg = TorchWorkloadConfig(rank=int(sys.argv[1]), world_size=2)
+sys.stdin.readline()  # both ranks start writing together
+for i in range(3000):
+    say(cfg, f"line {i} resumed step={i} tier=memory")
+"""
+
+
+def test_ranks_sharing_an_unbuffered_log_write_whole_lines(tmp_path: Path) -> None:
+    """A pod's ranks run `python -u` and share its log file (opened for appending): each
+    line the workload says is one write, never interleaved with another rank's."""
+    log = tmp_path / "pod.log"
+    with log.open("ab") as out:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-u", "-c", SAY_MANY, str(rank)],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.PIPE,
+                cwd=ROOT,
+            )
+            for rank in (0, 1)
+        ]
+        for proc in ranks:
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.close()
+        for proc in ranks:
+            assert proc.wait(120) == 0, proc.stderr.read() if proc.stderr else ""
+    lines = log.read_text().splitlines()
+    expected = {
+        f"torch workload rank={rank}: line {i} resumed step={i} tier=memory"
+        for rank in (0, 1)
+        for i in range(3000)
+    }
+    assert len(lines) == len(expected)
+    assert set(lines) == expected, [line for line in lines if line not in expected][:5]

@@ -102,8 +102,10 @@ class Trainer:
         self.prefix = f"workload rank={cfg.rank} replica={cfg.replica} shard={cfg.shard}:"
 
     def say(self, message: str) -> None:
+        # One write per line, as the torch workload's: ranks may share a log, unbuffered.
         with contextlib.suppress(OSError):  # stdout gone (closed pipe): keep training
-            print(f"{self.prefix} {message}", flush=True)
+            sys.stdout.write(f"{self.prefix} {message}\n")
+            sys.stdout.flush()
 
     # --- safe points -----------------------------------------------------------------
 

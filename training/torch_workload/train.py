@@ -54,8 +54,11 @@ log = logging.getLogger("training.torch_workload")
 
 
 def say(cfg: TorchWorkloadConfig, message: str) -> None:
+    # One write per line: a pod's ranks share its log, unbuffered (`python -u`), where
+    # print() writes the text and its newline apart and two ranks' lines would interleave.
     with contextlib.suppress(OSError):  # stdout gone (closed pipe): keep training
-        print(f"torch workload rank={cfg.rank}: {message}", flush=True)
+        sys.stdout.write(f"torch workload rank={cfg.rank}: {message}\n")
+        sys.stdout.flush()
 
 
 def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
