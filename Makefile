@@ -3,11 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The CPU build of torch (extra `torch`, for the PyTorch integration and its tests). Pinned:
-# an unpinned torch pulls several GB of CUDA packages.
+# torch for the PyTorch integration and its tests: PyPI's build, with its CUDA libraries (a
+# few GB the first time, then pip's cache), which runs on the CPU. Pinned.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench format clean
+.PHONY: demo test check lint bench format clean control-plane
 
 # Each step says what it installs; pip lists each package as it comes (about 1 GB on a
 # fresh machine, torch the largest).
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "make: [2/3] pip"
 	$(BIN)/pip install --quiet --upgrade pip
-	@echo "make: [3/3] the service, the host monitor, the training side with torch $(TORCH_VERSION) (CPU build), the demo workload and the developer tools"
+	@echo "make: [3/3] the service, the host monitor, the training side with torch $(TORCH_VERSION), the demo workload and the developer tools"
 	$(BIN)/pip install --progress-bar on -e '.[server,host-monitor,training,demo,dev]' 'torch==$(TORCH_VERSION)'
 	touch $(STAMP)
 
@@ -58,8 +58,61 @@ $(NFT):
 	@command -v apt-get >/dev/null || { echo "make: the partition tests need nftables at $(NFT)" >&2; exit 1; }
 	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null'
 
-test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT)
-	CHROMIUM=$(CHROMIUM) $(BIN)/pytest
+# The store, API and outage tests start PostgreSQL servers of their own from Debian's
+# binaries (tests/postgres.py): installed here when missing, never assumed running.
+POSTGRES ?= /usr/lib/postgresql
+
+$(POSTGRES):
+	@command -v apt-get >/dev/null || { echo "make: the PostgreSQL tests need Debian's postgresql" >&2; exit 1; }
+	@echo "make: PostgreSQL from Debian's packages (the tests start their own servers)"
+	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null'
+
+# The completion tests load the CLI's completion into a real zsh.
+ZSH ?= /usr/bin/zsh
+
+$(ZSH):
+	@command -v apt-get >/dev/null || { echo "make: the completion tests need zsh at $(ZSH)" >&2; exit 1; }
+	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq zsh >/dev/null'
+
+# The fleet-scale modules alone first (`-m solo`, SOLO_MODULES in tests/conftest.py), then
+# two pytest sessions side by side, each running its modules one after another: the
+# modules that train with several torch processes (`-m heavy`, HEAVY_MODULES in
+# tests/conftest.py), and all the others. The suite is bound by the machine's two cores:
+# two heavy modules at once broke timing margins, and more workers ran no faster
+# (docs/testing.md). The heavy session's output follows the other's. The two sessions keep
+# both cores busy: the tests' margins (tests/timing.py) are doubled unless said otherwise.
+# Each session leaves its per-test times in var/junit-*.xml.
+TEST_TIME_SCALE ?= 2
+test: export TEST_TIME_SCALE := $(TEST_TIME_SCALE)
+test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT) $(POSTGRES) $(ZSH) control-plane
+	@mkdir -p var
+	@# The project's own bytecode, once: the editable install has none, and where
+	@# PYTHONDONTWRITEBYTECODE is set (CI's machines) every one of the suite's thousands
+	@# of processes compiled what it imported again (about 0.3 s of CPU each).
+	$(BIN)/python -m compileall -q -j 0 resiliency_protocol supervisor host_monitor policies training bench tests >/dev/null
+	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m solo -p no:cacheprovider; solo=$$?; \
+	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m heavy -p no:cacheprovider \
+		--junitxml=var/junit-heavy.xml > var/test-heavy.log 2>&1 & heavy=$$!; \
+	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m "not heavy and not solo" --junitxml=var/junit-other.xml; light=$$?; \
+	wait $$heavy; heavy_rc=$$?; \
+	echo "=== the heavy modules' session (-m heavy), run beside the one above ==="; \
+	cat var/test-heavy.log; \
+	echo "make test: fleet-scale modules exit $$solo, other modules exit $$light, heavy modules exit $$heavy_rc"; \
+	[ $$solo -eq 0 ] && [ $$light -eq 0 ] && [ $$heavy_rc -eq 0 ]
+
+# The real Kubernetes control plane the Kubernetes tests start (tests/control_plane.py):
+# kube-apiserver, kube-controller-manager, kube-scheduler, etcd, the JobSet controller and
+# kwok, built from their Go modules (pinned in tools/control-plane/*/go.mod) once per
+# machine into a cache folder named after their versions; each build says what it builds
+# and how long it took. KUBEBUILDER_ASSETS set: that folder is used, nothing is built.
+control-plane:
+	@if [ -n "$$KUBEBUILDER_ASSETS" ]; then echo "make: control plane from KUBEBUILDER_ASSETS=$$KUBEBUILDER_ASSETS"; \
+	else echo "make: control plane in $$(bash tools/control-plane/build.sh)"; fi
+
+# The inner loop: lint, types, import layers and the tests that start no process and no
+# server (marked `fast` in tests/conftest.py), in a few minutes.
+check: lint
+	$(BIN)/pytest -m fast -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -15,6 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench import (
+    cli_start,
     dashboard,
     detection,
     failover,
@@ -177,6 +178,7 @@ SECTIONS = (
     "checkpoint-s3",
     "chaos",
     "dashboard",
+    "cli",
 )
 
 
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += simulate_rows()
     if "dashboard" in only:
         rows += dashboard.rows()
+    if "cli" in only:
+        rows += cli_start.rows()
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

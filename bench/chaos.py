@@ -53,7 +53,8 @@ from bench.chaos_judge import judge
 from bench.chaos_network import NetworkChaos, NetworkFault
 from bench.stall import Stalled, StallWatch
 from supervisor.local.cluster_state import free_port
-from supervisor.local.demo import DemoOptions, LocalDemo, leftover_processes
+from supervisor.local.demo import LocalDemo, leftover_processes
+from supervisor.local.demo_options import DemoOptions
 
 SEED = 7
 #: The torch workload, small enough for two ranks on two cores.

@@ -198,13 +198,14 @@ class Pair:
         self.replicas: list[Replica] = []
         self.db = run_dir / "supervisor.db"
 
-    def start(self) -> Pair:
+    def start(self, timeout_s: float = 30.0) -> Pair:
+        """Start the API server and the replicas, each serving HTTP within `timeout_s`."""
         self.kube.start()
         kubeconfig = write_kubeconfig(self.run_dir / "kubeconfig", self.kube.url, KUBE_TOKEN)
         self.replicas = [Replica(i, self.run_dir, kubeconfig, self.timing) for i in self.identities]
         for replica in self.replicas:
             replica.env.update(self.env)
-            replica.start()
+            replica.start(timeout_s)
         return self
 
     def stop(self) -> None:
@@ -248,10 +249,12 @@ def pair(
     timing: Timing,
     identities: tuple[str, ...] = ("a", "b"),
     env: dict[str, str] | None = None,
+    start_timeout_s: float = 30.0,
 ) -> Iterator[Pair]:
+    """A started Pair (each replica serving within `start_timeout_s`), stopped after."""
     cluster = Pair(run_dir, timing, identities, env)
     try:
-        yield cluster.start()
+        yield cluster.start(start_timeout_s)
     finally:
         cluster.stop()
 

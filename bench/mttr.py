@@ -44,7 +44,8 @@ import httpx
 
 from bench.mttr_progress import CollectiveProgress, LogProgress, Stuck, WorkerLogs
 from supervisor.local.cluster_state import free_port
-from supervisor.local.demo import DemoOptions, LocalDemo
+from supervisor.local.demo import LocalDemo
+from supervisor.local.demo_options import DemoOptions
 
 DEFAULT_POLICY = "policies.default:DefaultPolicy"
 BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"

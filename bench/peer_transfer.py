@@ -205,7 +205,7 @@ def _source_files(directory: Path, config: PeerTransferConfig) -> list[Path]:
 # the CPU seconds its threads spent sending.
 _SENDER = r"""
 import os, socket, ssl, sys, threading, time
-from host_monitor.peer_wire import configure, send_file
+from host_monitor.peer.wire import configure, send_file
 port, ca, files = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 context = ssl.create_default_context(cafile=ca) if ca else None
 cpu = []
@@ -233,7 +233,7 @@ def raw_tcp(sources: list[Path], directory: Path, tls: Tls | None) -> tuple[floa
     each, all at once (as the tier moves a copy's files), from another process (as
     between host monitors): sent with `sendfile` (through a buffer with TLS) into
     `recv_into` a preallocated buffer, written to a file in `directory`."""
-    from host_monitor.peer_wire import BUFFER, configure, recv_file
+    from host_monitor.peer.wire import BUFFER, configure, recv_file
 
     context = None
     if tls is not None:

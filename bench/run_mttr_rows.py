@@ -18,7 +18,7 @@ from pathlib import Path
 from bench import mttr, mttr_summary, torchrun_mttr
 from bench.table import Row, verdict
 from supervisor import run_cli
-from supervisor.local.demo import DemoOptions
+from supervisor.local.demo_options import DemoOptions
 
 NNODES = 2
 NPROC_PER_NODE = 2

@@ -35,8 +35,8 @@ from host_monitor.heartbeat import HeartbeatSender
 from host_monitor.launch import Launch, Launcher
 from host_monitor.metrics import HeartbeatCounts, HostMonitorMetrics
 from host_monitor.node import CheckpointRecord, Node
-from host_monitor.peer_probes import PeerProbes
-from host_monitor.peer_tier import PeerTier, peer_counts
+from host_monitor.peer.probes import PeerProbes
+from host_monitor.peer.tier import PeerTier, peer_counts
 from host_monitor.server import create_app
 from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.ecc import EccWatchdog, SyntheticEcc

@@ -42,7 +42,7 @@ from resiliency_protocol.checkpoint_reports import (
     CheckpointReportIn,
 )
 from resiliency_protocol.clock import utcnow
-from resiliency_protocol.errors import error_message
+from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)

@@ -166,7 +166,7 @@ class HostMonitorSettings(BaseSettings):
         description="Log lines for people (text) or one JSON object per line (json); "
         "also given to the workers it launches (RESILIENCY_LOG_FORMAT).",
     )
-    # The peer checkpoint tier (host_monitor/peer_tier.py): copies of the workers' RAM
+    # The peer checkpoint tier (host_monitor/peer/tier.py): copies of the workers' RAM
     # checkpoints kept by a partner node, for a swapped-in spare whose RAM is empty.
     peer_token: SecretStr | None = Field(
         None,

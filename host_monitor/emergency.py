@@ -1,5 +1,11 @@
 """Emergency checkpoint rounds: SIGUSR1 to the workers, then collect their acks.
 
+Only a worker that said it takes emergency checkpoints (at registration, or since:
+`WorkerEmergencyCheckpoints`) is signalled: SIGUSR1's default action ends a process, so a
+worker that installed no handler (one that uses the worker client without the
+Checkpointer, or no client) would die of it. The others are named in the result
+(`declined`, `unregistered`), so the supervisor can tell a job that takes none.
+
 A round is identified by the actuator's `request_id`. Asking again with the same id joins
 the round (or returns its result once finished), so a retried HTTP call never signals
 the workers twice. A round ends when every signalled worker acked or died, or at its
@@ -27,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.workers import WorkerConflict, WorkerNotFound, WorkerRegistry
+from host_monitor.workers import Worker, WorkerConflict, WorkerNotFound, WorkerRegistry
 from resiliency_protocol.emergency import (
     EmergencyAck,
     EmergencyCheckpointRequest,
     EmergencyCheckpointResult,
 )
+from resiliency_protocol.worker_wire import WorkerEmergencyCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,8 @@ class Round:
     started: float
     deadline: float
     targets: dict[int, int]  # rank -> host pid signalled
+    declined: list[int] = field(default_factory=list)  # registered, taking none
+    unregistered: list[int] = field(default_factory=list)
     acked: dict[int, EmergencyAck] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -74,6 +83,20 @@ class EmergencyRounds:
         await round_.done.wait()
         assert round_.result is not None
         return round_.result
+
+    def set_taking(self, rank: int, update: WorkerEmergencyCheckpoints) -> Worker:
+        """Whether `rank` takes emergency checkpoints from now on (its handler was installed
+        or put back after it registered). WorkerConflict for another process's update."""
+        worker = self._registry.get(rank)
+        self._registry.check_same_process(rank, worker, update.pid, update.pid_namespace)
+        if worker.emergency_checkpoints != update.emergency_checkpoints:
+            worker.emergency_checkpoints = update.emergency_checkpoints
+            log.info(
+                "rank %d %s emergency checkpoints",
+                rank,
+                "takes" if update.emergency_checkpoints else "no longer takes",
+            )
+        return worker
 
     def pending(self, rank: int) -> tuple[str, float] | None:
         """The newest open round waiting for `rank`'s ack: (request_id, seconds left)."""
@@ -128,18 +151,23 @@ class EmergencyRounds:
 
     def _begin(self, req: EmergencyCheckpointRequest) -> Round:
         now = time.monotonic()
-        targets: dict[int, int] = {}
+        round_ = Round(req.request_id, now, now + req.timeout_s, {})
         for worker in self._registry.live():
             # Only registered workers: one still starting may not handle SIGUSR1 yet (its
-            # default action kills the process) and has nothing to save anyway. Only the
-            # registered pid, not the group: its children (data loaders) do not handle it.
+            # default action kills the process) and has nothing to save anyway.
             if not worker.registered or worker.host_pid is None:
+                round_.unregistered.append(worker.rank)
+                continue
+            # Nor one that said it installed no handler: the signal would kill it.
+            if not worker.emergency_checkpoints:
+                round_.declined.append(worker.rank)
                 continue
             if worker.request_file is not None:
                 _write_atomically(worker.request_file, req.request_id)
+            # Only the registered pid, not the group: its children (data loaders) do not
+            # handle it.
             if worker.signal(signal.SIGUSR1, group=False):
-                targets[worker.rank] = worker.host_pid
-        round_ = Round(req.request_id, now, now + req.timeout_s, targets)
+                round_.targets[worker.rank] = worker.host_pid
         self._rounds[req.request_id] = round_
         while len(self._rounds) > self._keep:
             oldest = next(iter(self._rounds.values()))
@@ -147,10 +175,13 @@ class EmergencyRounds:
                 break  # never forget a round somebody may still be waiting on
             self._rounds.popitem(last=False)
         log.info(
-            "emergency checkpoint %s: signalled ranks %s, waiting up to %.1fs",
+            "emergency checkpoint %s: signalled ranks %s, waiting up to %.1fs (not: ranks "
+            "%s taking none, %s not registered)",
             req.request_id,
-            sorted(targets),
+            sorted(round_.targets),
             req.timeout_s,
+            round_.declined,
+            round_.unregistered,
         )
         task = asyncio.create_task(self._drive(round_))
         self._tasks.add(task)
@@ -173,6 +204,8 @@ class EmergencyRounds:
                 acked=dict(sorted(round_.acked.items())),
                 missing=missing,
                 elapsed_s=round(time.monotonic() - round_.started, 6),
+                declined=round_.declined,
+                unregistered=round_.unregistered,
             )
             round_.done.set()
             if self.on_round_done is not None:

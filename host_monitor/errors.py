@@ -12,18 +12,18 @@ HostMonitorError
 ├── UnknownRound         no emergency-checkpoint round with this id: 404 (emergency.py)
 ├── StaleLeaderRefused   a command from an older supervisor epoch: 409 (leader_fence.py)
 ├── NvidiaSmiError       nvidia-smi failed, timed out or printed nonsense (watchdogs/nvidia_smi.py)
-├── PeerTierError        a worker's peer-tier request that cannot be served (peer_tier.py)
-├── RelayRefused         the partner's copy cannot be relayed to a worker (peer_channel.py)
-├── ChannelClosed        the data channel's other side closed or sent no frame (peer_wire.py)
-├── Transient            a partner transfer's attempt worth retrying (peer_client.py)
-└── PeerStoreError       a partner's upload or read the store refuses (peer_store.py)
+├── PeerTierError        a worker's peer-tier request that cannot be served (peer/tier.py)
+├── RelayRefused         the partner's copy cannot be relayed to a worker (peer/channel.py)
+├── ChannelClosed        the data channel's other side closed or sent no frame (peer/wire.py)
+├── Transient            a partner transfer's attempt worth retrying (peer/client.py)
+└── PeerStoreError       a partner's upload or read the store refuses (peer/store.py)
     ├── Invalid          422
     ├── NotFound         404
     ├── TooLarge         413
     ├── Full             507: the store would go over its max_bytes
     ├── Mismatch         409: the files do not match the manifest
     └── Superseded       409: a newer copy or the job's departure dropped this one
-        └── StaleWorld   409: a save of an older world than the job's newest (peer_store.py)
+        └── StaleWorld   409: a save of an older world than the job's newest (peer/store.py)
 """
 
 from __future__ import annotations

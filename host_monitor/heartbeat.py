@@ -33,7 +33,7 @@ import msgspec
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from resiliency_protocol.backoff import attempt_delay
-from resiliency_protocol.errors import error_message
+from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
 from resiliency_protocol.worlds import StaleWorld, parse_world, stale_world_of
@@ -81,7 +81,7 @@ class HeartbeatSender:
         trust store). `mirrors`: base URLs of dry-run supervisors shadowing this one,
         each sent a copy of every heartbeat (see `HeartbeatMirror`). `on_stale_world`:
         told when the supervisor refuses workers of an older world. `unreachable_peers`:
-        the peers this node's probes cannot reach (peer_probes.py)."""
+        the peers this node's probes cannot reach (peer/probes.py)."""
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)

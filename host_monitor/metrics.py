@@ -35,7 +35,7 @@ class HeartbeatCounts:
 @dataclass(frozen=True, slots=True)
 class PeerCounts:
     """Bytes and seconds of peer-tier copies, by direction (`sent`, `received`), and the
-    uploads and commits refused as an older world's (host_monitor/peer_worlds.py)."""
+    uploads and commits refused as an older world's (host_monitor/peer/worlds.py)."""
 
     bytes: Mapping[str, int]
     seconds: Mapping[str, float]

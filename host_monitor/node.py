@@ -109,7 +109,7 @@ class Node:
         self._worlds = AssignedWorlds()
         self._assigned = AnsweredRequests[AssignWorldRequest, AssignWorldResult]("world")
         self._lock = asyncio.Lock()
-        # The partner of the peer checkpoint tier (peer_tier.py): from the start request,
+        # The partner of the peer checkpoint tier (peer/tier.py): from the start request,
         # or PUT /v1/checkpoint-peer. A relation of the job: a released node has none.
         self.checkpoint_peer: CheckpointPeer | None = None
         # The world (WORKLOAD_ATTEMPT) of the last start: its workers' until they report one.

@@ -28,9 +28,9 @@ from host_monitor.leader_fence import LeaderFence, StaleLeaderRefused, stale_lea
 from host_monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from host_monitor.metrics import HostMonitorMetrics
 from host_monitor.node import Node
-from host_monitor.peer_routes import peer_router
-from host_monitor.peer_tier import PeerTier
-from host_monitor.peer_worker_routes import peer_actuator_router, peer_worker_router
+from host_monitor.peer.routes import peer_router
+from host_monitor.peer.tier import PeerTier
+from host_monitor.peer.worker_routes import peer_actuator_router, peer_worker_router
 from host_monitor.request_checks import InvalidRequest
 from host_monitor.workers import WorkerConflict, WorkerNotFound
 from resiliency_protocol.checkpoint_reports import CheckpointRecordOut, CheckpointReport
@@ -58,6 +58,7 @@ from resiliency_protocol.node_commands import (
 )
 from resiliency_protocol.worker_wire import (
     ProgressReply,
+    WorkerEmergencyCheckpoints,
     WorkerFinishing,
     WorkerProgress,
     WorkerRegistration,
@@ -169,6 +170,14 @@ def create_app(
             return EmergencyPending(request_id=None, remaining_s=None)
         return EmergencyPending(request_id=pending[0], remaining_s=round(pending[1], 3))
 
+    @workers.post(
+        "/{rank}/emergency-checkpoints",
+        response_model=WorkerStatus,
+        summary="The worker takes emergency checkpoints from now on, or no longer does",
+    )
+    async def emergency_checkpoints(rank: Rank, body: WorkerEmergencyCheckpoints) -> WorkerStatus:
+        return node.rounds.set_taking(rank, body).status()
+
     @workers.post("/{rank}/emergency-ack", response_model=AckReply, summary="Emergency save done")
     async def emergency_ack(rank: Rank, body: EmergencyAck) -> AckReply:
         node.registry.get(rank)
@@ -272,7 +281,7 @@ def create_app(
 
     app.include_router(workers)
     app.include_router(actuator)
-    if peer is not None:  # the peer checkpoint tier (peer_tier.py); it checks the peer token
+    if peer is not None:  # the peer checkpoint tier (peer/tier.py); it checks the peer token
         app.include_router(peer_worker_router(peer), dependencies=[_require(worker_token)])
         app.include_router(peer_actuator_router(peer), dependencies=obeyed)
         app.include_router(peer_router(peer))

@@ -10,9 +10,8 @@ find its pid in ours once, at registration (host_monitor/pidns.py), and poll and
 that one (`host_pid`). What we report, in the local API and in heartbeats, is `pid`: the
 pid the worker knows itself by, as its own logs and `ps` in its pod show it.
 
-`poll()` is meant to be called often (~0.1 s, as torchelastic polls its workers): it
-costs one `waitpid(WNOHANG)` or `kill(pid, 0)` per live worker.
-"""
+`poll()` is meant to be called often (~0.1 s, as torchelastic polls its workers): one
+`waitpid(WNOHANG)` or `kill(pid, 0)` per live worker."""
 
 from __future__ import annotations
 
@@ -114,6 +113,7 @@ class Worker:
     # An in-process restart: (attempt, env) of the world to join, until it reports it.
     world: tuple[str, dict[str, str]] | None = None
     instance: str | None = None  # as registered (a pod's UID): see AssignWorldRequest
+    emergency_checkpoints: bool = False  # it handles SIGUSR1: only then is it signalled
 
     @property
     def alive(self) -> bool:
@@ -278,6 +278,7 @@ class WorkerRegistry:
             self.workers[reg.rank] = worker
         worker.registered = True
         worker.instance = reg.instance
+        worker.emergency_checkpoints = reg.emergency_checkpoints
         worker.last_progress = now
         self._set(worker, WorkerState.RUNNING)
         if host_pid == reg.pid:
@@ -338,13 +339,13 @@ class WorkerRegistry:
         """The worker left its loop and is finishing: `finishing` until it exits (its last
         progress reports keep it so). WorkerConflict for another process's report."""
         worker = self.get(rank)
-        self._check_same_process(rank, worker, report.pid, report.pid_namespace)
+        self.check_same_process(rank, worker, report.pid, report.pid_namespace)
         if worker.alive and worker.state is not WorkerState.FINISHING:
             log.info("rank %d (pid %s) is finishing", rank, worker.pid)
             self._set(worker, WorkerState.FINISHING)
         return worker
 
-    def _check_same_process(
+    def check_same_process(
         self, rank: int, worker: Worker, pid: int, pid_namespace: int | None
     ) -> None:
         same_namespace = (
@@ -365,7 +366,7 @@ class WorkerRegistry:
         one (e.g. the old pod of a rank whose new pod registered already).
         """
         worker = self.get(rank)
-        self._check_same_process(rank, worker, report.pid, report.pid_namespace)
+        self.check_same_process(rank, worker, report.pid, report.pid_namespace)
         if worker.alive and not worker.stopping:
             worker.stopping = True
             log.info(
@@ -463,11 +464,14 @@ class WorkerRegistry:
             worker.exit_code = None  # not our child: nobody tells us
         else:
             return False
-        # A worker that was finishing and ended, whose exit code nobody tells us (not our
-        # child), ended as it said it would: stopped, not a crash.
-        ended = worker.stopping or (
-            worker.state is WorkerState.FINISHING and worker.exit_code is None
-        )
+        finishing = worker.state is WorkerState.FINISHING
+        # A worker that was finishing and exited with code 0 ended the job: `exited 0`,
+        # which every later heartbeat carries, so that a supervisor that did not hear the
+        # `finishing` (down or unreachable at the time) still learns the job's end.
+        # Stopped on purpose, or finishing with an exit code nobody tells us (not our
+        # child): stopped, not a crash.
+        succeeded = finishing and worker.exit_code == 0
+        ended = not succeeded and (worker.stopping or (finishing and worker.exit_code is None))
         self._set(worker, WorkerState.STOPPED if ended else WorkerState.EXITED)
         return True
 

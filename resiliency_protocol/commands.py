@@ -16,10 +16,13 @@ OURS = frozenset({"supervisor", "host_monitor", "training", "resiliency_protocol
 
 def run_cli(target: str, prog: str, extra: str, what: str) -> None:
     """Import `target` ("module:function") and call it; a missing third-party module ends
-    the process with one line naming the extra (`what` says what needs it)."""
+    the process with one line naming the extra (`what` says what needs it), whether the
+    command's module imports it or the subcommand run (a command imports the parts of
+    each subcommand as it runs them)."""
     module, _, name = target.partition(":")
     try:
         main: Callable[[], None] = getattr(importlib.import_module(module), name)
+        main()
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] in OURS:
             raise  # a bug of ours, not a missing extra
@@ -27,4 +30,3 @@ def run_cli(target: str, prog: str, extra: str, what: str) -> None:
             f"{prog}: {exc.name} is not installed; {what} needs "
             f"pip install 'resiliency-supervisor[{extra}]'"
         ) from None
-    main()

@@ -15,6 +15,12 @@ So a node that cannot be reached, a worker that fails its save, or one that does
 in time fails the checkpoint, naming them (`EmergencyCheckpoint.problems`); a worker
 that was not running when its node was asked has nothing to save and is not waited for.
 
+Only a worker that said it takes emergency checkpoints (`WorkerRegistration.
+emergency_checkpoints`: its SIGUSR1 handler is installed) is signalled: SIGUSR1's default
+action would end any other. When no worker was signalled, every node answered, and the
+registered ones said they take none, the job takes no emergency checkpoints
+(`EmergencyCheckpoint.takes_none`): nothing failed, there is just nothing to take.
+
 Imports nothing from supervisor, host_monitor or training.
 """
 
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from resiliency_protocol.errors import error_message
+from resiliency_protocol.error_reading import error_message
 
 #: The host monitor's route, relative to its base URL.
 PATH = "/v1/emergency-checkpoint"
@@ -75,6 +81,14 @@ class EmergencyCheckpointResult(BaseModel):
     acked: dict[int, EmergencyAck] = Field(description="By rank.")
     missing: list[int] = Field(description="Ranks that did not answer in time.")
     elapsed_s: float
+    # Defaults: what an older host monitor, which signalled every registered worker, meant.
+    declined: list[int] = Field(
+        default_factory=list,
+        description="Live ranks registered without emergency checkpoints: not signalled.",
+    )
+    unregistered: list[int] = Field(
+        default_factory=list, description="Live ranks not registered (yet): not signalled."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +121,27 @@ class NodeOutcome:
             problems.append(f"{self.node}: no answer from ranks {self.result.missing}")
         return problems
 
+    @property
+    def ranks(self) -> list[int]:
+        """Every live rank this node's host monitor looked at, signalled or not."""
+        result = self.result
+        if result is None:
+            return []
+        return sorted({*result.acked, *result.missing, *result.declined, *result.unregistered})
+
+    @property
+    def looked_at(self) -> str:
+        """The node and the ranks it looked at, for a message: `node-1 (ranks 2, 3)`."""
+        result = self.result
+        if result is None:
+            return f"{self.node} (no answer)"
+        if not self.ranks:
+            return f"{self.node} (no live worker)"
+        starting = ""
+        if result.declined and result.unregistered:
+            starting = f"; {_ranks(result.unregistered)} not registered yet"
+        return f"{self.node} ({_ranks(self.ranks)}{starting})"
+
 
 @dataclass(frozen=True, slots=True)
 class EmergencyCheckpoint:
@@ -134,9 +169,35 @@ class EmergencyCheckpoint:
         return bool(self.saved) and not self.problems
 
     @property
+    def takes_none(self) -> bool:
+        """No worker was signalled, every node answered, and registered workers said they
+        take no emergency checkpoints: not a failure (see the module's docstring)."""
+        declined = any(o.result is not None and o.result.declined for o in self.nodes)
+        # A signalled worker either saved or is a problem: neither means none was.
+        return declined and not self.saved and not self.problems
+
+    def none_asked(self, job: str | None) -> str:
+        """Why no worker was asked to save (neither `saved` nor `problems`), naming the
+        nodes and the ranks their host monitors looked at."""
+        of = f"job {job}" if job else "the job"
+        if not self.nodes:
+            return f"no node of {of} was asked: nothing to save"
+        where = ", ".join(o.looked_at for o in self.nodes)
+        if self.takes_none:
+            return (
+                f"{of} takes no emergency checkpoints: no worker of it on {where} "
+                "registered for emergency checkpoints"
+            )
+        return f"no worker of {of} on {where} is registered with its host monitor: nothing to save"
+
+    @property
     def failure(self) -> str:
         """Why it did not succeed, in one line."""
-        return "; ".join(self.problems) or "no worker acked"
+        return "; ".join(self.problems) or self.none_asked(None)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 async def emergency_checkpoint(

@@ -1,5 +1,5 @@
-"""The error body of our HTTP APIs (the supervisor's and the host monitor's), and how
-their clients read it back.
+"""The error body of our HTTP APIs (the supervisor's and the host monitor's); how their
+clients read it back is in error_reading.py (without pydantic: a CLI call starts sooner).
 
 Every error answer is an `ErrorOut`: `message`, one line that names the offending field
 where there is one, and `detail` as FastAPI gives it. Each server answers with it from its
@@ -9,11 +9,9 @@ here. Imports nothing from supervisor, host_monitor or training.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import httpx
 from pydantic import BaseModel, Field
 
 
@@ -42,17 +40,3 @@ def validation_error_body(errors: Iterable[Mapping[str, Any]]) -> dict[str, Any]
         parts.append(f"{loc}: {err.get('msg', 'invalid')}".replace("Value error, ", ""))
     detail = [{k: v for k, v in err.items() if k in ("loc", "msg", "type")} for err in errors]
     return error_body("; ".join(parts), detail)
-
-
-def error_message(response: httpx.Response) -> str:
-    """The one line an error answer carries: our `message`, else `detail`, else the body
-    (a proxy's page, a standby's readiness), else the status's reason."""
-    try:
-        data = response.json()
-    except ValueError:
-        return " ".join(response.text.split())[:200] or response.reason_phrase
-    if isinstance(data, dict):
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])[:500]
-    return json.dumps(data)[:200]

@@ -192,7 +192,7 @@ ChannelOp = Literal["put", "get", "relay"]
 
 
 class ChannelRequest(BaseModel):
-    """The header of a data channel connection (peer_wire.py): one file of one copy.
+    """The header of a data channel connection (host_monitor/peer/wire.py): one file of one copy.
 
     Carries the peer token (the worker token for a relay; checked before any byte of the
     file is read) and what the

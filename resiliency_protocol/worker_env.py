@@ -27,3 +27,6 @@ POD_UID = "POD_UID"
 CHECKPOINT_RAM_DIR = "CHECKPOINT_RAM_DIR"
 CHECKPOINT_DURABLE_DIR = "CHECKPOINT_DURABLE_DIR"
 CHECKPOINT_DURABLE_URL = "CHECKPOINT_DURABLE_URL"
+#: `0` (or false, no, off): no automatic step count in the worker (training.auto_progress);
+#: `supervisor run --no-auto-progress` and training.pod_launch honour it too.
+AUTO_PROGRESS = "RESILIENCY_AUTO_PROGRESS"

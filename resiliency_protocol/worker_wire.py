@@ -20,7 +20,7 @@ REGISTER_PATH = "/v1/workers/register"
 
 def worker_path(rank: int, route: str) -> str:
     """`/v1/workers/{rank}/{route}`: progress, stopping, finishing, checkpoints, world,
-    emergency-ack."""
+    emergency-ack, emergency-checkpoints."""
     return f"/v1/workers/{rank}/{route}"
 
 
@@ -57,6 +57,25 @@ class WorkerRegistration(BaseModel):
         description="What this process runs in, once (on Kubernetes its pod's UID, env "
         "POD_UID): a world assigned to that instance (POST /v1/workers/world) reaches it.",
     )
+    # False for a worker that says nothing (an older client, a script of its own): SIGUSR1's
+    # default action ends a process, so only a worker that handles it is ever signalled.
+    emergency_checkpoints: bool = Field(
+        False,
+        description="The worker takes emergency checkpoints: it handles SIGUSR1 and acks "
+        "(the worker client's handler is installed). Otherwise it is never signalled.",
+    )
+
+
+class WorkerEmergencyCheckpoints(BaseModel):
+    """POST /v1/workers/{rank}/emergency-checkpoints: the worker now takes emergency
+    checkpoints, or no longer does (its SIGUSR1 handler was installed, or put back, after
+    it registered). `pid` (and `pid_namespace`) as registered: another process's is
+    refused (409)."""
+
+    model_config = ConfigDict(extra="forbid")
+    pid: int = Field(ge=1)
+    pid_namespace: int | None = Field(None, ge=1)
+    emergency_checkpoints: bool
 
 
 class WorkerStopping(BaseModel):

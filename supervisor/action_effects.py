@@ -1,6 +1,10 @@
 """What a finished action changes in the sensor's picture, one entry per action type:
 the backend changed the world, and the sensor would hear of it only later, if at all.
-Every type is listed, those that change nothing too (tests/test_action_dispatch.py)."""
+Every type is listed, those that change nothing too (tests/test_action_dispatch.py).
+
+A dry run's action changed nothing: it moves no node and resizes no job. Only what it
+would have cordoned is marked, which the API shows apart (`dry_run_cordoned`), so that
+the dry run goes on deciding as the acting supervisor would."""
 
 from __future__ import annotations
 
@@ -23,6 +27,15 @@ def _cordoned(sensor: Sensor, action: ActionRecord) -> list[Changes]:
     return [sensor.set_cordoned(action.node, True)] if action.node else []
 
 
+def _out_of_job(sensor: Sensor, node: str, dry_run: bool) -> Changes:
+    """`node` taken out of its job; a dry run's only marked as it would be, nothing moved."""
+    return sensor.set_cordoned(node, True) if dry_run else sensor.swapped_out(node)
+
+
+def _swapped_out(sensor: Sensor, action: ActionRecord) -> list[Changes]:
+    return [_out_of_job(sensor, action.node, action.dry_run)] if action.node else []
+
+
 def _uncordoned(sensor: Sensor, action: ActionRecord) -> list[Changes]:
     return [sensor.set_cordoned(action.node, False)] if action.node else []
 
@@ -34,10 +47,11 @@ def _scaled(sensor: Sensor, action: ActionRecord) -> list[Changes]:
     with contextlib.suppress(InvalidParams):  # a dry run "succeeds" any params
         scale = check_params(action.type, action.params)
         assert isinstance(scale, ScaleDownParams | ScaleUpParams)
-        job = sensor.set_replicas(action.job, scale.to_replicas)
-        batch.append(Changes(jobs=[job] if job is not None else []))
+        if not action.dry_run:
+            job = sensor.set_replicas(action.job, scale.to_replicas)
+            batch.append(Changes(jobs=[job] if job is not None else []))
         if isinstance(scale, ScaleDownParams) and scale.exclude_node:
-            batch.append(sensor.set_cordoned(scale.exclude_node, True))
+            batch.append(_out_of_job(sensor, scale.exclude_node, action.dry_run))
     return batch
 
 
@@ -45,7 +59,7 @@ EFFECTS: Mapping[ActionType, Effect] = {
     ActionType.EMERGENCY_CHECKPOINT: _nothing,
     ActionType.RESTART_IN_PLACE: _nothing,
     ActionType.RESTART_WORKLOAD: _nothing,
-    ActionType.HOT_SWAP: _cordoned,  # the old node is out of service
+    ActionType.HOT_SWAP: _swapped_out,  # the old node is out of service and of the job
     ActionType.SCALE_DOWN: _scaled,
     ActionType.SCALE_UP: _scaled,
     ActionType.CORDON: _cordoned,

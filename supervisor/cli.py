@@ -9,47 +9,59 @@ import contextlib
 import importlib.util
 import logging
 import signal
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-import uvicorn
-
-from resiliency_protocol.logs import LogFormat, configure_logging
-from resiliency_protocol.tls import TLSError, server_context
-from supervisor import run_cli
-from supervisor.config import ConfigError, Settings, load_settings
-from supervisor.goodput import cli as goodput_cli
-from supervisor.identity.node_keys import node_credential
-from supervisor.local.demo import WORKLOADS, DemoOptions, LocalDemo
+from supervisor.errors import SupervisorError
 from supervisor.ops import commands as ops_commands
-from supervisor.simulate import cli as simulate_cli
 
 if TYPE_CHECKING:
-    # The server side is imported where it runs: the operator commands start in a
-    # fraction of the time without it.
+    # Every other part is imported where it runs: an operator command (`get`, `describe`,
+    # ...) then starts without the service's settings, the demo, the simulator or the
+    # server, well under half a second sooner on a loaded machine.
+    from resiliency_protocol.logs import LogFormat
     from supervisor.api.app import SupervisorApp
+    from supervisor.config import Settings
+    from supervisor.local.demo import LocalDemo
+    from supervisor.local.demo_options import DemoOptions
     from supervisor.policy import Policy
-    from supervisor.runtime import Supervisor
 
 log = logging.getLogger("supervisor")
 
+#: The operator commands, parsed by a parser of their own. `completion` describes every
+#: command, so it takes the whole one.
+OPERATOR_COMMANDS = ops_commands.COMMANDS - {"completion"}
 
-class _Server(uvicorn.Server):
-    """Ends the live streams (dashboards) when asked to stop: uvicorn waits for open
-    responses before it stops the app, and a stream never ends by itself."""
 
-    def __init__(self, config: uvicorn.Config, supervisor: Supervisor) -> None:
-        super().__init__(config)
-        self.supervisor = supervisor
+class _Misused(SupervisorError):
+    """The operator parser refused the command line: the whole parser says why."""
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.supervisor.hub.close_threadsafe()
-        super().handle_exit(sig, frame)
+
+class _OperatorParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _Misused(message)
+
+
+def _operator_args(argv: list[str]) -> argparse.Namespace | None:
+    """`argv` parsed by the operator commands' parser alone; None when it is refused (the
+    whole parser then reports it, with the usage of every command)."""
+    parser = _OperatorParser(prog="supervisor", description=__doc__)
+    ops_commands.add_commands(parser.add_subparsers(dest="command", required=True))
+    try:
+        return parser.parse_args(argv)
+    except _Misused:
+        return None
 
 
 def _parser() -> argparse.ArgumentParser:
+    from supervisor import run_cli
+    from supervisor.goodput import cli as goodput_cli
+    from supervisor.local.demo_options import WORKLOADS, DemoOptions
+    from supervisor.simulate import cli as simulate_cli
+
     parser = argparse.ArgumentParser(prog="supervisor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="Run the supervisor service.")
@@ -73,7 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     d = DemoOptions()
     demo.add_argument("--port", type=int, default=d.port, help="Supervisor port.")
-    demo.add_argument("--run-dir", type=Path, default=d.run_dir, help="Emptied at start.")
+    demo.add_argument(
+        "--run-dir",
+        type=Path,
+        default=d.run_dir,
+        help=f"Default {d.run_dir}. Created and marked as a run folder; a previous run's is "
+        "emptied at start, any other folder that is not empty is refused.",
+    )
     demo.add_argument("--replicas", type=int, default=d.replicas, help="Data-parallel replicas.")
     demo.add_argument(
         "--nodes-per-dp",
@@ -129,10 +147,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _configure_logging(level: str, fmt: LogFormat = "text") -> None:
+    from resiliency_protocol.logs import configure_logging
+
     configure_logging(level, fmt, fixed={"role": "supervisor"})
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    from supervisor.config import load_settings
+
     flags = (("host", args.host), ("port", args.port), ("log_format", args.log_format))
     overrides = {k: v for k, v in flags if v is not None}
     return load_settings(args.config, **overrides)
@@ -140,6 +162,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _node_credential(args: argparse.Namespace) -> None:
     """One line, the credential only: `$(supervisor node-credential n1)` is the value."""
+    from supervisor.config import load_settings
+    from supervisor.identity.node_keys import node_credential
+
     settings = load_settings(args.config)
     if settings.node_key is None:
         raise SystemExit(
@@ -153,7 +178,10 @@ def _node_credential(args: argparse.Namespace) -> None:
 
 
 def _serve(settings: Settings) -> None:
+    import uvicorn
+
     from supervisor.api.app import with_tokens
+    from supervisor.api.uvicorn_server import StreamEndingServer
     from supervisor.controller import PolicyLoadError, load_policy
 
     _configure_logging(settings.log_level, settings.log_format)
@@ -176,11 +204,14 @@ def _serve(settings: Settings) -> None:
         ssl_certfile=settings.tls_cert_file,
         ssl_keyfile=settings.tls_key_file,
     )
-    _Server(config, app.state.supervisor).run()
+    StreamEndingServer(config, app.state.supervisor).run()
 
 
 def _check_tls(settings: Settings) -> None:
     """The TLS files, read now: one line naming the setting, not a traceback later."""
+    from resiliency_protocol.tls import TLSError, server_context
+    from supervisor.config import ConfigError
+
     try:
         if settings.tls_cert_file is not None and settings.tls_key_file is not None:
             server_context(
@@ -217,6 +248,9 @@ def _app(settings: Settings, policy: Policy) -> SupervisorApp:
 
 
 def _demo_options(args: argparse.Namespace, nodes_per_dp: int, step_time_s: float) -> DemoOptions:
+    from supervisor import run_cli
+    from supervisor.local.demo_options import DemoOptions
+
     return DemoOptions(
         run_dir=args.run_dir,
         port=args.port,
@@ -248,6 +282,9 @@ def _demo(args: argparse.Namespace) -> None:
             "supervisor demo: --workload numpy needs NumPy: "
             "pip install 'resiliency-supervisor[demo]'"
         )
+    from supervisor.local import run_folder
+    from supervisor.local.demo_options import DemoOptions
+
     defaults = DemoOptions()
     nodes_per_dp = args.nodes_per_dp or (1 if torch else defaults.nodes_per_dp)
     step_time_s = args.step_time_s
@@ -258,11 +295,16 @@ def _demo(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"supervisor demo: --{str(exc).replace('_', '-')}") from None
     from supervisor.controller import PolicyLoadError, load_policy
+    from supervisor.local.demo import LocalDemo
 
     try:
         load_policy(options.policy)  # here, before any process starts
     except PolicyLoadError as exc:
         raise SystemExit(f"supervisor demo: --policy: {exc}") from None
+    try:
+        run_folder.check(options.run_dir.resolve())  # before the first line, as the others
+    except run_folder.RunFolderError as exc:
+        raise SystemExit(f"supervisor demo: --run-dir {exc}") from None
     demo = LocalDemo(options)
     stopping = False
 
@@ -275,7 +317,10 @@ def _demo(args: argparse.Namespace) -> None:
     try:
         print(f"starting {len(options.nodes)} nodes, a training job and the supervisor ...")
         print(f"  {_settings_line(options)}", flush=True)
-        demo.start()
+        try:
+            demo.start()
+        except run_folder.RunFolderError as exc:  # taken since the check
+            raise SystemExit(f"supervisor demo: --run-dir {exc}") from None
         _print_banner(demo)
         last, printed = "", 0.0
         while not stopping:
@@ -372,7 +417,17 @@ API documentation: {url}/docs     Stop with Ctrl+C (every process is stopped).
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in OPERATOR_COMMANDS:
+        quick = _operator_args(argv)
+        if quick is not None:
+            raise SystemExit(ops_commands.run(quick))
+    from supervisor import run_cli
+    from supervisor.config import ConfigError
+    from supervisor.goodput import cli as goodput_cli
+    from supervisor.simulate import cli as simulate_cli
+
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
@@ -385,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             _node_credential(args)
         elif args.command in simulate_cli.COMMANDS:
             raise SystemExit(simulate_cli.run(args))
-        elif args.command in ops_commands.COMMANDS:
+        elif args.command in ops_commands.COMMANDS:  # completion
             raise SystemExit(ops_commands.run(args))
         else:
             try:

@@ -20,6 +20,8 @@ SupervisorError
 ├── ClusterError         the local cluster cannot do what was asked (local.cluster)
 │   ├── InProcessFailed
 │   └── NothingToSave  no registered worker to ask for an emergency checkpoint
+├── RunFolderError       a folder that cannot be a run's: not ours, or in use (local.run_folder)
+├── FlagRefused          a torchrun flag `supervisor run` cannot take here (torchrun_flags)
 ├── CalculatorLogError   a bad line of a goodput calculator log (goodput.calculator_log)
 ├── CliError             an operator command's failure, with its exit code (ops.errors)
 ├── JsonPathError        a -o jsonpath= template that cannot be read (ops.jsonpath)

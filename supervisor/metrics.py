@@ -163,6 +163,13 @@ class Metrics:
             ["type", "outcome"],
             registry=self.registry,
         )
+        self.dry_run_actions = Counter(
+            "supervisor_dry_run_actions",
+            "Actions a dry run recorded and did not carry out, by type and outcome (never "
+            "in supervisor_actions_total nor the job's restarts).",
+            ["type", "outcome"],
+            registry=self.registry,
+        )
         self.action_seconds = Histogram(
             "supervisor_action_duration_seconds",
             "Time from an action's start to its end.",

@@ -112,12 +112,13 @@ def action_notice(action: ActionRecord) -> Notice | None:
         return None
     failed = action.status is ActionStatus.FAILED
     where = _where(action.job, action.node, None)
+    dry = "dry run, nothing done: " if action.dry_run else ""
     return Notice(
         kind="action",
         id=action.id,
         type=action.type.value,
         time=action.finished_at or action.created_at,
-        summary=f"{action.type.value.replace('_', ' ')} {action.status.value}{where}",
+        summary=f"{dry}{action.type.value.replace('_', ' ')} {action.status.value}{where}",
         severity="critical" if failed else "info",
         job=action.job,
         node=action.node,
@@ -126,7 +127,11 @@ def action_notice(action: ActionRecord) -> Notice | None:
         error=action.error,
         event_id=action.event_id,
         fault_id=action.fault_id,
-        details={"params": dict(action.params), "attempts": action.attempts},
+        details={
+            "params": dict(action.params),
+            "attempts": action.attempts,
+            **({"dry_run": True} if action.dry_run else {}),
+        },
     )
 
 

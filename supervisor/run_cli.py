@@ -10,16 +10,18 @@ job's. What cannot work is refused in one line before anything starts.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from pathlib import Path
 from typing import Any
 
 from resiliency_protocol.launch import CommandNotFound, resolve_command
 from supervisor.config import Settings
-from supervisor.local.cluster import ClusterError
 from supervisor.local.cluster_state import free_port
-from supervisor.local.demo import DemoOptions, LocalDemo
-from supervisor.local.run import SIGNALLED, JobRun
+from supervisor.local.demo_options import DemoOptions
+from supervisor.local.run_folder import RunFolderError, check, default_run_dir
+from supervisor.torchrun_flags import FlagRefused, TorchrunFlags, add_flags, flags_of
+from training.auto_progress import startup_env
 
 COMMANDS = ("run",)
 
@@ -32,10 +34,9 @@ def add_commands(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--nnodes", type=int, default=1, help="Nodes of the job (default 1).")
-    run.add_argument("--nproc-per-node", type=int, default=1, help="Workers per node (default 1).")
     run.add_argument(
         "--max-restarts",
+        "--max_restarts",
         type=int,
         default=3,
         help="Remedies in a row not followed by training progress before the supervisor "
@@ -58,9 +59,22 @@ def add_commands(sub: Any) -> None:
         action="store_true",
         help="COMMAND is a Python module, run as `python -m` (as torchrun's -m).",
     )
-    run.add_argument("--job", default="job", help="The job's name (default: job).")
     run.add_argument(
-        "--run-dir", type=Path, default=Path("var/run"), help="Emptied at start (var/run)."
+        "--no-auto-progress",
+        dest="auto_progress",
+        action="store_false",
+        help="Do not count a PyTorch script's optimizer steps as its progress (counted, "
+        "so that a hung rank is detected, unless the script reports its own steps; as "
+        "RESILIENCY_AUTO_PROGRESS=0; docs/local-mode.md).",
+    )
+    run.add_argument("--job", help="The job's name (default: --rdzv-id, else job).")
+    run.add_argument(
+        "--run-dir",
+        type=Path,
+        help="The run's folder: state, logs, checkpoints (default "
+        "$XDG_STATE_HOME/resiliency-supervisor/run, XDG_STATE_HOME defaulting to "
+        "~/.local/state). Created and marked as a run folder; a previous run's is emptied "
+        "at start, any other folder that is not empty is refused.",
     )
     run.add_argument("--port", type=int, help="The supervisor's port (default: a free one).")
     run.add_argument(
@@ -81,6 +95,7 @@ def add_commands(sub: Any) -> None:
         default=[],
         help="Any other supervisor setting (e.g. --set restart_window_s=600); repeatable.",
     )
+    add_flags(run)
     run.add_argument(
         "argv",
         metavar="COMMAND",
@@ -104,57 +119,86 @@ def settings_env(command: str, pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def worker_command(args: argparse.Namespace) -> list[str]:
-    """What each worker runs; refuses (one line) a command that cannot be found."""
+def worker_command(args: argparse.Namespace, as_is: bool = False) -> list[str]:
+    """What each worker runs (`as_is`: not with this Python); refuses (one line) a command
+    that cannot be found."""
+    argv = list(args.argv)
+    if as_is and argv[:1] != ["--"]:
+        argv.insert(0, "--")
     try:
-        return resolve_command(list(args.argv), prog="supervisor run", module=args.module)
+        return resolve_command(argv, prog="supervisor run", module=args.module)
     except CommandNotFound as exc:
         raise SystemExit(f"supervisor run: {exc}") from None
 
 
-def options(args: argparse.Namespace) -> DemoOptions:
+def torchrun(args: argparse.Namespace) -> TorchrunFlags:
+    """`args`' torchrun flags; one that cannot work is refused in one line."""
+    try:
+        return flags_of(args)
+    except FlagRefused as exc:
+        raise SystemExit(f"supervisor run: {exc}") from None
+
+
+def options(args: argparse.Namespace, flags: TorchrunFlags | None = None) -> DemoOptions:
     """The local cluster of `args`; a bad option is refused in one line."""
+    flags = flags or torchrun(args)
     for flag, value, least in (
-        ("--nnodes", args.nnodes, 1),
-        ("--nproc-per-node", args.nproc_per_node, 1),
         ("--max-restarts", args.max_restarts, 1),
         ("--spares", args.spares, 0),
     ):
         if value < least:
             raise SystemExit(f"supervisor run: {flag} must be at least {least}, got {value}")
-    command = worker_command(args)
+    command = worker_command(args, as_is=flags.no_python)
     defaults = {
-        # The job keeps its shape: a lost node is swapped for a spare, never dropped.
-        "SUPERVISOR_ENABLE_WORKLOAD_SCALING": "false",
-        "SUPERVISOR_MIN_NUM_DP_REPLICAS": str(args.nnodes),
+        # The job keeps its shape (a lost node is swapped for a spare, never dropped),
+        # unless --nnodes MIN:MAX lets it shrink to MIN.
+        "SUPERVISOR_ENABLE_WORKLOAD_SCALING": str(flags.min_nnodes < flags.nnodes).lower(),
+        "SUPERVISOR_MIN_NUM_DP_REPLICAS": str(flags.min_nnodes),
         "SUPERVISOR_MAX_NO_PROGRESS_RESTARTS": str(args.max_restarts),
     }
+    try:
+        run_dir = (args.run_dir or default_run_dir("run")).resolve()
+    except RunFolderError as exc:
+        raise SystemExit(f"supervisor run: --run-dir {exc}") from None
     return DemoOptions(
-        run_dir=args.run_dir,
+        run_dir=run_dir,
         port=args.port or free_port(),
-        replicas=args.nnodes,
+        replicas=flags.nnodes,
         nodes_per_dp=1,
         spares=args.spares,
-        job=args.job,
+        job=args.job or flags.rdzv_id or "job",
         heartbeat_timeout_s=args.heartbeat_timeout_s,
-        heartbeat_polling_period_s=min(1.0, args.heartbeat_timeout_s / 4),
+        heartbeat_polling_period_s=flags.monitor_interval_s
+        or min(1.0, args.heartbeat_timeout_s / 4),
         policy=args.policy,
         supervisor_env={**defaults, **settings_env("run", args.set)},
         command=command,
-        nproc_per_node=args.nproc_per_node,
+        nproc_per_node=flags.nproc_per_node,
         command_in_process=args.in_process,
+        # PYTHONPATH for training.auto_progress: the workers count their optimizer steps.
+        workload_env=startup_env(os.environ) if args.auto_progress else {},
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Start the cluster and the job, follow it to its end; the job's exit code."""
-    opts = options(args)
+    flags = torchrun(args)
+    opts = options(args, flags)
+    # Here, not at the top: the operators' commands share this command line and start
+    # in a fraction of the time without the cluster's modules.
     from supervisor.controller import PolicyLoadError, load_policy
+    from supervisor.local.cluster import ClusterError
+    from supervisor.local.demo import LocalDemo
+    from supervisor.local.run import SIGNALLED, JobRun
 
     try:
         load_policy(opts.policy)  # here, before any process starts
     except PolicyLoadError as exc:
         raise SystemExit(f"supervisor run: --policy: {exc}") from None
+    try:
+        check(opts.run_dir)  # before the first line: a refusal is one line
+    except RunFolderError as exc:
+        raise SystemExit(f"supervisor run: --run-dir {exc}") from None
     demo = LocalDemo(opts)
     caught: list[int] = []
 
@@ -165,7 +209,10 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, stop)
     say = f"supervisor run: {opts.replicas} node(s) x {opts.nproc_per_node} worker(s)"
     print(f"{say}, {opts.spares} spare(s): {' '.join(opts.command or [])}", flush=True)
-    job = JobRun(demo)
+    print(f"supervisor run: run folder {opts.run_dir}", flush=True)
+    for note in flags.notes:
+        print(f"supervisor run: {note}", flush=True)
+    job = JobRun(demo, shown_ranks=flags.shown_ranks)
     try:
         demo.start()
         job.wait_known()
@@ -175,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         outcome = job.wait(lambda: bool(caught))
+    except RunFolderError as exc:  # taken meanwhile (the check above passed)
+        raise SystemExit(f"supervisor run: --run-dir {exc}") from None
     except (RuntimeError, ClusterError) as exc:  # a process did not come up, or start
         raise SystemExit(f"supervisor run: {exc}") from None
     finally:

@@ -99,6 +99,8 @@ class Supervisor:
         self.hub = Hub()
         self.policy = policy or load_policy(settings.policy)
         self.backend = backend or make_backend(settings)
+        #: Nothing is carried out: `dry_run: true`, or a backend that acts on nothing.
+        self.dry_run = settings.dry_run or self.backend.dry_run
         self.sensor = (sensor or Sensor)(
             settings.sensing, settings.workload, self._on_timer_changes, self.metrics
         )
@@ -151,9 +153,9 @@ class Supervisor:
 
     async def start(self) -> None:
         self._store = await asyncio.to_thread(
-            open_store, self.settings.database_url, dry_run=self.settings.dry_run
+            open_store, self.settings.database_url, dry_run=self.dry_run
         )
-        if not self.settings.dry_run:  # before anything acts (resiliency_protocol/leaders.py)
+        if not self.dry_run:  # before anything acts (resiliency_protocol/leaders.py)
             holder = self.settings.leader_election_identity or f"{gethostname()}:{os.getpid()}"
             self.leader_epoch = await asyncio.to_thread(self.store.take_leader_epoch, holder)
         self.backend.act_in_epoch(self.leader_epoch)
@@ -199,7 +201,7 @@ class Supervisor:
         self._recorder = asyncio.create_task(self._record_timer_changes(), name="recorder")
         # Acting only (a standby never gets here): drills, windows, retention, sampling.
         self._periodic = PeriodicWork(
-            self.settings, self.store, self.metrics, self.sensor.job_steps
+            self.settings, self.store, self.metrics, self.sensor.job_steps, dry_run=self.dry_run
         )
         self.pruner = self._periodic.pruner
         await self.faults.resume()

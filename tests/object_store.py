@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -29,16 +28,11 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from supervisor.local.cluster_state import free_port
+
 ACCESS_KEY = "test-access-key"
 SECRET_KEY = "test-secret-key-not-a-real-one"
 BUCKET = "checkpoints"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -4,7 +4,7 @@ nothing recorded. Driven over HTTP as a host monitor sends them."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -42,20 +42,25 @@ def report(report_id: str, time: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+#: A time relative to now is made when the test runs, not when it is collected: a test
+#: run many minutes after its collection (a parallel run) would find "ten minutes
+#: ahead" in the past.
 BAD_TIMES = [
-    pytest.param("2020-01-01T00:00:00", "zone", id="naive"),
-    pytest.param("0001-01-01T00:00:00+14:00", "range", id="before-year-1-in-utc"),
-    pytest.param((now() - timedelta(days=90)).isoformat(), "behind", id="months-behind"),
-    pytest.param((now() + timedelta(minutes=10)).isoformat(), "ahead", id="ten-minutes-ahead"),
+    pytest.param(lambda: "2020-01-01T00:00:00", "zone", id="naive"),
+    pytest.param(lambda: "0001-01-01T00:00:00+14:00", "range", id="before-year-1-in-utc"),
+    pytest.param(lambda: (now() - timedelta(days=90)).isoformat(), "behind", id="months-behind"),
+    pytest.param(
+        lambda: (now() + timedelta(minutes=10)).isoformat(), "ahead", id="ten-minutes-ahead"
+    ),
 ]
 
 
 @pytest.mark.parametrize(("time", "why"), BAD_TIMES)
 async def test_a_gpu_report_time_outside_the_rule_is_a_422_naming_it(
-    api: Api, time: str, why: str
+    api: Api, time: Callable[[], str], why: str
 ) -> None:
     ok = {"kind": "xid", "code": 79, "gpu": 0, "time": now().isoformat()}
-    bad = {"kind": "xid", "code": 48, "gpu": 1, "time": time}
+    bad = {"kind": "xid", "code": 48, "gpu": 1, "time": time()}
     r = await api.beat(heartbeat("n1", gpu_reports=[ok, bad]))
     assert r.status_code == 422, r.text
     message = r.json()["message"]
@@ -70,9 +75,9 @@ async def test_a_gpu_report_time_outside_the_rule_is_a_422_naming_it(
 
 @pytest.mark.parametrize(("time", "why"), BAD_TIMES)
 async def test_a_checkpoint_report_time_outside_the_rule_is_a_422_naming_it(
-    api: Api, time: str, why: str
+    api: Api, time: Callable[[], str], why: str
 ) -> None:
-    batch = [report("good", now().isoformat()), report("bad", time)]
+    batch = [report("good", now().isoformat()), report("bad", time())]
     r = await api.client.post("/api/v1/checkpoints", json={"reports": batch}, headers=AGENT)
     assert r.status_code == 422, r.text
     message = r.json()["message"]

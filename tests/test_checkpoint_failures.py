@@ -11,6 +11,7 @@ cause, and the worker exits with it.
 
 from __future__ import annotations
 
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -52,6 +53,17 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.teardown()
 
 
+def saves_failing(log: str) -> int:
+    """How many saves in a row the job's CheckpointSavesFailing says failed (0: none said).
+
+    Saves are written in the background and counted when they end; the count is checked
+    between steps, so a loaded machine can end one more save before the check sees the
+    limit: at least the limit, not exactly it. Python prints an uncaught exception's name
+    and its message in separate writes, between which another thread's line may land."""
+    found = re.search(r"(\d+) checkpoint saves in a row to the durable tier failed", log)
+    return int(found.group(1)) if found and "CheckpointSavesFailing" in log else 0
+
+
 def test_failed_saves_are_reported_counted_and_stop_the_job(
     tmp_path: Path, server: ServerProcess, cluster: Cluster
 ) -> None:
@@ -89,7 +101,7 @@ def test_failed_saves_are_reported_counted_and_stop_the_job(
     assert worker["exit_code"] not in (0, None)
     assert not (tmp_path / "result.json").exists()  # it did not run to its end
     output = (cluster.tmp / "run" / f"{agent.node}.{job}.rank0.log").read_text()
-    assert "CheckpointSavesFailing: 3 checkpoint saves in a row to the durable tier" in output
+    assert saves_failing(output) >= 3, output[-3000:]
 
     # Every failed save reached the supervisor: reports with their error...
     def failed_reports() -> list[dict[str, Any]] | None:

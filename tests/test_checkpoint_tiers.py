@@ -111,10 +111,11 @@ def final_digest(results: Mapping[int, Mapping[str, Any]]) -> str:
 def test_resume_from_ram_is_bit_exact(tmp_path: Path, reference: str) -> None:
     first = run_job(tmp_path, "first", stop_at=13)
     assert {r["final_step"] for r in first.values()} == {13}
-    # RAM keeps its newest (step 10), durable its two newest (10 only: every 10 steps).
-    # A DDP state is the same on every rank: rank 0's durable copy serves them all.
+    # RAM keeps its two newest in a job of several ranks (5 and 10), durable its two
+    # newest (10 only: every 10 steps). A DDP state is the same on every rank: rank 0's
+    # durable copy serves them all.
     for rank in range(WORLD):
-        assert fmt.committed_steps(tmp_path / "ram" / f"node-{rank}", rank) == [10]
+        assert fmt.committed_steps(tmp_path / "ram" / f"node-{rank}", rank) == [5, 10]
     assert fmt.committed_steps(tmp_path / "durable", 0) == [10]
     assert fmt.committed_steps(tmp_path / "durable", 1) == []
     second = run_job(tmp_path, "second")
@@ -124,13 +125,12 @@ def test_resume_from_ram_is_bit_exact(tmp_path: Path, reference: str) -> None:
 
 
 def test_lost_ram_restores_from_durable(tmp_path: Path, reference: str) -> None:
-    run_job(tmp_path, "first", stop_at=17)  # RAM: step 15; durable: step 10
+    run_job(tmp_path, "first", stop_at=17)  # RAM: steps 10 and 15; durable: step 10
     shutil.rmtree(tmp_path / "ram" / "node-1")
     second = run_job(tmp_path, "second")
-    # Rank 1 can load only step 10 (durable): both agree on it, rank 0 from its RAM? No:
-    # rank 0's RAM holds 15 only, so it loads 10 from durable too.
+    # Rank 1 can load only step 10 (durable): both agree on it, rank 0 from its RAM.
     assert {r["restored"] for r in second.values()} == {10}
-    assert {r["tier"] for r in second.values()} == {"durable"}
+    assert {rank: r["tier"] for rank, r in second.items()} == {0: "ram", 1: "durable"}
     assert final_digest(second) == reference
 
 
@@ -145,13 +145,14 @@ def test_kill_during_save_leaves_nothing_that_looks_complete(
     procs[0].kill()
     procs[0].communicate(timeout=30)
     ram1 = tmp_path / "ram" / "node-1"
-    assert fmt.committed_steps(ram1, 1) == [10]
+    assert fmt.committed_steps(ram1, 1) == [5, 10]
     leftovers = [p.name for p in (ram1 / "step-0000000015").iterdir()]
     assert leftovers and all(name.startswith(".tmp-rank-1-") for name in leftovers)
     second = run_job(tmp_path, "second")
     assert {r["restored"] for r in second.values()} == {10}
     assert final_digest(second) == reference
-    assert not (ram1 / "step-0000000015").exists()  # the leftovers were removed at start
+    # The leftovers were removed at start (step 15 was then saved again, and is kept).
+    assert not any((ram1 / "step-0000000015" / name).exists() for name in leftovers)
 
 
 def test_corrupted_shard_is_skipped_for_another_source(tmp_path: Path, reference: str) -> None:
@@ -266,7 +267,7 @@ def test_the_readme_example_runs_under_torchrun_and_resumes(tmp_path: Path) -> N
         for rank in range(2):
             assert f"rank {rank}: starting after step {start}" in done.stdout
     for rank in range(2):
-        assert fmt.committed_steps(tmp_path / "ram", rank) == [100]
+        assert fmt.committed_steps(tmp_path / "ram", rank) == [90, 100]
     # DDP: one durable copy, rank 0's, serves every rank.
     assert fmt.committed_steps(tmp_path / "durable", 0) == [50, 100]
     assert fmt.committed_steps(tmp_path / "durable", 1) == []
@@ -476,7 +477,35 @@ def test_an_empty_spare_restores_from_the_peer_copy(
     # node-b is gone; the spare node-s (empty RAM, partner node-a) takes rank 1.
     second = run_job(tmp_path, "second", **on_nodes(tmp_path, monitors, ["node-a", "node-s"]))
     assert (second[1]["restored"], second[1]["tier"]) == (15, "peer")
-    assert fmt.committed_steps(tmp_path / "node-s" / "ram" / PEER_JOB, 1) == [STEPS // 5 * 5]
+    newest = STEPS // 5 * 5
+    assert fmt.committed_steps(tmp_path / "node-s" / "ram" / PEER_JOB, 1) == [newest - 5, newest]
+    assert final_digest(second) == reference
+
+
+def test_a_node_lost_before_its_newest_step_reached_its_partner_resumes_from_the_step_before(
+    tmp_path: Path, reference: str, monitors: dict[str, Any]
+) -> None:
+    """node-b is lost while its newest step (15) is still on its way to node-a: its rank,
+    on a spare, can load only the partner's older copy (10), so node-a's rank must still
+    hold step 10 in its RAM for the two to agree on it, rather than both start from
+    nothing (no durable tier here)."""
+    no_durable = {"S3_CHECKPOINTING_FREQ": "0"}
+    placed = on_nodes(tmp_path, monitors, ["node-a", "node-b"])
+    extra = {rank: {**env, **no_durable} for rank, env in placed["extra_env"].items()}
+    run_job(tmp_path, "first", stop_at=12, extra_env=extra, ram_dirs=placed["ram_dirs"])
+    wait_pushed(monitors, "node-b", 1, 10)
+    # Steps 11 to 17 with no host monitor: step 15 reaches each node's RAM, not the partner.
+    on = {rank: no_durable for rank in range(WORLD)}
+    run_job(tmp_path, "on", stop_at=17, extra_env=on, ram_dirs=placed["ram_dirs"])
+    assert fmt.committed_steps(placed["ram_dirs"][0], 0) == [10, 15]
+    shutil.rmtree(placed["ram_dirs"][1])
+    spare = on_nodes(tmp_path, monitors, ["node-a", "node-s"])
+    extra = {rank: {**env, **no_durable} for rank, env in spare["extra_env"].items()}
+    second = run_job(tmp_path, "second", extra_env=extra, ram_dirs=spare["ram_dirs"])
+    assert {rank: (r["restored"], r["tier"]) for rank, r in second.items()} == {
+        0: (10, "ram"),
+        1: (10, "peer"),
+    }
     assert final_digest(second) == reference
 
 
@@ -489,8 +518,9 @@ def test_both_ram_copies_lost_restores_from_durable(
     shutil.rmtree(tmp_path / "node-b" / "ram" / PEER_JOB)  # node-b's own RAM ...
     shutil.rmtree(tmp_path / "node-a" / "peer")  # ... and the copy its partner held
     second = run_job(tmp_path, "second", **placed)
+    # Rank 1 can load only durable's step 10; rank 0 still holds it in its RAM.
     assert {r["restored"] for r in second.values()} == {10}
-    assert {r["tier"] for r in second.values()} == {"durable"}
+    assert {rank: r["tier"] for rank, r in second.items()} == {0: "ram", 1: "durable"}
     assert final_digest(second) == reference
 
 

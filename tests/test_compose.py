@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import re
 import tomllib
@@ -286,6 +287,50 @@ def test_bootstrap_starts_the_job_on_running_host_monitors(
             "a new job",
         )
         assert ClusterState.load(run_dir).job is not None
+    finally:
+        cluster.teardown()
+    wait_for(lambda: not leftover_processes(run_dir), 15, "no process left")
+
+
+def test_bootstrap_starts_your_own_command_with_torchruns_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command as `supervisor run` takes it: a script with this Python, on --nnodes
+    nodes of --nproc-per-node workers, each with its rank's torchrun environment."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_RANK', 'LOCAL_WORLD_SIZE')\n"
+        "seen = {n: os.environ[n] for n in names} | {'args': sys.argv[1:]}\n"
+        f"path = os.path.join({str(out)!r}, 'rank' + os.environ['RANK'])\n"
+        "open(path, 'w').write(json.dumps(seen))\n"
+    )
+    cluster = Cluster(tmp_path)
+    try:
+        agents = [
+            cluster.start_agent(None, node=f"n{i}", env={RUN_MARKER: str(run_dir)})
+            for i in range(3)
+        ]
+        argv = ["--run-dir", str(run_dir), "--wait-s", "30", "--job", "mine"]
+        argv += ["--nnodes", "2", "--nproc-per-node", "2"]
+        for agent in agents:
+            argv += ["--node", f"{agent.node}={agent.url}"]
+        monkeypatch.setenv(bootstrap.TOKEN_ENV, ACTUATOR_TOKEN)
+        bootstrap.main([*argv, str(script), "--lr", "0.1"])
+        state = ClusterState.load(run_dir)
+        assert state.job is not None and state.job.placement == ["n0", "n1"]
+        assert state.spares() == ["n2"]
+        wait_for(lambda: len(list(out.iterdir())) == 4, 60, "every rank to start")
+        seen = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
+        for rank in range(4):
+            env = seen[f"rank{rank}"]
+            assert (env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(rank % 2), str(rank // 2))
+            assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("4", "2")
+            assert env["args"] == ["--lr", "0.1"]
+        with pytest.raises(SystemExit, match=r"bootstrap: no such script: missing\.py"):
+            bootstrap.main([*argv, "missing.py"])
     finally:
         cluster.teardown()
     wait_for(lambda: not leftover_processes(run_dir), 15, "no process left")

@@ -24,6 +24,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.http import http
 from tests.test_api import heartbeat
 from tests.test_e2e import Server
 
@@ -103,7 +104,7 @@ def cluster(tmp_path: Path, **settings: Any) -> Iterator[Server]:
     try:
         with Beater(server.url, {"n1": "j1", "n2": "j1", "s1": None}):
             deadline = time.monotonic() + 30
-            while len(httpx.get(f"{server.url}/api/v1/nodes", headers=OPERATOR).json()) < 3:
+            while len(http.get(f"{server.url}/api/v1/nodes", headers=OPERATOR).json()) < 3:
                 assert time.monotonic() < deadline, "nodes did not appear"
                 time.sleep(0.05)
             yield server
@@ -157,7 +158,7 @@ def shot(page: Page, name: str) -> None:
 
 
 def api(server: Server, method: str, path: str, **kwargs: Any) -> Any:
-    r = httpx.request(method, f"{server.url}{path}", headers=OPERATOR, timeout=10, **kwargs)
+    r = http.request(method, f"{server.url}{path}", headers=OPERATOR, timeout=10, **kwargs)
     assert r.status_code < 300, r.text
     return r.json()
 
@@ -521,7 +522,7 @@ def test_goodput_panel_and_advice(browser: Browser, tmp_path: Path) -> None:
              "time": datetime.fromtimestamp(now - 1 + step / 100, UTC).isoformat()}
             for step, tier, size, total in ((1, "ram", 64 * 2**20, 0.5), (2, "local", None, None))
         ]  # fmt: skip
-        r = httpx.post(f"{server.url}/api/v1/checkpoints", json={"reports": reports}, headers=AGENT)
+        r = http.post(f"{server.url}/api/v1/checkpoints", json={"reports": reports}, headers=AGENT)
         assert r.status_code == 200, r.text
         with dashboard(browser, server) as page:
             expect(page.locator("#goodput-job")).to_have_value("j1")

@@ -16,11 +16,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from playwright.sync_api import Browser, expect
 
 from bench.dashboard import JOBS, Fleet, fleet_nodes, open_dashboard, serving
+from tests.http import http
 from tests.test_dashboard import ARTIFACTS, browser
 
 __all__ = ["browser"]  # the module's Chromium fixture
@@ -38,7 +38,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Fleet
         Fleet(served.port, fleet_nodes()) as running,
     ):
         deadline = time.monotonic() + 60
-        while len(httpx.get(f"{served.url}/api/v1/nodes", headers=OPERATOR).json()) < 2000:
+        while len(http.get(f"{served.url}/api/v1/nodes", headers=OPERATOR).json()) < 2000:
             assert time.monotonic() < deadline, "the fleet did not register"
             time.sleep(0.5)
         yield served.url, running
@@ -86,7 +86,7 @@ def test_two_thousand_nodes_on_one_screen_and_the_lost_ones_named(
             "names => names.map(n => window.supervisorDashboard.nodes.statusSeen.get(n).at)",
             victims,
         )
-        events = httpx.get(
+        events = http.get(
             f"{url}/api/v1/events",
             params={"type": "host_heartbeat_lost", "limit": 100},
             headers=OPERATOR,

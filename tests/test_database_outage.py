@@ -18,11 +18,7 @@ What is promised and checked:
 from __future__ import annotations
 
 import contextlib
-import glob
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,75 +28,20 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.local.cluster_state import free_port
+from tests.postgres import PrivatePostgres, running_postgres
 from tests.test_api import heartbeat
 from tests.test_e2e import AGENT, OPERATOR, Server
-
-
-def _binaries() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-    return Path(found[-1]).parent if found else None
-
-
-class PrivatePostgres:
-    """A PostgreSQL server of our own: initdb, start, stop like a crash, start again."""
-
-    def __init__(self, root: Path) -> None:
-        bin_dir = _binaries()
-        if bin_dir is None:
-            pytest.skip("no PostgreSQL binaries under /usr/lib/postgresql")
-        self.bin = bin_dir
-        self.data = root / "pgdata"
-        self.port = free_port()
-        self.log = root / "postgres.log"
-        # initdb and the server refuse to run as root: as the `postgres` user then.
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        if self.as_user:
-            shutil.chown(root, "postgres")
-        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, tool: str, *args: str) -> None:
-        subprocess.run(
-            [*self.as_user, str(self.bin / tool), *args],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
-
-    def crash(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "stop")
-
-    def stop(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "stop")
+from tests.timing import scaled
 
 
 @pytest.fixture
 def postgres() -> Iterator[PrivatePostgres]:
-    # Not under pytest's temporary directory: it is private to root, and the server
-    # runs as `postgres`.
-    root = Path(tempfile.mkdtemp(prefix="supervisor-pg-"))
-    try:
-        server = PrivatePostgres(root)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with running_postgres() as server:
+        yield server
 
 
 def wait_for(predicate: Callable[[], Any], within: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while time.monotonic() < deadline:
         value = predicate()
         if value:

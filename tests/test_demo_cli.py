@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import leftover_processes
+from tests.http import http
 
 
 def _start(run_dir: Path, port: int, *extra: str) -> subprocess.Popen[str]:
@@ -89,7 +89,7 @@ def test_demo_starts_and_leaves_nothing_behind(tmp_path: Path, how: signal.Signa
         headers = {"Authorization": f"Bearer {token}"}
         url = f"http://127.0.0.1:{port}/api/v1/nodes"
         deadline = time.monotonic() + 20
-        while len(httpx.get(url, headers=headers).json()) < 3:
+        while len(http.get(url, headers=headers).json()) < 3:
             assert time.monotonic() < deadline, "not every node heartbeats"
             time.sleep(0.1)
         assert len(leftover_processes(run_dir.resolve())) >= 3 + 1 + 2  # agents, sup., workers
@@ -112,7 +112,7 @@ def test_demo_runs_the_torch_workload(tmp_path: Path) -> None:
         headers = {"Authorization": f"Bearer {token}"}
         url = f"http://127.0.0.1:{port}/api/v1/jobs/demo"
         deadline = time.monotonic() + 180
-        while (httpx.get(url, headers=headers).json().get("last_step") or 0) < 3:
+        while (http.get(url, headers=headers).json().get("last_step") or 0) < 3:
             assert time.monotonic() < deadline, "the torch job does not train"
             time.sleep(0.5)
         logs = "".join(p.read_text() for p in (run_dir / "nodes").rglob("*.rank*.log"))
@@ -167,7 +167,7 @@ def test_demo_takes_a_policy_and_settings_and_survives_its_supervisor(tmp_path: 
 
         def step() -> int:
             # A generous timeout: a loaded machine may take seconds to answer.
-            reply = httpx.get(f"{api}/jobs/demo", headers=headers, timeout=30)
+            reply = http.get(f"{api}/jobs/demo", headers=headers, timeout=30)
             return int(reply.json().get("last_step") or 0)
 
         deadline = time.monotonic() + 60
@@ -186,21 +186,21 @@ def test_demo_takes_a_policy_and_settings_and_survives_its_supervisor(tmp_path: 
             assert time.monotonic() < deadline, "no progress after the supervisor's restart"
             time.sleep(0.2)
         # The step may come from the other node's heartbeat: node-0's may still be on its way.
-        while httpx.get(f"{api}/nodes/node-0", headers=headers, timeout=30).status_code != 200:
+        while http.get(f"{api}/nodes/node-0", headers=headers, timeout=30).status_code != 200:
             assert time.monotonic() < deadline, "node-0 not heard by the new supervisor"
             time.sleep(0.2)
-        fault = httpx.post(
+        fault = http.post(
             f"{api}/faults", json={"kind": "worker_crash", "node": "node-0"}, headers=headers
         )
         assert fault.status_code == 201, fault.text
         deadline = time.monotonic() + 30
-        while not httpx.get(
+        while not http.get(
             f"{api}/events", headers=headers, params={"type": "worker_exited"}
         ).json()["items"]:
             assert time.monotonic() < deadline, "the crash was not seen"
             time.sleep(0.2)
         time.sleep(2)  # the policy's turn
-        assert httpx.get(f"{api}/actions", headers=headers).json()["items"] == []
+        assert http.get(f"{api}/actions", headers=headers).json()["items"] == []
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         assert _gone(run_dir) == []

@@ -22,7 +22,9 @@ import pytest
 
 from supervisor.local.cluster_state import free_port
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.http import http
 from tests.test_api import heartbeat
+from tests.timing import scaled
 
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
@@ -48,20 +50,22 @@ class Server:
     def start(self) -> None:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "serve", "--port", str(self.port)],
+                # The default backend stands in for one that acts (tests/acting_stand_in.py).
+                [sys.executable, "-m", "tests.acting_stand_in", "serve", "--port", str(self.port)],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                if http.get(f"{self.url}/readyz", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
+        self.stop()  # not left running after the test
         raise AssertionError(f"server did not become ready:\n{self.log.read_text()}")
 
     def kill(self) -> None:

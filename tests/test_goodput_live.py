@@ -32,7 +32,6 @@ import pytest
 from sqlalchemy import update
 
 from host_monitor.checkpoint_forwarder import CheckpointForwarder
-from supervisor.actuator import DryRunBackend
 from supervisor.api import create_app
 from supervisor.config import Settings
 from supervisor.domain import (
@@ -49,6 +48,7 @@ from supervisor.local.cluster_state import free_port
 from supervisor.runtime import Supervisor
 from supervisor.store import Store, open_store
 from supervisor.store.models import ActionRow, JobRow
+from tests.acting_stand_in import RecordingBackend
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
 from tests.test_host_monitor import AGENT_TOKEN as HM_AGENT_TOKEN
 from tests.test_host_monitor import OPERATOR_TOKEN as HM_OPERATOR_TOKEN
@@ -224,7 +224,7 @@ class Api:
 
 @asynccontextmanager
 async def running(settings: Settings) -> AsyncIterator[Api]:
-    supervisor = Supervisor(settings, backend=DryRunBackend())
+    supervisor = Supervisor(settings, backend=RecordingBackend())
     app = create_app(settings, supervisor)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

@@ -416,6 +416,7 @@ ROLE_RULES = [
     },
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["list", "watch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
     {
@@ -444,6 +445,7 @@ CLIENT_CALLS: dict[str, list[tuple[str, str, str]]] = {
     "read_namespaced_pod": [("", "pods", "get")],
     "list_namespaced_pod": [("", "pods", "list"), ("", "pods", "watch")],
     "patch_namespaced_pod": [("", "pods", "patch")],
+    "patch_namespaced_pod_status": [("", "pods/status", "patch")],
     "delete_namespaced_pod": [("", "pods", "delete")],
     "create_namespaced_pod_eviction": [("", "pods/eviction", "create")],
     "read_namespaced_lease": [("coordination.k8s.io", "leases", "get")],

@@ -27,6 +27,8 @@ import httpx
 import pytest
 
 from supervisor.local.cluster_state import free_port
+from tests.http import http
+from tests.timing import scaled
 
 AGENT_TOKEN = "hm-test-agent-token"
 NODE_KEY = "hm-test-node-key-0123456789abcdef0123"
@@ -60,9 +62,10 @@ signals = []
 signal.signal(signal.SIGUSR1, lambda *_: signals.append(1))
 if rank in ranks("IGNORE_TERM_RANKS"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-client.post(
-    "/v1/workers/register", json={"rank": rank, "local_rank": local_rank, "pid": os.getpid()}
-).raise_for_status()
+body = {"rank": rank, "local_rank": local_rank, "pid": os.getpid()}
+# It handles SIGUSR1 (above): only such a worker is signalled.
+body["emergency_checkpoints"] = True
+client.post("/v1/workers/register", json=body).raise_for_status()
 step, last_ok, usr1 = 0, time.monotonic(), 0
 while True:
     if signals:
@@ -86,7 +89,7 @@ while True:
 
 
 def wait_for(predicate: Callable[[], Any], within: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while True:
         value = predicate()
         if value:
@@ -139,7 +142,7 @@ class Supervisor:
         def ready() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
             try:
-                return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
+                return http.get(f"{self.url}/readyz", timeout=1).status_code == 200
             except httpx.TransportError:
                 return False
 
@@ -681,7 +684,7 @@ def test_a_node_credential_heartbeats_and_cannot_speak_for_another_node(
     assert (stored["node"], stored["rank"], stored["step"]) == (node, 40, 3)
 
     intruder = {"node": "someone-else", "state": "spare"}
-    r = httpx.post(
+    r = http.post(
         f"{supervisor.url}/api/v1/heartbeats",
         json=intruder,
         headers={"Authorization": f"Bearer {credential}"},
@@ -691,7 +694,7 @@ def test_a_node_credential_heartbeats_and_cannot_speak_for_another_node(
         r.json()["message"] == f"node: 'someone-else' is not the node of this credential ('{node}')"
     )
     assert supervisor.node("someone-else") is None
-    metrics = httpx.get(f"{supervisor.url}/metrics").text
+    metrics = http.get(f"{supervisor.url}/metrics").text
     assert re.search(
         r'supervisor_agent_requests_refused_total\{reason="other_node"\} [1-9]', metrics
     )
@@ -732,7 +735,7 @@ def test_tokens_validation_and_startup_lines(supervisor: Supervisor, cluster: Cl
     assert actuator.get("/v1/status", headers=WORKER).status_code == 401
     body = {"rank": 0, "local_rank": 0, "pid": 1}
     assert worker.post("/v1/workers/register", json=body, headers=ACTUATOR).status_code == 401
-    assert httpx.post(f"{agent.url}/v1/workers/register", json=body).status_code == 401
+    assert http.post(f"{agent.url}/v1/workers/register", json=body).status_code == 401
     assert (
         actuator.post("/v1/faults", json={"kind": "node_down"}, headers=WORKER).status_code == 401
     )
@@ -880,6 +883,6 @@ def test_status_json_round_trips(cluster: Cluster) -> None:
     """Without a supervisor the agent still serves its API (and says why it sends nothing)."""
     agent = cluster.start_agent(None)
     assert agent.status()["state"] == "spare"
-    assert httpx.get(f"{agent.url}/healthz").json() == {"status": "ok", "node": agent.node}
+    assert http.get(f"{agent.url}/healthz").json() == {"status": "ok", "node": agent.node}
     assert "supervisor_url not set" in agent.log.read_text()
     assert json.loads(json.dumps(agent.status()))["workers"] == []

@@ -30,6 +30,8 @@ from host_monitor.launch import add_arguments, launch_defaults, launch_of
 from supervisor import cli as supervisor_cli
 from supervisor.config import Settings
 from supervisor.local.cluster_state import free_port
+from tests.http import http
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = "agent-token-for-launch-tests"
@@ -95,7 +97,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def wait_for(what: str, check: Callable[[], Any], within: float = 60.0) -> Any:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while time.monotonic() < deadline:
         try:
             found = check()
@@ -157,7 +159,7 @@ class Hosts:
 
         def ready() -> bool:
             assert proc.poll() is None, self.log("supervisor")
-            return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
+            return http.get(f"{self.url}/readyz", timeout=1).status_code == 200
 
         wait_for("the supervisor ready", ready)
 
@@ -179,7 +181,7 @@ class Hosts:
         self._spawn(node, [*args, "--launch", *flags, "--", *command], env)
 
     def api(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
+        response = http.get(
             f"{self.url}{path}",
             params=params,
             headers={"Authorization": f"Bearer {OPERATOR}"},
@@ -332,7 +334,7 @@ def test_a_shell_loop_is_launched_restarted_and_a_missing_command_refused(
         "attempt": 1,
     }
     agent = {"Authorization": f"Bearer {AGENT}"}
-    refused_join = httpx.post(f"{hosts.url}/api/v1/local/hosts", json=join, headers=agent)
+    refused_join = http.post(f"{hosts.url}/api/v1/local/hosts", json=join, headers=agent)
     assert refused_join.status_code == 409, refused_join.text
     assert refused_join.json()["message"].startswith("command: "), refused_join.text
     cluster = json.loads((hosts.tmp / "supervisor" / "cluster.json").read_text())
@@ -341,7 +343,7 @@ def test_a_shell_loop_is_launched_restarted_and_a_missing_command_refused(
     # supervisor runs the job's attempts now.
     join = {**join, "command": cluster["job"]["command"]}
     join["address"] = cluster["nodes"]["node-1"]["address"]
-    again_join = httpx.post(f"{hosts.url}/api/v1/local/hosts", json=join, headers=agent)
+    again_join = http.post(f"{hosts.url}/api/v1/local/hosts", json=join, headers=agent)
     assert again_join.status_code == 200, again_join.text
     assert again_join.json() == {
         "job": "job",

@@ -36,6 +36,7 @@ from tests.test_host_monitor import (
 )
 from tests.test_host_monitor_pidns import CAN_UNSHARE, NamespacedProcess
 from tests.test_workload import Job
+from tests.timing import scaled
 from training import worker_client
 
 REPO = Path(__file__).resolve().parents[1]
@@ -376,7 +377,10 @@ def test_the_node_is_a_spare_again_once_its_job_left_and_the_supervisor_saw_it(
 def test_a_registration_cancels_the_release(
     supervisor: Supervisor, cluster: Cluster, tmp_path: Path
 ) -> None:
-    agent = cluster.start_agent(supervisor.url, idle_release_s=2)
+    # The window the replacement has to register in: a margin of the test's (a worker's
+    # start took over 2 s on a loaded machine), scaled with the others.
+    release_s = scaled(2.0)
+    agent = cluster.start_agent(supervisor.url, idle_release_s=release_s)
     workers = Workers(tmp_path, agent)
     try:
         old, out0 = workers.start(0, "j1")
@@ -387,8 +391,8 @@ def test_a_registration_cancels_the_release(
         # The pod's replacement registers within idle_release_s (a JobSet restart).
         _, out1 = workers.start(0, "j1")
         assert registered(out1)
-        # A negative: the release would have come at 2 s; wait past it.
-        time.sleep(3.5)
+        # A negative: the release would have come at release_s; wait past it.
+        time.sleep(release_s + 1.5)
         status = agent.status()
         assert (status["state"], status["job"]) == ("running", "j1")
         assert worker_states(agent) == {0: "running"}

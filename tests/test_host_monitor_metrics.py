@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.local.cluster_state import free_port
+from tests.http import http
 from tests.test_host_monitor import ACTUATOR_TOKEN, Cluster, Supervisor, wait_for
 from tests.test_host_monitor import supervisor as supervisor  # the fixture
 
@@ -20,7 +20,7 @@ METRICS_TOKEN = "hm-test-metrics-token"
 def scrape(
     url: str, token: str = METRICS_TOKEN
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+    r = http.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=5)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return {
@@ -55,8 +55,8 @@ def test_metrics_need_a_token_and_count_failed_heartbeats(cluster: Cluster) -> N
         node="lonely",
         env={"HOST_MONITOR_METRICS_TOKEN": METRICS_TOKEN},
     )
-    assert httpx.get(f"{agent.url}/metrics", timeout=5).status_code == 401
-    wrong = httpx.get(f"{agent.url}/metrics", headers={"Authorization": "Bearer nope"}, timeout=5)
+    assert http.get(f"{agent.url}/metrics", timeout=5).status_code == 401
+    wrong = http.get(f"{agent.url}/metrics", headers={"Authorization": "Bearer nope"}, timeout=5)
     assert wrong.status_code == 401
 
     def failing() -> bool:

@@ -29,9 +29,9 @@ from fastapi import FastAPI
 
 from host_monitor.config import load_settings
 from host_monitor.node import Node as HostNode
-from host_monitor.peer_routes import peer_router
-from host_monitor.peer_store import Mismatch, PeerStore, TooLarge
-from host_monitor.peer_tier import PeerTier
+from host_monitor.peer.routes import peer_router
+from host_monitor.peer.store import Mismatch, PeerStore, TooLarge
+from host_monitor.peer.tier import PeerTier
 from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import Manifest, ReplicateRequest
 from supervisor.local.cluster import checkpoint_partner

@@ -1,4 +1,4 @@
-"""A host monitor's peer probes (host_monitor/peer_probes.py) against real sockets: a peer
+"""A host monitor's peer probes (host_monitor/peer/probes.py) against real sockets: a peer
 is named unreachable only after PROBE_MISSES rounds without an answer, and no longer once
 it answers; the targets come from the supervisor's answer, fetched with the node's
 credential."""
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from host_monitor.credentials import BearerCredential
-from host_monitor.peer_probes import PROBE_MISSES, PeerProbes
+from host_monitor.peer.probes import PROBE_MISSES, PeerProbes
 from supervisor.local.cluster_state import free_port
 
 

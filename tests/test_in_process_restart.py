@@ -3,7 +3,7 @@
 The survivors of a fault keep their processes and their state: they leave the failed
 process group, join a new world with the replaced rank, and train on. Checked here: the
 path falls back to a full restart when it takes longer than its bound (and says why),
-and twenty recoveries in a row leave the surviving process with the same threads and
+and six recoveries in a row leave the surviving process with the same threads and
 file descriptors, every rank in the newest world, and weights bit-identical to a run
 without faults.
 """
@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from supervisor.actuator.backend import ActionError
@@ -26,6 +25,7 @@ from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.local.backend import LocalBackend
 from supervisor.local.demo import LocalDemo
 from tests.conftest import SettingsFactory
+from tests.http import http
 from tests.test_local_cluster import (
     STEPS,
     demos,
@@ -52,7 +52,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
 
 
 def node_status(demo: LocalDemo, node: str) -> dict[str, Any]:
-    response = httpx.get(
+    response = http.get(
         f"http://127.0.0.1:{demo.node_ports[node]}/v1/status",
         headers={"Authorization": f"Bearer {demo.actuator_token}"},
         timeout=5,
@@ -92,15 +92,27 @@ def test_an_in_process_restart_past_its_bound_falls_back_to_a_full_restart(
     assert weights == expected
 
 
-def test_twenty_recoveries_in_a_row_leak_nothing_and_lose_nothing(
+def remedy_of(demo: LocalDemo, fault_id: int) -> list[dict[str, Any]]:
+    """The finished actions of the fault's remedy (its emergency checkpoint and restart)."""
+    items = [a for a in demo.api("/api/v1/actions")["items"] if a["fault_id"] == fault_id]
+    done = [a for a in items if a["status"] in ("succeeded", "failed")]
+    return done if len(done) >= 2 and len(done) == len(items) else []
+
+
+def test_six_recoveries_in_a_row_leak_nothing_and_lose_nothing(
     start_demo: Callable[..., LocalDemo], tmp_path: Path
 ) -> None:
-    faults = 20
+    # Six: a leak of one thread or descriptor per recovery shows three more between the
+    # first three and the last three, past the room left for a moment's writer (two).
+    faults = 6
     # Enough steps that the job is still training at the last fault, however slowly the
     # recoveries go on a loaded machine (each lets it train some 20-30 steps).
     steps = 60 + faults * 50
     expected = reference_weights(tmp_path, 2, 1, steps, "torch")
-    demo = start_demo(total_steps=steps, supervisor_env=UNBOUNDED)
+    # Crashes only, no hang: a worker's progress bound of 5 s, not 2, so that a
+    # replacement starved of the CPU for 2 s on a loaded machine is not lost besides
+    # (seen once in CI: one more recovery than faults).
+    demo = start_demo(total_steps=steps, supervisor_env=UNBOUNDED, worker_heartbeat_timeout_s=5.0)
     survivor_node, victim_node = demo.options.nodes[1], demo.options.nodes[0]
     wait_for(lambda: job_step(demo) >= 15, what="training to reach step 15")
     (survivor,) = node_status(demo, survivor_node)["workers"]
@@ -108,11 +120,19 @@ def test_twenty_recoveries_in_a_row_leak_nothing_and_lose_nothing(
     before = process_resources(pid)
     seen: list[tuple[int, int]] = []
     for n in range(faults):
-        inject(demo, kind="worker_crash", node=victim_node)
-        done = wait_for(lambda n=n: finished_actions(demo, 2 * (n + 1)), what=f"recovery {n + 1}")
+        # The victim's rank of the newest world is up before the next crash (a crash of
+        # a rank still starting would be a fault of another kind).
+        wait_for(
+            lambda: [
+                w for w in node_status(demo, victim_node)["workers"] if w["state"] == "running"
+            ],
+            what=f"the victim's rank running before fault {n + 1}",
+        )
+        fault = inject(demo, kind="worker_crash", node=victim_node)
+        done = wait_for(lambda f=fault["id"]: remedy_of(demo, f), what=f"recovery {n + 1}")
         # Trained in the new world: past the step the survivor held (the emergency
         # checkpoint's), which the job's last step, reported late, may not yet show.
-        (saved,) = [a["result"]["step"] for a in done if a["type"] == "emergency_checkpoint"][-1:]
+        (saved,) = [a["result"]["step"] for a in done if a["type"] == "emergency_checkpoint"]
         wait_for(lambda s=saved: job_step(demo) > s + 3, what=f"training after recovery {n + 1}")
         seen.append(process_resources(pid))
     actions = demo.api("/api/v1/actions", limit=1000)["items"]
@@ -133,12 +153,12 @@ def test_twenty_recoveries_in_a_row_leak_nothing_and_lose_nothing(
     # Threads and descriptors do not grow with the recoveries: the first one may open
     # what later ones reuse (its new process group's), after that nothing accumulates. A
     # sample may still catch a checkpoint's writer or a pooled connection for a moment
-    # (seen on a loaded machine: fds between 14 and 17 at any point of the twenty): the
-    # quietest of the last five against the quietest of the first five, with room for
-    # two such. A leak of one per recovery would show fifteen more.
+    # (seen on a loaded machine: fds between 14 and 17 at any point of twenty): the
+    # quietest of the last three against the quietest of the first three, with room for
+    # two such. A leak of one per recovery would show five more.
     threads, fds = zip(*seen, strict=True)
-    assert min(threads[-5:]) <= min(threads[:5]) + 2, (before, seen)
-    assert min(fds[-5:]) <= min(fds[:5]) + 2, (before, seen)
+    assert min(threads[-3:]) <= min(threads[:3]) + 2, (before, seen)
+    assert min(fds[-3:]) <= min(fds[:3]) + 2, (before, seen)
     weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
     assert weights == expected
 

@@ -10,13 +10,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.actuator import ActionError, DryRunBackend
+from supervisor.actuator import ActionError
 from supervisor.domain import ActionRecord, ActionType, utcnow
+from tests.acting_stand_in import RecordingBackend
 from tests.conftest import SettingsFactory
 from tests.test_api import Api, running
 
 
-class SlowRestarts(DryRunBackend):
+class SlowRestarts(RecordingBackend):
     """Does nothing, as a dry run, but a restart takes `seconds`."""
 
     def __init__(self, seconds: float) -> None:
@@ -264,7 +265,7 @@ async def test_a_remedy_that_fails_while_every_worker_exits_is_followed_by_anoth
         assert listed["attached_events"] == []
 
 
-class FailingFirstHotSwap(DryRunBackend):
+class FailingFirstHotSwap(RecordingBackend):
     """The first hot-swap fails (its spare never joined); anything else does nothing, as a
     dry run."""
 

@@ -5,6 +5,7 @@ finishing, then finished. Over HTTP, as host monitors and operators use the API.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,8 +15,12 @@ from supervisor.domain import WorkerState, WorkerView
 from supervisor.sensor.finishing import phase
 from tests.conftest import SettingsFactory
 from tests.test_api import OPERATOR, Api, running
+from tests.timing import scaled
 
 HANG_S = 0.3
+#: The finishing bound: well above the 4 x HANG_S a test holds a job finishing, so that a
+#: slow machine's hold does not overrun it.
+FINISHING_S = 3.0
 
 
 def beat(node: str, job: str, state: str, step: int, **worker: Any) -> dict[str, Any]:
@@ -31,7 +36,7 @@ async def api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
         heartbeat_timeout_s=30,
         hang_timeout_s=HANG_S,
         hang_warmup_intervals=0,
-        finishing_timeout_s=1.5,
+        finishing_timeout_s=FINISHING_S,
     )
     async with running(settings) as a:
         yield a
@@ -45,14 +50,39 @@ async def train(api: Api, job: str, steps: int) -> None:
 
 
 async def hold(api: Api, job: str, state: str, step: int, seconds: float, **worker: Any) -> None:
-    """Both nodes report their worker in `state` for `seconds`, each polling period."""
-    for _ in range(int(seconds / 0.05)):
+    """Both nodes report their worker in `state` for `seconds`, each polling period (by
+    the clock: on a busy machine a period's requests take longer, and a count of periods
+    would overrun the bound a test stays within)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         for node in ("n0", "n1"):
             assert (await api.beat(beat(node, job, state, step, **worker))).status_code in (
                 202,
                 204,
             )
         await asyncio.sleep(0.05)
+
+
+async def hangs(api: Api) -> list[dict[str, Any]]:
+    """The hang events, waited for: on a busy machine the steps came slower, and the hang
+    timeout the sensor learned from them is longer than HANG_S."""
+    deadline = time.monotonic() + scaled(10)
+    while not (found := (await api.get("/api/v1/events", type="hang"))["items"]):
+        assert time.monotonic() < deadline, "no hang event"
+        await asyncio.sleep(0.05)
+    return list(found)
+
+
+async def stall_until_it_hangs(api: Api, job: str, step: int) -> list[dict[str, Any]]:
+    """Both nodes report their worker running at `step` until a hang event comes. Not for
+    a fixed time: on a busy machine the steps of `train` came slower, the hang timeout the
+    sensor learned from them is longer than HANG_S, and once the beats stop the silent
+    nodes explain the stall (no hang until their heartbeat timeout)."""
+    deadline = time.monotonic() + scaled(30)
+    while not (found := (await api.get("/api/v1/events", type="hang"))["items"]):
+        assert time.monotonic() < deadline, "no hang event"
+        await hold(api, job, "running", step, 0.1)
+    return list(found)
 
 
 async def state_of(api: Api, job: str) -> str:
@@ -76,7 +106,9 @@ async def test_ten_normal_finishes_in_a_row_raise_no_hang_and_take_no_action(api
         assert jobs[job] == "finished"
     events = (await api.get("/api/v1/events", limit=1000))["items"]
     kinds = {(e["type"], e["details"].get("exit_code")) for e in events}
-    assert kinds == {("worker_exited", 0)}, events  # the finish, nothing else
+    assert kinds == {("worker_exited", 0)}, [
+        (e["job"], e["details"]) for e in events if e["type"] == "hang"
+    ]
     assert (await api.get("/api/v1/actions"))["items"] == []
 
 
@@ -111,21 +143,19 @@ async def test_a_job_that_stalls_while_running_still_hangs(api: Api) -> None:
     """The same stall with its workers still in their loop is a hang (the check above
     could not pass by hang detection being off)."""
     await train(api, "j1", 8)
-    await hold(api, "j1", "running", 8, 4 * HANG_S)
-    await api.settle()
-    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+    (hang,) = await stall_until_it_hangs(api, "j1", 8)
     assert hang["details"].get("kind") is None and hang["details"]["last_step"] == 8
 
 
 async def test_a_worker_stuck_finishing_is_a_hang_of_its_own_kind(api: Api) -> None:
     await train(api, "j1", 8)
-    await hold(api, "j1", "finishing", 8, 1.0)
+    await hold(api, "j1", "finishing", 8, FINISHING_S / 2)
     assert (await api.get("/api/v1/events", type="hang"))["items"] == []
-    await hold(api, "j1", "finishing", 8, 1.0)  # past finishing_timeout_s (1.5 s)
-    await api.settle()
-    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+    await hold(api, "j1", "finishing", 8, FINISHING_S / 2 + 0.5)  # past the bound
+    (hang,) = await hangs(api)
     assert hang["details"]["kind"] == "finishing", hang
-    assert hang["details"]["hang_timeout_s"] == 1.5 and hang["details"]["last_step"] == 8
+    assert hang["details"]["hang_timeout_s"] == FINISHING_S
+    assert hang["details"]["last_step"] == 8
     assert hang["node"] == "n0" and hang["rank"] == 0
 
 
@@ -133,12 +163,14 @@ async def test_a_rank_still_at_work_past_the_ends_bound_is_a_hang(api: Api) -> N
     """n0 finished; n1 never left its loop and stands still: not a silent end."""
     await train(api, "j1", 8)
     finishing, ended = beat("n0", "j1", "finishing", 8), beat("n0", "j1", "exited", 8, exit_code=0)
-    for i in range(int(2.5 / 0.05)):
-        await api.beat(finishing if i < 5 else ended)
+    deadline, beats = time.monotonic() + scaled(FINISHING_S + 10), 0
+    while not (found := (await api.get("/api/v1/events", type="hang"))["items"]):
+        assert time.monotonic() < deadline, "no hang event"
+        await api.beat(finishing if beats < 5 else ended)
         await api.beat(beat("n1", "j1", "running", 8))
         await asyncio.sleep(0.05)
-    await api.settle()
-    (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
+        beats += 1
+    (hang,) = found
     assert hang["details"]["kind"] == "finishing" and (hang["node"], hang["rank"]) == ("n1", 1)
     assert await state_of(api, "j1") != "finished"
 

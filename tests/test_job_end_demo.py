@@ -22,7 +22,8 @@ def start_demo(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDem
 def demo_logs(demo: LocalDemo) -> list[str]:
     return [
         line
-        for log in demo.run_dir.rglob("*.log")
+        # Not rglob over the run folder: the peer stores' directories come and go meanwhile.
+        for log in [*demo.run_dir.glob("logs/*.log"), *demo.run_dir.glob("nodes/*/*.log")]
         for line in log.read_text(errors="replace").splitlines()
     ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,10 @@ client.close()
 while not (out / "go").exists():
     time.sleep(0.05)
 """
+
+# The same worker as the example workloads end: `finished()` once its output is written
+# (the exit that follows is no failure), and exit 0.
+ENDING_WORKER = FINISHING_WORKER + "client.finished()\n"
 
 
 @pytest.fixture
@@ -93,3 +98,44 @@ def test_a_worker_that_closes_its_client_is_finishing_and_no_hang(
         assert supervisor.http.get("/api/v1/actions").json()["items"] == []
     finally:
         workers.close()
+
+
+def test_a_job_that_ended_while_the_supervisor_was_down_is_finished_when_it_returns(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The supervisor never heard `finishing` (down, or starting slowly, while a short job
+    ran to its end): the worker the host monitor launched exited 0 after finishing, which
+    its later heartbeats carry: the job's end. Finished, no action."""
+    supervisor = Supervisor(
+        tmp_path,
+        env={"SUPERVISOR_HANG_TIMEOUT_S": "0.5", "SUPERVISOR_HANG_WARMUP_INTERVALS": "0"},
+    )
+    agent = cluster.start_agent(supervisor.url, idle_release_s=600)
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "go").write_text("")  # it ends as soon as it closes its client
+        r = agent.api.post(
+            "/v1/workers/start",
+            json={
+                "request_id": uuid.uuid4().hex,
+                "job": "j1",
+                "command": [sys.executable, "-c", ENDING_WORKER, str(out)],
+                "env": {"PYTHONPATH": str(REPO)},
+                "workers": [{"rank": 0, "local_rank": 0}],
+            },
+        )
+        assert r.status_code == 200, r.text
+        wait_for(lambda: worker_states(agent) == {0: "exited"}, 60, "the worker's end seen")
+        assert agent.workers()[0]["exit_code"] == 0
+
+        supervisor.start()
+
+        def job_state() -> str | None:
+            r = supervisor.http.get("/api/v1/jobs/j1")
+            return r.json()["state"] if r.status_code == 200 else None
+
+        wait_for(lambda: job_state() == "finished", 20, "the job finished")
+        assert supervisor.http.get("/api/v1/actions").json()["items"] == []
+    finally:
+        supervisor.stop()

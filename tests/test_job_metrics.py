@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.actuator import ActionError, DryRunBackend
+from supervisor.actuator import ActionError
 from supervisor.api import create_app
 from supervisor.api.job_metrics import (
     JobMetrics,
@@ -24,7 +24,8 @@ from supervisor.api.job_metrics import (
     recoveries,
 )
 from supervisor.config import Settings
-from supervisor.domain import ActionRecord
+from supervisor.domain import ActionRecord, utcnow
+from supervisor.goodput import service as goodput_service
 from supervisor.goodput.model import (
     CheckpointLoaded,
     FailureDetected,
@@ -33,6 +34,7 @@ from supervisor.goodput.model import (
     Timeline,
 )
 from supervisor.runtime import Supervisor
+from tests.acting_stand_in import RecordingBackend
 from tests.conftest import SettingsFactory
 from tests.test_api import OPERATOR, Api, heartbeat
 
@@ -40,7 +42,7 @@ approx = pytest.approx
 Labels = tuple[tuple[str, str], ...]
 
 
-class HealingBackend(DryRunBackend):
+class HealingBackend(RecordingBackend):
     """Dry run, except that a restart asked `in_process` reports it healed in-process (as
     the Kubernetes and local backends do) and a checkpoint asked to `fail` fails."""
 
@@ -145,12 +147,18 @@ async def drive(api: Api) -> Driven:
 
 
 async def test_per_job_series_follow_what_the_api_was_told(
-    make_settings: SettingsFactory,
+    make_settings: SettingsFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with served(settings_for_metrics(make_settings)) as (api, _):
         driven = await drive(api)
+        # The job stands still from here: its goodput falls as the time since its last step
+        # grows (a few points a second). Both figures below are read as of one instant, so
+        # that they agree however long the machine takes between them.
+        now = utcnow()
+        monkeypatch.setattr(goodput_service, "utcnow", lambda: now)
         metrics = await scrape(api)
         goodput = (await api.get("/api/v1/jobs/j1/goodput"))["goodput"]
+        monkeypatch.undo()
 
     j1 = job("j1")
     assert metrics["supervisor_job_last_step"] == {j1: driven.last_step}
@@ -158,7 +166,7 @@ async def test_per_job_series_follow_what_the_api_was_told(
         driven.last_step_at, abs=1.0
     )
     assert metrics["supervisor_job_running"] == {j1: 1.0}
-    # The same model as GET .../goodput, a few milliseconds apart.
+    # The same model as GET .../goodput.
     assert 0 < metrics["supervisor_job_goodput_ratio"][j1] == approx(goodput, abs=0.02)
     assert metrics["supervisor_job_step_seconds"][j1] == approx(driven.seconds_per_step, rel=0.5)
     restarts = {

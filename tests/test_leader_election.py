@@ -1,10 +1,12 @@
 """Leader election over a coordination.k8s.io/v1 Lease (supervisor/kube/leader.py).
 
 Through the real `kubernetes` client over HTTP against the fake API server (tests/kube),
-which keeps Leases with resourceVersion and answers 409 to stale writes as the real one
-does. The elector tests drive single rounds with a hand-moved monotonic clock; the
-end-to-end tests run two `supervisor serve` processes sharing one SQLite database
-(harness in bench/failover.py) and SIGKILL the leader.
+for what the real one cannot be made to do on demand: a 409 on one chosen write, an API
+that hangs or fails, and the runtime and processes built on those. The rounds a real API
+server answers (creation, renewal, takeover, races, release) are in
+tests/test_leader_election_real.py. The elector tests drive single rounds with a
+hand-moved monotonic clock; the end-to-end tests run two `supervisor serve` processes
+sharing one SQLite database (harness in bench/failover.py) and SIGKILL the leader.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from supervisor.kube.leader import (
 from supervisor.runtime import Supervisor
 from tests.conftest import SettingsFactory
 from tests.kube import FakeKube
+from tests.timing import scaled
 
 # What the server's MicroTime parser takes: six fractional digits, always (client 37
 # sends UTC as +00:00).
@@ -120,114 +123,6 @@ def test_lease_times_always_have_six_fractional_digits() -> None:
 # --- one round at a time -------------------------------------------------------------------
 
 
-async def test_first_candidate_creates_the_lease_and_leads(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    a, b = elector("a"), elector("b")
-    assert await a.try_acquire_or_renew()
-    assert a.is_leader and a.leader == "a"
-    lease = spec(kube)
-    assert lease["holderIdentity"] == "a"
-    assert lease["leaseDurationSeconds"] == 2
-    assert lease["leaseTransitions"] == 0
-    assert MICRO_TIME.match(lease["acquireTime"]) and MICRO_TIME.match(lease["renewTime"])
-    assert not await b.try_acquire_or_renew()
-    assert not b.is_leader and b.leader == "a"
-    assert spec(kube)["holderIdentity"] == "a"
-
-
-async def test_renewal_moves_renew_time_and_keeps_the_term(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    a = elector("a")
-    assert await a.try_acquire_or_renew()
-    first = spec(kube)
-    await asyncio.sleep(0.01)
-    assert await a.try_acquire_or_renew()
-    second = spec(kube)
-    assert second["renewTime"] > first["renewTime"]
-    assert second["acquireTime"] == first["acquireTime"]
-    assert second["leaseTransitions"] == 0
-    # Each renewal is a write with the resourceVersion read (optimistic concurrency).
-    puts = [r for r in kube.requests if r.method == "PUT" and LEASE_PATH in r.path]
-    assert [r.status for r in puts] == [200]
-
-
-async def test_standby_takes_over_after_lease_duration_without_renewal(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    clock = Clock()
-    a, b = elector("a", clock), elector("b", clock)
-    assert await a.try_acquire_or_renew()
-    assert not await b.try_acquire_or_renew()
-    clock.advance(1.9)
-    assert await a.try_acquire_or_renew()  # a renews: b sees the record change
-    assert not await b.try_acquire_or_renew()
-    clock.advance(1.9)  # 3.8 s since b first saw the Lease, 1.9 s since it changed
-    assert not await b.try_acquire_or_renew()
-    assert b.leader == "a"
-    clock.advance(0.2)  # a has not renewed for 2 s, as far as b has seen
-    assert b.leader is None
-    assert await b.try_acquire_or_renew()
-    lease = spec(kube)
-    assert lease["holderIdentity"] == "b"
-    assert lease["leaseTransitions"] == 1
-    assert lease["acquireTime"] == lease["renewTime"]
-    # The old leader finds out on its next round, and stops.
-    with pytest.raises(LeadershipLost, match="held by 'b'"):
-        await a.try_acquire_or_renew()
-    assert not a.is_leader
-
-
-async def test_expiry_is_judged_by_own_observation_not_by_renew_time(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    """A leader whose clock is years behind writes old renewTimes; a standby must still
-    wait a full lease duration of silence rather than compare wall clocks."""
-    kube.create(
-        {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {"name": LEASE, "namespace": NAMESPACE},
-            "spec": {
-                "holderIdentity": "x",
-                "leaseDurationSeconds": 2,
-                "acquireTime": "2000-01-01T00:00:00.000000Z",
-                "renewTime": "2000-01-01T00:00:00.000000Z",
-                "leaseTransitions": 4,
-            },
-        }
-    )
-    clock = Clock()
-    b = elector("b", clock)
-    assert not await b.try_acquire_or_renew()
-    clock.advance(1.5)
-    assert not await b.try_acquire_or_renew()
-    clock.advance(0.5)
-    assert await b.try_acquire_or_renew()
-    assert spec(kube)["leaseTransitions"] == 5
-
-
-async def test_only_one_of_concurrent_candidates_wins(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    clock = Clock()
-    candidates = [elector(name, clock) for name in "abcde"]
-    won = await asyncio.gather(*(c.try_acquire_or_renew() for c in candidates))
-    assert sum(won) == 1
-    winner = candidates[won.index(True)]
-    assert spec(kube)["holderIdentity"] == winner.identity
-    # The winner dies; the others race for the expired Lease with the same
-    # resourceVersion: one write succeeds, the rest get 409 Conflict.
-    rest = [c for c in candidates if c is not winner]
-    assert not any(await asyncio.gather(*(c.try_acquire_or_renew() for c in rest)))
-    clock.advance(2.0)
-    won = await asyncio.gather(*(c.try_acquire_or_renew() for c in rest))
-    assert sum(won) == 1
-    assert spec(kube)["holderIdentity"] == rest[won.index(True)].identity
-    assert spec(kube)["leaseTransitions"] == 1
-
-
 async def test_a_409_on_the_write_loses_the_round(kube: FakeKube, elector: ElectorFactory) -> None:
     clock = Clock()
     a, b = elector("a", clock), elector("b", clock)
@@ -238,25 +133,6 @@ async def test_a_409_on_the_write_loses_the_round(kube: FakeKube, elector: Elect
     assert not await b.try_acquire_or_renew()
     assert conflict.hits == 1 and not b.is_leader
     assert spec(kube)["holderIdentity"] == "a"
-
-
-@pytest.mark.parametrize("how", ["stolen", "deleted", "cleared"])
-async def test_leader_loses_when_the_lease_is_taken(
-    kube: FakeKube, elector: ElectorFactory, how: str
-) -> None:
-    a = elector("a")
-    assert await a.try_acquire_or_renew()
-    if how == "stolen":
-        kube.patch("Lease", LEASE, {"spec": {"holderIdentity": "thief"}}, NAMESPACE)
-    elif how == "cleared":
-        kube.patch("Lease", LEASE, {"spec": {"holderIdentity": None}}, NAMESPACE)
-    else:
-        kube.delete("Lease", LEASE, NAMESPACE)
-    with pytest.raises(LeadershipLost, match="deleted" if how == "deleted" else "now held by"):
-        await a.hold()
-    assert not a.is_leader
-    if how == "deleted":  # and it did not quietly create a new one
-        assert kube.get("Lease", LEASE, NAMESPACE) is None
 
 
 async def test_leader_that_cannot_renew_stops_within_the_renew_deadline(
@@ -327,33 +203,6 @@ async def test_a_transient_api_error_does_not_cost_the_lease(
     assert spec(kube)["holderIdentity"] == "a"
 
 
-async def test_release_lets_a_standby_take_over_at_once(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    clock = Clock()
-    a, b = elector("a", clock), elector("b", clock)
-    assert await a.try_acquire_or_renew()
-    assert not await b.try_acquire_or_renew()
-    await a.release()
-    assert not a.is_leader
-    released = spec(kube)
-    assert released.get("holderIdentity") is None and released["leaseDurationSeconds"] == 1
-    assert await b.try_acquire_or_renew()  # no waiting: the clock did not move
-    assert spec(kube)["leaseTransitions"] == 1
-
-
-async def test_same_identity_after_a_restart_continues_its_term(
-    kube: FakeKube, elector: ElectorFactory
-) -> None:
-    """A restarted container of the same pod (same identity) need not wait for its own
-    Lease to expire: its previous process is gone."""
-    assert await elector("a").try_acquire_or_renew()
-    acquired = spec(kube)["acquireTime"]
-    again = elector("a")
-    assert await again.try_acquire_or_renew()
-    assert spec(kube)["acquireTime"] == acquired and spec(kube)["leaseTransitions"] == 0
-
-
 # --- the runtime follows the Lease (in process) ---------------------------------------------
 
 
@@ -366,8 +215,11 @@ async def test_only_the_lease_holder_runs_the_supervisor(
         return make_settings(
             leader_election=True,
             leader_election_identity=identity,
-            leader_election_lease_duration_s=1.0,
-            leader_election_renew_deadline_s=0.6,
+            # Both replicas share this test's event loop, where a runtime's start-up (its
+            # database, its migrations) holds it for a while on a loaded machine: a renew
+            # deadline shorter than that loses the Lease to "API too slow", not the thief.
+            leader_election_lease_duration_s=scaled(3.0),
+            leader_election_renew_deadline_s=scaled(2.0),
             leader_election_retry_period_s=0.1,
             kube_config=str(kubeconfig),
         )
@@ -383,7 +235,7 @@ async def test_only_the_lease_holder_runs_the_supervisor(
         await leadership.start()
 
     async def until(predicate: Callable[[], bool], within: float = 15.0) -> None:
-        deadline = time.monotonic() + within
+        deadline = time.monotonic() + scaled(within)
         while not predicate():
             assert time.monotonic() < deadline, "condition not met in time"
             await asyncio.sleep(0.02)

@@ -19,15 +19,17 @@ import httpx
 import pytest
 
 from resiliency_protocol.leaders import LEADER_EPOCH_HEADER
-from supervisor.actuator import DryRunBackend, Fenced
+from supervisor.actuator import Fenced
 from supervisor.actuator.leader_epoch import stamp
 from supervisor.store import Store, make_engine, open_store
+from tests.acting_stand_in import RecordingBackend
 from tests.conftest import SettingsFactory
+from tests.http import http
 from tests.test_api import running
 from tests.test_host_monitor import ACTUATOR, Agent, Cluster, _pid_gone, wait_for
 
 
-class EpochRecorder(DryRunBackend):
+class EpochRecorder(RecordingBackend):
     def __init__(self) -> None:
         super().__init__()
         self.epochs: list[int | None] = []
@@ -126,7 +128,7 @@ def test_a_command_from_an_older_epoch_is_refused_and_changes_nothing(
     bad = command(monitor, "/v1/workers/stop", stop, "seven")
     assert bad.status_code == 400 and LEADER_EPOCH_HEADER in bad.json()["message"]
     # Without the actuator's token an epoch counts for nothing: it cannot raise the newest.
-    sneaky = httpx.post(
+    sneaky = http.post(
         f"{monitor.url}/v1/workers/stop", json=stop, headers={LEADER_EPOCH_HEADER: "99"}
     )
     assert sneaky.status_code == 401

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from supervisor.local.backend import LocalBackend
 from supervisor.local.demo import LocalDemo
 from tests.conftest import SettingsFactory
+from tests.http import http
 from tests.test_api import OPERATOR, running
 from tests.test_in_process_restart import node_status
 from tests.test_local_cluster import (
@@ -46,7 +46,7 @@ def start_demo(tmp_path: Path) -> Iterator[Callable[..., LocalDemo]]:
 
 
 def stale_commands(demo: LocalDemo, node: str) -> float:
-    text = httpx.get(
+    text = http.get(
         f"http://127.0.0.1:{demo.node_ports[node]}/metrics",
         headers={"Authorization": f"Bearer {demo.actuator_token}"},
         timeout=5,

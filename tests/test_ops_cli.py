@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -27,8 +26,10 @@ from supervisor.ops.client import parse_event_stream
 from supervisor.ops.config import resolve
 from supervisor.ops.errors import CliError, ExitCode
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.http import http
 from tests.test_api import heartbeat
 from tests.test_e2e import Server, serving
+from tests.timing import scaled
 
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
@@ -48,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def beat(server: Server, *bodies: dict[str, Any]) -> None:
     for body in bodies:
-        r = httpx.post(f"{server.url}/api/v1/heartbeats", json=body, headers=AGENT, timeout=10)
+        r = http.post(f"{server.url}/api/v1/heartbeats", json=body, headers=AGENT, timeout=10)
         assert r.status_code in (202, 204), r.text
 
 
@@ -114,6 +115,43 @@ def test_get_prints_aligned_tables_json_and_yaml(server: Server, tmp_path: Path)
 
     jobs = rows(ok(cli(tmp_path, "get", "jobs", server=server)))
     assert jobs[0][:2] == ["NAME", "STATE"] and jobs[1][:4] == ["j1", "running", "4", "(2-4)"]
+
+
+#: Run as `python -c PROBE ARGS...`: the `supervisor` command with ARGS, then one last line
+#: of JSON with its exit code and every module it imported.
+PROBE = """
+import json, sys
+from supervisor import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit as end:
+    code = end.code
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_an_operator_command_imports_nothing_of_the_service(server: Server, tmp_path: Path) -> None:
+    """`get` and the other operator commands load the operator's modules alone: not the
+    service's settings, server or store, nor the demo, the simulator or the goodput
+    calculator (about 40 % of a call's CPU before)."""
+    env = {"SUPERVISOR_URL": server.url, "SUPERVISOR_OPERATOR_TOKEN": OPERATOR_TOKEN}
+    for args in (("get", "nodes"), ("describe", "node", "n1"), ("get", "nodes", "--bogus")):
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=cli_env(tmp_path, **env),
+        )
+        said = json.loads(done.stdout.strip().splitlines()[-1])
+        ours = [m for m in said["modules"] if m.split(".")[0] == "supervisor"]
+        if args[-1] == "--bogus":  # refused: the whole parser says why, with every command
+            assert said["code"] == 2 and "serve,node-credential,demo" in done.stderr, done
+            continue
+        assert said["code"] == 0, done
+        loaded = [m for m in ours if m not in ("supervisor", "supervisor.cli", "supervisor.errors")]
+        assert all(m.startswith("supervisor.ops") for m in loaded), loaded
+        assert not {"uvicorn", "fastapi", "sqlalchemy", "pydantic"} & set(said["modules"]), args
 
 
 def test_exit_codes(server: Server, tmp_path: Path) -> None:
@@ -185,6 +223,11 @@ def test_inject_describe_and_end_a_fault(server: Server, tmp_path: Path) -> None
         time.sleep(0.2)
     assert "type:" in described and "gpu_xid" in described and "code:" in described
     assert "Actions:" in described and "hot_swap" in described
+    # Swapped out, n2 left the job.
+    (node,) = json.loads(ok(cli(tmp_path, "get", "nodes", "n2", "-o", "json", server=server)))
+    assert node["job"] is None and node["cordoned"], node
+    (job,) = json.loads(ok(cli(tmp_path, "get", "jobs", "-o", "json", server=server)))
+    assert "n2" not in job["nodes"], job
 
     # A fault that lasts until ended: listed as active, then ended.
     injected = cli(tmp_path, "inject", "heartbeat_loss", "--node", "n2", server=server)
@@ -192,7 +235,7 @@ def test_inject_describe_and_end_a_fault(server: Server, tmp_path: Path) -> None
     active = json.loads(ok(cli(tmp_path, "get", "faults", "--active", "-o", "json", server=server)))
     assert int(fault_id) in [f["id"] for f in active]
     ended = ok(cli(tmp_path, "end", fault_id, server=server))
-    assert ended.strip() == f"fault {fault_id} ended: heartbeat_loss node=n2 job=j1"
+    assert ended.strip() == f"fault {fault_id} ended: heartbeat_loss node=n2"
     fault = json.loads(
         ok(cli(tmp_path, "describe", "fault", fault_id, "-o", "json", server=server))
     )
@@ -309,14 +352,14 @@ def test_watch_prints_what_happens_while_it_runs(server: Server, tmp_path: Path)
         lines = _lines_of(watch.stdout)
         ok(cli(tmp_path, "inject", "ecc", "--node", "n3", "--param", "count=2", server=server))
         seen: list[str] = []
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while not any("gpu_ecc" in line and "node=n3 job=j3" in line for line in seen):
             assert time.monotonic() < deadline, seen
             with contextlib.suppress(queue.Empty):
                 seen.append(lines.get(timeout=1))
         assert seen[-1].split()[1] == "event" and "count=2" in seen[-1]
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(15) == 0
+        assert watch.wait(scaled(15)) == 0
     finally:
         if watch.poll() is None:
             watch.kill()

@@ -14,10 +14,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from supervisor.ops.errors import ExitCode
+from tests.http import http
 from tests.test_api import heartbeat
 from tests.test_e2e import Server, serving
 from tests.test_ops_cli import OPERATOR, beat, cli, failed, ok, rows
@@ -52,7 +52,7 @@ def windows(server: Server, tmp_path: Path, *args: str) -> list[dict[str, Any]]:
 
 
 def node(server: Server, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = httpx.get(
+    found: dict[str, Any] = http.get(
         f"{server.url}/api/v1/nodes/{name}", headers=OPERATOR, timeout=10
     ).json()
     return found
@@ -308,7 +308,7 @@ def test_drills_created_listed_and_deleted(server: Server, tmp_path: Path) -> No
     names = ok(cli(tmp_path, "get", "drill", "--job", "j1", "-o", "name", server=server))
     assert names == f"drill/{nightly_id}\n"
     # Other faults are not drills: not listed, and not deleted as one.
-    xid = httpx.post(
+    xid = http.post(
         f"{server.url}/api/v1/faults",
         json={"kind": "xid", "node": "n2", "code": 31},
         headers=OPERATOR,

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from supervisor.actuator import DryRunBackend
+from tests.acting_stand_in import RecordingBackend
 from tests.conftest import SettingsFactory
 from tests.test_api import AGENT, OPERATOR, Api, running
 
 
-class Worlds(DryRunBackend):
+class Worlds(RecordingBackend):
     """A backend that started world 2 of job j1."""
 
     def worlds(self) -> Mapping[str, int]:

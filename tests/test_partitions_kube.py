@@ -12,7 +12,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from supervisor.actuator.backend import ActionError
@@ -21,6 +20,7 @@ from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
 from supervisor.kube.node_fencing import OUT_OF_SERVICE
 from tests.conftest import SettingsFactory
+from tests.http import http
 from tests.kube import FakeKube
 from tests.kube.harness import NS, action, kube_settings, setup_cluster, started
 from tests.test_kube_e2e import OPERATOR, wait_for
@@ -166,7 +166,7 @@ def test_an_in_process_heal_waits_for_a_node_not_known_down(tmp_path: Path) -> N
             "params": {"pod": name, "namespace": "default", "uid": pod["metadata"]["uid"]},
             "reason": "the node is out of service",
         }
-        r = httpx.post(
+        r = http.post(
             f"{env.supervisor.url}/api/v1/actions",
             json=body,
             headers={**OPERATOR, "Idempotency-Key": "fenced-node"},

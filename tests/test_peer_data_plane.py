@@ -24,8 +24,8 @@ import crc32c
 import httpx
 import pytest
 
-from host_monitor.peer_store import Mismatch, PeerStore
-from host_monitor.peer_wire import recv_frame, send_frame
+from host_monitor.peer.store import Mismatch, PeerStore
+from host_monitor.peer.wire import recv_frame, send_frame
 from resiliency_protocol.peer_checkpoints import ChannelReply, ChannelRequest, Manifest
 from tests.test_host_monitor import WORKER_TOKEN, Cluster
 from tests.test_host_monitor_peer import (

@@ -1,4 +1,4 @@
-"""The peer tier's fence between worlds (host_monitor/peer_worlds.py), with real
+"""The peer tier's fence between worlds (host_monitor/peer/worlds.py), with real
 `host-monitor` processes: a node cut off by a partition keeps pushing copies of the world
 it was swapped out of; once its partner holds a copy of a newer world of the job, those
 pushes are refused (409, field `world`) before any byte moves, the newer copy is kept,
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from host_monitor.peer_wire import send_frame
+from host_monitor.peer.wire import send_frame
 from tests.test_host_monitor import Cluster
 from tests.test_host_monitor_metrics import METRICS_TOKEN, scrape, value
 from tests.test_host_monitor_peer import Node, Peers, make_checkpoint, manifest, shard

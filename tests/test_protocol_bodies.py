@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from host_monitor.config import load_settings
 from host_monitor.fault_actor import FaultActor
 from host_monitor.node import Node
-from host_monitor.peer_tier import PeerTier
+from host_monitor.peer.tier import PeerTier
 from host_monitor.server import create_app as host_monitor_app
 from supervisor.api.app import create_app as supervisor_app
 from supervisor.api.deps import require_agent

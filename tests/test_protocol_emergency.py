@@ -16,8 +16,23 @@ def ack(ok: bool = True, step: int | None = 7, error: str | None = None) -> dict
     return {"request_id": "k", "ok": ok, "step": step, "duration_s": 0.1, "error": error}
 
 
-def answer(acked: dict[int, dict[str, Any]], missing: list[int] | None = None) -> httpx.Response:
-    body = {"request_id": "k", "acked": acked, "missing": missing or [], "elapsed_s": 0.2}
+def answer(
+    acked: dict[int, dict[str, Any]],
+    missing: list[int] | None = None,
+    *,
+    declined: list[int] | None = None,
+    unregistered: list[int] | None = None,
+) -> httpx.Response:
+    body: dict[str, Any] = {
+        "request_id": "k",
+        "acked": acked,
+        "missing": missing or [],
+        "elapsed_s": 0.2,
+    }
+    if declined is not None:  # left out: as an older host monitor answers
+        body["declined"] = declined
+    if unregistered is not None:
+        body["unregistered"] = unregistered
     return httpx.Response(200, json=body)
 
 
@@ -72,9 +87,36 @@ async def test_one_node_or_worker_short_fails_it_naming_them(
     assert 0 in result.saved  # what was saved is still said
 
 
-async def test_no_worker_saved_is_no_checkpoint() -> None:
-    result, _ = await run({"a": answer({})})  # no worker was running there
-    assert not result.succeeded and result.failure == "no worker acked"
+async def test_no_worker_saved_is_no_checkpoint_naming_what_was_looked_at() -> None:
+    # No worker was running on a (an older host monitor's answer); b's are still starting.
+    result, _ = await run({"a": answer({}), "b": answer({}, unregistered=[2, 3])})
+    assert not result.succeeded and not result.takes_none
+    assert result.failure == (
+        "no worker of the job on a (no live worker), b (ranks 2, 3) is registered with its "
+        "host monitor: nothing to save"
+    )
+
+
+async def test_workers_registered_without_emergency_checkpoints_take_none() -> None:
+    """Not signalled, so not a failure: the job takes none, naming nodes and ranks."""
+    result, _ = await run(
+        {"a": answer({}, declined=[0, 1]), "b": answer({}, declined=[2], unregistered=[3])}
+    )
+    assert result.takes_none and not result.succeeded and result.problems == []
+    assert result.none_asked("j") == (
+        "job j takes no emergency checkpoints: no worker of it on a (ranks 0, 1), b (ranks "
+        "2, 3; rank 3 not registered yet) registered for emergency checkpoints"
+    )
+
+
+async def test_a_job_some_of_whose_workers_take_them_is_judged_on_those() -> None:
+    saved, _ = await run({"a": answer({0: ack()}, declined=[1])})
+    assert saved.succeeded and not saved.takes_none
+    late, _ = await run({"a": answer({}, missing=[0], declined=[1])})
+    assert not late.succeeded and not late.takes_none
+    assert late.failure == "a: no answer from ranks [0]"
+    unreachable, _ = await run({"a": answer({}, declined=[1]), "b": httpx.ConnectError("x")})
+    assert not unreachable.takes_none and unreachable.failure == "b: ConnectError: x"
 
 
 async def test_a_node_without_an_address_is_not_asked_and_fails_it() -> None:

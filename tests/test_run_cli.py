@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.local import bootstrap
 from supervisor.local.demo import leftover_processes
+from supervisor.local.run_folder import MARKER, RunFolderError, check, claim
 from tests.test_run_user_job import user_env
 
 ENV_SCRIPT = """\
@@ -71,6 +73,38 @@ def test_each_worker_gets_torchruns_environment_and_its_output_its_rank(tmp_path
     assert "exit code 0" in done.stdout.splitlines()[-1]
 
 
+def test_a_torchrun_command_line_runs_with_torchrun_replaced(tmp_path: Path) -> None:
+    """PyTorch's own examples, `torchrun` replaced by `supervisor run`: the rendezvous
+    flags accepted (a line says they are not used), the job named by --rdzv-id, MIN:MAX
+    nodes, the underscore spellings, only the filtered ranks on the terminal."""
+    (tmp_path / "show_env.py").write_text(ENV_SCRIPT)
+    done = supervisor_run(
+        tmp_path,
+        "--nnodes=1:2",
+        "--nproc_per_node=2",
+        "--max_restarts=3",
+        "--rdzv-id=llama",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:29400",
+        "--local-ranks-filter=0,3",
+        "show_env.py",
+        "--lr",
+        "0.1",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = rank_lines(done.stdout)
+    assert sorted(ranks) == [0, 3]  # ranks 1 and 2 ran too, their output in their logs
+    assert {env["WORLD_SIZE"] for [env] in ranks.values()} == {"4"}  # MAX nodes x 2
+    logs = sorted(p.name for p in (tmp_path / "run" / "nodes").glob("*/*.rank*.log"))
+    assert [name.split(".", 1)[1] for name in logs] == [f"llama.rank{r}.log" for r in range(4)]
+    said = "supervisor run: --rdzv-backend c10d: not used, the supervisor forms each world"
+    assert said in done.stdout.splitlines()
+    # --standalone, as PyTorch's single-node example gives it.
+    done = supervisor_run(tmp_path, "--standalone", "--nproc-per-node=2", "show_env.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(rank_lines(done.stdout)) == [0, 1]
+
+
 def test_a_job_whose_workers_say_they_finished_ends_with_exit_code_0(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(
         "from training.worker_client import WorkerClient\n"
@@ -110,11 +144,13 @@ def test_a_failing_job_is_restarted_on_a_fresh_port_then_exits_with_its_code(
         assert [env["TORCHELASTIC_RESTART_COUNT"] for env in lines] == ["0", "1", "2"]
         assert len({env["MASTER_PORT"] for env in lines}) == 3
     assert "[supervisor]: restart_in_place" in done.stdout
-    # The script does not register (no worker client): nothing to save, said at once.
-    assert (
-        "[supervisor]: emergency_checkpoint failed: no worker of the job is registered with "
-        "its host monitor: nothing to save"
-    ) in done.stdout
+    # The script does not register (no worker client): nothing to save, said at once,
+    # naming the nodes and the ranks looked at.
+    assert re.search(
+        r"\[supervisor\]: emergency_checkpoint failed: no worker of job \S+ on node-\d \(.+\) "
+        r"is registered with its host monitor: nothing to save",
+        done.stdout,
+    ), done.stdout
     assert "gave up on the job" in done.stdout
 
 
@@ -163,3 +199,88 @@ def test_a_command_given_by_its_path_runs_as_given_not_through_symlinks(tmp_path
     done = supervisor_run(tmp_path, "--", sys.executable, str(script), timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"prefix {sys.prefix}" in done.stdout, done.stdout
+
+
+# --- the run folder: never a file of the user's ---------------------------------------------
+
+QUICK = ("--", sys.executable, "-c", "print('quick', flush=True)")
+
+
+def test_a_folder_with_a_file_of_the_users_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    notes = tmp_path / "run" / "notes.txt"
+    notes.write_text("mine")
+    done = supervisor_run(tmp_path, *QUICK, timeout=30)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        f"supervisor run: --run-dir {(tmp_path / 'run').resolve()} is not empty and not a "
+        f"previous run's folder (no {MARKER} in it); a run empties its folder, so give a new "
+        "or empty one"
+    )
+    assert done.stdout == "", "refused before anything starts"
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["notes.txt"]
+    assert notes.read_text() == "mine"
+
+
+def test_a_run_empties_and_reuses_the_folder_of_a_previous_run(tmp_path: Path) -> None:
+    """The folder as a first run left it (its marker, its logs; made here, as that run
+    makes it: a second real run would double the test's time)."""
+    folder = tmp_path / "run"
+    claim(folder).close()
+    (folder / "logs").mkdir()
+    (folder / "logs" / "supervisor.log").write_text("the first run's\n")
+    done = supervisor_run(tmp_path, *QUICK, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank0]: quick" in done.stdout
+    assert f"supervisor run: run folder {folder.resolve()}\n" in done.stdout
+    assert (folder / MARKER).is_file()
+    assert "the first run's" not in (folder / "logs" / "supervisor.log").read_text()
+
+
+def test_the_default_folder_is_in_the_users_state_folder_and_printed(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "run", *QUICK],
+        env=user_env(tmp_path, XDG_STATE_HOME=str(state)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    folder = (state / "resiliency-supervisor" / "run").resolve()
+    assert not leftover_processes(folder), "a process of the run is left"
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"supervisor run: run folder {folder}\n" in done.stdout
+    assert (folder / MARKER).is_file() and (folder / "logs").is_dir()
+    assert not (tmp_path / "var").exists(), "nothing in the current folder"
+
+
+def test_a_folder_in_use_by_a_run_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    held = claim(folder)
+    try:
+        with pytest.raises(RunFolderError, match="is in use by another run"):
+            check(folder)
+        with pytest.raises(RunFolderError, match="is in use by another run"):
+            claim(folder)
+    finally:
+        held.close()
+    claim(folder).close()  # once that run ended
+
+
+def test_bootstrap_refuses_a_folder_whose_output_is_not_a_previous_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept = tmp_path / "output" / "weights.bin"
+    kept.parent.mkdir()
+    kept.write_bytes(b"mine")
+    monkeypatch.setenv(bootstrap.TOKEN_ENV, "token")
+    with pytest.raises(SystemExit, match=r"--run-dir .* holds output that no bootstrap wrote"):
+        bootstrap.main(
+            [
+                *("--run-dir", str(tmp_path), "--node", "a=http://127.0.0.1:1"),
+                *("--wait-s", "1", "--replicas", "1", "--nodes-per-dp", "1"),
+            ]
+        )
+    assert kept.read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["output"]

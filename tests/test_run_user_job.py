@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from supervisor.local.demo import leftover_processes
+from tests.http import http
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"the supervisor at (\S+) \(operator token (\S+)\)")
@@ -111,7 +112,7 @@ class Run:
 
     def api(self, method: str, path: str, **body: Any) -> Any:
         headers = {"Authorization": f"Bearer {self.token}"}
-        response = httpx.request(
+        response = http.request(
             method, f"{self.url}{path}", headers=headers, json=body or None, timeout=5
         )
         assert response.status_code < 300, response.text

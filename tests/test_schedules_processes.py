@@ -16,13 +16,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench import failover
 from bench.failover import Timing, pair
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.http import http
 from tests.test_api import heartbeat
 from tests.test_e2e import Server
+from tests.timing import scaled
 
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
@@ -49,22 +49,22 @@ def cli(home: Path, server: Server, *args: str) -> Any:
 
 
 def until(predicate: Callable[[], Any], within: float = 30.0) -> Any:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while not (value := predicate()):
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met within {scaled(within):g} s"
         time.sleep(0.1)
     return value
 
 
 def injected(url: str, drill: int, headers: dict[str, str] = OPERATOR) -> list[int]:
     """Ids of the faults the drill injected, oldest first."""
-    r = httpx.get(f"{url}/api/v1/faults", headers=headers, timeout=10)
+    r = http.get(f"{url}/api/v1/faults", headers=headers, timeout=10)
     r.raise_for_status()
     return sorted(f["id"] for f in r.json() if f["params"].get("schedule") == drill)
 
 
 def beat(url: str, node: str, headers: dict[str, str] = AGENT) -> None:
-    r = httpx.post(f"{url}/api/v1/heartbeats", json=heartbeat(node), headers=headers, timeout=10)
+    r = http.post(f"{url}/api/v1/heartbeats", json=heartbeat(node), headers=headers, timeout=10)
     r.raise_for_status()
 
 
@@ -90,20 +90,18 @@ def test_a_drill_and_a_window_outlive_a_kill_9_and_a_restart(tmp_path: Path) -> 
             "start": start.isoformat(),
             "end": (start + timedelta(hours=2)).isoformat(),
         }
-        r = httpx.post(
-            f"{server.url}/api/v1/maintenance", json=window, headers=OPERATOR, timeout=10
-        )
+        r = http.post(f"{server.url}/api/v1/maintenance", json=window, headers=OPERATOR, timeout=10)
         assert r.status_code == 201, r.text
         planned = r.json()
         server.kill()
         server.start()  # the same database
-        r = httpx.get(f"{server.url}/api/v1/maintenance", headers=OPERATOR, timeout=10)
+        r = http.get(f"{server.url}/api/v1/maintenance", headers=OPERATOR, timeout=10)
         assert r.json() == [planned]  # the window is still to come, as it was
         before = injected(server.url, drill)
         beat(server.url, "n1")
         after = until(lambda: [f for f in injected(server.url, drill) if f > max(before)])
         assert after, "the drill did not go on after the restart"
-        r = httpx.delete(f"{server.url}/api/v1/faults/{drill}", headers=OPERATOR, timeout=10)
+        r = http.delete(f"{server.url}/api/v1/faults/{drill}", headers=OPERATOR, timeout=10)
         assert r.json()["active"] is False
         stopped = injected(server.url, drill)
         time.sleep(2.5)  # more than two periods
@@ -116,10 +114,11 @@ TIMING = Timing(lease_duration_s=2.0, renew_deadline_s=1.5, retry_period_s=0.25)
 
 
 def test_a_drill_goes_on_after_a_change_of_leader(tmp_path: Path) -> None:
-    with pair(tmp_path, TIMING, env={"SUPERVISOR_GPU_REPORT_COOLDOWN_S": "0"}) as cluster:
-        leader, standby = cluster.wait_leader()
+    env = {"SUPERVISOR_GPU_REPORT_COOLDOWN_S": "0"}
+    with pair(tmp_path, TIMING, env=env, start_timeout_s=scaled(30)) as cluster:
+        leader, standby = cluster.wait_leader(scaled(30))
         beat(leader.url, "n1", failover.AGENT)
-        r = httpx.post(
+        r = http.post(
             f"{leader.url}/api/v1/faults", json=DRILL, headers=failover.OPERATOR, timeout=10
         )
         assert r.status_code == 201, r.text
@@ -136,4 +135,5 @@ def test_a_drill_goes_on_after_a_change_of_leader(tmp_path: Path) -> None:
             lambda: [f for f in injected(standby.url, drill, failover.OPERATOR) if f > max(before)]
         )
         assert after, standby.log_text()
-        assert f"schedule {drill} injected xid on n1" in standby.log_text()
+        # The fault is committed, then the line is logged: wait for the line too.
+        until(lambda: f"schedule {drill} injected xid on n1" in standby.log_text())

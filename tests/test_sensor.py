@@ -24,6 +24,7 @@ from supervisor.domain import (
 )
 from supervisor.sensor import Changes, GpuReport, HostHeartbeat, Sensor, WorkerReport
 from supervisor.sensor.sensor import RankClaimed
+from tests.timing import scaled
 
 E = EventType
 # Generous upper bound for "it happens eventually" on a shared, noisy machine.
@@ -314,6 +315,27 @@ async def test_a_steady_node_is_lost_one_timeout_after_its_last_heartbeat(
     assert 0 <= event.details["lateness_ms"] < 1000 * (lost_at - last - 0.2) + 5
 
 
+async def test_a_nodes_silence_counts_from_when_its_heartbeat_was_answered(
+    make_sensor: SensorFactory,
+) -> None:
+    """A host monitor sends its next heartbeat once the last one is answered. When the
+    supervisor took a while to record what a heartbeat changed (a first heartbeat, a slow
+    commit), the node's loss is due one timeout after the answer: the time it had to send
+    again, not the time the supervisor spent."""
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.3)
+    sensor.ingest(stepping("n1", 1))  # a new node: its record is committed, then answered
+    await asyncio.sleep(0.2)  # the commit
+    answered_wall = datetime.now(UTC)
+    answered = now()
+    sensor.answered("n1")
+    await until(lambda: bool(emitted.events))
+    [event] = emitted.events
+    assert event.type is E.HOST_HEARTBEAT_LOST
+    assert now() >= answered + 0.3
+    reported = datetime.fromisoformat(event.details["last_heartbeat"])
+    assert reported >= answered_wall - timedelta(milliseconds=5), (reported, answered_wall)
+
+
 async def test_lost_node_that_comes_back_raises_node_recovered(
     make_sensor: SensorFactory,
 ) -> None:
@@ -544,8 +566,11 @@ async def test_injected_gpu_report_carries_fault_id(make_sensor: SensorFactory) 
 
 
 async def test_hang_fixed_timeout_names_the_laggard(make_sensor: SensorFactory) -> None:
+    # Scaled (tests/timing.py): the pump and the sensor share this event loop, and a stall
+    # longer than either timeout in the steady phase reads as a loss or a hang.
+    hang_s = scaled(0.2)
     sensor, emitted = make_sensor(
-        heartbeat_timeout_s=0.3, hang_timeout_s=0.2, hang_warmup_intervals=0
+        heartbeat_timeout_s=scaled(0.3), hang_timeout_s=hang_s, hang_warmup_intervals=0
     )
     steps = {"n1": 10, "n2": 10}
     advancing = True
@@ -557,7 +582,7 @@ async def test_hang_fixed_timeout_names_the_laggard(make_sensor: SensorFactory) 
 
     pump = Pump(sensor, beat).start()
     try:
-        await asyncio.sleep(0.6)  # three hang timeouts of steady progress
+        await asyncio.sleep(3 * hang_s)  # three hang timeouts of steady progress
         assert emitted.events == []
         assert pump.events == []
 
@@ -567,7 +592,7 @@ async def test_hang_fixed_timeout_names_the_laggard(make_sensor: SensorFactory) 
         stalled_at = now()
         await until(lambda: bool(emitted.events))
         hang_seen = now()
-        await asyncio.sleep(0.4)  # room for a (wrong) repeat
+        await asyncio.sleep(2 * hang_s)  # room for a (wrong) repeat
     finally:
         await pump.stop()
 
@@ -578,10 +603,10 @@ async def test_hang_fixed_timeout_names_the_laggard(make_sensor: SensorFactory) 
     assert event.rank == 2  # the lowest running rank on the laggard node
     assert event.details["suspect_step"] == steps["n2"]
     assert event.details["last_step"] == steps["n1"]
-    assert event.details["hang_timeout_s"] == 0.2
+    assert event.details["hang_timeout_s"] == pytest.approx(hang_s)
     assert event.details["timeout_learned"] is False
-    assert event.details["stalled_for_s"] >= 0.2 - 1e-3
-    assert hang_seen - stalled_at >= 0.2 - 0.05  # the last advance came at most one tick later
+    assert event.details["stalled_for_s"] >= hang_s - 1e-3
+    assert hang_seen - stalled_at >= hang_s - 0.05  # the last advance came at most a tick later
 
 
 async def test_hang_reported_again_after_progress_resumes_and_stalls(
@@ -700,6 +725,67 @@ async def test_hang_with_learned_timeout_fires(make_sensor: SensorFactory) -> No
     assert event.type is E.HANG and event.job == "j1"
     assert event.details["timeout_learned"] is True
     assert event.details["hang_timeout_s"] == pytest.approx(0.1, abs=2e-3)
+
+
+# A job's end, as its nodes report it: (node, workers) heartbeats, and _WORK, the end's
+# work (hashing, saving). The torch workload says `finishing` first, and its last step
+# comes with its exit (flushed by its client's close).
+_WORK = None
+_ENDS: dict[str, list[tuple[str, list[WorkerReport]] | None]] = {
+    "finishing, then exited": [
+        ("n1", [worker(0, 4, "finishing"), worker(1, 4, "finishing", local_rank=1)]),
+        _WORK,
+        ("n1", [worker(r, 5, "exited", local_rank=r, exit_code=0) for r in (0, 1)]),
+    ],
+    "exited": [_WORK, ("n1", [worker(r, 5, "exited", local_rank=r, exit_code=0) for r in (0, 1)])],
+    "stopped": [_WORK, ("n1", [worker(r, 5, "stopped", local_rank=r) for r in (0, 1)])],
+    # A node still in its loop while another's worker finishes: its steps span that end.
+    "another node finishing": [
+        ("n2", [worker(2, 4, "finishing")]),
+        _WORK,
+        ("n1", [worker(r, 5, local_rank=r) for r in (0, 1)]),
+    ],
+}
+
+
+@pytest.mark.parametrize("end", list(_ENDS), ids=list(_ENDS))
+async def test_the_time_a_job_takes_to_end_is_no_step_interval(
+    make_sensor: SensorFactory, end: str
+) -> None:
+    """Its final hashing and saving took minutes: learned as a step interval, it made the
+    next run's hang timeout as long."""
+    sensor, _ = make_sensor(
+        heartbeat_timeout_s=5.0,
+        hang_timeout_s=None,
+        hang_min_timeout_s=0.01,
+        hang_safety_factor=2.0,
+        hang_warmup_intervals=0,
+    )
+    for step in range(1, 5):
+        sensor.ingest(stepping("n1", step, (0, 1)))
+        sensor.ingest(stepping("n2", step, (2,)))
+        await asyncio.sleep(0.01)
+    before = sensor.job_view("j1")
+    assert before is not None and before.step_interval_s is not None
+    assert before.step_interval_s < 0.3  # else the end would be no longer than a step
+    for beat in _ENDS[end]:
+        if beat is None:  # _WORK
+            await asyncio.sleep(0.3)
+        else:
+            sensor.ingest(hb(beat[0], workers=beat[1]))
+    after = sensor.job_view("j1")
+    assert after is not None and after.last_step == 5  # its last step counts, as progress
+    assert after.step_interval_s == before.step_interval_s
+    assert sensor.hang_timeout_s("j1") == pytest.approx(2.0 * before.step_interval_s)
+
+    # Restarted, the job's steps are step intervals again.
+    sensor.job_restarted("j1")
+    sensor.ingest(stepping("n1", 3, (0, 1)))  # back to a checkpoint
+    await asyncio.sleep(0.3)
+    sensor.ingest(stepping("n1", 4, (0, 1)))
+    again = sensor.job_view("j1")
+    assert again is not None and again.step_interval_s is not None
+    assert again.step_interval_s >= 0.3
 
 
 async def test_restart_from_checkpoint_is_not_a_hang(make_sensor: SensorFactory) -> None:

@@ -28,6 +28,7 @@ from supervisor.live_hub import Hub, Message, Resync
 from supervisor.local.cluster_state import free_port
 from supervisor.runtime import Supervisor
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
+from tests.http import http
 from tests.test_api import heartbeat
 from tests.test_e2e import serving
 
@@ -428,11 +429,11 @@ def test_supervisor_serve_stops_promptly_with_a_stream_open(tmp_path: Path) -> N
 def test_dashboard_files_are_served_without_a_token(tmp_path: Path) -> None:
     with serving(tmp_path) as server:
         for path in ("/", "/static/js/main.js", "/static/app.css"):
-            r = httpx.get(f"{server.url}{path}", timeout=10)
+            r = http.get(f"{server.url}{path}", timeout=10)
             assert r.status_code == 200, path
             assert r.headers["cache-control"] == "no-cache"
-        page = httpx.get(f"{server.url}/", timeout=10)
+        page = http.get(f"{server.url}/", timeout=10)
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script type="module" src="/static/js/main.js">' in page.text
         assert "://" not in page.text  # nothing from another origin
-        assert httpx.get(f"{server.url}/static/nope.js", timeout=10).status_code == 404
+        assert http.get(f"{server.url}/static/nope.js", timeout=10).status_code == 404

@@ -14,9 +14,12 @@ import os
 import subprocess
 import venv
 from collections.abc import Iterator
-from pathlib import Path
+from importlib import metadata
+from pathlib import Path, PurePosixPath
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 torch = pytest.importorskip("torch")
 
@@ -71,14 +74,16 @@ def training_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _link_torch(python: Path, into: Path) -> None:
-    """The exact torch build this machine's tests use, linked into the clean environment
-    (torch and its distribution record only: pip sees it installed and brings its
-    dependencies itself). Unpacking the same 750 MB again would prove nothing more."""
-    installed = Path(torch.__file__).resolve().parents[1]
+    """The exact torch build this machine's tests use, and every distribution it requires
+    (its CUDA libraries are some 3 GB), linked into the clean environment with their
+    distribution records: pip sees them installed and brings the training extra's other
+    dependencies itself. Unpacking the same gigabytes again would prove nothing more."""
     into.mkdir()
-    for name in ("torch", "torchgen", "functorch", f"torch-{torch.__version__}.dist-info"):
-        if (installed / name).exists():
-            (into / name).symlink_to(installed / name)
+    for dist in _requirement_closure("torch"):
+        for name in _top_level_names(dist):
+            target = Path(str(dist.locate_file(name)))
+            if target.exists() and not (into / name).exists():
+                (into / name).symlink_to(target)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -86,6 +91,37 @@ def _link_torch(python: Path, into: Path) -> None:
         text=True,
     ).stdout.strip()
     (Path(site) / "linked_torch.pth").write_text(f"{into}\n")
+
+
+def _requirement_closure(name: str) -> list[metadata.Distribution]:
+    """`name`'s distribution and those it requires on this machine, extras followed."""
+    found: dict[str, metadata.Distribution] = {}
+    todo: list[tuple[str, frozenset[str]]] = [(name, frozenset())]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        wanted, extras = todo.pop()
+        key = canonicalize_name(wanted)
+        if (key, extras) in seen:
+            continue
+        seen.add((key, extras))
+        try:
+            dist = metadata.distribution(wanted)
+        except metadata.PackageNotFoundError:
+            continue  # pip brings it
+        found[key] = dist
+        for line in dist.requires or []:
+            req = Requirement(line)
+            envs = [{"extra": e} for e in extras] or [{"extra": ""}]
+            if req.marker is None or any(req.marker.evaluate(env) for env in envs):
+                todo.append((req.name, frozenset(req.extras)))
+    return list(found.values())
+
+
+def _top_level_names(dist: metadata.Distribution) -> set[str]:
+    """The names a distribution puts at the top of site-packages: its packages and
+    modules, and its own record (``*.dist-info``)."""
+    names = {PurePosixPath(str(f)).parts[0] for f in dist.files or []}
+    return {n for n in names if n not in ("..", "__pycache__") and not n.endswith(".pth")}
 
 
 def test_the_training_extra_saves_and_restores_without_the_service(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from supervisor.local.cluster_state import free_port
+from tests.timing import scaled
 from training.npz_format import (
     checkpoint_file,
     list_checkpoints,
@@ -76,19 +77,12 @@ def server() -> Iterator[RecordingServer]:
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(0.005)
     return predicate()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def test_register_sends_identity_and_token(server: RecordingServer) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.test_worker_client import RecordingServer
+from tests.timing import scaled
 from training.npz_format import checkpoint_file, read_checkpoint
 from training.numpy_workload.checkpoint import CheckpointStore
 from training.numpy_workload.model import init_state
@@ -136,7 +137,7 @@ def jobs() -> Iterator[list[Job]]:
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True

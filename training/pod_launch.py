@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from resiliency_protocol.launch import CommandNotFound, ranks_of, resolve_command
+from resiliency_protocol.worker_env import HOST_MONITOR_URL
+from training.auto_progress import startup_env
 
 PROG = "python -m training.pod_launch"
 #: How long the other ranks get to end after SIGTERM, once one failed, before SIGKILL.
@@ -146,6 +148,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     args, command = parse(sys.argv[1:] if argv is None else argv)
     base = dict(os.environ)
+    if base.get(HOST_MONITOR_URL):
+        # The ranks count their optimizer steps as progress, unless their script reports
+        # its own or RESILIENCY_AUTO_PROGRESS=0 (training.auto_progress).
+        base.update(startup_env(base))
     envs = [
         rank_env(
             base,

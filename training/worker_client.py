@@ -46,6 +46,7 @@ and SIGKILL.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 
 from resiliency_protocol import worker_env
@@ -78,6 +79,14 @@ ENV_JOB = worker_env.HOST_MONITOR_JOB
 ENV_ATTEMPT = worker_env.WORKLOAD_ATTEMPT
 ENV_INSTANCE = worker_env.POD_UID  # on Kubernetes, from the downward API (metadata.uid)
 
+#: Set once a client of the script's own registers or reports a step in this process.
+#: `training.auto_progress` (which counts optimizer steps for a script that reports none)
+#: then steps aside: the script's steps and registration win, no step is counted twice.
+script_client_seen = threading.Event()
+#: Run by the script's first `register()`, in its thread, before its registration goes
+#: out: the count stops its own client there, so that no report of it comes after.
+step_aside: list[Callable[[], None]] = []
+
 
 class WorkerClient:
     """One training worker's link to its host monitor.
@@ -92,6 +101,9 @@ class WorkerClient:
     Its parts live in `training.monitor_link`: the connection, the registration, the
     reporting thread, the SIGTERM handling, the emergency checkpoints and the worlds.
     """
+
+    #: False only for `training.auto_progress`'s own client (see `script_client_seen`).
+    reports_for_script = True
 
     def __init__(
         self,
@@ -127,7 +139,10 @@ class WorkerClient:
         self._reporter = Reporter(self._connection, self._registration, rank, report_interval_s)
         self._term = TermHandler(self._connection, self._registration, rank)
         self._emergency = EmergencyServer(
-            self._connection, rank, self._term.stop_if_main_thread_stuck
+            self._connection,
+            rank,
+            self._term.stop_if_main_thread_stuck,
+            self._registration.take_emergency_checkpoints,
         )
         self._worlds = Worlds(self._connection, self._reporter, rank)
         self._finishing_reported = False
@@ -197,6 +212,10 @@ class WorkerClient:
         """
         if self._connection.http is None:
             return False
+        if self.reports_for_script and not script_client_seen.is_set():
+            script_client_seen.set()
+            for callback in step_aside:
+                callback()
         ok = self._registration.register(world_size, attempts, retry_delay_s)
         # Even when not registered yet: the thread may register later (Registration), and
         # the handler reports only once registered.
@@ -211,6 +230,8 @@ class WorkerClient:
         backward) before it waited for the other ranks in a collective. Sent as a mean
         over the steps between two reports; the supervisor scores stragglers on it.
         """
+        if self.reports_for_script and not script_client_seen.is_set():
+            script_client_seen.set()
         self._reporter.report_step(step, compute_s)
 
     def report_checkpoint_saved(
@@ -347,8 +368,9 @@ class WorkerClient:
         self._reporter.closed = True
         self._emergency.stop_thread(timeout_s)
         self._reporter.stop(timeout_s)
-        self._connection.close()
+        # Before the connection closes: putting the handler back tells the host monitor.
         self._emergency.restore_handler()
+        self._connection.close()
         self._term.restore()
 
     def __enter__(self) -> WorkerClient:

@@ -136,16 +136,21 @@ class Actuator:
             partial(self.store.finish_action, action.id, status, error=error, result=stored_result)
         )
         self.changed(finished)
-        self.metrics.actions.labels(action.type.value, status.value).inc()
-        self.metrics.action_seconds.labels(action.type.value).observe(time.monotonic() - started)
-        self.metrics.job_actions.count(finished)
+        if finished.dry_run:  # nothing was done: no action, duration or restart to count
+            self.metrics.dry_run_actions.labels(action.type.value, status.value).inc()
+        else:
+            self.metrics.actions.labels(action.type.value, status.value).inc()
+            elapsed = time.monotonic() - started
+            self.metrics.action_seconds.labels(action.type.value).observe(elapsed)
+            self.metrics.job_actions.count(finished)
         log.info(
-            "action %s %s job=%s node=%s: %s%s",
+            "action %s %s job=%s node=%s: %s%s%s",
             finished.id,
             finished.type.value,
             finished.job,
             finished.node,
             status.value,
+            " (dry run: nothing done)" if finished.dry_run else "",
             f" ({error})" if error else "",
             extra=log_fields(finished),
         )

@@ -127,6 +127,9 @@ class Backend(ABC):
     actions: ClassVar[ActionTable[Any]]
     #: Fault kinds this backend can act out on real processes (see `inject_fault`).
     process_faults: ClassVar[frozenset[str]] = frozenset()
+    #: It carries nothing out: the supervisor that runs it is a dry run (its actions are
+    #: marked so and counted apart, and move no node in its picture).
+    dry_run: ClassVar[bool] = False
 
     @abstractmethod
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]: ...

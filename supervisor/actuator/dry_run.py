@@ -1,9 +1,10 @@
 """A backend that records what it is asked to do and touches nothing.
 
-Used by the unit tests and by `dry_run: true`, to watch what a policy would decide. Under
-a dry-run supervisor it may wrap a backend that only watches the cluster (Kubernetes, read
-only): its events, jobs and spares are seen as the acting supervisor sees them, and no
-action ever reaches it.
+The backend of `backend: dry_run` and of `dry_run: true`, to watch what a policy would
+decide: either way the supervisor is a dry run (`Backend.dry_run`). Under a dry-run
+supervisor it may wrap a backend that only watches the cluster (Kubernetes, read only):
+its events, jobs and spares are seen as the acting supervisor sees them, and no action
+ever reaches it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class RecordedCall:
 
 class DryRunBackend(Backend):
     name = "dry_run"
+    dry_run = True
 
     def __init__(self, watching: Backend | None = None) -> None:
         self.calls: list[RecordedCall] = []

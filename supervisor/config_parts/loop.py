@@ -182,7 +182,11 @@ class RuntimeSettings(SettingsGroup):
 
     title = "Backend and policy"
 
-    backend: BackendName = Field("dry_run", description="Where actions are carried out.")
+    backend: BackendName = Field(
+        "dry_run",
+        description="Where actions are carried out. `dry_run` carries out none: the "
+        "supervisor is a dry run, as with `dry_run: true`.",
+    )
     dry_run: bool = Field(
         False,
         description="Record what the policy decides, and do nothing: the actions are marked "

@@ -3,7 +3,7 @@ supervisor's hooks, in one small object the backend builds once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -40,6 +40,8 @@ class ActionContext:
     controller_patience_s: float
     #: The supervisor's, from `KubeBackend.start` on.
     hooks: BackendHooks | None = None
+    #: JobSets told (an event) to take no emergency checkpoints: told once, not at every fault.
+    told_no_emergency: set[str] = field(default_factory=set)
 
     @property
     def ns(self) -> str:

@@ -32,6 +32,20 @@ async def emergency_checkpoint(ctx: ActionContext, action: ActionRecord) -> dict
         reraise=(Fenced,),
     )
     js = ctx.discovery.jobset(jobset)
+    if checkpoint.takes_none:
+        # Its workers registered without a SIGUSR1 handler: nothing failed, and the remedy
+        # after it goes on as it would after a save.
+        note = checkpoint.none_asked(jobset)
+        if js is not None and jobset not in ctx.told_no_emergency:
+            ctx.told_no_emergency.add(jobset)
+            await rmw.event(ctx, js, "JobSet", action, "NoEmergencyCheckpoints", note)
+        return {
+            "nodes": nodes,
+            "acked_ranks": [],
+            "steps": [],
+            "emergency_checkpoints": False,
+            "note": note,
+        }
     if not checkpoint.succeeded:
         what = f"emergency checkpoint incomplete: {checkpoint.failure}"
         if js is not None:

@@ -29,12 +29,16 @@ from supervisor.kube.node_fencing import may_force_delete
 
 log = logging.getLogger(__name__)
 
+#: A pod in one of these phases has ended: nothing is left to mark.
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+
 
 async def evict(ctx: ActionContext, name: str, uid: str) -> str:
     """Evict one pod (policy/v1, honours PDBs, marks DisruptionTarget); when eviction is
     impossible (a PDB refusing, 429, for `eviction_patience_s`; 500 with several PDBs),
-    delete it with `pod_deletion_grace_period_s`. UID preconditions: a pod that was
-    replaced meanwhile is left alone. Returns what happened."""
+    delete it with `pod_deletion_grace_period_s`. A 403 (RBAC, or an admission webhook,
+    refusing the eviction) is raised, never got around by a delete. UID preconditions: a
+    pod that was replaced meanwhile is left alone. Returns what happened."""
     body = {
         "apiVersion": "policy/v1",
         "kind": "Eviction",
@@ -66,7 +70,7 @@ async def evict(ctx: ActionContext, name: str, uid: str) -> str:
             # 500: the pod is covered by more than one PDB, which eviction does not
             # support. Other transient statuses (and no answer at all): the API
             # server is unreachable or overloaded; the action is retried.
-            if exc.retryable and exc.status != 500:
+            if exc.status == 403 or (exc.retryable and exc.status != 500):
                 raise
             why = str(exc)
             break
@@ -124,6 +128,8 @@ async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str
         preconditions=client.V1Preconditions(uid=uid) if uid else None,
     )
     try:
+        if cached.get("status", {}).get("phase") not in TERMINAL_PHASES:
+            await mark_failed(ctx, pod_name, ns, action)
         await ctx.calls.run(
             f"force delete pod {pod_name}",
             ctx.core.delete_namespaced_pod,
@@ -144,6 +150,29 @@ async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str
             f"pod {pod_name} deleted with grace period 0",
         )
     return {"pod": pod_name, "outcome": "deleted"}
+
+
+async def mark_failed(ctx: ActionContext, pod_name: str, ns: str, action: ActionRecord) -> None:
+    """Mark a pod whose kubelet is gone Failed, with DisruptionTarget, as the pod garbage
+    collector marks the pods it deletes. A Job with a pod failure policy (every JobSet
+    of "JobSet requirements") counts a pod only once it is Failed, and keeps its tracking
+    finalizer on it until then: without this, the pod deleted with grace 0 stays, and
+    the Job neither fails nor replaces it (seen on the real API server)."""
+    condition = {
+        "type": "DisruptionTarget",
+        "status": "True",
+        "reason": "DeletionByResiliencySupervisor",
+        "message": f"supervisor action {action.id}: {action.reason}",
+        "lastTransitionTime": o.rfc3339(),
+    }
+    await ctx.calls.run(
+        f"mark pod {pod_name} failed",
+        ctx.core.patch_namespaced_pod_status,
+        pod_name,
+        ns,
+        {"status": {"phase": "Failed", "conditions": [condition]}},
+        _preload_content=False,
+    )
 
 
 def node_up(ctx: ActionContext, node: str) -> bool:

@@ -16,11 +16,12 @@ restarted), its workers waiting for their world (WORLD_WAIT_S). Then:
 4. `pod_links.PodLinks` tells every pod the new world through its node's host monitor:
    the survivors at once, each replacement when it is scheduled.
 5. Done when every rank trains in the new world. When that takes longer than
-   `in_process_restart_timeout_s`, or the JobSet does not allow it, or the policy asks for
-   it (`in_process: false`), the JobSet is restarted whole instead (its child Jobs deleted
-   and recreated, as a workload restart does; its new pods meet in the current world once
-   every old one is gone); the result says which path was taken (`path`) and why
-   (`in_process_error`).
+   `in_process_restart_timeout_s`, or a pod of the new world ends before it forms (the
+   next pod of its rank would join only the world after), or the JobSet does not allow
+   it, or the policy asks for it (`in_process: false`), the JobSet is restarted whole
+   instead (its child Jobs deleted and recreated, as a workload restart does; its new pods
+   meet in the current world once every old one is gone); the result says which path was
+   taken (`path`) and why (`in_process_error`).
 
 A later action for a failure seen before a heal completed is skipped ("healed in-process
 since the event"), as one after a JobSet restart is.
@@ -158,16 +159,22 @@ class InProcessHealing:
         timeout = ctx.settings.in_process_restart_timeout_s
         deadline = time.monotonic() + timeout
         while waiting := await self.links.joined(jobset, world.attempt):
-            if time.monotonic() >= deadline:
+            # A member gone: waiting on would only spend the timeout.
+            ended = self.links.ended_member(jobset, world.attempt)
+            if ended is not None:
+                why = f"pod {ended} of world {world.attempt} ended before ranks {waiting} joined"
+            elif time.monotonic() >= deadline:
                 why = (
                     f"ranks {waiting} did not join world {world.attempt} within"
                     f" in_process_restart_timeout_s={timeout:g}s"
                 )
-                if fencing is not None and fencing["status"] == "waiting":
-                    why += f" (old pods: {fencing['why']})"
-                await self._mark_fallback(jobset, key, why)
-                return await self._full_restart(action, node, swap, why)
-            await asyncio.sleep(0.1)
+            else:
+                await asyncio.sleep(0.1)
+                continue
+            if fencing is not None and fencing["status"] == "waiting":
+                why += f" (old pods: {fencing['why']})"
+            await self._mark_fallback(jobset, key, why)
+            return await self._full_restart(action, node, swap, why)
         result: dict[str, Any] = {
             "path": "in_process",
             "world": world.attempt,

@@ -230,6 +230,22 @@ class PodLinks:
         log.info("node %s keeps its checkpoint copies on %s", node, body.node)
         return True
 
+    def ended_member(self, jobset: str, attempt: int) -> str | None:
+        """A pod of world `attempt` that ended (failed, or went away) before the world
+        trained: the world cannot form any more, as the next pod of its rank joins only the
+        next world. Its name (its UID when it is gone), else None."""
+        world, members = self._members.get(jobset, (None, {}))
+        if world != attempt:
+            return None
+        pods = {o.uid_of(p): p for p in self.discovery.pods_of(jobset)}
+        for uid in members.values():
+            pod = pods.get(uid)
+            if pod is None:
+                return uid
+            if o.pod_finished(pod):
+                return o.name_of(pod)
+        return None
+
     async def joined(self, jobset: str, attempt: int) -> list[int]:
         """The ranks not yet training in world `attempt`, as their host monitors say."""
         js = self.discovery.jobset(jobset)

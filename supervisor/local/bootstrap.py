@@ -10,9 +10,17 @@ node, a volume shared by all, mounted at the same path everywhere):
         --node node-0=http://node-0:9400 --node node-1=http://node-1:9400 ... \\
         --replicas 2 --nodes-per-dp 2
 
-The first replicas x nodes-per-dp nodes run the job, the others are spares. Each run
+Your own job instead of the demo's, given as `supervisor run` takes it (`train.py ARGS`,
+`-m MODULE ARGS`, `-- COMMAND ARGS`), on `--nnodes` nodes of `--nproc-per-node` workers
+each, with torchrun's environment:
+
+    ... python -m supervisor.local.bootstrap --run-dir ... --node ... \
+        --nnodes 2 --nproc-per-node 8 train.py --lr 0.1
+
+The first nodes run the job (replicas x nodes-per-dp, or nnodes), the others are spares. Each run
 starts a new job, as `make demo` does: workers still running from a previous one are
-stopped, and its checkpoints and collectives are removed.
+stopped, and its checkpoints and collectives are removed (only those a previous bootstrap
+wrote: a folder that holds them without its marker is refused, untouched).
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import ssl
 import time
 import uuid
@@ -28,11 +35,15 @@ from pathlib import Path
 
 import httpx
 
+from resiliency_protocol.launch import resolve_command
 from resiliency_protocol.tls import TLSError, client_context
 from supervisor.local.cluster import ClusterError, LocalCluster
 from supervisor.local.cluster_state import ClusterState, NodeInfo
-from supervisor.local.demo import DemoOptions
+from supervisor.local.demo_options import DemoOptions
+from supervisor.local.run_folder import RunFolderError, clear_job_entries, job_entries
+from training.auto_progress import startup_env
 
+PROG = "python -m supervisor.local.bootstrap"
 TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token
 # What a previous job left in the run directory (see LocalCluster.worker_env).
 JOB_ENTRIES = ("cluster.json", "job", "durable", "output", "nodes")
@@ -41,7 +52,7 @@ JOB_ENTRIES = ("cluster.json", "job", "durable", "output", "nodes")
 def _parser() -> argparse.ArgumentParser:
     d = DemoOptions()
     parser = argparse.ArgumentParser(
-        prog="python -m supervisor.local.bootstrap",
+        prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -63,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
         "--wait-s", type=float, default=120.0, help="How long to wait for the host monitors."
     )
     parser.add_argument(
+        "--nnodes", type=int, default=1, help="Nodes of a COMMAND's job (default 1)."
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1, help="Workers per node of a COMMAND's job."
+    )
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="COMMAND is a Python module (python -m)."
+    )
+    parser.add_argument(
         "--tls-ca-file",
         help="CA bundle (PEM) that verifies host monitors at https:// URLs (the supervisor's "
         "tls_ca_file). Default: the system's trust store.",
@@ -71,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         "--tls-server-name",
         help="Name their certificates are checked against instead of the URL's host (the "
         "supervisor's tls_host_monitor_server_name).",
+    )
+    parser.add_argument(
+        "argv",
+        metavar="COMMAND",
+        nargs=argparse.REMAINDER,
+        help="The job's command, as supervisor run takes it: train.py ARGS (with this "
+        "Python), -m MODULE ARGS, or -- COMMAND ARGS (as it is). None: the demo's workload.",
     )
     return parser
 
@@ -87,13 +114,25 @@ def parse_nodes(specs: list[str]) -> dict[str, str]:
     return nodes
 
 
-def build_state(args: argparse.Namespace, nodes: dict[str, str], token: str) -> ClusterState:
-    size = args.replicas * args.nodes_per_dp
+def _workload(args: argparse.Namespace) -> DemoOptions:
+    """The job: the COMMAND given (CommandNotFound when it cannot run), else the demo's."""
+    if args.argv:
+        if args.nnodes < 1 or args.nproc_per_node < 1:
+            raise ValueError("--nnodes and --nproc-per-node must be at least 1")
+        command = resolve_command(list(args.argv), prog=PROG, module=args.module)
+        return DemoOptions(
+            job=args.job,
+            replicas=args.nnodes,
+            nodes_per_dp=1,
+            command=command,
+            nproc_per_node=args.nproc_per_node,
+            # The workers count their optimizer steps (training.auto_progress), as under
+            # supervisor run: a hung rank is seen without a line of code.
+            workload_env=startup_env(os.environ),
+        )
     if args.replicas < 1 or args.nodes_per_dp < 1:
         raise ValueError("--replicas and --nodes-per-dp must be at least 1")
-    if size > len(nodes):
-        raise ValueError(f"the job needs {size} nodes, {len(nodes)} given")
-    workload = DemoOptions(
+    return DemoOptions(
         job=args.job,
         seed=args.seed,
         total_steps=args.steps,
@@ -101,6 +140,13 @@ def build_state(args: argparse.Namespace, nodes: dict[str, str], token: str) -> 
         replicas=args.replicas,
         nodes_per_dp=args.nodes_per_dp,
     )
+
+
+def build_state(args: argparse.Namespace, nodes: dict[str, str], token: str) -> ClusterState:
+    workload = _workload(args)
+    size = workload.replicas * workload.nodes_per_dp
+    if size > len(nodes):
+        raise ValueError(f"the job needs {size} nodes, {len(nodes)} given")
     return ClusterState(
         run_dir=str(args.run_dir),
         actuator_token=token,
@@ -141,13 +187,7 @@ async def bootstrap(
         unreachable = {n: r for n, r in stopped.items() if isinstance(r, str)}
         if unreachable:
             raise RuntimeError(f"could not stop previous workers: {unreachable}")
-        run_dir = Path(state.run_dir)
-        for entry in JOB_ENTRIES:
-            path = run_dir / entry
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        clear_job_entries(Path(state.run_dir), JOB_ENTRIES)
         state.save()
         # A key of its own: host monitors deduplicate start requests by id.
         return await cluster.restart_job(f"boot-{uuid.uuid4().hex[:12]}")
@@ -165,9 +205,13 @@ def main(argv: list[str] | None = None) -> None:
         tls = client_context(
             args.tls_ca_file, server_name=args.tls_server_name, ca_name="--tls-ca-file"
         )
+        # Before anything changes: what it would remove there must be a previous job's.
+        job_entries(args.run_dir, JOB_ENTRIES)
         args.run_dir.mkdir(parents=True, exist_ok=True)
         asyncio.run(wait_for_nodes(state, args.wait_s, tls))
         started = asyncio.run(bootstrap(state, tls))
+    except RunFolderError as exc:
+        raise SystemExit(f"bootstrap: --run-dir {exc}") from None
     except (ValueError, RuntimeError, OSError, httpx.HTTPError, ClusterError, TLSError) as exc:
         raise SystemExit(f"bootstrap: {exc}") from None
     assert state.job is not None

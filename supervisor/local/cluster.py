@@ -91,6 +91,8 @@ class LocalCluster:
         self.on_world: Callable[[str, int], None] | None = None
         #: What the last stop on each node came to (exit codes, or why it could not).
         self.last_stops: dict[str, Any] = {}
+        # Jobs logged as taking no emergency checkpoints: said once, not at every fault.
+        self._told_none: set[str] = set()
         self.silent: set[str] = set()  # those the last stop got no answer from at all
 
     def _new_world(self, job: JobSpec) -> None:
@@ -418,10 +420,24 @@ class LocalCluster:
             http_timeout_s=timeout_s + 5,
             reraise=(Fenced,),
         )
-        if not checkpoint.saved and not checkpoint.problems:
-            raise NothingToSave(
-                "no worker of the job is registered with its host monitor: nothing to save"
+        if checkpoint.takes_none:
+            note = checkpoint.none_asked(job.name)
+            first = job.name not in self._told_none
+            self._told_none.add(job.name)
+            log.log(
+                logging.INFO if first else logging.DEBUG, "emergency checkpoint %s: %s", key, note
             )
+            # Nothing failed: the remedy after it goes on as it would after a save.
+            return {
+                "step": None,
+                "steps": [],
+                "acked_ranks": [],
+                "missing_nodes": [],
+                "emergency_checkpoints": False,
+                "note": note,
+            }
+        if not checkpoint.saved and not checkpoint.problems:
+            raise NothingToSave(checkpoint.none_asked(job.name))
         if not checkpoint.succeeded:
             raise ClusterError(f"emergency checkpoint incomplete: {checkpoint.failure}")
         # The step to resume from: the newest one at which every shard of the model (rank

@@ -5,6 +5,7 @@ run directory, written atomically (supervisor/local/cluster.py acts on it)."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -16,12 +17,39 @@ STATE_FILE = "cluster.json"
 MAX_REMEMBERED_KEYS = 1000
 
 
+#: Ports chosen here lie in [LOWEST_PORT, the ephemeral range's start - PORT_HEADROOM):
+#: the kernel hands none of them to a connection's local end or to a bind to port 0, so
+#: a port chosen now is still free when its server binds it seconds later (a torch rank's
+#: rendezvous store after its imports); above, any outgoing connection may take it. The
+#: headroom keeps the ports of the worlds that follow a first MASTER_PORT below it too.
+LOWEST_PORT = 20000
+PORT_HEADROOM = 128
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+    """A TCP port free on 127.0.0.1 right now, below the ephemeral range (see
+    LOWEST_PORT); one the kernel picks where that range leaves no room below it."""
+    top = _ephemeral_start() - PORT_HEADROOM
+    for _ in range(64) if top - LOWEST_PORT >= 1024 else ():
+        port = random.randrange(LOWEST_PORT, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 class NodeInfo(BaseModel):

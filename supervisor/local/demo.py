@@ -19,137 +19,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
 from supervisor.local.cluster import LocalCluster
-from supervisor.local.cluster_state import ClusterState, JobSpec, NodeInfo, free_port
+from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
+from supervisor.local.demo_options import DemoOptions
+from supervisor.local.run_folder import claim
 
 RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-WORKLOADS = {"numpy": "training.numpy_workload", "torch": "training.torch_workload"}
-#: The torch workload's PARALLELISM values.
-PARALLELISMS = ("ddp", "fsdp", "hsdp")
-
-
-@dataclass
-class DemoOptions:
-    run_dir: Path = Path("var/demo")
-    port: int = 8080
-    replicas: int = 2
-    nodes_per_dp: int = 2
-    spares: int = 2
-    job: str = "demo"
-    seed: int = 0
-    total_steps: int = 100_000
-    step_time_s: float = 0.1
-    in_memory_checkpointing_freq: int = 10
-    s3_checkpointing_freq: int = 20
-    heartbeat_polling_period_s: float = 0.5
-    heartbeat_timeout_s: float = 3.0
-    node_repair_s: float = 20.0
-    policy: str = "policies.default:DefaultPolicy"
-    supervisor_env: dict[str, str] = field(default_factory=dict)
-    #: `numpy` (the NumPy workload, sharded over `nodes_per_dp` nodes) or `torch` (the
-    #: PyTorch workload: DDP, one node per replica).
-    workload: str = "numpy"
-    #: More environment for the workload (e.g. the torch model's size).
-    workload_env: dict[str, str] = field(default_factory=dict)
-    #: How the torch workload lays its model over the ranks: `ddp` (replicas), `fsdp`
-    #: (FSDP2, sharded over every rank), `hsdp` (FSDP2 on 2 replica groups x the rest).
-    parallelism: str = "ddp"
-    #: The torch workload heals in-process (restart in place, hot-swap): survivors keep
-    #: their processes. Off: every rank restarts.
-    in_process_restart: bool = True
-    #: Each node of the torch job, and each spare, keeps a warm standby process with torch
-    #: imported: a rank started anew (restart in place, hot-swap) skips that import.
-    warm_standby: bool = True
-    #: Your own job instead of the workload (`supervisor run`): the command every worker
-    #: runs, with `workload_env` and torchrun's environment.
-    command: list[str] | None = None
-    #: The command heals in-process (`supervisor run --in-process`): it runs its worlds
-    #: through training.healing. Off by default: a script that does not would only be
-    #: waited for, up to in_process_restart_timeout_s, before every rank restarts.
-    command_in_process: bool = False
-    #: Workers per node (torchrun's --nproc-per-node).
-    nproc_per_node: int = 1
-    #: Where each process runs, by name (`supervisor`, or a node's): the command prefix
-    #: that runs it there (e.g. `ip netns exec NS`, a host with a network of its own) and
-    #: the address it binds and is reached at. Left out: this machine, on 127.0.0.1.
-    hosts: dict[str, tuple[list[str], str]] = field(default_factory=dict)
-
-    def host(self, name: str) -> tuple[list[str], str]:
-        return self.hosts.get(name, ([], "127.0.0.1"))
-
-    def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
-        if self.parallelism not in PARALLELISMS:
-            raise ValueError(
-                f"parallelism must be one of {', '.join(PARALLELISMS)}, got {self.parallelism!r}"
-            )
-        if self.parallelism != "ddp" and self.workload != "torch":
-            raise ValueError(f"parallelism {self.parallelism} needs the torch workload")
-        if self.workload == "torch" and self.nodes_per_dp != 1:
-            raise ValueError(
-                "nodes_per_dp must be 1 with the torch workload: it is data parallel (DDP), "
-                "each node holds a whole replica"
-            )
-
-    @property
-    def nodes(self) -> list[str]:
-        return [f"node-{i}" for i in range(self.replicas * self.nodes_per_dp + self.spares)]
-
-    def job_spec(self, placement: list[str]) -> JobSpec:
-        """The job of the local cluster on `placement`: the command, else the workload."""
-        if self.command is not None:
-            return JobSpec(
-                name=self.job,
-                command=self.command,
-                env=self.workload_env,
-                num_dp_replicas=self.replicas,
-                num_nodes_per_dp=self.nodes_per_dp,
-                placement=placement,
-                nproc_per_node=self.nproc_per_node,
-                in_process_restart=self.command_in_process,
-            )
-        return JobSpec(
-            name=self.job,
-            command=[sys.executable, "-m", WORKLOADS[self.workload]],
-            env={
-                "SEED": str(self.seed),
-                "TOTAL_STEPS": str(self.total_steps),
-                "STEP_TIME_S": str(self.step_time_s),
-                "IN_MEMORY_CHECKPOINTING_FREQ": str(self.in_memory_checkpointing_freq),
-                "S3_CHECKPOINTING_FREQ": str(self.s3_checkpointing_freq),
-                **({"PARALLELISM": self.parallelism} if self.workload == "torch" else {}),
-                # A scale-down trains on every batch of a step still (elastic.py): the
-                # weights stay those of the full job's run.
-                **(
-                    {"DATA_REPLICAS": str(self.replicas)}
-                    if self.workload == "torch" and self.parallelism == "ddp"
-                    else {}
-                ),
-                # A sharded rank left waiting in another mesh group's collective (HSDP)
-                # must fail well within the in-process restart's bound to rejoin.
-                **({"COLLECTIVE_TIMEOUT_S": "8"} if self.parallelism != "ddp" else {}),
-                **self.workload_env,
-            },
-            num_dp_replicas=self.replicas,
-            num_nodes_per_dp=self.nodes_per_dp,
-            placement=placement,
-            in_process_restart=self.workload == "torch" and self.in_process_restart,
-            standby_preload=(
-                ["training.torch_workload.train"]
-                if self.workload == "torch" and self.warm_standby
-                else []
-            ),
-        )
 
 
 def node_checkpoint_root(run_dir: Path, node: str) -> Path:
@@ -183,6 +64,17 @@ class LocalDemo:
         self.supervisor: subprocess.Popen[bytes] | None = None
         self._down_since: dict[str, float] = {}
         self._logs: list[IO[bytes]] = []
+        self._folder: IO[bytes] | None = None  # the run folder's marker, locked while we run
+        self._client: httpx.Client | None = None
+
+    @property
+    def http(self) -> httpx.Client:
+        """One client for every request to the supervisor and the host monitors: a client
+        made per request (httpx.get) builds a TLS context each time, about 45 ms of CPU,
+        which polling several times a second turned into half a core."""
+        if self._client is None:
+            self._client = httpx.Client(timeout=5)
+        return self._client
 
     # --- processes ----------------------------------------------------------------------
 
@@ -226,7 +118,9 @@ class LocalDemo:
             "HOST_MONITOR_HOST": o.host(node)[1],
             "HOST_MONITOR_HOST_DAEMON_PORT": str(port),
             "HOST_MONITOR_HEARTBEAT_POLLING_PERIOD_S": str(o.heartbeat_polling_period_s),
-            "HOST_MONITOR_WORKER_HEARTBEAT_TIMEOUT_S": str(max(2.0, o.heartbeat_timeout_s)),
+            "HOST_MONITOR_WORKER_HEARTBEAT_TIMEOUT_S": str(
+                o.worker_heartbeat_timeout_s or max(2.0, o.heartbeat_timeout_s)
+            ),
             "HOST_MONITOR_INITIAL_STATE": "spare",
             "HOST_MONITOR_KERNEL_LOG": str(node_dir / "kmsg.log"),
             "HOST_MONITOR_WATCHDOG_PERIOD_S": "0.5",
@@ -296,7 +190,7 @@ class LocalDemo:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if httpx.get(url, timeout=1, headers=headers).status_code == 200:
+                if self.http.get(url, timeout=1, headers=headers).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -312,9 +206,9 @@ class LocalDemo:
 
     def start(self) -> None:
         o = self.options
-        if self.run_dir.exists():
-            shutil.rmtree(self.run_dir)
-        (self.run_dir / "logs").mkdir(parents=True)
+        # Only a new or empty folder, or a previous run's (RunFolderError else).
+        self._folder = claim(self.run_dir)
+        (self.run_dir / "logs").mkdir()
         for node in o.nodes:
             self.start_monitor(node)
         auth = {"Authorization": f"Bearer {self.actuator_token}"}
@@ -385,7 +279,7 @@ class LocalDemo:
             return False
         try:
             self.wait_ready(f"{self._node_url(node)}/healthz", timeout_s=15.0)
-            response = httpx.post(
+            response = self.http.post(
                 f"{self._node_url(node)}/v1/standby",
                 json={
                     "job": job.name,
@@ -403,7 +297,7 @@ class LocalDemo:
     def operator_action(self, body: dict[str, Any], key: str) -> dict[str, Any]:
         """Ask for an action through the API and wait until it finished."""
         headers = {"Authorization": f"Bearer {self.operator_token}", "Idempotency-Key": key}
-        response = httpx.post(f"{self.url}/api/v1/actions", json=body, headers=headers, timeout=5)
+        response = self.http.post(f"{self.url}/api/v1/actions", json=body, headers=headers)
         response.raise_for_status()
         action: dict[str, Any] = response.json()
         deadline = time.monotonic() + 30
@@ -441,15 +335,20 @@ class LocalDemo:
             time.sleep(0.05)
         for log in self._logs:
             log.close()
+        if self._folder is not None:
+            self._folder.close()  # another run may take the folder now
+            self._folder = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     # --- reads for the banner and tests --------------------------------------------------
 
     def api(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
+        response = self.http.get(
             f"{self.url}{path}",
             params=params,
             headers={"Authorization": f"Bearer {self.operator_token}"},
-            timeout=5,
         )
         response.raise_for_status()
         return response.json()

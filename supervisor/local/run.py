@@ -51,11 +51,18 @@ HEALED = {"in_process": " in-process", "full_restart": " by restarting every ran
 class JobRun:
     """Watches the job of a started `LocalDemo` until it ends."""
 
-    def __init__(self, demo: LocalDemo, out: TextIO = sys.stdout) -> None:
+    def __init__(
+        self,
+        demo: LocalDemo,
+        out: TextIO = sys.stdout,
+        shown_ranks: frozenset[int] | None = None,
+    ) -> None:
+        """`shown_ranks`: the ranks whose output comes to `out` (None: every rank)."""
         self.demo = demo
         self.out = out
-        self.tee = RankTee(demo.run_dir / "nodes", demo.options.job, out)
+        self.tee = RankTee(demo.run_dir / "nodes", demo.options.job, out, shown_ranks)
         self._told: set[int] = set()
+        self._noted: set[tuple[str, str]] = set()  # (type, job) of the notes said once
         self._lost: dict[str, datetime] = {}  # node -> when its host monitor was seen gone
 
     def wait_known(self, within_s: float = 30.0) -> None:
@@ -170,7 +177,7 @@ class JobRun:
         for node in job.placement:
             port = self.demo.node_ports.get(node)
             try:
-                status = httpx.get(
+                status = self.demo.http.get(
                     f"http://127.0.0.1:{port}/v1/status", headers=auth, timeout=2
                 ).json()
             except (httpx.HTTPError, ValueError):
@@ -185,7 +192,7 @@ class JobRun:
         supervisor = self.demo.supervisor
         if supervisor is None or (exited := supervisor.poll()) is None:
             return
-        self.out.write(f"[supervisor]: exited ({exited}); starting it again\n")
+        self.out.write(f"{_clock(None)} [supervisor]: exited ({exited}); starting it again\n")
         self.demo.restart_supervisor()
 
     def _actions_end(self) -> None:
@@ -210,11 +217,23 @@ class JobRun:
             if action["id"] in self._told or in_flight:
                 continue
             self._told.add(action["id"])
+            note = (action.get("result") or {}).get("note")
+            if note is not None:
+                # Information, not an outcome (a job that takes no emergency
+                # checkpoints): said once, not at every fault.
+                if (action["type"], action["job"]) not in self._noted:
+                    self._noted.add((action["type"], action["job"]))
+                    self.out.write(
+                        f"{_clock(action.get('finished_at'))} [supervisor]: "
+                        f"{action['type']}: {note}\n"
+                    )
+                continue
             where = f" {action['node']}" if action["node"] else ""
             why = action["reason"] if action["status"] == "succeeded" else action["error"]
             how = HEALED.get(str((action.get("result") or {}).get("path")), "")
             self.out.write(
-                f"[supervisor]: {action['type']}{where} {action['status']}{how}: {why}\n"
+                f"{_clock(action.get('finished_at'))} [supervisor]: "
+                f"{action['type']}{where} {action['status']}{how}: {why}\n"
             )
         return in_flight
 
@@ -223,3 +242,10 @@ class JobRun:
             return self.demo.api(path, **params)
         except (httpx.HTTPError, ValueError):
             return None  # not up yet, restarting, or the job not seen yet
+
+
+def _clock(at: str | None) -> str:
+    """The local time of day of `at` (the API's ISO 8601 time; None: now), to the second:
+    the supervisor's lines say when, among the ranks' own."""
+    moment = datetime.fromisoformat(at) if at else datetime.now(UTC)
+    return moment.astimezone().strftime("%H:%M:%S")

@@ -21,9 +21,17 @@ class RankTee:
     """Follows the job's worker logs under `nodes_dir` (one directory per node); `pump`
     copies what is new, whole lines only, to `out`."""
 
-    def __init__(self, nodes_dir: Path, job: str, out: TextIO = sys.stdout) -> None:
+    def __init__(
+        self,
+        nodes_dir: Path,
+        job: str,
+        out: TextIO = sys.stdout,
+        ranks: frozenset[int] | None = None,
+    ) -> None:
+        """`ranks`: the ranks whose lines are copied (None: every rank's)."""
         self.nodes_dir = nodes_dir
         self.out = out
+        self._ranks = ranks
         self._name = re.compile(rf"\.{re.escape(job)}\.rank(\d+)\.log$")
         self._job = job
         self._offsets: dict[Path, int] = {}
@@ -36,7 +44,9 @@ class RankTee:
             match = self._name.search(path.name)
             if match is None:
                 continue
-            self._copy(path, int(match.group(1)), final)
+            rank = int(match.group(1))
+            if self._ranks is None or rank in self._ranks:
+                self._copy(path, rank, final)
         self.out.flush()
 
     def _copy(self, path: Path, rank: int, final: bool) -> None:
@@ -55,7 +65,10 @@ class RankTee:
             lines.append(rest)
         elif rest:
             self._partial[path] = rest
+        prefix = f"[rank{rank}]:"
         for line in lines:
             if line.startswith(START_HEADER):
                 continue
-            self.out.write(f"[rank{rank}]: {line.decode(errors='replace')}\n")
+            text = line.decode(errors="replace")
+            # torch.distributed prefixes a rank's error output itself: one prefix, not two.
+            self.out.write(f"{text}\n" if text.startswith(prefix) else f"{prefix} {text}\n")

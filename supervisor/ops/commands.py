@@ -248,9 +248,13 @@ def _node_action(client: Client, args: argparse.Namespace) -> None:
         args,
         lambda: (
             f"action {action['id']}: {action['type']} node {action['node']}, "
-            f"{action['status']} (supervisor describe action {action['id']})"
+            f"{action['status']}{_dry(action)} (supervisor describe action {action['id']})"
         ),
     )
+
+
+def _dry(action: dict[str, Any]) -> str:
+    return " (dry run)" if action.get("dry_run") else ""
 
 
 # --- watch -----------------------------------------------------------------------------
@@ -292,7 +296,8 @@ def _watch_line(message: StreamMessage, fmt: output.Format) -> str:
         at, what, extra = data["time"], data["type"], details
     else:
         at = data.get("finished_at") or data.get("started_at") or data["created_at"]
-        what, extra = f"{data['type']} {data['status']}", output.text(data.get("error"))
+        what = f"{data['type']} {data['status']}{_dry(data)}"
+        extra = output.text(data.get("error"))
     target = " ".join(f"{k}={data[k]}" for k in ("node", "job") if data.get(k))
     tail = " ".join(part for part in (target, "" if extra == "-" else extra) if part)
     return f"{output.when(at)}  {message.kind:<6}  #{data['id']:<5} {what:<32} {tail}".rstrip()

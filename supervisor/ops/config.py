@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from supervisor.ops.errors import CliError, ExitCode
 
 CONFIG_ENV = "SUPERVISOR_CONFIG"
@@ -122,6 +120,8 @@ class ConfigFile:
             return cls(path)
         except OSError as exc:
             raise _usage(f"cannot read {path}: {exc.strerror}") from None
+        import yaml  # here: a call without a config file reads none
+
         try:
             data = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
@@ -164,6 +164,8 @@ class ConfigFile:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".config-", suffix=".yaml")
         try:
             with os.fdopen(fd, "w") as out:
+                import yaml
+
                 yaml.safe_dump(data, out, sort_keys=False)
             os.replace(tmp, self.path)
         except BaseException:

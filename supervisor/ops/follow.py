@@ -67,11 +67,16 @@ class Printer:
 
 
 def _stream(
-    client: Client, on_message: Callable[[StreamMessage], None], on_resync: Callable[[], None]
+    client: Client,
+    on_open: Callable[[], None],
+    on_message: Callable[[StreamMessage], None],
+    on_resync: Callable[[], None],
 ) -> None:
+    """Open the live stream, then `on_open` (the list: read once the stream is open, so
+    that nothing happening between the two is missed), then each message."""
     first = True
     try:
-        for message in client.stream(api_path("stream")):
+        for message in client.stream(api_path("stream"), on_open):
             if message.kind == "resync":
                 # The first one only says "nothing to replay"; a later one that this
                 # reader fell behind and the server dropped what it had not read.
@@ -100,29 +105,57 @@ def follow_records(
     client: Client,
     args: argparse.Namespace,
     kind: str,
-    items: list[dict[str, Any]],
+    listed: Callable[[], list[dict[str, Any]]],
     columns: list[Column],
     params: Mapping[str, Any],
 ) -> None:
-    """Events or actions: the newest `--limit` first, then each new one (each change of
-    an action) that passes the same filters."""
+    """Events or actions: the list (`listed`, oldest first), then each new one (each
+    change of an action) that passes the same filters. What the stream tells of a record
+    the list showed is printed only when it is newer than what the list showed."""
     printer = Printer(args, kind, columns)
-    printer.start(items)
+    listed_status: dict[Any, Any] = {}  # id -> the status the list showed (events: None)
+
+    def opened() -> None:
+        items = listed()
+        printer.start(items)
+        listed_status.update((item.get("id"), item.get("status")) for item in items)
 
     def on_message(message: StreamMessage) -> None:
-        if message.kind == kind and _matches(message.data, params):
-            printer.print(message.data)
+        if message.kind != kind or not _matches(message.data, params):
+            return
+        key, status = message.data.get("id"), message.data.get("status")
+        if key in listed_status:
+            if _progress(status) <= _progress(listed_status[key]):
+                return  # the list showed it, or a later state of it
+            listed_status[key] = status
+        printer.print(message.data)
 
-    _stream(client, on_message, lambda: None)
+    _stream(client, opened, on_message, lambda: None)
+
+
+#: How far along an action is, by status: a stream message older than the list's row is
+#: not printed after it.
+_PROGRESS = {"pending": 1, "running": 2, "succeeded": 3, "failed": 3}
+
+
+def _progress(status: Any) -> int:
+    return _PROGRESS.get(status, 0) if isinstance(status, str) else 0
 
 
 def follow_nodes(
-    client: Client, args: argparse.Namespace, nodes: list[dict[str, Any]], columns: list[Column]
+    client: Client,
+    args: argparse.Namespace,
+    listed: Callable[[], list[dict[str, Any]]],
+    columns: list[Column],
 ) -> None:
     printer = Printer(args, "node", columns)
-    printer.start(nodes)
-    shown = {node["name"]: printer.line(node) for node in nodes}
+    shown: dict[str, str] = {}
     names = set(args.names)
+
+    def opened() -> None:
+        nodes = listed()
+        printer.start(nodes)
+        shown.update((node["name"], printer.line(node)) for node in nodes)
 
     def wanted(node: Mapping[str, Any]) -> bool:
         if names and node["name"] not in names:
@@ -158,4 +191,4 @@ def follow_nodes(
         for node in client.get(api_path("nodes")):
             changed(node)
 
-    _stream(client, on_message, on_resync)
+    _stream(client, opened, on_message, on_resync)

@@ -169,6 +169,12 @@ def _marks(node: output.Row) -> str:
     return ",".join(marks) or "-"
 
 
+def _action_status(action: output.Row) -> str:
+    """An action's status, marked when a dry run recorded it (nothing was done); one
+    word, so that scripts splitting the table on blanks keep their columns."""
+    return f"{action['status']}(dry-run)" if action.get("dry_run") else str(action["status"])
+
+
 NODE_COLUMNS = [
     field("NAME", "name"),
     field("STATUS", "status"),
@@ -210,7 +216,7 @@ ACTION_COLUMNS = [
     field("ID", "id"),
     field("AGE", "created_at", output.age),
     field("TYPE", "type"),
-    field("STATUS", "status"),
+    Column("STATUS", _action_status),
     field("NODE", "node"),
     field("JOB", "job"),
     field("SOURCE", "source"),
@@ -262,13 +268,15 @@ def _node_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _get_nodes(client: Client, args: argparse.Namespace) -> None:
-    nodes = _only(client.get(api_path("nodes"), _node_params(args)), args.names, "node")
+    def listed() -> list[dict[str, Any]]:
+        return _only(client.get(api_path("nodes"), _node_params(args)), args.names, "node")
+
     if not args.watch:
-        show_list(nodes, args, NODE_COLUMNS, "node")
+        show_list(listed(), args, NODE_COLUMNS, "node")
         return
     from supervisor.ops.follow import follow_nodes  # only a watch needs it
 
-    follow_nodes(client, args, nodes, NODE_COLUMNS)
+    follow_nodes(client, args, listed, NODE_COLUMNS)
 
 
 def _get_jobs(client: Client, args: argparse.Namespace) -> None:
@@ -307,14 +315,16 @@ def _listed(
     params: dict[str, Any],
     columns: list[Column],
 ) -> None:
-    items = client.pages(api_path(f"{kind}s"), params, args.limit)
+    def listed() -> list[dict[str, Any]]:
+        return client.pages(api_path(f"{kind}s"), params, args.limit)
+
     if not args.watch:
-        show_list(items, args, columns, kind)
+        show_list(listed(), args, columns, kind)
         return
     from supervisor.ops.follow import follow_records
 
     # Oldest first, as they happened: what follows comes below.
-    follow_records(client, args, kind, items[::-1], columns, params)
+    follow_records(client, args, kind, lambda: listed()[::-1], columns, params)
 
 
 def _get_faults(client: Client, args: argparse.Namespace) -> None:

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import yaml
-
 from supervisor.ops import jsonpath
 
 #: `table`, `json`, `yaml` (every command); `wide`, `name` and `jsonpath=TEMPLATE` where
@@ -186,6 +184,8 @@ def dump(data: Any, fmt: Format) -> str:
         scope = {"items": data} if isinstance(data, list) else data
         return jsonpath.render(fmt[len(JSONPATH) :], scope)
     if fmt == "yaml":
+        import yaml  # here: only this format needs it, and every call would pay its import
+
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip("\n")
     return json.dumps(data, indent=2, ensure_ascii=False)
 

@@ -38,8 +38,10 @@ class PeriodicWork:
         store: Store,
         metrics: Metrics,
         job_steps: Callable[[], list[tuple[str, int, float]]],
+        *,
+        dry_run: bool,
     ) -> None:
-        dry = settings.dry_run  # a shadow keeps its own jobs, apart from the acting one's
+        dry = dry_run  # a dry run keeps its own jobs, apart from the acting one's
         self.scheduler = Scheduler(
             store.engine,
             host_key(settings.database_url) + (" dry-run" if dry else ""),

@@ -49,6 +49,14 @@ class DeadlineHandlers(SensorClock):
     _timeout_s: float
     _event: Callable[..., Event]
 
+    def answered(self, name: str) -> None:
+        """`name`'s heartbeat was answered only now: recording what it changed took a while
+        (a slow commit). A host monitor sends its next heartbeat once the last is answered,
+        so its silence counts from the answer, not from when the heartbeat came in."""
+        node = self._nodes.get(name)
+        if node is not None and node.alive:
+            node.last_seen = max(node.last_seen, self._clock())
+
     def _node_lost(self, name: str, deadline: float, changes: Changes) -> None:
         node = self._nodes.get(name)
         if node is None or not node.alive:

@@ -41,6 +41,8 @@ class EndedOrNot(Protocol):
 _ALIVE = frozenset(
     {WorkerState.STARTING, WorkerState.RUNNING, WorkerState.LOST, WorkerState.FINISHING}
 )
+#: Worker states out of the training loop.
+_OUT_OF_THE_LOOP = frozenset({WorkerState.FINISHING, WorkerState.STOPPED, WorkerState.EXITED})
 #: Still at work when the end's bound passed: stuck (finishing ones named first).
 _STUCK = (WorkerState.FINISHING, WorkerState.RUNNING, WorkerState.STARTING)
 
@@ -48,6 +50,12 @@ _STUCK = (WorkerState.FINISHING, WorkerState.RUNNING, WorkerState.STARTING)
 def ends_the_loop(worker: WorkerReport) -> bool:
     """This worker said it left its training loop."""
     return worker.state is WorkerState.FINISHING
+
+
+def out_of_the_loop(worker: WorkerReport) -> bool:
+    """This worker left its training loop: said so, stopped or exited. Its job's time
+    until the next step is its end's (or a failure's), no step's (progress.py)."""
+    return worker.state in _OUT_OF_THE_LOOP
 
 
 def phase(finishing_since: float | None, workers: Iterable[EndedOrNot]) -> SensedPhase:

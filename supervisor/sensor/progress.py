@@ -4,6 +4,10 @@ Like NVRx, the timeout is learned: the longest interval seen between two observe
 advances, times a safety factor, never below a floor. The first few intervals (warm-up,
 compilation, data loader start) are not watched, nor those after each restart (the
 workers start, rendezvous and load a checkpoint again). A fixed timeout can be set instead.
+
+An interval during which a worker left its loop (said it was finishing, stopped or exited)
+is no step interval: it holds the job's end (a last save, hashing the weights, the output),
+or a failure's. It is not learned from, nor counted in a warm-up (`ended`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class JobProgress:
     node_steps: dict[str, int] = field(default_factory=dict)
     # Step intervals still to pass, after a restart, before hangs are watched again.
     unwatched_intervals: int = 0
+    # The interval now open (since `last_progress`) saw a worker leave its loop.
+    open_interval_ended: bool = False
 
     @property
     def learned(self) -> bool:
@@ -68,8 +74,14 @@ class JobProgress:
         """The job's workers were started again: its next intervals are a warm-up."""
         self.unwatched_intervals = self.params.warmup_intervals
 
-    def observe(self, node: str, step: int, now: float) -> bool:
-        """Record the newest step a node reports. True when the job advanced."""
+    def ended(self) -> None:
+        """A worker of the job left its loop (finishing, stopped, exited): the interval now
+        open, up to the next advance, is no step interval."""
+        self.open_interval_ended = True
+
+    def observe(self, node: str, step: int, now: float, ending: bool = False) -> bool:
+        """Record the newest step a node reports. True when the job advanced. `ending`: the
+        job is in its end phase, so the interval this closes is no step interval."""
         previous = self.node_steps.get(node)
         self.node_steps[node] = step
         if step < self.max_step and (previous is None or step < previous):
@@ -77,10 +89,13 @@ class JobProgress:
             # just joined, e.g. a hot-swapped spare, behind the others): measure afresh.
             self.max_step = step
             self.last_progress = now
+            self.open_interval_ended = False  # measured afresh from here
             return True
         if step <= self.max_step:
             return False
-        if self.max_step >= 0:
+        if self.open_interval_ended or ending:
+            self.open_interval_ended = False
+        elif self.max_step >= 0:
             interval = now - self.last_progress
             if self.unwatched_intervals:
                 self.unwatched_intervals -= 1

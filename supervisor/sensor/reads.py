@@ -152,3 +152,14 @@ class SensorReads(SensorClock):
     def hang_timeout_s(self, job_name: str) -> float | None:
         job = self._jobs.get(job_name)
         return job.progress.timeout_s if job and job.progress.watching else None
+
+    def ecc_count(self, node_name: str, gpu: int | None = None) -> int:
+        """The node's last cumulative ECC count for `gpu` (0: none reported)."""
+        node = self._nodes.get(node_name)
+        return (node.ecc_counts or {}).get(gpu, 0) if node else 0
+
+    def _require(self, name: str) -> NodeRecord:
+        node = self._nodes.get(name)
+        if node is None:
+            raise KeyError(name)
+        return node

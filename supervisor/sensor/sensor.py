@@ -23,7 +23,7 @@ from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.events import NodeEvents
 from supervisor.sensor.expiries import FINISHING, HANG, STRAGGLERS, DeadlineHandlers
 from supervisor.sensor.fault_marks import FaultMarks
-from supervisor.sensor.finishing import ends_the_loop
+from supervisor.sensor.finishing import ends_the_loop, out_of_the_loop
 from supervisor.sensor.gpu_reports import GpuReports
 from supervisor.sensor.jobs import JobRecord
 from supervisor.sensor.nodes import NODE, DeadlineKey, NodeRecord, rank_of, state_of, step_of
@@ -176,11 +176,6 @@ class Sensor(SensorReads, DeadlineHandlers):
             self.metrics.events.labels(event.type.value).inc()
         return changes
 
-    def ecc_count(self, node_name: str, gpu: int | None = None) -> int:
-        """The node's last cumulative ECC count for `gpu` (0: none reported)."""
-        node = self._nodes.get(node_name)
-        return (node.ecc_counts or {}).get(gpu, 0) if node else 0
-
     def inject_gpu_report(self, node_name: str, report: GpuReport, fault_id: int) -> Changes:
         """Act out a GPU error injected as a fault: as if the node had reported it, its
         events carrying the fault's id. KeyError for a node the sensor does not know."""
@@ -201,6 +196,16 @@ class Sensor(SensorReads, DeadlineHandlers):
         if not cordoned and node.alive and node.state is NodeState.SPARE and not node.flapping:
             changes.events.append(self._event(EventType.SPARE_AVAILABLE, node, uncordoned=True))
         return changes
+
+    def swapped_out(self, node_name: str) -> Changes:
+        """A hot-swap or a scale-down took the node out of its job: cordoned, and out of
+        the job's nodes (a heartbeat of it that still runs the job brings it back)."""
+        changes = self.set_cordoned(node_name, True)
+        node = self._nodes.get(node_name)
+        if node is None or node.job is None:
+            return changes
+        self._leave(node)
+        return Changes.merged([changes, Changes(nodes=[node.view(self._wall_offset())])])
 
     def job_restarted(self, job_name: str) -> None:
         """The job's workers were restarted (a remediation): until they step again, past
@@ -335,6 +340,8 @@ class Sensor(SensorReads, DeadlineHandlers):
         worker: WorkerReport,
         changes: Changes,
     ) -> None:
+        if node.job is not None and out_of_the_loop(worker):
+            self._jobs[node.job].progress.ended()  # what follows is no step interval
         if node.job is not None and ends_the_loop(worker):
             self._finishing(node.job)
         if worker.state is WorkerState.EXITED:
@@ -385,7 +392,7 @@ class Sensor(SensorReads, DeadlineHandlers):
     def _observe(self, job: JobRecord, node_name: str, step: int, now: float) -> JobView | None:
         progress = job.progress
         learned = progress.learned_interval_s
-        if not progress.observe(node_name, step, now):
+        if not progress.observe(node_name, step, now, ending=job.finishing_since is not None):
             return None
         self._advanced(job, now)
         return job.view() if progress.learned_interval_s != learned else None
@@ -454,12 +461,6 @@ class Sensor(SensorReads, DeadlineHandlers):
             job.nodes.discard(node.name)
             job.progress.forget(node.name)
         node.job = None
-
-    def _require(self, name: str) -> NodeRecord:
-        node = self._nodes.get(name)
-        if node is None:
-            raise KeyError(name)
-        return node
 
     # --- deadlines --------------------------------------------------------------------
 

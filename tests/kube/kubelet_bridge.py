@@ -52,6 +52,7 @@ from typing import Any
 
 from tests.kube import FakeKube
 from tests.kube.resources import ApiError
+from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
@@ -170,7 +171,7 @@ class KubeletBridge:
                     if pod is not None:
                         grace = pod["metadata"].get("deletionGracePeriodSeconds")
                         if grace is not None:
-                            c.grace_s = float(grace) * self.kube.api.time_scale
+                            c.grace_s = scaled(float(grace) * self.kube.api.time_scale)
                     with contextlib.suppress(ProcessLookupError):
                         c.proc.send_signal(signal.SIGTERM)
                 elif now - c.term_sent >= c.grace_s:
@@ -241,7 +242,11 @@ class KubeletBridge:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        grace = float(spec.get("terminationGracePeriodSeconds", 30)) * self.kube.api.time_scale
+        # Compressed by FakeKube's time_scale (30 s: 1.5 s), then stretched like the tests'
+        # margins: a worker's orderly exit took longer than 1.5 s on a loaded machine.
+        grace = scaled(
+            float(spec.get("terminationGracePeriodSeconds", 30)) * self.kube.api.time_scale
+        )
         return Container(m["name"], m["uid"], node_name, proc, log, grace)
 
     def _value(self, var: dict[str, Any], pod: dict[str, Any], env: dict[str, str]) -> str:

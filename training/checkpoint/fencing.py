@@ -25,7 +25,7 @@ than its own has started; a rank whose saves keep failing so stops training
 is no lock across the tiers), which is why the restore rule stands on its own: a commit
 that slips through is shadowed, and retention removes shadowed commits first so that
 they never push a newer world's out. The peer tier's host monitors refuse pushes of an
-older world themselves (host_monitor/peer_worlds.py).
+older world themselves (host_monitor/peer/worlds.py).
 
 Worlds only grow as the supervisor counts them within one run of a job; a new run that
 reuses the tiers counts from 0 again (a JobSet made again, a second `supervisor run` on

@@ -7,7 +7,7 @@ to fetch that copy into this node's RAM tier. Nothing here raises because the ho
 monitor is absent or the peer tier is off: the answer is then "no peer copy".
 
 A fetch is received by the rank itself: its host monitor relays each file from the
-partner over its data channel (host_monitor/peer_channel.py, op `relay`, the worker
+partner over its data channel (host_monitor/peer/channel.py, op `relay`, the worker
 token), and the rank writes it into its RAM tier, checking it against the manifest. The
 RAM tier is tmpfs, whose pages are charged to the memory cgroup of the process that
 writes them: the rank's, sized for its RAM tier, not the host monitor's, which a copy of
@@ -257,7 +257,7 @@ class PeerTier:
             log.warning("peer tier: %s", message)
 
 
-# The data channel's frames (host_monitor/peer_wire.py): `RSPW`, a 4-byte big-endian
+# The data channel's frames (host_monitor/peer/wire.py): `RSPW`, a 4-byte big-endian
 # length, JSON.
 _MAGIC = b"RSPW"
 _LENGTH = struct.Struct(">I")

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from resiliency_protocol.checkpoint_reports import Tier
-from training.checkpoint import fencing, global_view
+from training.checkpoint import ddp_order, fencing, global_view
 from training.checkpoint import format as fmt
 from training.checkpoint.durable import DurableStore
 from training.checkpoint.peer import PeerTier
@@ -406,6 +406,11 @@ class Restorer:
             target = self._target(step)
         if self._template is None:
             self._changing()
+        if (
+            ddp_order.KEY in target
+            and ddp_order.KEY not in reader.read_metadata().state_dict_metadata
+        ):
+            del target[ddp_order.KEY]  # a checkpoint from before DDP's order was kept
         try:
             dcp_load(target, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException):

@@ -257,10 +257,11 @@ class Saver:
         for tier in ("ram", "durable") if job.to_durable and durable_ok else ("ram",):
             self.emergency_steps[tier].discard(job.step)  # saved again as a periodic step
         if job.to_ram and self.ram_root is not None:
-            # A state in pieces keeps one step more: a rank killed while writing the
-            # newest one still shares the step before it with the ranks that committed.
-            pieces = not self.replicated and self.world_size > 1
-            keep = max(self.ram_keep, 2) if pieces else self.ram_keep
+            # Several ranks keep one step more: a rank killed while writing the newest
+            # step, or a node lost while its newest step was still on its way to the
+            # partner (whose copy its ranks then restore from), shares only the step
+            # before it with the ranks that committed.
+            keep = max(self.ram_keep, 2) if self.world_size > 1 else self.ram_keep
             if self.fence is not None:
                 self.fence.drop_shadowed("ram", self.rank)
             aside = self.emergency_steps["ram"]

@@ -63,9 +63,10 @@ class CheckpointSettings:
     ckpt_threads_per_rank: int = 2
     #: Committed checkpoints kept per tier (the newest ones), durable tier.
     topk_ckpt: int = 2
-    #: Committed checkpoints kept in the RAM tier (at least 2 when several ranks hold
-    #: different pieces: a rank killed mid-save shares the step before with the others).
-    #: With the partner's copy the ramdisk holds (ram_topk_ckpt + 1 while a save is
+    #: Committed checkpoints kept in the RAM tier (at least 2 in a job of several ranks:
+    #: a rank killed mid-save, or a node lost before its newest step reached the partner,
+    #: shares the step before with the others).
+    #: With the partner's copy the ramdisk holds (the steps kept + 1 while a save is
     #: written + 1 partner) x shard size.
     ram_topk_ckpt: int = 1
     #: Copy each RAM save to the partner node's host monitor (needs a host monitor).

@@ -32,6 +32,9 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from training.checkpoint import ddp_order
 
 
 def is_sharded(state: Any) -> bool:
@@ -132,11 +135,15 @@ class TrainingState:
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-        return {
+        small = {
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
             "rng": rng,
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
         }
+        if isinstance(self.model, DistributedDataParallel):
+            # The order DDP sums gradients in (ddp_order.py); "" before it is known.
+            small[ddp_order.KEY] = ddp_order.recorded_layout(self.model) or ""
+        return small
 
     def snapshot(self, step: int) -> Snapshot:
         """What changes outside `optimizer.step()` (RNG, scheduler, the user's objects,
@@ -193,6 +200,7 @@ class TrainingState:
         the user's objects, buffers) and drop gradients: with the live parameters and
         optimizer state (no `optimizer.step()` since), the state at its step again."""
         small = copy.deepcopy(snapshot.small)
+        ddp_order.replay_layout(self.model, small.get(ddp_order.KEY))
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(small["lr_scheduler"])
         self._set_rng(small["rng"])
@@ -255,6 +263,7 @@ class TrainingState:
         self._set_rng(loaded["rng"])
         for name, obj in self.extra.items():
             obj.load_state_dict(loaded["extra"][name])
+        ddp_order.replay_layout(self.model, loaded.get(ddp_order.KEY))
         return int(loaded["step"])
 
 

@@ -27,14 +27,21 @@ class EmergencyServer:
     """Runs the emergency checkpoint callback when SIGUSR1 asked for one.
 
     `on_sigterm(grace_s)` is what the serving thread does when it sees SIGTERM (the main
-    thread may be stuck in C++ and never run the handler)."""
+    thread may be stuck in C++ and never run the handler). `on_handler(installed)` is told
+    when its SIGUSR1 handler is installed and put back: the host monitor signals only a
+    worker that handles SIGUSR1."""
 
     def __init__(
-        self, connection: MonitorConnection, rank: int, on_sigterm: Callable[[float], None]
+        self,
+        connection: MonitorConnection,
+        rank: int,
+        on_sigterm: Callable[[float], None],
+        on_handler: Callable[[bool], None] = lambda installed: None,
     ) -> None:
         self._connection = connection
         self._rank = rank
         self._on_sigterm = on_sigterm
+        self._on_handler = on_handler
         # The signal handler only sets this flag.
         self.requested = False
         self._callback: Callable[[], int] | None = None
@@ -51,6 +58,7 @@ class EmergencyServer:
         if not self._handler_installed:
             self._previous_handler = signal.signal(signal.SIGUSR1, self._on_signal)
             self._handler_installed = True
+            self._on_handler(True)
 
     def serve_from_thread(self, callback: Callable[[], int], term_grace_s: float) -> bool:
         """Start the serving thread on Python's wakeup fd; False if that fd is taken."""
@@ -110,6 +118,8 @@ class EmergencyServer:
     def restore_handler(self) -> None:
         """Put back the SIGUSR1 handler ours replaced (main thread only)."""
         if self._handler_installed and threading.current_thread() is threading.main_thread():
+            # Said first: a signal between the two would meet the handler put back.
+            self._on_handler(False)
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signal.SIGUSR1, self._previous_handler)
             self._handler_installed = False

@@ -1,12 +1,20 @@
-"""Registering a worker with its host monitor, and again when the monitor forgot it."""
+"""Registering a worker with its host monitor, and again when the monitor forgot it; and
+whether it takes emergency checkpoints, which the host monitor must know before it ever
+sends SIGUSR1 (the signal's default action ends the process)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from resiliency_protocol.backoff import attempt_delay
-from resiliency_protocol.worker_wire import REGISTER_PATH, WorkerRegistration
+from resiliency_protocol.worker_wire import (
+    REGISTER_PATH,
+    WorkerEmergencyCheckpoints,
+    WorkerRegistration,
+    worker_path,
+)
 from training.monitor_link.connection import MonitorConnection, log
 from training.process_identity import self_identity
 
@@ -36,6 +44,11 @@ class Registration:
         self.registered: dict[str, Any] | None = None
         self._body: dict[str, Any] | None = None
         self._next_register = 0.0  # monotonic
+        #: Whether a SIGUSR1 handler of the client is installed (`take_emergency_checkpoints`).
+        self.emergency_checkpoints = False
+        # The reporting thread registers again while the main thread may say it takes
+        # emergency checkpoints: one at a time, so the host monitor is left with the newest.
+        self._lock = threading.Lock()
 
     def register(self, world_size: int | None, attempts: int, retry_delay_s: float) -> bool:
         """POST the registration, retried briefly; True if the host monitor took it."""
@@ -47,6 +60,8 @@ class Registration:
             "pid_namespace": me.pid_namespace,
             "start_time": me.start_time,
             "world_size": world_size,
+            # Left out when False (the default), as older host monitors take the body.
+            "emergency_checkpoints": self.emergency_checkpoints or None,
         }
         body = self._connection.body(
             WorkerRegistration,
@@ -60,9 +75,10 @@ class Registration:
         for attempt in range(max(1, attempts)):
             if body is None:
                 break  # the host monitor would refuse it (logged): asking again changes nothing
-            if self._connection.post(REGISTER_PATH, body, kind="register") is not None:
-                self.registered = {"pid": me.pid, "pid_namespace": me.pid_namespace}
-                return True
+            with self._lock:
+                if self._connection.post(REGISTER_PATH, body, kind="register") is not None:
+                    self.registered = {"pid": me.pid, "pid_namespace": me.pid_namespace}
+                    return True
             if attempt + 1 < attempts:
                 time.sleep(attempt_delay(retry_delay_s, attempt + 1))
         return False
@@ -70,11 +86,43 @@ class Registration:
     def renew_if_forgotten(self, now: float) -> None:
         """Register again when a progress report found the host monitor does not know
         this worker (at most every `_REREGISTER_EVERY_S`)."""
-        body = self._body
-        if not self._connection.unknown_to_monitor or body is None or now < self._next_register:
+        if not self._connection.unknown_to_monitor or self._body is None:
+            return
+        if now < self._next_register:
             return
         self._next_register = now + _REREGISTER_EVERY_S
-        if self._connection.post(REGISTER_PATH, body, kind="register") is not None:
-            self._connection.unknown_to_monitor = False
-            self.registered = {"pid": body["pid"], "pid_namespace": body.get("pid_namespace")}
-            log.info("worker client: registered with the host monitor again")
+        with self._lock:
+            body = self._body  # the newest: `take_emergency_checkpoints` may have replaced it
+            if body is None:
+                return
+            if self._connection.post(REGISTER_PATH, body, kind="register") is not None:
+                self._connection.unknown_to_monitor = False
+                self.registered = {"pid": body["pid"], "pid_namespace": body.get("pid_namespace")}
+                log.info("worker client: registered with the host monitor again")
+
+    def take_emergency_checkpoints(self, enabled: bool) -> None:
+        """This process handles SIGUSR1 now (`enabled`), or no longer does: said in every
+        registration from now on, and at once to a host monitor it is registered with."""
+        if enabled == self.emergency_checkpoints:
+            return
+        self.emergency_checkpoints = enabled
+        with self._lock:
+            if self._body is not None:
+                # A new dict, not a change in place: the reporting thread may be sending it.
+                body = {k: v for k, v in self._body.items() if k != "emergency_checkpoints"}
+                self._body = {**body, "emergency_checkpoints": True} if enabled else body
+            registered = self.registered
+            if registered is None:
+                return  # the registration will say it
+            update = self._connection.body(
+                WorkerEmergencyCheckpoints,
+                "emergency-checkpoints",
+                emergency_checkpoints=enabled,
+                **registered,
+            )
+            path = worker_path(self._rank, "emergency-checkpoints")
+            for _ in range(2):
+                if update is None:
+                    break  # the host monitor would refuse it (logged)
+                if self._connection.post(path, update, "emergency-checkpoints") is not None:
+                    break

@@ -61,7 +61,7 @@ def node_out(supervisor: Supervisor, view: NodeView) -> NodeOut:
         view,
         sensor.heartbeat_age_s(view.name),
         timeout_s=settings.heartbeat_timeout_s,
-        dry_run=settings.dry_run,
+        dry_run=supervisor.dry_run,
         flapping_clears_in_s=sensor.flapping_clears_in_s(view.name),
     )
 

@@ -47,6 +47,7 @@ class HeartbeatEndpoint:
         # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
         # what it already validated for the node; it changes nothing if it is invalid.
         self._ingest = supervisor.sensor.ingest
+        self._answered = supervisor.sensor.answered
         # Worker reports of an older world than their job's newest are never applied.
         self._fence = supervisor.worlds.heartbeat
         self._max_skew_s = supervisor.settings.agent_clock_skew_s
@@ -144,6 +145,8 @@ class HeartbeatEndpoint:
             if changes is UNCHANGED or not changes
             else await supervisor.record_or_hold(changes)
         )
+        if events is not None:
+            self._answered(hb.node)  # its silence counts from this answer
         if events is None and changes is not UNCHANGED and changes:
             # Held until the database answers: not acknowledged. A retry changes nothing
             # more (the sensor took it in); the events are recorded in order once it is back.

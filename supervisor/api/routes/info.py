@@ -39,7 +39,7 @@ async def info(supervisor: SupervisorDep, credentials: Credentials, request: Req
     return InfoOut(
         version=request.app.version,
         backend=supervisor.backend.name,
-        dry_run=settings.dry_run,
+        dry_run=supervisor.dry_run,
         read_requires_token=settings.read_requires_token,
         enable_fault_injection=settings.enable_fault_injection,
         fault_kinds=sorted(SENSOR_FAULTS | supervisor.backend.process_faults),

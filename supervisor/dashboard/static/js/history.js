@@ -419,7 +419,7 @@ export class History {
           : "—";
     return h(
       "tr",
-      { id: `action-${a.id}`, "data-id": a.id, "data-status": a.status, "data-event": a.event_id ?? "" },
+      { id: `action-${a.id}`, "data-id": a.id, "data-status": a.status, "data-event": a.event_id ?? "", "data-dry-run": a.dry_run },
       h("td", { class: "num" }, a.id),
       h("td", {}, timeEl(a.created_at)),
       h("td", {}, words(a.type), a.reason ? h("div", { class: "summary" }, a.reason) : null),

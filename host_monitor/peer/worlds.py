@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from host_monitor.peer_store import StaleWorld
+from host_monitor.peer.store import StaleWorld
 
 log = logging.getLogger(__name__)
 

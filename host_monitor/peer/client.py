@@ -1,5 +1,5 @@
 """Requests to the partner host monitor: lookups and commits over its HTTP API (peer
-token), files over its data channel (peer_channel.py), or over HTTP when it has none (a
+token), files over its data channel (channel.py), or over HTTP when it has none (a
 partner of an older version, during a rolling upgrade).
 
 Every request is retried on transport errors, 5xx and 429 (but 507: the partner's store
@@ -28,9 +28,9 @@ import httpx
 from pydantic import ValidationError
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.peer_files import CHUNK, write_all
-from host_monitor.peer_paths import PeerTierError
-from host_monitor.peer_wire import (
+from host_monitor.peer.files import CHUNK, write_all
+from host_monitor.peer.paths import PeerTierError
+from host_monitor.peer.wire import (
     BUFFER,
     ChannelClosed,
     configure,
@@ -40,7 +40,7 @@ from host_monitor.peer_wire import (
     send_frame,
 )
 from resiliency_protocol.backoff import attempt_delay
-from resiliency_protocol.errors import error_message
+from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import (
     ChannelInfo,

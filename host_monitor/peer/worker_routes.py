@@ -1,4 +1,4 @@
-"""The peer checkpoint tier's routes on this node's own side (peer_tier.py).
+"""The peer checkpoint tier's routes on this node's own side (tier.py).
 
 Workers (worker token, mounted by server.py):
 
@@ -18,7 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, status
 from fastapi import Path as PathParam
 
-from host_monitor.peer_tier import PeerTier, PeerTierError
+from host_monitor.peer.tier import PeerTier, PeerTierError
 from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import (
     ChannelInfo,

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from host_monitor.peer_client import PartnerClient
-from host_monitor.peer_files import rank_dir_name, step_dir_name, write_all
-from host_monitor.peer_paths import (
+from host_monitor.peer.client import PartnerClient
+from host_monitor.peer.files import rank_dir_name, step_dir_name, write_all
+from host_monitor.peer.paths import (
     O_DIR,
     O_NEW,
     O_OVERWRITE,

@@ -6,13 +6,13 @@ background push uploads each file, then commits the manifest (the partner verifi
 every size and checksum). One push at a time per rank; a newer request replaces a
 queued older one, a running push finishes. A worker on a swapped-in spare (empty RAM)
 receives the partner's copy of its rank into its RAM tier, each file relayed by its
-host monitor from the partner (peer_channel.py), or has it downloaded by the host monitor
-(peer_fetch.py).
+host monitor from the partner (channel.py), or has it downloaded by the host monitor
+(fetch.py).
 
-Files move over the partners' data channels (peer_channel.py serves ours,
-peer_client.py uses theirs), lookups and commits over the HTTP API. Directories workers
-name are opened by peer_paths.py. No HTTP server here: the routes are in peer_routes.py
-and peer_worker_routes.py.
+Files move over the partners' data channels (channel.py serves ours,
+client.py uses theirs), lookups and commits over the HTTP API. Directories workers
+name are opened by paths.py. No HTTP server here: the routes are in routes.py
+and worker_routes.py.
 """
 
 from __future__ import annotations
@@ -32,20 +32,20 @@ from host_monitor.checkpoint_forwarder import CheckpointForwarder
 from host_monitor.config import HostMonitorSettings
 from host_monitor.metrics import PeerCounts
 from host_monitor.node import Node
-from host_monitor.peer_channel import PeerChannel, RelayRefused
-from host_monitor.peer_client import PartnerClient
-from host_monitor.peer_fetch import Fetch
-from host_monitor.peer_files import rank_dir_name, step_dir_name
-from host_monitor.peer_paths import (
+from host_monitor.peer.channel import PeerChannel, RelayRefused
+from host_monitor.peer.client import PartnerClient
+from host_monitor.peer.fetch import Fetch
+from host_monitor.peer.files import rank_dir_name, step_dir_name
+from host_monitor.peer.paths import (
     O_FILE,
     PeerTierError,
     open_dir_under,
     read_dir_manifest,
 )
-from host_monitor.peer_store import PeerStore
-from host_monitor.peer_worlds import PeerWorlds
+from host_monitor.peer.store import PeerStore
+from host_monitor.peer.worlds import PeerWorlds
 from resiliency_protocol.clock import utcnow
-from resiliency_protocol.errors import error_message
+from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import (
     MANIFEST,

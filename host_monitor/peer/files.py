@@ -1,7 +1,7 @@
 """Files of the peer store and of checkpoint directories: names, checksums, manifests.
 
-Shared by the store (peer_store.py), which verifies what it received, and the tier
-(peer_tier.py), which reads what workers saved. Nothing here keeps state.
+Shared by the store (store.py), which verifies what it received, and the tier
+(tier.py), which reads what workers saved. Nothing here keeps state.
 """
 
 from __future__ import annotations

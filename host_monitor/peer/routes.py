@@ -1,5 +1,5 @@
 """Routes other host monitors call (peer token): the copies of their workers' checkpoints
-this node keeps (peer_store.py).
+this node keeps (store.py).
 
     PUT  /v1/peer/checkpoints/{job}/{rank}/{step}/files/{name}   raw body, streamed to disk
     POST /v1/peer/checkpoints/{job}/{rank}/{step}/commit         body: the manifest
@@ -7,7 +7,7 @@ this node keeps (peer_store.py).
     GET  /v1/peer/checkpoints/{job}/{rank}/{step}/files/{name}   a file of it, streamed
     GET  /v1/peer/channel                                        the data channel's port
 
-Files move over the data channel (peer_channel.py) between host monitors that have it;
+Files move over the data channel (channel.py) between host monitors that have it;
 the file routes here serve partners that do not. `job` is `_` for a worker without a
 job. With no peer_token set, every route answers 503.
 """
@@ -24,8 +24,8 @@ from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from host_monitor.peer_files import CHUNK
-from host_monitor.peer_store import (
+from host_monitor.peer.files import CHUNK
+from host_monitor.peer.store import (
     Full,
     Invalid,
     Mismatch,
@@ -35,7 +35,7 @@ from host_monitor.peer_store import (
     Superseded,
     TooLarge,
 )
-from host_monitor.peer_tier import PeerTier
+from host_monitor.peer.tier import PeerTier
 from resiliency_protocol.peer_checkpoints import (
     FILE_NAME_PATTERN,
     JOB_SEGMENT_PATTERN,

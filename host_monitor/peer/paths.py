@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.peer_files import MAX_MANIFEST_BYTES
+from host_monitor.peer.files import MAX_MANIFEST_BYTES
 from resiliency_protocol.peer_checkpoints import MANIFEST, Manifest
 
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -2,11 +2,11 @@
 plain TCP (TLS where the API has it) at the speed of the wire.
 
 HTTP through the API server parses every body chunk in Python; a checkpoint of tens of
-GB moves here instead, one connection per file (peer_wire.py): the header names the file
+GB moves here instead, one connection per file (wire.py): the header names the file
 and carries the peer token, which is checked before anything else is read; an upload is
 told to go ahead only once the store accepts it (size, room, not older than the copy
 kept), so no byte of a refused file is ever read. Uploads land in the store as the HTTP
-route's do (peer_store.py), their checksum computed as they arrive and kept for the
+route's do (store.py), their checksum computed as they arrive and kept for the
 commit, which then need not read them again; the commit itself stays on HTTP.
 
 Transfers block in threads of their own pool, never in the event loop's default one:
@@ -32,7 +32,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.peer_store import (
+from host_monitor.peer.store import (
     Full,
     NotFound,
     PeerStore,
@@ -40,7 +40,7 @@ from host_monitor.peer_store import (
     Superseded,
     TooLarge,
 )
-from host_monitor.peer_wire import (
+from host_monitor.peer.wire import (
     BUFFER,
     ChannelClosed,
     await_close,

@@ -4,7 +4,7 @@ A transfer between host monitors is one TCP connection (TLS where configured): a
 frame from the client, a reply frame, the file's bytes, and for an upload a final reply
 frame. A frame is `RSPW`, a 4-byte big-endian length and that many bytes of JSON
 (ChannelRequest and ChannelReply of resiliency_protocol.peer_checkpoints). Nothing here
-knows what a header means: peer_channel.py serves them, peer_client.py sends them.
+knows what a header means: channel.py serves them, client.py sends them.
 
 Files go at the speed of the wire: a plain socket sends with `sendfile` (the kernel
 copies from the page cache, no Python per chunk) and receives with `recv_into` into one

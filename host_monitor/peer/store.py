@@ -15,7 +15,7 @@ longer has, go too: a node holds its partner's newest shards, nothing older.
 
 Commits of one (job, rank) are serialized; a commit of an older save than the one kept
 (uploads of two steps overlapping) is dropped. Uploads and commits of an older world than
-the job's newest seen here are refused (peer_worlds.py). Leftovers of a crash (uploads, trash,
+the job's newest seen here are refused (worlds.py). Leftovers of a crash (uploads, trash,
 older copies) are removed at start. Nothing here knows about HTTP.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from host_monitor.errors import HostMonitorError
-from host_monitor.peer_files import (
+from host_monitor.peer.files import (
     CHUNK,
     PART_PREFIX,
     FileId,
@@ -60,7 +60,7 @@ from resiliency_protocol.peer_checkpoints import (
 )
 
 if TYPE_CHECKING:
-    from host_monitor.peer_worlds import PeerWorlds
+    from host_monitor.peer.worlds import PeerWorlds
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Superseded(PeerStoreError):
 
 
 class StaleWorld(Superseded):
-    """The save is of an older world than the job's newest seen here (peer_worlds.py)."""
+    """The save is of an older world than the job's newest seen here (worlds.py)."""
 
 
 class Full(PeerStoreError):

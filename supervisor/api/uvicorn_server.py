@@ -1,0 +1,25 @@
+"""The HTTP server `supervisor serve` runs the app in: uvicorn's, ending the live streams
+when it stops."""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+if TYPE_CHECKING:
+    from supervisor.runtime import Supervisor
+
+
+class StreamEndingServer(uvicorn.Server):
+    """Ends the live streams (dashboards) when asked to stop: uvicorn waits for open
+    responses before it stops the app, and a stream never ends by itself."""
+
+    def __init__(self, config: uvicorn.Config, supervisor: Supervisor) -> None:
+        super().__init__(config)
+        self.supervisor = supervisor
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.supervisor.hub.close_threadsafe()
+        super().handle_exit(sig, frame)

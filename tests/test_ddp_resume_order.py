@@ -1,0 +1,66 @@
+"""A DDP job of the user's own (the example of docs/training.md) stopped and resumed over
+3 and 4 ranks ends with the weights of a run that never stopped, bit for bit, whatever it
+does between `optimizer.step()` and `step_done`. Without the bucket layout kept across
+the resume (training/checkpoint/ddp_order.py), the first step after it sums the
+gradients in another order and the weights differ."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_run_user_job import WEIGHTS_OUT, saved_example, user_env
+
+pytest.importorskip("torch")
+
+#: After its step_done, a rank stops at STOP_AFTER (its RAM save committed), as a job
+#: that loses every process at once; a busy pause between the optimizer and step_done.
+EDITS = {
+    "import os\n": "import hashlib\nimport os\nimport time\n",
+    "    data.batches += 1\n": "    data.batches += 1\n    time.sleep(0.002)\n",
+    "    ckpt.step_done(step)  # saves when a tier is due; returns once the state is copied\n": (
+        "    ckpt.step_done(step)\n"
+        '    if step == int(os.environ.get("STOP_AFTER", "0")):\n'
+        "        ckpt.close()\n"
+        "        os._exit(0)\n"
+    ),
+    "ckpt.close()  # reports": WEIGHTS_OUT + "  # reports",
+}
+
+
+def run(tmp: Path, script: Path, nproc: int, tiers: str, **env: str) -> str:
+    weights = tmp / f"{tiers}.sha256"
+    environment = user_env(
+        tmp,
+        WEIGHTS_FILE=str(weights),
+        CHECKPOINT_RAM_DIR=str(tmp / tiers / "ram"),
+        CHECKPOINT_DURABLE_DIR=str(tmp / tiers / "durable"),
+        **env,
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*command, "--nproc-per-node", str(nproc), str(script)],
+        cwd=tmp,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return weights.read_text() if weights.exists() else done.stdout
+
+
+@pytest.mark.parametrize("nproc", [3])
+def test_a_resumed_ddp_job_ends_with_the_weights_of_one_that_never_stopped(
+    tmp_path: Path, nproc: int
+) -> None:
+    script = saved_example(tmp_path, "# example: checkpoint tiers", EDITS)
+    want = run(tmp_path, script, nproc, "uninterrupted")
+    stopped = run(tmp_path, script, nproc, "resumed", STOP_AFTER="40")
+    assert "starting after step 0" in stopped
+    assert not (tmp_path / "resumed.sha256").exists()
+    got = run(tmp_path, script, nproc, "resumed")
+    assert got == want, "the resumed run's weights differ from the uninterrupted run's"

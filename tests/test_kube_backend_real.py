@@ -1,0 +1,412 @@
+"""The Kubernetes backend's actions on the real control plane (tests/control_plane.py):
+the real API server with its admission (the PodDisruptionBudget behind an eviction, the
+JobSet webhook), the real Job and JobSet controllers restarting what the backend
+disrupts, the scheduler placing the new pods, kwok playing the nodes' kubelets
+(tests/kwok_pod_stages.yaml: a pod runs until deleted, then ends Failed as a kill ends
+it). The backend holds the chart's ServiceAccount token, not an admin's: a verb the
+chart's RBAC forgot fails the test with the API server's 403.
+
+Each test keeps to nodes of its own (labelled `pool=<test>`, the backend's GPU node
+selector) and a JobSet of its own name, so that they share one control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from supervisor.actuator.backend import ActionError
+from supervisor.domain import ActionType, Event, EventType, utcnow
+from supervisor.kube import objects as o
+from tests.chart_rbac import chart_identity_without
+from tests.conftest import SettingsFactory
+from tests.control_plane import ControlPlane, Identity
+from tests.kube.harness import Hooks, action
+from tests.kube_real import (
+    JOBSETS,
+    NS,
+    backend_on,
+    events_about,
+    fail_pod,
+    get,
+    merge_patch,
+    node,
+    pool_nodes,
+    running,
+    start_jobset,
+    unmanage,
+    until,
+    wait_running,
+)
+from tests.test_helm_chart import NAMESPACE
+from tests.timing import scaled, wait_until
+
+# --- restarts through the JobSet controller ------------------------------------------------
+
+
+async def test_restart_in_place_evicts_the_pod_and_the_jobset_controller_restarts_it(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """The eviction (policy/v1) gives the pod DisruptionTarget; it ends Failed, its Job
+    fails by its pod failure policy, and the real JobSet controller restarts the JobSet
+    by the rule of "JobSet requirements", without counting it toward maxRestarts. The
+    same action again writes nothing; Events on the pod and the JobSet say why."""
+    pool_nodes(control_plane, "rip", 3)
+    start_jobset(control_plane, "rip", "rip")
+    pods = wait_running(control_plane, "rip", 2, "0")
+    victim = pods[0]
+    async with backend_on(control_plane, kube_supervisor, make_settings, "rip") as backend:
+        await until(
+            backend,
+            lambda: victim["spec"]["nodeName"] in backend.discovery.nodes_of("rip"),
+            "the pods seen",
+        )
+        a = action(
+            ActionType.RESTART_IN_PLACE, job="rip", node=victim["spec"]["nodeName"], reason="exit"
+        )
+        result = await backend.execute(a)
+        assert result == {"pods": {victim["metadata"]["name"]: "evicted"}}, result
+        wait_running(control_plane, "rip", 2, "1")
+        status = (get(control_plane, f"{JOBSETS}/rip") or {})["status"]
+        assert status["restarts"] == 1, status
+        assert status.get("restartsCountTowardsMax", 0) == 0, status
+        assert events_about(control_plane, "rip", "RestartInPlace")
+        (event,) = events_about(control_plane, victim["metadata"]["name"], "RestartInPlace")
+        assert "supervisor action 1: exit" in event["message"], event
+        again = await backend.execute(a)
+        assert again["repeated"] is True, again
+
+
+async def test_an_eviction_rbac_forbids_fails_the_action_saying_so_and_deletes_nothing(
+    control_plane: ControlPlane, make_settings: SettingsFactory
+) -> None:
+    """The chart's RBAC less `create` on `pods/eviction`, as a cluster admin may trim it:
+    the restart fails with the API server's 403 naming the verb and the resource, is not
+    retried, and is not got around by deleting the pod (which would pass by the PDBs the
+    eviction honours)."""
+    trimmed = chart_identity_without(control_plane, "pods/eviction", "create")
+    pool_nodes(control_plane, "rbac", 3)
+    start_jobset(control_plane, "rbac", "rbac")
+    pods = wait_running(control_plane, "rbac", 2, "0")
+    victim = pods[0]
+    async with backend_on(control_plane, trimmed, make_settings, "rbac") as backend:
+        await until(
+            backend,
+            lambda: victim["spec"]["nodeName"] in backend.discovery.nodes_of("rbac"),
+            "the pods seen",
+        )
+        a = action(
+            ActionType.RESTART_IN_PLACE, job="rbac", node=victim["spec"]["nodeName"], reason="x"
+        )
+        with pytest.raises(ActionError) as refused:
+            await backend.execute(a)
+    said = str(refused.value)
+    assert "HTTP 403" in said and 'cannot create resource "pods/eviction"' in said, said
+    assert not refused.value.retryable
+    still = get(control_plane, f"/api/v1/namespaces/{NS}/pods/{victim['metadata']['name']}")
+    assert still is not None and "deletionTimestamp" not in still["metadata"], still
+
+
+async def test_a_revoked_token_fails_the_action_saying_so(
+    control_plane: ControlPlane, make_settings: SettingsFactory
+) -> None:
+    """The supervisor's ServiceAccount deleted under it (its token no longer valid, as an
+    expired one): an action fails with the server's 401, and the backend, its watches
+    failing meanwhile, closes as usual."""
+    name = "supervisor-revoked"
+    revoked = chart_identity_without(control_plane, "none", "none", name=name)
+    (node_name,) = pool_nodes(control_plane, "revoked", 1)
+    async with backend_on(control_plane, revoked, make_settings, "revoked") as backend:
+        await until(backend, lambda: node_name in backend.discovery.nodes(), "the node seen")
+        with control_plane.client() as api:
+            r = api.delete(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{name}")
+            assert r.status_code == 200, r.text
+        # The API server keeps a token it authenticated for up to 10 s.
+        deadline = asyncio.get_running_loop().time() + scaled(30)
+        with control_plane.client(revoked) as as_revoked:
+            while as_revoked.get("/api/v1/nodes").status_code != 401:
+                assert asyncio.get_running_loop().time() < deadline, "the token still valid"
+                await asyncio.sleep(0.5)
+        with pytest.raises(ActionError) as refused:
+            await backend.execute(action(ActionType.CORDON, node=node_name, job=None))
+    said = str(refused.value)
+    assert "HTTP 401" in said, said
+    assert not node(control_plane, node_name)["spec"].get("unschedulable"), "cordoned anyway"
+
+
+async def test_restart_workload_evicts_every_pod_and_returns_once_the_jobset_restarted(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    pool_nodes(control_plane, "rw", 2)
+    start_jobset(control_plane, "rw", "rw")
+    old = {p["metadata"]["uid"] for p in wait_running(control_plane, "rw", 2, "0")}
+    async with backend_on(control_plane, kube_supervisor, make_settings, "rw") as backend:
+        await until(backend, lambda: len(backend.discovery.child_jobs("rw")) == 2, "the Jobs")
+        result = await backend.execute(action(ActionType.RESTART_WORKLOAD, job="rw", reason="hang"))
+        assert result["method"] == "evict" and result["restart_attempt"] == 1, result
+        assert len(result["pods"]) == 2 and set(result["pods"].values()) == {"evicted"}
+        # When execute returns, the JobSet has restarted: the Jobs of attempt 1 exist.
+        jobs = get(control_plane, f"/apis/batch/v1/namespaces/{NS}/jobs") or {}
+        attempts = {
+            j["metadata"]["labels"].get(o.RESTART_ATTEMPT)
+            for j in jobs["items"]
+            if j["metadata"]["labels"].get(o.JOBSET_NAME) == "rw"
+            and not j["metadata"].get("deletionTimestamp")
+        }
+        assert "1" in attempts, attempts
+        new = {p["metadata"]["uid"] for p in wait_running(control_plane, "rw", 2, "1")}
+        assert not new & old
+        (event,) = events_about(control_plane, "rw", "RestartWorkload")
+        assert "restart-attempt 1" in event["message"], event
+
+
+async def test_restart_workload_without_the_policy_deletes_the_jobs_for_the_controller(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """No rule for PodFailurePolicy: failed Jobs would use up maxRestarts, so the child
+    Jobs are deleted (Foreground) and the real JobSet controller creates them again; the
+    JobSet's restart count is untouched."""
+    pool_nodes(control_plane, "dj", 2)
+    start_jobset(control_plane, "dj", "dj", failure_policy={"maxRestarts": 3})
+    old = {p["metadata"]["uid"] for p in wait_running(control_plane, "dj", 2, "0")}
+    async with backend_on(control_plane, kube_supervisor, make_settings, "dj") as backend:
+        await until(backend, lambda: len(backend.discovery.child_jobs("dj")) == 2, "the Jobs")
+        result = await backend.execute(action(ActionType.RESTART_WORKLOAD, job="dj", reason="hang"))
+        assert result["method"] == "delete_jobs" and result["restart_attempt"] == 0, result
+        assert result["deleted_jobs"] == ["dj-workers-0", "dj-workers-1"]
+        new = {p["metadata"]["uid"] for p in wait_running(control_plane, "dj", 2, "0")}
+        assert not new & old
+        status = (get(control_plane, f"{JOBSETS}/dj") or {}).get("status", {})
+        assert status.get("restarts", 0) == 0, status
+
+
+async def test_a_restart_for_a_crash_the_jobset_controller_answered_itself_is_skipped(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """A worker crashes (its pod ends Failed, exit code 1, as its kubelet reports it): its
+    Job fails (backoffLimit 0) and the real JobSet controller restarts the JobSet by its
+    own failure policy. The restarts the policy asked for that crash, in place and of the
+    workload, find it done since the event: skipped with their reason, the new pods
+    untouched."""
+    pool_nodes(control_plane, "sk", 2)
+    start_jobset(control_plane, "sk", "sk")
+    pods = wait_running(control_plane, "sk", 2, "0")
+    crashed = pods[0]
+    hooks = Hooks()
+    async with backend_on(control_plane, kube_supervisor, make_settings, "sk", hooks) as backend:
+        where = crashed["spec"]["nodeName"]
+        await until(backend, lambda: where in backend.discovery.nodes_of("sk"), "the pods seen")
+        hooks.recorded[7] = Event(
+            EventType.WORKER_EXITED,
+            utcnow(),
+            node=where,
+            job="sk",
+            rank=0,
+            details={"exit_code": 1},
+            id=7,
+        )
+        fail_pod(control_plane, crashed)
+        fresh = wait_running(control_plane, "sk", 2, "1")
+        await until(
+            backend,
+            lambda: (
+                {p["metadata"]["uid"] for p in backend.discovery.pods_of("sk")}
+                >= {p["metadata"]["uid"] for p in fresh}
+            ),
+            "the new pods seen",
+        )
+        skipped = "already restarted by the JobSet controller (restart-attempt 1)"
+        in_place = action(
+            ActionType.RESTART_IN_PLACE, job="sk", node=where, event_id=7, reason="exited"
+        )
+        assert await backend.execute(in_place) == {"skipped": skipped}
+        workload = action(ActionType.RESTART_WORKLOAD, job="sk", key="k2", id_=2, event_id=7)
+        assert await backend.execute(workload) == {"skipped": skipped}
+        assert len(events_about(control_plane, "sk", "AlreadyRestarted")) == 2
+        status = (get(control_plane, f"{JOBSETS}/sk") or {})["status"]
+        assert status["restarts"] == 1, status  # one restart: the controller's own
+        still = running(control_plane, "sk", 2, "1")
+        assert still is not None
+        assert {p["metadata"]["uid"] for p in still} == {p["metadata"]["uid"] for p in fresh}
+
+
+# --- nodes ---------------------------------------------------------------------------------
+
+
+async def test_hot_swap_cordons_and_taints_the_node_and_the_pod_runs_on_a_spare(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """Cordon, our NoExecute taint beside the node's own, the health label; the pod is
+    evicted, and the restarted JobSet's pods are scheduled on the other nodes. Then the
+    uncordon gives the node back: the taint gone, the other kept."""
+    nodes = pool_nodes(control_plane, "hs", 3)
+    start_jobset(control_plane, "hs", "hs")
+    pods = wait_running(control_plane, "hs", 2, "0")
+    bad = pods[0]["spec"]["nodeName"]
+    other = {"key": "other", "value": "x", "effect": "NoSchedule"}
+    merge_patch(control_plane, f"/api/v1/nodes/{bad}", {"spec": {"taints": [other]}})
+    async with backend_on(control_plane, kube_supervisor, make_settings, "hs") as backend:
+        await until(backend, lambda: bad in backend.discovery.nodes_of("hs"), "the pods seen")
+        (spare,) = set(nodes) - {p["spec"]["nodeName"] for p in pods}
+        settings = backend.settings
+        result = await backend.execute(
+            action(ActionType.HOT_SWAP, job="hs", node=bad, spare=spare, reason="xid 79")
+        )
+        assert result["pods"] == {pods[0]["metadata"]["name"]: "evicted"}, result
+        n = node(control_plane, bad)
+        assert n["spec"]["unschedulable"] is True
+        assert {t["key"] for t in n["spec"]["taints"]} >= {"other", settings.kube_taint_key}
+        assert n["metadata"]["labels"][settings.kube_node_health_label] == o.PENDING_REPLACEMENT
+        moved = wait_running(control_plane, "hs", 2, "1")
+        assert bad not in {p["spec"]["nodeName"] for p in moved}
+        assert events_about(control_plane, bad, "HotSwap")
+
+        await backend.execute(
+            action(ActionType.UNCORDON, job=None, node=bad, key="k2", id_=2, reason="healthy")
+        )
+        n = node(control_plane, bad)
+        assert not n["spec"].get("unschedulable")
+        assert settings.kube_taint_key not in {t["key"] for t in n["spec"].get("taints", [])}
+        assert n["metadata"]["labels"][settings.kube_node_health_label] == o.SCHEDULABLE
+        # The node lifecycle controller's own taint of a cordoned node, which the uncordon
+        # keeps as it found it (taints are written whole): the controller lifts it soon.
+        wait_until(
+            lambda: (
+                [t["key"] for t in node(control_plane, bad)["spec"].get("taints", [])] == ["other"]
+            ),
+            "node.kubernetes.io/unschedulable lifted by the node lifecycle controller",
+            30,
+        )
+
+
+async def test_cordon_and_uncordon_and_a_node_that_does_not_exist(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    (name,) = pool_nodes(control_plane, "cu", 1)
+    async with backend_on(control_plane, kube_supervisor, make_settings, "cu") as backend:
+        labels = backend.settings.kube_node_health_label
+        await backend.execute(action(ActionType.CORDON, node=name, job=None))
+        n = node(control_plane, name)
+        assert n["spec"]["unschedulable"] is True
+        assert n["metadata"]["labels"][labels] == o.UNSCHEDULABLE
+        await backend.execute(action(ActionType.UNCORDON, node=name, job=None, key="k2"))
+        n = node(control_plane, name)
+        assert not n["spec"].get("unschedulable")
+        assert n["metadata"]["labels"][labels] == o.SCHEDULABLE
+        assert events_about(control_plane, name, "Cordon")
+        assert events_about(control_plane, name, "Uncordon")
+        with pytest.raises(ActionError, match="not found"):
+            await backend.execute(action(ActionType.CORDON, node="cu-nope", job=None, key="k3"))
+
+
+# --- scale down and up ---------------------------------------------------------------------
+
+
+async def test_scale_down_then_up_recreates_the_jobset_and_restores_it_exactly(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """The JobSet is deleted (Foreground) and created again from its own spec with fewer
+    replicas (the real webhook keeps replicas immutable), the bad node cordoned; scaling
+    back up restores the spec the JobSet controller's webhook defaulted, exactly."""
+    pool_nodes(control_plane, "sc", 3)
+    start_jobset(control_plane, "sc", "sc", annotations={o.MIN_REPLICAS: "1"}, env={"NNODES": "2"})
+    pods = wait_running(control_plane, "sc", 2, "0")
+    bad = pods[0]["spec"]["nodeName"]
+    original = get(control_plane, f"{JOBSETS}/sc") or {}
+    async with backend_on(control_plane, kube_supervisor, make_settings, "sc") as backend:
+        await until(backend, lambda: len(backend.discovery.nodes_of("sc")) == 2, "the pods")
+        down = action(
+            ActionType.SCALE_DOWN, job="sc", to_replicas=1, exclude_node=bad, reason="no spare"
+        )
+        assert await backend.execute(down) == {"num_dp_replicas": 1, "from_replicas": 2}
+        js = get(control_plane, f"{JOBSETS}/sc") or {}
+        assert js["metadata"]["uid"] != original["metadata"]["uid"]
+        assert js["spec"]["replicatedJobs"][0]["replicas"] == 1
+        assert json.loads(js["metadata"]["annotations"][o.ORIGINAL_SPEC]) == original["spec"]
+        assert node(control_plane, bad)["spec"]["unschedulable"] is True
+        (pod,) = wait_running(control_plane, "sc", 1)
+        assert pod["spec"]["nodeName"] != bad
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["NUM_DP_REPLICAS"] == "1" and env["NNODES"] == "1", env
+        assert (await backend.execute(down))["repeated"] is True
+
+        up = action(ActionType.SCALE_UP, job="sc", key="k2", to_replicas=2, reason="back")
+        assert await backend.execute(up) == {"num_dp_replicas": 2, "from_replicas": 1}
+        restored = get(control_plane, f"{JOBSETS}/sc") or {}
+        assert restored["spec"] == original["spec"]
+        assert o.ORIGINAL_SPEC not in restored["metadata"]["annotations"]
+
+
+# --- pods ----------------------------------------------------------------------------------
+
+
+async def test_force_delete_removes_a_pod_whose_kubelet_is_gone(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """A pod deleted on a node whose kubelet is gone (kwok no longer plays it) stays
+    Terminating; the force delete (grace period 0, the pod's UID as precondition) removes
+    it, and a repeat finds it gone."""
+    pool_nodes(control_plane, "fd", 1)
+    start_jobset(control_plane, "fd", "fd", replicas=1)
+    (pod,) = wait_running(control_plane, "fd", 1)
+    name, uid, where = pod["metadata"]["name"], pod["metadata"]["uid"], pod["spec"]["nodeName"]
+    unmanage(control_plane, where)
+    with control_plane.client() as api:
+        assert api.delete(f"/api/v1/namespaces/{NS}/pods/{name}").status_code == 200
+    path = f"/api/v1/namespaces/{NS}/pods/{name}"
+    async with backend_on(control_plane, kube_supervisor, make_settings, "fd") as backend:
+        a = action(ActionType.FORCE_DELETE_POD, job="fd", pod=name, namespace=NS, uid=uid)
+        stuck = get(control_plane, path)
+        assert stuck is not None and stuck["metadata"].get("deletionTimestamp")
+        assert await backend.execute(a) == {"pod": name, "outcome": "deleted"}
+        # The Job's tracking finalizer is the Job controller's to lift.
+        wait_until(
+            lambda: (p := get(control_plane, path)) is None or p["metadata"]["uid"] != uid,
+            "the pod gone",
+            30,
+        )
+        assert await backend.execute(a) == {"pod": name, "outcome": "gone"}
+
+
+async def test_an_eviction_a_disruption_budget_refuses_falls_back_to_a_delete(
+    control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
+) -> None:
+    """A real PodDisruptionBudget that allows no disruption: the API server answers the
+    eviction 429 until eviction_patience_s is spent, then the pod is deleted with
+    pod_deletion_grace_period_s."""
+    pool_nodes(control_plane, "pdb", 2)
+    start_jobset(control_plane, "pdb", "pdb")
+    pods = wait_running(control_plane, "pdb", 2, "0")
+    control_plane.apply(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "pdb-all", "namespace": NS},
+            "spec": {"minAvailable": 2, "selector": {"matchLabels": {o.JOBSET_NAME: "pdb"}}},
+        }
+    )
+    wait_until(
+        lambda: (
+            (
+                get(control_plane, f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/pdb-all")
+                or {}
+            )
+            .get("status", {})
+            .get("currentHealthy")
+            == 2
+        ),
+        "the budget counting both pods",
+        30,
+    )
+    bad = pods[0]["spec"]["nodeName"]
+    async with backend_on(
+        control_plane, kube_supervisor, make_settings, "pdb", pod_deletion_grace_period_s=7
+    ) as backend:
+        await until(backend, lambda: bad in backend.discovery.nodes_of("pdb"), "the pods seen")
+        result = await backend.execute(
+            action(ActionType.RESTART_IN_PLACE, job="pdb", node=bad, reason="exit")
+        )
+        assert result == {"pods": {pods[0]["metadata"]["name"]: "deleted"}}, result
+        wait_running(control_plane, "pdb", 2, "1")

@@ -1,0 +1,120 @@
+"""The informer (supervisor/kube/informer.py) against the real API server when its watch
+expires: etcd compacted past the version the informer would resume from, its next watch
+answered 410 Gone as the real server words it, a new list, and nothing missed.
+
+The API server of tests/control_plane.py serves ConfigMaps' watches from etcd itself
+(`--watch-cache-sizes=configmaps#0`), so compacting etcd expires them at once, as a watch
+cache's window running out does on a busy cluster. The informer is the same for every
+kind; the backend's (Pods, Jobs, Nodes, JobSets) differ only in their list call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from kubernetes import client, config
+
+from supervisor.kube.informer import Informer
+from supervisor.kube.objects import Obj
+from tests.control_plane import ControlPlane
+from tests.kube_real import NS
+from tests.timing import scaled
+
+
+def configmap(name: str, label: str, **data: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": NS, "labels": {"informer-test": label}},
+        "data": data,
+    }
+
+
+def compact(plane: ControlPlane) -> int:
+    """Compact etcd at its current revision (its JSON gateway); the revision."""
+    key = base64.b64encode(b"/").decode()
+    now = httpx.post(f"{plane.etcd_url}/v3/kv/range", json={"key": key}, timeout=10)
+    now.raise_for_status()
+    revision = int(now.json()["header"]["revision"])
+    done = httpx.post(
+        f"{plane.etcd_url}/v3/kv/compaction",
+        json={"revision": str(revision), "physical": True},
+        timeout=30,
+    )
+    done.raise_for_status()
+    return revision
+
+
+@asynccontextmanager
+async def informing(plane: ControlPlane, label: str) -> AsyncIterator[tuple[Informer, list[str]]]:
+    """An informer of the ConfigMaps labelled `label`, as the admin, reopening its watch
+    every second; and the changes it told, as "TYPE name" lines."""
+    api = config.new_client_from_config(config_file=str(plane.admin.kubeconfig))
+    core = client.CoreV1Api(api)
+    informer = Informer(
+        "ConfigMap",
+        functools.partial(core.list_namespaced_config_map, NS),
+        asyncio.get_running_loop(),
+        label_selector=f"informer-test={label}",
+        watch_timeout_s=1,
+        backoff_s=(0.05, 0.5),
+        request_timeout_s=10.0,
+    )
+    told: list[str] = []
+
+    def heard(kind: str, obj: Obj, _before: Obj | None) -> None:
+        told.append(f"{kind} {obj['metadata']['name']}")
+
+    informer.listeners.append(heard)
+    informer.start()
+    try:
+        await asyncio.wait_for(informer.synced.wait(), scaled(30))
+        yield informer, told
+    finally:
+        await informer.stop()
+        api.close()
+
+
+async def until(predicate: Callable[[], Any], what: str, within: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + scaled(within)
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_watch_expired_by_a_compaction_lists_again_and_misses_nothing(
+    control_plane: ControlPlane,
+) -> None:
+    label = uuid.uuid4().hex[:8]
+    path = f"/api/v1/namespaces/{NS}/configmaps"
+    with control_plane.client() as api:
+        assert api.post(path, json=configmap(f"kept-{label}", label)).status_code == 201
+        async with informing(control_plane, label) as (informer, told):
+            assert set(informer.items) == {f"{NS}/kept-{label}"}
+            lists = informer.stats["lists"]
+            # The cluster moves on without a change the informer watches (no bookmark
+            # either: etcd's own watch sends none), then etcd forgets the history.
+            for i in range(5):
+                other = configmap(f"other-{label}-{i}", f"not-{label}")
+                assert api.post(path, json=other).status_code == 201
+            compact(control_plane)
+            # Its watch, reopened every second from the version of its last change, is
+            # refused with 410 Gone, and it lists again.
+            await until(lambda: informer.stats["gone"] >= 1, "a watch expired (410)")
+            await until(lambda: informer.stats["lists"] > lists, "a new list")
+            # Changes after the new list: each told once, none lost to the expiry.
+            r = api.delete(f"{path}/kept-{label}")
+            assert r.status_code == 200, r.text
+            assert api.post(path, json=configmap(f"new-{label}", label)).status_code == 201
+            await until(lambda: set(informer.items) == {f"{NS}/new-{label}"}, "the new state")
+            await until(lambda: f"ADDED new-{label}" in told, "the new ConfigMap told")
+            assert told.count(f"DELETED kept-{label}") == 1, told
+            assert told.count(f"ADDED new-{label}") == 1, told
+            assert informer.stats["errors"] == 0, informer.stats
