@@ -203,14 +203,14 @@ class CheckpointForwarder:
     def _acked(self, count: int) -> None:
         for _ in range(count):
             self._pending.popleft()
-        self._rewrite()
         self.delivered += count
-        if self._failures:
+        if self._failures:  # said before the outbox shrinks: whoever sees it empty sees this
             log.info(
                 "checkpoint reports delivered to %s after %d failed attempt(s)",
                 self.url,
                 self._failures,
             )
+        self._rewrite()
         self._failures = 0
         self._last_problem = None
         if not self._pending:

@@ -817,9 +817,13 @@ def test_reports_survive_a_down_supervisor_and_a_killed_host_monitor(
         # (Both host monitors of the node log to one file: look at the second one's part.)
         restarted = "2 report(s) from a previous run to send"
         assert restarted in again.log.read_text()
-        log = again.log.read_text().split(restarted)[-1]
+        log = wait_for(
+            lambda: "checkpoint reports delivered" in (text := again.log.read_text())
+            and text.split(restarted)[-1],
+            5,
+            "the delivery said",
+        )
         assert log.count("checkpoint reports to") == 1, log  # one line, not one per retry
-        assert "checkpoint reports delivered" in log
         # And the goodput of the job counts them.
         data = wait_for(
             lambda: server.http.get(f"/api/v1/jobs/{job}/goodput").json(), 10, "job known"

@@ -268,7 +268,10 @@ def test_the_in_process_example_heals_a_crashed_rank_keeping_the_other_nodes_pro
     script = healing_example(tmp_path)
     want = reference_weights(tmp_path, script)
     weights = tmp_path / "weights.sha256"
+    # The bound on the new world's forming is generous: a fresh rank imports torch, which
+    # takes tens of seconds on a loaded 2-core machine, and what is checked is the path.
     args = ["--in-process", "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1"]
+    args += ["--set", "in_process_restart_timeout_s=120"]
     env = user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights))
     run = Run(tmp_path, [*args, "train.py"], env)
     try:
