@@ -818,8 +818,10 @@ def test_reports_survive_a_down_supervisor_and_a_killed_host_monitor(
         restarted = "2 report(s) from a previous run to send"
         assert restarted in again.log.read_text()
         log = wait_for(
-            lambda: "checkpoint reports delivered" in (text := again.log.read_text())
-            and text.split(restarted)[-1],
+            lambda: (
+                "checkpoint reports delivered" in (text := again.log.read_text())
+                and text.split(restarted)[-1]
+            ),
             5,
             "the delivery said",
         )
