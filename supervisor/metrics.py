@@ -183,6 +183,18 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
             registry=self.registry,
         )
+        self.losses_deferred = Counter(
+            "supervisor_node_losses_deferred",
+            "Node losses checked again because the deadline passed while the supervisor ran "
+            "behind (paused, starved of CPU): the node's heartbeat may have sat in its queue.",
+            registry=self.registry,
+        )
+        self.behind = Histogram(
+            "supervisor_behind_seconds",
+            "How far behind its node deadlines the supervisor ran when it deferred a loss.",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
         self.nodes = Gauge(
             "supervisor_nodes",
             "Nodes tracked by the sensor, by liveness.",

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -37,6 +38,8 @@ _SILENT_PERIODS = 1.5
 #: A deferred hang check runs this long after the silent node's heartbeat deadline.
 _AFTER_NODE_DEADLINE_S = 0.01
 
+log = logging.getLogger(__name__)
+
 
 class DeadlineHandlers(SensorClock):
     # What `Sensor` sets up.
@@ -48,6 +51,8 @@ class DeadlineHandlers(SensorClock):
     _jobs: dict[str, JobRecord]
     _timeout_s: float
     _event: Callable[..., Event]
+    #: When the log last said the supervisor ran behind (event-loop time).
+    _warned_behind_at = float("-inf")
 
     def answered(self, name: str) -> None:
         """`name`'s heartbeat was answered only now: recording what it changed took a while
@@ -62,7 +67,12 @@ class DeadlineHandlers(SensorClock):
         if node is None or not node.alive:
             return
         now = self._deadlines.time()
-        lateness = now - deadline
+        second_look = node.loss_recheck == deadline
+        if self._ran_behind(node, deadline, now):
+            return
+        # After a second look, how late the loss is told counts from the node's own
+        # deadline, not from that look's.
+        lateness = now - (node.last_seen + self._timeout_s if second_look else deadline)
         self.metrics.detection_lateness.observe(lateness)
         node.alive = False
         if node.job is not None:
@@ -98,6 +108,34 @@ class DeadlineHandlers(SensorClock):
                 self._event(EventType.HOST_HEARTBEAT_LOST, node, fault_id=cause, **details)
             )
         changes.nodes.append(node.view(self._wall_offset()))
+
+    def _ran_behind(self, node: NodeRecord, deadline: float, now: float) -> bool:
+        """Whether the node's loss waits: its deadline fired more than a heartbeat period
+        late, so the supervisor itself ran behind (paused, starved of CPU, a slow commit),
+        and the node's heartbeat may sit unread in its own queue. The loss is checked
+        once more, as long after as the supervisor was behind (at least a period, at
+        most a timeout): a heartbeat read meanwhile moves the deadline on; else the node
+        is lost then. Said once per timeout in the log, and in the metrics."""
+        if node.loss_recheck == deadline:  # this is the second look
+            node.loss_recheck = None
+            return False
+        behind = now - deadline
+        period = self.settings.heartbeat_polling_period_s
+        if behind <= period:
+            return False
+        node.loss_recheck = now + min(max(behind, period), self._timeout_s)
+        self._deadlines.arm(node.deadline_key, node.loss_recheck)
+        self.metrics.losses_deferred.inc()
+        self.metrics.behind.observe(behind)
+        if now - self._warned_behind_at > self._timeout_s:
+            self._warned_behind_at = now
+            log.warning(
+                "the supervisor ran %.2fs behind its heartbeat deadlines (paused, starved "
+                "of CPU, or a slow commit): node losses are checked again once the "
+                "heartbeats queued meanwhile are read",
+                behind,
+            )
+        return True
 
     def _check_stragglers(self, changes: Changes) -> None:
         """Every heartbeat period: one sample per running rank that reports its compute

@@ -71,6 +71,7 @@ class NodeRecord:
         "deadline_key",
         "cut_off",
         "cut_since",
+        "loss_recheck",
         "_views",
         "_views_of",
     )
@@ -125,6 +126,9 @@ class NodeRecord:
         self.ecc_counts: dict[int | None, int] | None = None
         self.gpu_seen: dict[tuple[str, int | None, int | None], float] | None = None
         self.deadline_key: DeadlineKey = (NODE, name)  # built once
+        # When its loss is checked again, after a deadline that passed while the
+        # supervisor ran behind (expiries.py); None: no check pending.
+        self.loss_recheck: float | None = None
         # The workers' views, and what they were built from (a cache, see the module).
         self._views: tuple[WorkerView, ...] = ()
         self._views_of: list[WorkerReport] | bytes | None = None
