@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from supervisor.config import CONFIG_FILE_ENV, ConfigError, load_settings
+from supervisor.config_parts.notification_routes import Route
 from supervisor.domain import ActionRecord, ActionStatus, ActionType, Event, EventType
 from supervisor.notices import action_notice, event_notice
 from supervisor.notifications.routing import routes_for
-from supervisor.notifications.settings import Route
 from tests.conftest import OPERATOR_TOKEN, SettingsFactory
 from tests.test_api import OPERATOR, Api, heartbeat, running
 

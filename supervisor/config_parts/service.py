@@ -11,7 +11,7 @@ from pydantic_settings import NoDecode
 
 from resiliency_protocol.tls import client_context
 from supervisor.config_parts.group import SettingsGroup
-from supervisor.notifications.settings import Routes
+from supervisor.config_parts.notification_routes import Routes
 
 # How a host monitor proves who it is (docs/security.md, "Agent identity").
 AgentAuth = Literal["shared", "node_key", "kubernetes"]

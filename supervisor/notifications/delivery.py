@@ -29,6 +29,7 @@ import httpx
 
 from resiliency_protocol.backoff import Backoff, attempt_delay
 from supervisor.config_parts import NotificationSettings
+from supervisor.config_parts.notification_routes import Route
 from supervisor.domain import ActionRecord, Event
 from supervisor.live_hub import Hub, Message, Subscription
 from supervisor.metrics import Metrics
@@ -41,7 +42,6 @@ from supervisor.notices import (
     event_notice,
 )
 from supervisor.notifications.routing import routes_for
-from supervisor.notifications.settings import Route
 from supervisor.notifications.sinks import Request, request_for
 from supervisor.store import Store
 

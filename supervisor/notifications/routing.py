@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from supervisor.config_parts.notification_routes import ANY, Route
 from supervisor.domain import EventType
 from supervisor.notices import CLEARS, Notice
-from supervisor.notifications.settings import ANY, Route
 
 
 def routes_for(notice: Notice, routes: Sequence[Route]) -> list[Route]:

@@ -15,10 +15,10 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlencode
 
+from supervisor.config_parts.notification_routes import Route
 from supervisor.domain import EventType
 from supervisor.notices import CLEARS, Notice, event_severity
 from supervisor.notifications.routing import selects
-from supervisor.notifications.settings import Route
 
 SOURCE = "resiliency-supervisor"
 ALERTS_PATH = "/api/v2/alerts"

@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field
 from supervisor.api.deps import Reader, SupervisorDep
 from supervisor.api.routes.common import RecordId, RecordIdFilter, check_known, page_of
 from supervisor.api.schemas import Page
+from supervisor.config_parts.notification_routes import ROUTE_NAME_PATTERN
 from supervisor.notices import Delivery, DeliveryStatus
-from supervisor.notifications.settings import ROUTE_NAME_PATTERN
 from supervisor.store import DeliveryFilter
 
 router = APIRouter(prefix="/api/v1/notifications", tags=["notifications"], dependencies=[Reader])
