@@ -249,12 +249,17 @@ class FakeGcs:
 class FaultProxy:
     """A loopback HTTP proxy in front of an S3 endpoint. `fault(method, path)` decides
     per request: "503" answers 503 SlowDown (the body S3 sends under load), "drop"
-    closes the connection without an answer, anything else passes the request on."""
+    closes the connection without an answer, "slow" passes it on `delay_s` late (a
+    congested bucket: the real server cannot be made slow on demand), anything else
+    passes the request on."""
 
-    def __init__(self, upstream: str, fault: Callable[[str, str], str | None]) -> None:
+    def __init__(
+        self, upstream: str, fault: Callable[[str, str], str | None], delay_s: float = 0.0
+    ) -> None:
         parts = urllib.parse.urlsplit(upstream)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.fault = fault
+        self.delay_s = delay_s
         self.seen: list[tuple[str, str, str]] = []  # (method, path, what was done)
         self._lock = threading.Lock()
         proxy = self
@@ -285,6 +290,8 @@ class FaultProxy:
                 if action == "drop":
                     self.close_connection = True
                     return
+                if action == "slow":
+                    time.sleep(proxy.delay_s)
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body, headers=dict(self.headers))

@@ -172,6 +172,58 @@ def test_503_slowdown_is_retried(s3_env: Seaweed, tmp_path: Path, monkeypatch: A
         proxy.close()
 
 
+def test_a_slow_bucket_never_holds_up_the_training_loop(
+    s3_env: Seaweed, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Every PUT reaches the bucket 1.5 s late, so a step's durable copy takes seconds;
+    the loop saves to RAM every step and to the bucket every other step (in the
+    background, as by default). No save waits for an upload: the durable copies due
+    meanwhile are skipped, each reported, and count as no failure (the limit is 2 here,
+    and more are skipped in a row); the step being uploaded stays in RAM until it is
+    committed; what the bucket holds restores."""
+    delay = 1.5
+    proxy = FaultProxy(s3_env.endpoint, lambda m, _: "slow" if m == "PUT" else None, delay)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        cfg = settings(
+            tmp_path,
+            f"s3://{BUCKET}/slow-bucket",
+            in_memory_checkpointing_freq=1,
+            s3_checkpointing_freq=2,
+            enable_async_ckpt=True,
+            max_consecutive_save_failures=2,
+            durable_timeout_s=60.0,
+        )
+        model, optimizer = model_and_optimizer()
+        ckpt = checkpointer(model, optimizer, cfg)
+        weights = {}
+        for step in range(1, 13):
+            train(model, optimizer)
+            ckpt.step_done(step)  # would raise CheckpointSavesFailing past the limit
+            weights[step] = [p.detach().clone() for p in model.parameters()]
+        # No save waited for the previous one's durable copy (one PUT alone takes longer).
+        assert max(ckpt.blocking) < delay, ckpt.blocking
+        ckpt.close()  # waits for the upload under way
+        durable = [r for r in ckpt.save_results if r.tier == "durable"]
+        done = [r.step for r in durable if r.error is None]
+        skipped = [r for r in durable if r.skipped]
+        assert done and done[0] == 2, durable
+        assert len(skipped) >= 2, durable
+        for result in skipped:
+            assert result.error is not None and result.error.startswith("skipped: "), result
+            assert result.step not in done
+        assert sorted(done + [r.step for r in skipped]) == list(range(2, 13, 2))
+        assert not [r for r in ckpt.save_results if r.error and not r.skipped]
+        assert ckpt.consecutive_failures == 0
+        restored, fresh = restore_fresh(tmp_path, cfg, "ram-new")
+        assert restored.last_restore is not None and restored.last_restore.tier == "durable"
+        assert restored.last_restore.step == done[-1]
+        assert same(fresh, weights[done[-1]])
+        restored.close()
+    finally:
+        proxy.close()
+
+
 def test_manifest_written_last_and_leftovers_removed_by_retention(
     s3_env: Seaweed, tmp_path: Path, monkeypatch: Any
 ) -> None:

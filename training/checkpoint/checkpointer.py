@@ -314,7 +314,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         started = time.monotonic()
         if self._saver.busy:
             log.info("checkpoint: step %d waits for the previous save to be written", step)
-            self._saver.wait()
+            self._saver.wait_for_save()  # not for its durable copy (saver.py)
         state = self.state.state_dict(step)
         background = self.settings.enable_async_ckpt
         finish: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -386,8 +386,9 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         return self._saver.results
 
     def _on_failed(self, result: SaveResult) -> None:
-        self._failures[result.tier] = self._failures.get(result.tier, 0) + 1
-        self.last_failure = result
+        if not result.skipped:  # a durable copy skipped behind a slow upload failed nothing
+            self._failures[result.tier] = self._failures.get(result.tier, 0) + 1
+            self.last_failure = result
         if self.client is not None:
             tier = (
                 Tier.EMERGENCY

@@ -13,6 +13,13 @@ retries) fails that save only: it is reported, and the RAM tier keeps the step.
 A save due while the previous one is still being written waits for it: the staging
 buffers are the previous save's until it is on disk, and skipping a save would silently
 widen what a failure loses. The wait counts as blocking time, and is reported.
+
+The durable copy of a step the RAM tier committed is not part of that wait: it runs in
+a thread of its own, one upload at a time, so that a slow bucket never holds up the next
+save. A durable copy due while the previous one is still under way is skipped (the RAM
+tier, and the partner's copy, take that step): reported as a failed save that says so,
+and not counted towards `max_consecutive_save_failures` (the bucket works, slowly); the
+durable tier's checkpoint age shows it. The step being uploaded stays in RAM until then.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class SaveJob:
     finish_staging: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     #: Asked for by the host monitor (reported as the `emergency` tier).
     emergency: bool = False
+    #: Written in a thread of its own (`Saver.submit`): its durable copy is too.
+    background: bool = False
 
 
 @dataclass
@@ -76,6 +85,8 @@ class SaveResult:
     #: Of `total_s`, the seconds spent writing to this tier (after the copy to host
     #: memory): what the tier's throughput is measured on.
     write_s: float | None = None
+    #: Not attempted: the durable tier's previous upload was still under way.
+    skipped: bool = False
 
 
 class Saver:
@@ -118,19 +129,34 @@ class Saver:
         self.emergency_steps: dict[str, set[int]] = {"ram": set(), "durable": set()}
         self._idle = threading.Event()
         self._idle.set()
+        #: The step whose durable copy is under way (its own thread), if any.
+        self._uploading: int | None = None
+        self._uploaded = threading.Event()
+        self._uploaded.set()
+        self._durable_lock = threading.Lock()  # durable retention and its emergency steps
         self._lock = threading.Lock()
 
     def emergency_step(self, tier: str, step: int) -> None:
         """Record that an emergency save committed `step` in `tier` (not counted by
         retention, see `format.beyond_retention`)."""
-        self.emergency_steps[tier].add(step)
+        with self._durable_lock:
+            self.emergency_steps[tier].add(step)
 
     @property
     def busy(self) -> bool:
         return not self._idle.is_set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Until the save in flight (if any) is committed or failed; False on timeout."""
+        """Until the save in flight (if any) and its durable copy are committed or
+        failed; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._idle.wait(timeout_s):
+            return False
+        return self._uploaded.wait(None if deadline is None else deadline - time.monotonic())
+
+    def wait_for_save(self, timeout_s: float | None = None) -> bool:
+        """Until the save in flight is written to its first tier (the staging buffers are
+        free again); its durable copy may still be under way. False on timeout."""
         return self._idle.wait(timeout_s)
 
     def submit(self, job: SaveJob, *, background: bool) -> None:
@@ -140,6 +166,7 @@ class Saver:
             if not self._idle.is_set():
                 raise RuntimeError("a save is still being written")
             self._idle.clear()
+        job.background = background
         if not background:
             self._run(job)
             return
@@ -157,6 +184,9 @@ class Saver:
 
     def _failed(self, job: SaveJob, tier: str, exc: BaseException) -> None:
         log.error("checkpoint save of step %d to %s failed: %r", job.step, tier, exc)
+        self._report_failed(job, tier, repr(exc))
+
+    def _report_failed(self, job: SaveJob, tier: str, error: str, skipped: bool = False) -> None:
         result = SaveResult(
             job.step,
             tier,
@@ -164,8 +194,9 @@ class Saver:
             0,
             job.blocking_s,
             time.monotonic() - job.started,
-            repr(exc),
+            error,
             job.emergency,
+            skipped=skipped,
         )
         self.results.append(result)
         if self.on_failed is not None:
@@ -225,37 +256,24 @@ class Saver:
                 write_s=time.monotonic() - writing,
             )
         )
-        durable_ok = True
-        if job.to_ram and job.to_durable and self.durable is not None:
-            assert final is not None
-            copied_at = time.monotonic()
-            try:
-                if self.fence is not None:
-                    self.fence.check("durable")
-                path = self.durable.copy_committed(final, manifest)
-            except Exception as exc:  # the RAM tier holds the step: only durable failed
-                # Nor is retention run there: a rank refused as an older world's must not
-                # evict what a newer world keeps.
-                durable_ok = False
-                self._failed(job, "durable", exc)
-            else:
-                # The loop blocked once, for the RAM save: the durable copy adds no blocking.
-                seconds = time.monotonic() - copied_at
-                self._committed(
-                    SaveResult(
-                        job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds
-                    )
-                )
+        copy = job.to_ram and job.to_durable and self.durable is not None
         if job.emergency:
             # An emergency save adds to the tiers and evicts nothing, nor counts in a later
             # retention: with a sharded state a rank that could not save it (the dead one)
-            # needs the periodic step the others still hold.
+            # needs the periodic step the others still hold. Its durable copy is made
+            # here: the process may not live to see a thread's.
             self.emergency_step("ram" if job.to_ram else "durable", job.step)
-            if job.to_ram and job.to_durable and durable_ok:
+            if copy and self._to_durable(job, final, manifest):
                 self.emergency_step("durable", job.step)
             return
-        for tier in ("ram", "durable") if job.to_durable and durable_ok else ("ram",):
-            self.emergency_steps[tier].discard(job.step)  # saved again as a periodic step
+        self.emergency_steps["ram" if job.to_ram else "durable"].discard(job.step)
+        if copy and not job.background:
+            if self._to_durable(job, final, manifest):
+                self._after_durable(job.step)
+        elif copy:
+            self._upload(job, final, manifest)
+        elif job.to_durable and self.durable is not None:  # written there first
+            self._after_durable(job.step)
         if job.to_ram and self.ram_root is not None:
             # Several ranks keep one step more: a rank killed while writing the newest
             # step, or a node lost while its newest step was still on its way to the
@@ -265,15 +283,74 @@ class Saver:
             if self.fence is not None:
                 self.fence.drop_shadowed("ram", self.rank)
             aside = self.emergency_steps["ram"]
-            aside -= set(fmt.retain(self.ram_root, self.rank, keep, aside=aside))
-        if job.to_durable and self.durable is not None and durable_ok:
+            uploading = self._uploading
+            protect = () if uploading is None else (uploading,)
+            aside -= set(fmt.retain(self.ram_root, self.rank, keep, protect=protect, aside=aside))
+
+    def _to_durable(self, job: SaveJob, final: Path | None, manifest: fmt.Manifest) -> bool:
+        """Copy the step committed in RAM to the durable tier; whether it committed."""
+        assert final is not None and self.durable is not None
+        copied_at = time.monotonic()
+        try:
+            if self.fence is not None:
+                self.fence.check("durable")
+            path = self.durable.copy_committed(final, manifest)
+        except Exception as exc:  # the RAM tier holds the step: only durable failed
+            # Nor is retention run there: a rank refused as an older world's must not
+            # evict what a newer world keeps.
+            self._failed(job, "durable", exc)
+            return False
+        # The loop blocked once, for the RAM save: the durable copy adds no blocking.
+        seconds = time.monotonic() - copied_at
+        self._committed(
+            SaveResult(job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds)
+        )
+        return True
+
+    def _after_durable(self, step: int) -> None:
+        """The durable tier committed periodic step `step`: its retention."""
+        assert self.durable is not None
+        aside = self.emergency_steps["durable"]
+        with self._durable_lock:  # an emergency save may add to it meanwhile
+            aside.discard(step)  # saved again as a periodic step
+            emergency = set(aside)
+        try:
+            if self.fence is not None:
+                self.fence.drop_shadowed("durable", self.rank)
+            removed = self.durable.retain(self.rank, self.durable_keep, aside=emergency)
+        except Exception as exc:  # the step is committed: retention runs again next time
+            log.warning("checkpoint: durable retention failed: %r", exc)
+            return
+        with self._durable_lock:
+            aside -= set(removed)
+
+    def _upload(self, job: SaveJob, final: Path | None, manifest: fmt.Manifest) -> None:
+        """The durable copy in a thread of its own; skipped, and reported, while the
+        previous one is still under way (see the module)."""
+        with self._lock:
+            busy = self._uploading
+            if busy is None:
+                self._uploading = job.step
+                self._uploaded.clear()
+        if busy is not None:
+            error = (
+                f"skipped: the durable copy of step {busy} is still under way (a slow "
+                f"bucket); the RAM tier keeps step {job.step}"
+            )
+            log.warning("checkpoint: durable save of step %d %s", job.step, error)
+            self._report_failed(job, "durable", error, skipped=True)
+            return
+
+        def upload() -> None:
             try:
-                if self.fence is not None:
-                    self.fence.drop_shadowed("durable", self.rank)
-                aside = self.emergency_steps["durable"]
-                aside -= set(self.durable.retain(self.rank, self.durable_keep, aside=aside))
-            except Exception as exc:  # the step is committed: retention runs again next time
-                log.warning("checkpoint: durable retention failed: %r", exc)
+                if self._to_durable(job, final, manifest):
+                    self._after_durable(job.step)
+            finally:
+                with self._lock:
+                    self._uploading = None
+                self._uploaded.set()
+
+        threading.Thread(target=upload, name=f"checkpoint-upload-{job.step}", daemon=True).start()
 
     def publish(self, tier: str, step: int) -> None:
         """Write `step`'s global metadata in `tier` if every rank has committed."""
