@@ -20,6 +20,7 @@ from bench import (
     detection,
     failover,
     goodput,
+    hang_detect,
     ingest,
     memory,
     mttr,
@@ -179,6 +180,7 @@ SECTIONS = (
     "chaos",
     "dashboard",
     "cli",
+    "hang-run",  # a frozen rank of an unchanged script, of an instrumented one, torchrun's
 )
 
 
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += dashboard.rows()
     if "cli" in only:
         rows += cli_start.rows()
+    if "hang-run" in only:
+        rows += hang_detect.rows()
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

@@ -90,10 +90,10 @@ def test_a_replaced_supervisor_cannot_act_and_the_next_one_carries_out_its_remed
     start_demo: Callable[..., LocalDemo], tmp_path: Path, make_settings: SettingsFactory
 ) -> None:
     expected = reference_weights(tmp_path, 2, 1, STEPS, "numpy")
-    # Slow steps (45 s for the job): the second supervisor starts beside it, which took
+    # Slow steps (30 s for the job): the second supervisor starts beside it, which took
     # longer than the rest of a 6 s job on a loaded machine, and a job that ended before
     # the fault needs no remedy.
-    demo = start_demo(step_time_s=0.3)
+    demo = start_demo(step_time_s=0.2)
     victim = demo.options.nodes[1]
     wait_for(lambda: job_step(demo) >= 15, what="training to reach step 15")
     assert asyncio.run(command_as_a_newer_supervisor(demo, make_settings)) >= 2
