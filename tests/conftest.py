@@ -218,6 +218,7 @@ HEAVY_MODULES = frozenset(
         "test_ddp_resume_order",
         "test_fsdp1_checkpoint",
         "test_in_process_restart",
+        "test_kube_in_process",
         "test_lightning_checkpoint",
         "test_local_cluster",
         "test_partitions",
