@@ -354,7 +354,7 @@ def test_worker_and_gpu_faults_are_healed_exactly(
     else:
         # A dead or hung rank blocks the others in the step's all-reduce: the emergency
         # checkpoint is the newest step any rank holds.
-        assert resumed == saved, resumes
+        assert resumed == saved, (resumes, actions, demo.api("/api/v1/events")["items"][:12])
     assert_same_weights(weights, expected)
 
 

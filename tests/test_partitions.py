@@ -11,6 +11,7 @@ in the newer world; its old workers are gone within OLD_WORLD_BOUND_S of the hea
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -342,7 +343,18 @@ def test_a_flapping_link_is_healed_once_and_the_job_stays_exact(
     # against a 1 s heartbeat timeout left 0.5 s for a loaded machine, and the NumPy job
     # could finish in the old world before any cut was long enough (seen once in CI).
     net.drop(victim, "supervisor", "both")
-    wait_for(lambda: lost_events(demo, victim), what=f"{victim} declared lost")
+    try:
+        wait_for(lambda: lost_events(demo, victim), what=f"{victim} declared lost")
+    except AssertionError as exc:  # failed twice in CI, never here: say what was seen
+        rules = subprocess.run(
+            [*net.hosts[victim].exec_args(), "nft", "list", "ruleset"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        raise AssertionError(
+            f"{exc}\nnode: {demo.api(f'/api/v1/nodes/{victim}')}\n"
+            f"events: {demo.api('/api/v1/events')['items'][:10]}\nrules: {rules}"
+        ) from None
     net.heal(victim)
     time.sleep(FLAP_S)
     flaps = 1
