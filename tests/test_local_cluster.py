@@ -351,8 +351,15 @@ def test_worker_and_gpu_faults_are_healed_exactly(
         # and the hot-swap's stop; it may reach a newer periodic checkpoint on every rank
         # (seen on a loaded machine), and then resumes from that one.
         assert resumed is not None and resumed >= saved, resumes
+    elif fault["kind"] == "worker_hang":
+        # A hung rank blocks the others in the step's all-reduce, so the emergency
+        # checkpoint is the step they completed; but the stop continues the stopped rank
+        # (SIGTERM, then SIGCONT), and one stopped after it sent its part of the step may
+        # complete that step with the others, and save it, before it stops (seen once in
+        # CI: saved 29, every rank resumed from its RAM save of 30).
+        assert resumed in (saved, saved + 1), (resumes, actions)
     else:
-        # A dead or hung rank blocks the others in the step's all-reduce: the emergency
+        # A dead rank blocks the others in the step's all-reduce: the emergency
         # checkpoint is the newest step any rank holds.
         assert resumed == saved, (resumes, actions, demo.api("/api/v1/events")["items"][:12])
     assert_same_weights(weights, expected)
