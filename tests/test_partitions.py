@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from supervisor.local.demo import LocalDemo
@@ -351,10 +352,14 @@ def test_a_flapping_link_is_healed_once_and_the_job_stays_exact(
             capture_output=True,
             text=True,
         ).stdout
-        raise AssertionError(
-            f"{exc}\nnode: {demo.api(f'/api/v1/nodes/{victim}')}\n"
-            f"events: {demo.api('/api/v1/events')['items'][:10]}\nrules: {rules}"
-        ) from None
+        try:
+            seen = f"node: {demo.api(f'/api/v1/nodes/{victim}')}\n"
+            seen += f"events: {demo.api('/api/v1/events')['items'][:10]}"
+        except httpx.HTTPError as error:  # the supervisor itself not answering
+            seen = f"the supervisor does not answer: {error!r}"
+        log = demo.run_dir / "logs" / "supervisor.log"
+        tail = log.read_text()[-8000:] if log.exists() else "(no log)"
+        raise AssertionError(f"{exc}\n{seen}\nrules: {rules}\nsupervisor log: {tail}") from None
     net.heal(victim)
     time.sleep(FLAP_S)
     flaps = 1
