@@ -68,7 +68,8 @@ class DeadlineHandlers(SensorClock):
             return
         now = self._deadlines.time()
         second_look = node.loss_recheck == deadline
-        if self._ran_behind(node, deadline, now):
+        node.loss_recheck = None
+        if not second_look and self._ran_behind(node, deadline, now):
             return
         # After a second look, how late the loss is told counts from the node's own
         # deadline, not from that look's.
@@ -113,12 +114,10 @@ class DeadlineHandlers(SensorClock):
         """Whether the node's loss waits: its deadline fired more than a heartbeat period
         late, so the supervisor itself ran behind (paused, starved of CPU, a slow commit),
         and the node's heartbeat may sit unread in its own queue. The loss is checked
-        once more, as long after as the supervisor was behind (at least a period, at
-        most a timeout): a heartbeat read meanwhile moves the deadline on; else the node
-        is lost then. Said once per timeout in the log, and in the metrics."""
-        if node.loss_recheck == deadline:  # this is the second look
-            node.loss_recheck = None
-            return False
+        once more (never a third time), as long after as the supervisor was behind (at
+        least a period, at most a timeout): a heartbeat read meanwhile moves the deadline
+        on; else the node is lost then. Said once per timeout in the log, and in the
+        metrics."""
         behind = now - deadline
         period = self.settings.heartbeat_polling_period_s
         if behind <= period:
