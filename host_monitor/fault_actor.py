@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import ClassVar
 
 from host_monitor.node import Node
 from host_monitor.request_checks import InvalidRequest
@@ -85,17 +86,13 @@ class FaultActor:
 
     def apply(self, fault: ProcessFault) -> FaultOutcome:
         log.warning("injected fault: %s", fault.model_dump(mode="json", exclude_none=True))
-        if fault.kind == FaultKind.WORKER_CRASH:
-            return self._signal(fault, signal.SIGKILL)
-        if fault.kind == FaultKind.WORKER_HANG:
-            return self._signal(fault, signal.SIGSTOP)
-        if fault.kind == FaultKind.STRAGGLER:
-            return self._straggler(fault)
-        if fault.kind == FaultKind.XID:
-            return self._xid(fault)
-        if fault.kind == FaultKind.ECC:
-            return self._ecc(fault)
-        return self._node_down(fault)
+        return self.acts[fault.kind](self, fault)
+
+    def _crash(self, fault: ProcessFault) -> FaultOutcome:
+        return self._signal(fault, signal.SIGKILL)
+
+    def _hang(self, fault: ProcessFault) -> FaultOutcome:
+        return self._signal(fault, signal.SIGSTOP)
 
     def _signal(self, fault: ProcessFault, sig: signal.Signals) -> FaultOutcome:
         worker = self.node.registry.target(fault.rank)
@@ -181,3 +178,13 @@ class FaultActor:
             detail=f"SIGKILL sent to ranks {ranks}; the agent exits with {NODE_DOWN_EXIT_CODE} now",
             exiting=True,
         )
+
+    #: Each kind a host monitor acts out (`on_processes` in the protocol's table).
+    acts: ClassVar[Mapping[FaultKind, Callable[[FaultActor, ProcessFault], FaultOutcome]]] = {
+        FaultKind.WORKER_CRASH: _crash,
+        FaultKind.WORKER_HANG: _hang,
+        FaultKind.STRAGGLER: _straggler,
+        FaultKind.XID: _xid,
+        FaultKind.ECC: _ecc,
+        FaultKind.NODE_DOWN: _node_down,
+    }

@@ -1,5 +1,12 @@
-"""The kinds of fault the supervisor injects, and the host monitors act out on real
-processes. Imports nothing from supervisor, host_monitor or training.
+"""The kinds of fault the supervisor injects, and `FAULTS`, the one table that says what
+each kind is. Imports nothing from supervisor, host_monitor or training.
+
+Every list of kinds derives from `FAULTS`: the operator API's kinds, the drills' kinds
+and their schedule pattern, the kinds a host monitor takes (`ProcessFaultKind`), the
+kinds the sensor acts out alone. A new kind is a `FaultKind` member, its row here, and
+its handler in each table that acts faults out (the host monitor's `PROCESS_ACTS`, the
+fault injector's `SENSOR_ACTS` and `DRILL_PARAMS`); tests/test_fault_table.py names any
+row or handler missing.
 
 The simulator's traces (supervisor/simulate/) name what the simulated cluster acts out in
 a vocabulary of their own (`SimulatedFault`): a GPU's faults as the events the supervisor
@@ -9,8 +16,13 @@ a report of it), and `network`, which no real node acts out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Annotated, Literal, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class FaultKind(StrEnum):
@@ -25,25 +37,137 @@ class FaultKind(StrEnum):
     STRAGGLER = "straggler"
 
 
-#: The kinds a host monitor acts out on its node's processes (POST /v1/faults).
-ProcessFaultKind = Literal[
-    FaultKind.WORKER_CRASH,
-    FaultKind.WORKER_HANG,
-    FaultKind.STRAGGLER,
-    FaultKind.XID,
-    FaultKind.ECC,
-    FaultKind.NODE_DOWN,
-]
-PROCESS_FAULT_KINDS: frozenset[FaultKind] = frozenset(
+# --- the parameters of each kind (the operator API's fields, as each kind takes them) ----
+
+Rank = Annotated[int, Field(ge=0)]
+Gpu = Annotated[int, Field(ge=0, le=255)]
+XidCode = Annotated[int, Field(ge=0, le=1000)]
+EccCount = Annotated[int, Field(ge=1)]
+DurationS = Annotated[float, Field(gt=0, le=86400)]
+Slowdown = Annotated[float, Field(gt=0, le=10)]
+
+
+class FaultParams(BaseModel):
+    """The parameters of one kind; required fields are what the kind cannot do without."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class HeartbeatLossParams(FaultParams):
+    duration_s: DurationS | None = None  # unset: until the fault is deleted
+
+
+class XidParams(FaultParams):
+    code: XidCode
+    gpu: Gpu | None = None
+    rank: Rank | None = None  # the worker whose process the driver names
+
+
+class EccParams(FaultParams):
+    count: EccCount
+    gpu: Gpu | None = None
+
+
+class WorkerParams(FaultParams):
+    rank: Rank | None = None  # unset: the node's lowest live rank
+
+
+class StragglerParams(WorkerParams):
+    slowdown: Slowdown | None = None
+    duration_s: DurationS | None = None  # unset: until the worker exits
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """What a fault kind is, wherever it is acted out."""
+
+    #: A host monitor acts it out on its node's real processes (its POST /v1/faults).
+    on_processes: bool
+    #: The sensor can act it out by itself, with any backend (no processes needed).
+    through_sensor: bool
+    #: A drill or a random schedule may inject it.
+    drillable: bool
+    #: Over as soon as acted out (a kill, a signal, a GPU error); else it lasts a while.
+    one_shot: bool
+    #: Its parameters; None: it takes none.
+    params: type[FaultParams] | None
+    #: The node's host monitor exits while acting it out: its answer may never come.
+    agent_exits: bool = False
+
+
+FAULTS: Mapping[FaultKind, FaultSpec] = MappingProxyType(
     {
-        FaultKind.WORKER_CRASH,
-        FaultKind.WORKER_HANG,
-        FaultKind.STRAGGLER,
-        FaultKind.XID,
-        FaultKind.ECC,
-        FaultKind.NODE_DOWN,
+        FaultKind.HEARTBEAT_LOSS: FaultSpec(
+            on_processes=False,
+            through_sensor=True,
+            drillable=False,  # it would mute a node until the drill's fault is deleted
+            one_shot=False,
+            params=HeartbeatLossParams,
+        ),
+        FaultKind.XID: FaultSpec(
+            on_processes=True, through_sensor=True, drillable=True, one_shot=True, params=XidParams
+        ),
+        FaultKind.ECC: FaultSpec(
+            on_processes=True, through_sensor=True, drillable=True, one_shot=True, params=EccParams
+        ),
+        FaultKind.NODE_DOWN: FaultSpec(
+            on_processes=True,
+            through_sensor=False,
+            drillable=True,
+            one_shot=True,
+            params=None,
+            agent_exits=True,
+        ),
+        FaultKind.WORKER_CRASH: FaultSpec(
+            on_processes=True,
+            through_sensor=False,
+            drillable=True,
+            one_shot=True,
+            params=WorkerParams,
+        ),
+        FaultKind.WORKER_HANG: FaultSpec(
+            on_processes=True,
+            through_sensor=False,
+            drillable=True,
+            one_shot=True,
+            params=WorkerParams,
+        ),
+        FaultKind.STRAGGLER: FaultSpec(
+            on_processes=True,
+            through_sensor=False,
+            drillable=True,
+            one_shot=False,
+            params=StragglerParams,
+        ),
     }
 )
+
+# --- what derives from the table ----------------------------------------------------------
+
+#: The kinds a host monitor acts out on its node's processes (POST /v1/faults).
+PROCESS_FAULT_KINDS: frozenset[FaultKind] = frozenset(
+    k for k, s in FAULTS.items() if s.on_processes
+)
+#: The kinds the sensor acts out by itself, with any backend.
+SENSOR_FAULT_KINDS: frozenset[FaultKind] = frozenset(
+    k for k, s in FAULTS.items() if s.through_sensor
+)
+#: The kinds a drill (or a random schedule) may inject, in the table's order.
+DRILL_KINDS: tuple[FaultKind, ...] = tuple(k for k, s in FAULTS.items() if s.drillable)
+
+if TYPE_CHECKING:
+    ProcessFaultKind: TypeAlias = FaultKind
+else:
+    # Literal[...] of the table's process kinds: validated and listed in the JSON schema
+    # as a written-out Literal is.
+    ProcessFaultKind = Literal[tuple(k for k in FAULTS if k in PROCESS_FAULT_KINDS)]
+
+
+def takers(field: str) -> tuple[FaultKind, ...]:
+    """The kinds whose parameters include `field`, in the table's order."""
+    return tuple(
+        k for k, s in FAULTS.items() if s.params is not None and field in s.params.model_fields
+    )
 
 
 class SimulatedFault(StrEnum):

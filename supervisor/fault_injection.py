@@ -10,6 +10,10 @@ restart of the supervisor: a drill (cron or interval) is a job on the supervisor
 scheduler (supervisor.schedules.drills); a random schedule stays a task of its own,
 because its gaps are drawn afresh at each turn (exponential, a Poisson process), which
 no trigger of the scheduler states, and its record is all it needs to resume.
+
+What each kind is comes from the protocol's table (`resiliency_protocol.faults.FAULTS`);
+what the sensor does for a kind is `FaultInjector.sensor_acts`, what a drill draws for a
+kind's required parameters is `DRILL_PARAMS` (tests/test_fault_table.py checks both).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
-from resiliency_protocol.faults import FaultKind
+from resiliency_protocol.faults import FAULTS, SENSOR_FAULT_KINDS, FaultKind
 from supervisor.actuator import ActionError, Backend
 from supervisor.config import Settings
 from supervisor.domain import Event, Fault
@@ -32,31 +37,48 @@ from supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
-#: Faults the sensor can act out by itself, with any backend.
-SENSOR_FAULTS = frozenset({FaultKind.HEARTBEAT_LOSS, FaultKind.XID, FaultKind.ECC})
-#: Faults that happen once (a kill, a signal, a GPU error): over as soon as acted out.
-ONE_SHOT_FAULTS = frozenset(
-    {
-        FaultKind.NODE_DOWN,
-        FaultKind.WORKER_CRASH,
-        FaultKind.WORKER_HANG,
-        FaultKind.XID,
-        FaultKind.ECC,
-    }
-)
-
 #: What a `random` schedule draws from (Google's rank_killed, rank_hung, plus nodes).
 RANDOM_KINDS = (FaultKind.WORKER_CRASH, FaultKind.WORKER_HANG, FaultKind.NODE_DOWN)
 
 
 @dataclass(frozen=True, slots=True)
-class FaultSpec:
-    kind: str
+class FaultRequest:
+    """A fault to inject (`kind`), or a schedule of them (`schedule` or `drill`; `kind`
+    None)."""
+
+    kind: FaultKind | None
     node: str | None
     job: str | None
     params: dict[str, Any]
     schedule: tuple[str, float] | None = None
     drill: Drill | None = None
+
+
+#: A drill's turn: the required parameters of a kind that has some, drawn for `node`.
+DrillParams = Callable[[Sensor, str, random.Random], dict[str, Any]]
+
+
+def _drill_xid(sensor: Sensor, node: str, rng: random.Random) -> dict[str, Any]:
+    return {"code": rng.choice((43, 48, 63, 74, 79))}
+
+
+def _drill_ecc(sensor: Sensor, node: str, rng: random.Random) -> dict[str, Any]:
+    # ECC counts are cumulative: only a count above the node's last one is new errors
+    # (and an event), so every turn of a drill raises one.
+    return {"count": sensor.ecc_count(node) + 1}
+
+
+#: Each drillable kind that has required parameters (tests/test_fault_table.py).
+DRILL_PARAMS: Mapping[FaultKind, DrillParams] = {
+    FaultKind.XID: _drill_xid,
+    FaultKind.ECC: _drill_ecc,
+}
+
+
+#: Acts a fault out in the sensor alone: the fault (ended if it is over) and its events.
+SensorAct = Callable[
+    ["FaultInjector", str, Mapping[str, Any], Fault], Awaitable[tuple[Fault, list[Event]]]
+]
 
 
 class FaultHost(Protocol):
@@ -106,76 +128,117 @@ class FaultInjector:
         for schedule in self._schedules.values():
             schedule.cancel()
 
-    async def inject(self, spec: FaultSpec) -> tuple[Fault, list[Event]]:
+    async def inject(self, request: FaultRequest) -> tuple[Fault, list[Event]]:
         """Inject a fault; the events it causes, and the actions taken, carry its id.
 
         `heartbeat_loss` acts in the sensor. GPU errors go through the node's real
         watchdogs when the backend runs processes (local mode), else straight to the
         sensor. Worker and node faults need a backend that runs processes.
         """
-        if spec.schedule is not None or spec.drill is not None:
-            return await self._start_schedule(spec), []
-        if spec.node is None or not self.sensor.has_node(spec.node):
-            raise UnknownTarget(f"node {spec.node!r} is not known")
-        through_backend = spec.kind in self.backend.process_faults
-        if not through_backend and spec.kind not in SENSOR_FAULTS:
+        if request.kind is None or request.schedule is not None or request.drill is not None:
+            return await self._start_schedule(request), []
+        kind = request.kind
+        if request.node is None or not self.sensor.has_node(request.node):
+            raise UnknownTarget(f"node {request.node!r} is not known")
+        node = request.node
+        through_backend = kind in self.backend.process_faults
+        sensor_act = self.sensor_acts.get(kind)
+        if not through_backend and sensor_act is None:
             raise FaultNotSupported(
-                f"kind: {spec.kind} faults need a backend that runs processes "
+                f"kind: {kind} faults need a backend that runs processes "
                 f"(backend {self.backend.name!r} does not)"
             )
         fault = await asyncio.to_thread(
             lambda: self.store.create_fault(
-                spec.kind, node=spec.node, job=spec.job, params=spec.params
+                kind.value, node=node, job=request.job, params=request.params
             )
         )
         if through_backend:
-            # Expect the consequences within a detection period or two, plus slack.
-            window = 2 * self.settings.heartbeat_timeout_s + 30
-            if spec.kind == FaultKind.STRAGGLER:  # seen once it stayed slow for a window or so
-                window += 2 * self.settings.straggler_window_s
-                # and what it causes while it lasts (a hang, a restart) is its doing too
-                window += float(spec.params.get("duration_s") or 0)
-            self.sensor.fault_marks.expect(spec.node, fault.id, window)
-            # `schedule` links the fault record to its schedule; the node is told only
-            # what the kind itself takes (its host monitor refuses anything else).
-            own = {k: v for k, v in spec.params.items() if k != "schedule"}
-            try:
-                await self.backend.inject_fault(spec.kind, spec.node, own)
-            except ActionError as exc:
-                self.sensor.fault_marks.withdraw(fault.id)
-                await self.end(fault.id)
-                raise FaultNotSupported(f"{spec.kind} on {spec.node}: {exc}") from None
-            if spec.kind in ONE_SHOT_FAULTS:
-                return await self._acted_out(fault), []
-            duration = spec.params.get("duration_s")
-            if duration is not None:  # a straggler: over when the node stops slowing it
-                loop = asyncio.get_running_loop()
-                self._fault_timers[fault.id] = loop.call_later(
-                    duration, lambda: asyncio.ensure_future(self._acted_out(fault))
-                )
-            return fault, []
-        if spec.kind == FaultKind.HEARTBEAT_LOSS:
-            duration = spec.params.get("duration_s")
-            self.sensor.fault_marks.mute(spec.node, fault.id, duration)
-            if duration is not None:
-                loop = asyncio.get_running_loop()
-                self._fault_timers[fault.id] = loop.call_later(
-                    duration, lambda: asyncio.ensure_future(self.end(fault.id))
-                )
-            return fault, []
+            return await self._through_backend(kind, node, request.params, fault), []
+        assert sensor_act is not None
+        return await sensor_act(self, node, request.params, fault)
+
+    async def _through_backend(
+        self, kind: FaultKind, node: str, params: Mapping[str, Any], fault: Fault
+    ) -> Fault:
+        """Act the fault out on the node's processes; its consequences, expected within a
+        window, carry its id."""
+        # Expect the consequences within a detection period or two, plus slack.
+        window = 2 * self.settings.heartbeat_timeout_s + 30
+        one_shot = FAULTS[kind].one_shot
+        if not one_shot:  # a straggler: seen once it stayed slow for a window or so,
+            window += 2 * self.settings.straggler_window_s
+            # and what it causes while it lasts (a hang, a restart) is its doing too
+            window += float(params.get("duration_s") or 0)
+        self.sensor.fault_marks.expect(node, fault.id, window)
+        # `schedule` links the fault record to its schedule; the node is told only
+        # what the kind itself takes (its host monitor refuses anything else).
+        own = {k: v for k, v in params.items() if k != "schedule"}
+        try:
+            await self.backend.inject_fault(kind, node, own)
+        except ActionError as exc:
+            self.sensor.fault_marks.withdraw(fault.id)
+            await self.end(fault.id)
+            raise FaultNotSupported(f"{kind} on {node}: {exc}") from None
+        if one_shot:
+            return await self._acted_out(fault)
+        duration = params.get("duration_s")
+        if duration is not None:  # over when the node stops acting it out
+            loop = asyncio.get_running_loop()
+            self._fault_timers[fault.id] = loop.call_later(
+                duration, lambda: asyncio.ensure_future(self._acted_out(fault))
+            )
+        return fault
+
+    # --- what the sensor acts out by itself (`sensor_acts`) --------------------------------
+
+    async def _mute(
+        self, node: str, params: Mapping[str, Any], fault: Fault
+    ) -> tuple[Fault, list[Event]]:
+        """A heartbeat loss: the node's heartbeats are dropped (for `duration_s`)."""
+        duration = params.get("duration_s")
+        self.sensor.fault_marks.mute(node, fault.id, duration)
+        if duration is not None:
+            loop = asyncio.get_running_loop()
+            self._fault_timers[fault.id] = loop.call_later(
+                duration, lambda: asyncio.ensure_future(self.end(fault.id))
+            )
+        return fault, []
+
+    async def _xid(
+        self, node: str, params: Mapping[str, Any], fault: Fault
+    ) -> tuple[Fault, list[Event]]:
+        return await self._gpu_report("xid", node, params, fault)
+
+    async def _ecc(
+        self, node: str, params: Mapping[str, Any], fault: Fault
+    ) -> tuple[Fault, list[Event]]:
+        return await self._gpu_report("ecc", node, params, fault)
+
+    async def _gpu_report(
+        self, kind: Literal["xid", "ecc"], node: str, params: Mapping[str, Any], fault: Fault
+    ) -> tuple[Fault, list[Event]]:
+        """A GPU error reported straight to the sensor, as the node's watchdog would."""
         report = GpuReport(
-            kind="xid" if spec.kind == FaultKind.XID else "ecc",  # the GPU report's kinds
-            gpu=spec.params.get("gpu"),
-            code=spec.params.get("code"),
-            count=spec.params.get("count"),
+            kind=kind,
+            gpu=params.get("gpu"),
+            code=params.get("code"),
+            count=params.get("count"),
             message=f"injected by fault {fault.id}",
         )
-        changes = self.sensor.inject_gpu_report(spec.node, report, fault.id)
+        changes = self.sensor.inject_gpu_report(node, report, fault.id)
         # Ended before its events go to the policy: the answer then waits for nothing
         # the policy does.
         fault = await self._acted_out(fault)
         events = await self.record(changes) if changes else []
         return fault, events
+
+    #: Each kind the sensor acts out by itself (`through_sensor` in the protocol's table).
+    sensor_acts: ClassVar[Mapping[FaultKind, SensorAct]] = {
+        FaultKind.HEARTBEAT_LOSS: _mute,
+        FaultKind.XID: _xid,
+        FaultKind.ECC: _ecc,
+    }
 
     async def _acted_out(self, fault: Fault) -> Fault:
         """A fault that has happened is over (ended, no longer `active`); what it causes
@@ -184,34 +247,37 @@ class FaultInjector:
         ended = await asyncio.to_thread(self.store.end_fault, fault.id)
         return ended if ended is not None else fault
 
-    async def _start_schedule(self, spec: FaultSpec) -> Fault:
+    async def _start_schedule(self, request: FaultRequest) -> Fault:
         """A drill on the scheduler, or faults at random (exponential gaps of the given
         mean) until ended."""
-        if spec.drill is not None:
-            kinds = spec.drill.kinds
+        if request.drill is not None:
+            kinds = request.drill.kinds
         else:
-            assert spec.schedule is not None
-            kind, mean_s = spec.schedule
+            assert request.schedule is not None
+            kind, mean_s = request.schedule
             kinds = RANDOM_KINDS if kind == "random" else (kind,)
-        unsupported = [k for k in kinds if k not in self.backend.process_faults | SENSOR_FAULTS]
+        takes = self.backend.process_faults | SENSOR_FAULT_KINDS
+        unsupported = [k for k in kinds if k not in takes]
         if unsupported:
             raise FaultNotSupported(f"schedule: {unsupported[0]} faults need the local backend")
-        if spec.job is not None and not self.sensor.has_job(spec.job):
-            raise UnknownTarget(f"job {spec.job!r} is not known")
+        if request.job is not None and not self.sensor.has_job(request.job):
+            raise UnknownTarget(f"job {request.job!r} is not known")
         scheduler = self._host.scheduler
-        if spec.drill is not None and scheduler is None:
+        if request.drill is not None and scheduler is None:
             raise FaultNotSupported("schedule: the scheduler is not running (not acting)")
         fault = await asyncio.to_thread(
-            lambda: self.store.create_fault("schedule", node=None, job=spec.job, params=spec.params)
+            lambda: self.store.create_fault(
+                "schedule", node=None, job=request.job, params=request.params
+            )
         )
-        if spec.drill is not None:
+        if request.drill is not None:
             assert scheduler is not None
             try:
                 job = await asyncio.to_thread(
                     scheduler.add,
                     job_id(fault.id),
                     RUN_DRILL,
-                    spec.drill.trigger(),
+                    request.drill.trigger(),
                     {"fault": fault.id},
                 )
             except BaseException:
@@ -220,7 +286,7 @@ class FaultInjector:
             log.info("drill %s scheduled: next run %s", fault.id, job.next_run_time)
             return fault
         self._schedules[fault.id] = asyncio.create_task(
-            self._run_schedule(fault.id, kinds, mean_s, spec.job), name=f"faults:{fault.id}"
+            self._run_schedule(fault.id, kinds, mean_s, request.job), name=f"faults:{fault.id}"
         )
         return fault
 
@@ -272,20 +338,21 @@ class FaultInjector:
         )
         if not targets:
             return False
-        kind = rng.choice(kinds)
+        name = rng.choice(kinds)
         node = rng.choice(targets)
+        if name not in FAULTS:  # stored by a version that knew other kinds
+            log.warning("schedule %s could not inject %s: no such fault kind", parent, name)
+            return False
+        kind = FaultKind(name)
+        draw = DRILL_PARAMS.get(kind)
         params: dict[str, Any] = {"schedule": parent}
-        if kind == "xid":
-            params["code"] = rng.choice((43, 48, 63, 74, 79))
-        elif kind == "ecc":
-            # ECC counts are cumulative: only a count above the node's last one is new
-            # errors (and an event), so every turn of a drill raises one.
-            params["count"] = self.sensor.ecc_count(node) + 1
+        if draw is not None:
+            params.update(draw(self.sensor, node, rng))
         try:
-            await self.inject(FaultSpec(kind, node, nodes[node].job, params))
+            await self.inject(FaultRequest(kind, node, nodes[node].job, params))
             log.info("schedule %s injected %s on %s", parent, kind, node)
         except (FaultNotSupported, UnknownTarget) as exc:
-            log.warning("schedule %s could not inject %s on %s: %s", parent, kind, node, exc)
+            log.warning("schedule %s could not inject %s on %s: %s", parent, name, node, exc)
             return False
         return True
 

@@ -43,7 +43,7 @@ from supervisor.domain import (
     NodeView,
 )
 from supervisor.errors import RequestRefused, UnknownTarget
-from supervisor.fault_injection import FaultInjector, FaultSpec
+from supervisor.fault_injection import FaultInjector, FaultRequest
 from supervisor.live_hub import Hub
 from supervisor.metrics import Metrics
 from supervisor.notifications.delivery import Notifier
@@ -187,6 +187,7 @@ class Supervisor:
             asyncio.to_thread(self.store.load_nodes), asyncio.to_thread(self.store.load_jobs)
         )
         self.sensor.restore(nodes, jobs)
+        await self.controller.restore(self.leader_epoch)  # budgets, give-ups, incidents
         unfinished = await asyncio.to_thread(self.store.unfinished_actions)
         unhandled = await asyncio.to_thread(self.store.unhandled_events)
         if unfinished or unhandled:
@@ -481,9 +482,9 @@ class Supervisor:
             self.controller.submit_actions([action])
         return action, created
 
-    async def inject_fault(self, spec: FaultSpec) -> tuple[Fault, list[Event]]:
+    async def inject_fault(self, request: FaultRequest) -> tuple[Fault, list[Event]]:
         """Inject a fault (see `supervisor.fault_injection.FaultInjector.inject`)."""
-        return await self.faults.inject(spec)
+        return await self.faults.inject(request)
 
     async def end_fault(self, fault_id: int) -> Fault | None:
         return await self.faults.end(fault_id)

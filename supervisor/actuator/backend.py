@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from resiliency_protocol.faults import FaultKind
 from supervisor.action_params import ActionParams, InvalidParams, check_params, params_of
 from supervisor.domain import ActionRecord, ActionRequest, ActionType, Event, JobView
 from supervisor.errors import SupervisorError
@@ -126,7 +127,7 @@ class Backend(ABC):
     #: Every action type to its handler, or to why this backend refuses it (`dispatch`).
     actions: ClassVar[ActionTable[Any]]
     #: Fault kinds this backend can act out on real processes (see `inject_fault`).
-    process_faults: ClassVar[frozenset[str]] = frozenset()
+    process_faults: ClassVar[frozenset[FaultKind]] = frozenset()
     #: It carries nothing out: the supervisor that runs it is a dry run (its actions are
     #: marked so and counted apart, and move no node in its picture).
     dry_run: ClassVar[bool] = False
@@ -135,7 +136,7 @@ class Backend(ABC):
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]: ...
 
     async def inject_fault(
-        self, kind: str, node: str, params: Mapping[str, Any]
+        self, kind: FaultKind, node: str, params: Mapping[str, Any]
     ) -> Mapping[str, Any]:
         """Act out a process-level fault on a node (kill, hang, slow a worker, ...).
 

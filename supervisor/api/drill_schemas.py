@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypeAlias
 
 from pydantic import (
     BaseModel,
@@ -17,18 +17,24 @@ from pydantic import (
     model_validator,
 )
 
+from resiliency_protocol.faults import DRILL_KINDS
 from supervisor.domain import NAME_PATTERN
 from supervisor.schedules.drills import Drill, cron_trigger
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=NAME_PATTERN)]
 
+#: A random schedule's text: `random` or a kind a drill may inject, and the mean interval.
 SCHEDULE_PATTERN = (
-    r"^(random|node_down|worker_crash|worker_hang|straggler|xid|ecc),"
+    rf"^(random|{'|'.join(DRILL_KINDS)}),"
     r"([0-9]+(\.[0-9]+)?)$"
 )
 
-
-DrillKind = Literal["node_down", "worker_crash", "worker_hang", "straggler", "xid", "ecc"]
+if TYPE_CHECKING:
+    DrillKind: TypeAlias = str
+else:
+    # Literal[...] of the table's drill kinds' values: a wrong kind's 422 and the JSON
+    # schema list them plainly, as a written-out Literal's do.
+    DrillKind = Literal[tuple(k.value for k in DRILL_KINDS)]
 
 
 class DrillIn(BaseModel):

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import httpx
 from pydantic import ValidationError
 
-from resiliency_protocol.faults import PROCESS_FAULT_KINDS, FaultKind
+from resiliency_protocol.faults import FAULTS, PROCESS_FAULT_KINDS, FaultKind
 from resiliency_protocol.launch import HostJoin
 from resiliency_protocol.node_commands import ProcessFault
 from supervisor.action_params import (
@@ -74,12 +74,9 @@ def old_worker(node: str, stopped: Mapping[str, Any], world: int) -> dict[str, A
     return {**fenced, "status": "stopped", "exit_codes": outcome}
 
 
-PROCESS_FAULTS: frozenset[str] = PROCESS_FAULT_KINDS
-
-
 class LocalBackend(Backend):
     name = "local"
-    process_faults = PROCESS_FAULTS
+    process_faults = PROCESS_FAULT_KINDS
 
     def __init__(self, run_dir: Path, settings: Settings) -> None:
         try:
@@ -341,9 +338,9 @@ class LocalBackend(Backend):
     # --- process-level faults -------------------------------------------------------------
 
     async def inject_fault(
-        self, kind: str, node: str, params: Mapping[str, Any]
+        self, kind: FaultKind, node: str, params: Mapping[str, Any]
     ) -> Mapping[str, Any]:
-        if kind not in PROCESS_FAULTS:
+        if kind not in PROCESS_FAULT_KINDS:
             return await super().inject_fault(kind, node, params)
         try:
             body = ProcessFault.model_validate(
@@ -354,7 +351,7 @@ class LocalBackend(Backend):
         try:
             return await self.cluster.call(node, "/v1/faults", body, timeout=5.0)
         except httpx.HTTPError as exc:
-            if kind == FaultKind.NODE_DOWN:  # the node died while answering: that is the point
+            if FAULTS[kind].agent_exits:  # the node died while answering: that is the point
                 return {"kind": kind, "node": node}
             raise ActionError(f"cannot reach {node}: {exc}") from None
         except ClusterError as exc:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from resiliency_protocol.faults import FAULTS
 from supervisor.ops import completion, drills, listing, maintenance, output
 from supervisor.ops.args import connect as connect  # the online goodput commands use them
 from supervisor.ops.args import connection_options as connection_options
@@ -70,9 +71,8 @@ def add_commands(sub: Any) -> None:
         "inject",
         parents=[common],
         help="Inject a fault (POST /api/v1/faults; the server needs enable_fault_injection).",
-        description="Inject a fault. KIND: heartbeat_loss, xid, ecc, node_down, worker_crash, "
-        "worker_hang, straggler (as the server's backend allows), or `schedule` with "
-        "--param schedule=KIND,MEAN_INTERVAL_S.",
+        description=f"Inject a fault. KIND: {', '.join(FAULTS)} (as the server's backend "
+        "allows), or `schedule` with --param schedule=KIND,MEAN_INTERVAL_S.",
     )
     inject.add_argument("kind", metavar="KIND")
     inject.add_argument("--node", help="Node to hit.")

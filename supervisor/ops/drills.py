@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any
 
+from resiliency_protocol import faults
 from supervisor.ops import output
 from supervisor.ops.args import positive_duration
 from supervisor.ops.client import Client, api_path
@@ -22,7 +23,7 @@ from supervisor.ops.output import Column, field
 KIND = "drill"
 ALIASES = ["drills"]
 #: What a drill may inject (the API's own list; a backend may take fewer).
-DRILL_KINDS = ("node_down", "worker_crash", "worker_hang", "straggler", "xid", "ecc")
+DRILL_KINDS = tuple(kind.value for kind in faults.DRILL_KINDS)
 
 
 def _schedule(fault: output.Row) -> Any:

@@ -42,6 +42,7 @@ from supervisor.goodput.model import (
     StepReported,
 )
 from supervisor.sensor import GpuReport, HostHeartbeat
+from supervisor.simulate.fault_acts import SIMULATED_ACTS
 from supervisor.simulate.fault_sources import Fault
 from supervisor.simulate.hosts import SimNode, heartbeat
 from supervisor.simulate.scenario import Scenario, Survives, TierModel
@@ -386,39 +387,24 @@ class SimulatedCluster:
         now = self.now()
         self._tick(now)
         in_job = node.slot is not None and self.state in (RUNNING, STARTING, STALLED)
+        await SIMULATED_ACTS[SimulatedFault(fault.kind)](self, node, fault, now, in_job)
+
+    def go_down(self, node: SimNode, now: float) -> None:
+        """The node dies: silent, its host memory lost, in repair until back as a spare."""
+        node.up = False
+        node.memory_lost = True
+        if node.slot is not None:
+            self._lost_since_restart += 1
         assert self._sensor is not None
-        if fault.kind == "node_down":
-            node.up = False
-            node.memory_lost = True
-            if node.slot is not None:
-                self._lost_since_restart += 1
-            self._sensor.silence(node.name, now)
-            self.to_repair(node)
-            if in_job:
-                self.stall(f"{node.name} down")
-        elif fault.kind == SimulatedFault.NETWORK:
-            node.up = False
-            self._sensor.silence(node.name, now)
-            if in_job:
-                self.stall(f"{node.name} unreachable")
-            duration = float(fault.details.get("duration_s", 60.0))
-            self._timers.append(self._loop_call_at(now + duration, self._reachable, node))
-        elif fault.kind in (SimulatedFault.GPU_XID, SimulatedFault.GPU_ECC):
-            gpu = int(fault.details.get("gpu", 0)) % self.model.gpus_per_node
-            if fault.kind == SimulatedFault.GPU_XID:
-                report = GpuReport(kind="xid", gpu=gpu, code=int(fault.details.get("code", 79)))
-            else:
-                report = GpuReport(kind="ecc", gpu=gpu, count=int(fault.details.get("count", 1)))
-            if in_job:  # its workers die with it; the GPU report tells first
-                self.stall(f"{fault.kind} on {node.name}")
-            await self.report(node, gpu_reports=[report])
-        elif fault.kind == "worker_crash":
-            if in_job:
-                self.stall(f"worker crash on {node.name}")
-                node.exited = True
-                await self.report(node, exit_code=int(fault.details.get("exit_code", 1)))
-        elif fault.kind == "worker_hang" and in_job:
-            self.stall(f"worker hang on {node.name}")
+        self._sensor.silence(node.name, now)
+        self.to_repair(node)
+
+    def cut_off(self, node: SimNode, now: float, duration_s: float) -> None:
+        """The node is unreachable for `duration_s`, its memory kept, then back."""
+        node.up = False
+        assert self._sensor is not None
+        self._sensor.silence(node.name, now)
+        self._timers.append(self._loop_call_at(now + duration_s, self._reachable, node))
 
     def _reachable(self, node: SimNode) -> None:
         if node.in_repair or node.up:

@@ -6,12 +6,13 @@ import asyncio
 
 from fastapi import APIRouter, HTTPException, status
 
+from resiliency_protocol.faults import FaultKind
 from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
 from supervisor.api.drill_schemas import DrillIn
 from supervisor.api.routes.common import RecordId
 from supervisor.api.schemas import FaultIn, FaultOut
 from supervisor.errors import FaultNotSupported, UnknownTarget
-from supervisor.fault_injection import FaultSpec
+from supervisor.fault_injection import FaultRequest
 
 router = APIRouter(
     prefix="/api/v1/faults", tags=["faults"], dependencies=[Operator, FaultInjection]
@@ -28,8 +29,8 @@ async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
         if view is None:
             raise HTTPException(404, f"node {body.node!r} not found")
         job = view.job
-    spec = FaultSpec(
-        kind=body.kind or "schedule",
+    request = FaultRequest(
+        kind=FaultKind(body.kind) if body.kind is not None else None,
         node=body.node,
         job=job,
         params=body.params(),
@@ -37,7 +38,7 @@ async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
         drill=body.schedule.drill() if isinstance(body.schedule, DrillIn) else None,
     )
     try:
-        fault, events = await supervisor.inject_fault(spec)
+        fault, events = await supervisor.inject_fault(request)
     except UnknownTarget as exc:
         raise HTTPException(404, str(exc)) from None
     except FaultNotSupported as exc:

@@ -8,8 +8,8 @@ import secrets
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from resiliency_protocol.faults import SENSOR_FAULT_KINDS
 from supervisor.api.deps import Credentials, Reader, SupervisorDep
-from supervisor.fault_injection import SENSOR_FAULTS
 
 router = APIRouter(prefix="/api/v1", tags=["info"], dependencies=[Reader])
 
@@ -42,7 +42,7 @@ async def info(supervisor: SupervisorDep, credentials: Credentials, request: Req
         dry_run=supervisor.dry_run,
         read_requires_token=settings.read_requires_token,
         enable_fault_injection=settings.enable_fault_injection,
-        fault_kinds=sorted(SENSOR_FAULTS | supervisor.backend.process_faults),
+        fault_kinds=sorted(SENSOR_FAULT_KINDS | supervisor.backend.process_faults),
         operator=operator,
         heartbeat_timeout_s=settings.heartbeat_timeout_s,
     )

@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypeAlias
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
+from resiliency_protocol import faults as protocol
+from resiliency_protocol.faults import DurationS, EccCount, Gpu, Rank, Slowdown, XidCode
 from supervisor.api.drill_schemas import SCHEDULE_PATTERN, DrillIn, check_schedule
 from supervisor.api.schemas.fields import Name
 from supervisor.domain import Fault
 
-#: The kinds an operator injects: the protocol's FaultKind values, spelled as strings so
-#: that a wrong kind's 422 lists them plainly (tests/test_protocol_bodies.py checks that
-#: they are the same).
-FaultKind = Literal[
-    "heartbeat_loss", "xid", "ecc", "node_down", "worker_crash", "worker_hang", "straggler"
-]
+if TYPE_CHECKING:
+    FaultKind: TypeAlias = str
+else:
+    # The kinds an operator injects: the values of the protocol's table (FAULTS), as a
+    # Literal of strings so that a wrong kind's 422 lists them plainly.
+    FaultKind = Literal[tuple(k.value for k in protocol.FAULTS)]
+
+#: Fields refused on a kind whose parameters lack them ("applies to ... only"); the
+#: others (rank, gpu, code, count) are taken with any kind and unused where it has none.
+TUNING_FIELDS = ("slowdown", "duration_s")
+
+
+def _an(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
 class FaultIn(BaseModel):
@@ -54,14 +64,12 @@ class FaultIn(BaseModel):
     ] = Field(None, examples=["random,120", {"cron": "0 2 * * *", "kinds": ["worker_crash"]}])
     node: Name | None = None
     job: Name | None = Field(None, description="Job whose nodes a schedule targets.")
-    rank: Annotated[int, Field(ge=0)] | None = Field(None, description="Worker to hit.")
-    code: Annotated[int, Field(ge=0, le=1000)] | None = Field(None, description="XID code.")
-    gpu: Annotated[int, Field(ge=0, le=255)] | None = None
-    count: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Uncorrected ECC count to report."
-    )
-    duration_s: Annotated[float, Field(gt=0, le=86400)] | None = None
-    slowdown: Annotated[float, Field(gt=0, le=10)] | None = Field(
+    rank: Rank | None = Field(None, description="Worker to hit.")
+    code: XidCode | None = Field(None, description="XID code.")
+    gpu: Gpu | None = None
+    count: EccCount | None = Field(None, description="Uncorrected ECC count to report.")
+    duration_s: DurationS | None = None
+    slowdown: Slowdown | None = Field(
         None, description="straggler: 0.5 runs the worker 1.5 times slower (the default)."
     )
 
@@ -77,16 +85,23 @@ class FaultIn(BaseModel):
             if float(self.schedule.split(",")[1]) <= 0:
                 raise ValueError("schedule: the mean interval must be positive")
             return self
+        assert self.kind is not None  # exactly one of the two, as checked above
         if self.node is None:
             raise ValueError(f"node is required for a {self.kind} fault")
-        if self.kind == "xid" and self.code is None:
-            raise ValueError("code is required for an xid fault")
-        if self.kind == "ecc" and self.count is None:
-            raise ValueError("count is required for an ecc fault")
-        if self.kind != "straggler" and self.slowdown is not None:
-            raise ValueError("slowdown applies to straggler only")
-        if self.kind not in ("heartbeat_loss", "straggler") and self.duration_s is not None:
-            raise ValueError("duration_s applies to heartbeat_loss and straggler only")
+        return self._check_params(protocol.FaultKind(self.kind))
+
+    def _check_params(self, kind: protocol.FaultKind) -> Self:
+        """The kind's own parameters (its model in the protocol's table): the required
+        ones given, the tuning ones only where the kind takes them."""
+        model = protocol.FAULTS[kind].params
+        fields = model.model_fields if model is not None else {}
+        for name, field in fields.items():
+            if field.is_required() and getattr(self, name) is None:
+                raise ValueError(f"{name} is required for {_an(kind)} fault")
+        for name in TUNING_FIELDS:
+            if name not in fields and getattr(self, name) is not None:
+                kinds = " and ".join(protocol.takers(name))
+                raise ValueError(f"{name} applies to {kinds} only")
         return self
 
     def params(self) -> dict[str, Any]:
