@@ -12,7 +12,9 @@ so (a `job_given_up` event with the reason; the job's state `given_up`; the metr
 (`supervisor reset-budget JOB`: a `job_budget_reset` event; the window count then counts
 only actions after it).
 
-Kept in memory: a restarted supervisor starts every job's count over.
+Kept in the store as well (supervisor/store/remedy_state.py), written when a job's budget
+changes and read back when a supervisor starts acting: a restarted supervisor, or a new
+leader, goes on counting where the last one stopped, and a job given up stays given up.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from supervisor.event_details import (
     WorkerExitedDetails,
 )
 from supervisor.policy import PolicyContext
+from supervisor.store import BudgetRecord
 
 #: Events that say a job is failing: when one gets no remedy for a spent budget, the
 #: supervisor gives up on the job.
@@ -99,15 +102,52 @@ class _Budget:
     no_progress: int = 0
     #: Every rank's step when the last remedy was decided; None: progress seen since.
     stood_at: int | None = None
+    #: The last event whose remedy was counted: a decision handled again (the database
+    #: was unavailable meanwhile) counts once.
+    counted_event: int | None = None
     given_up: str | None = None
     reset_at: datetime | None = None
 
+    def record(self) -> BudgetRecord:
+        return BudgetRecord(
+            self.no_progress, self.stood_at, self.counted_event, self.given_up, self.reset_at
+        )
+
 
 class Budgets:
-    """Every job's count of remedies without progress, and whether it was given up."""
+    """Every job's count of remedies without progress, and whether it was given up; which
+    jobs' budgets changed since they were last kept in the store."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, _Budget] = {}
+        self._changed: set[str] = set()
+        #: `job_given_up` events to raise once the give-up is kept in the store.
+        self._unsaid: dict[str, Event] = {}
+
+    def restore(self, records: Mapping[str, BudgetRecord]) -> None:
+        """The budgets a previous supervisor kept in the store."""
+        for job, r in records.items():
+            self._jobs[job] = _Budget(
+                r.no_progress, r.stood_at, r.counted_event, r.given_up, r.reset_at
+            )
+
+    def changed(self) -> dict[str, BudgetRecord]:
+        """The budgets changed since they were last kept, as they stand now."""
+        return {job: self._jobs[job].record() for job in self._changed if job in self._jobs}
+
+    def kept(self, job: str, record: BudgetRecord) -> None:
+        """`record` of the job is in the store (unless the job changed since)."""
+        budget = self._jobs.get(job)
+        if budget is None or budget.record() == record:
+            self._changed.discard(job)
+
+    def unsaid(self) -> list[Event]:
+        """The `job_given_up` events whose give-up is kept now: to raise, once each."""
+        events = [e for job, e in self._unsaid.items() if job not in self._changed]
+        for event in events:
+            assert event.job is not None
+            del self._unsaid[event.job]
+        return events
 
     def observe(self, job: str, nodes: Mapping[str, NodeView], jobs: Mapping[str, JobView]) -> None:
         """Before a decision: has the job progressed since its last remedy?"""
@@ -118,21 +158,28 @@ class Budgets:
         if step is not None and step > budget.stood_at:
             budget.no_progress = 0
             budget.stood_at = None
+            self._changed.add(job)
 
     def remedied(
         self,
-        job: str,
+        event: Event,
         actions: list[ActionRecord],
         nodes: Mapping[str, NodeView],
         jobs: Mapping[str, JobView],
     ) -> None:
-        """The policy decided `actions` for the job: a remedy counts until progress."""
-        if not any(a.type in DISRUPTIVE_ACTIONS for a in actions):
+        """The policy decided `actions` for `event`, of its job: a remedy counts until
+        progress."""
+        job = event.job
+        if job is None or not any(a.type in DISRUPTIVE_ACTIONS for a in actions):
             return
         budget = self._jobs.setdefault(job, _Budget())
+        if event.id is not None and budget.counted_event == event.id:
+            return  # the same decision, handled again
         budget.no_progress += 1
+        budget.counted_event = event.id
         step = every_rank_step(nodes, job, jobs)
         budget.stood_at = -1 if step is None else step
+        self._changed.add(job)
 
     def counts(self) -> dict[str, int]:
         return {job: b.no_progress for job, b in self._jobs.items() if b.no_progress}
@@ -152,9 +199,9 @@ class Budgets:
     def give_up(
         self, event: Event, context: PolicyContext, unmendable: str | None = None
     ) -> Event | None:
-        """`event`, a failure of its job, got no remedy: the `job_given_up` event to raise
-        when the job's budget is spent, or the failure is `unmendable` (why), and it was
-        not given up already."""
+        """`event`, a failure of its job, got no remedy: the `job_given_up` event when the
+        job's budget is spent, or the failure is `unmendable` (why), and it was not given
+        up already. It is raised once the give-up is kept in the store (`unsaid`)."""
         job = event.job
         if job is None or not is_failing(event):
             return None
@@ -184,7 +231,8 @@ class Budgets:
                 f" on {event.node}" if event.node else ""
             )
         budget.given_up = reason
-        return Event(
+        self._changed.add(job)
+        given_up = Event(
             type=EventType.JOB_GIVEN_UP,
             time=utcnow(),
             job=job,
@@ -195,11 +243,16 @@ class Budgets:
                 last_step=view.last_step if view is not None else None,
             ).mapping(),
         )
+        self._unsaid[job] = given_up
+        return given_up
 
-    def reset(self, job: str) -> Event:
-        """An operator starts the job's budget over: the `job_budget_reset` event to record."""
+    def reset(self, job: str, kept: BudgetRecord) -> Event:
+        """An operator started the job's budget over, `kept` in the store (a fresh budget
+        with its reset time): the `job_budget_reset` event to record."""
         before = self._jobs.get(job, _Budget())
-        self._jobs[job] = _Budget(reset_at=utcnow())
+        self._jobs[job] = _Budget(reset_at=kept.reset_at)
+        self._changed.discard(job)
+        self._unsaid.pop(job, None)  # a give-up not said yet: no longer so
         return Event(
             type=EventType.JOB_BUDGET_RESET,
             time=utcnow(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from resiliency_protocol.backoff import Backoff
@@ -29,7 +29,7 @@ from supervisor.domain import (
 )
 from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext
-from supervisor.store import UNAVAILABLE, Store
+from supervisor.store import UNAVAILABLE, BudgetRecord, Store
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class Controller:
         self._lanes: dict[str, asyncio.Queue[_Work]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._busy = 0
+        #: One writer of the budgets and incidents at a time: a state is never
+        #: overwritten by an older one.
+        self._keeping = asyncio.Lock()
+        #: The leader epoch this supervisor writes them in (`restore`).
+        self._epoch: int | None = None
 
     # --- intake -------------------------------------------------------------------------
 
@@ -108,6 +113,69 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
+
+    # --- what is kept in the store --------------------------------------------------------
+
+    async def restore(self, epoch: int | None) -> None:
+        """Read back the budgets and incidents a previous supervisor kept (before any
+        work is submitted); from now on they are written in leader `epoch` (None: a dry
+        run's), and refused once a newer leader wrote them. An incident whose remedy
+        finished without its closing being written (that supervisor stopped in between)
+        is closed as its action ended."""
+        self._epoch = epoch
+        budgets = await asyncio.to_thread(self.store.load_budgets)
+        incidents = await asyncio.to_thread(self.store.load_incidents)
+        self.budgets.restore(budgets)
+        self.incidents.restore(incidents)
+        for job, incident in incidents.items():
+            if incident.finished_at is not None:
+                continue
+            action = await asyncio.to_thread(self.store.get_action, incident.action_id)
+            if action is None or action.status.finished:
+                ended = action.finished_at if action is not None else None
+                record = replace(
+                    incident,
+                    finished_at=ended or utcnow(),
+                    failed=action is not None and action.status is ActionStatus.FAILED,
+                )
+                self.incidents.restore({job: record})
+                await self._save(self.store.save_incident, job, record)
+        if budgets or incidents:
+            log.info("restored %d jobs' budgets and %d incidents", len(budgets), len(incidents))
+
+    async def keep(self) -> None:
+        """Write the budgets and incidents changed since they were last written (each
+        job's in a transaction of its own), then raise what waited for them: a job given
+        up is said once it is kept. Raises what the store raises (UNAVAILABLE): what was
+        not written stays changed, and is written by the next call."""
+        async with self._keeping:
+            for job, budget in self.budgets.changed().items():
+                await self._save(self.store.save_budget, job, budget)
+                self.budgets.kept(job, budget)
+            for job, incident in self.incidents.changed().items():
+                await self._save(self.store.save_incident, job, incident)
+                self.incidents.kept(job, incident)
+            for given_up in self.budgets.unsaid():
+                assert given_up.job is not None
+                log.warning(
+                    "giving up on job %s: %s", given_up.job, self.budgets.given_up(given_up.job)
+                )
+                if self._raise_event is not None:
+                    self._raise_event(given_up)
+
+    async def _save(self, save: Callable[..., bool], job: str, record: object) -> None:
+        """One job's record written in this supervisor's epoch; Fenced when a newer
+        leader wrote it (this replica is no longer the leader)."""
+        if not await asyncio.to_thread(lambda: save(job, record, epoch=self._epoch)):
+            raise Fenced(f"job {job}'s budget or incident was written by a newer leader")
+
+    async def reset_budget(self, job: str) -> Event:
+        """An operator starts the job's budget over: kept in the store first (nothing
+        changes when it cannot be), then the `job_budget_reset` event to record."""
+        async with self._keeping:
+            fresh = BudgetRecord(reset_at=utcnow())
+            await self._save(self.store.save_budget, job, fresh)
+            return self.budgets.reset(job, fresh)
 
     def _lane(self, job: str | None) -> asyncio.Queue[_Work]:
         key = job or CLUSTER_LANE
@@ -150,7 +218,8 @@ class Controller:
                         if retry:  # as it stands now: it may have finished meanwhile
                             stored = await asyncio.to_thread(self.store.get_action, action.id)
                             action = stored if stored is not None else action
-                        await self.actuator.run(action)
+                        self.incidents.carried_out(await self.actuator.run(action))
+                    await self.keep()
                 return
             except UNAVAILABLE:
                 if not retry:
@@ -219,13 +288,9 @@ class Controller:
         (controller/budget.py)."""
         assert event.job is not None
         if actions:
-            self.budgets.remedied(event.job, actions, context.nodes, context.jobs)
+            self.budgets.remedied(event, actions, context.nodes, context.jobs)
             return
-        given_up = self.budgets.give_up(event, context, unmendable)
-        if given_up is not None:
-            log.warning("giving up on job %s: %s", event.job, self.budgets.given_up(event.job))
-            if self._raise_event is not None:
-                self._raise_event(given_up)
+        self.budgets.give_up(event, context, unmendable)  # said once kept (keep)
 
     async def handle(self, event: Event) -> list[ActionRecord]:
         """Decide on one persisted event, record the decision, then carry it out."""
@@ -271,6 +336,7 @@ class Controller:
             mine = [a for a in actions if a.job == event.job]
             self._judge_budget(event, context, mine, unmendable)
         opened = self.incidents.opened(event, actions, dict(context.nodes))
+        await self.keep()  # before the remedy runs: its incident outlives this supervisor
         done: list[ActionRecord] = []
         try:
             for action in actions:
@@ -280,6 +346,7 @@ class Controller:
                 healer = next((a for a in done if a.id == opened.action_id), None)
                 failed = healer is not None and healer.status is ActionStatus.FAILED
                 self.incidents.closed(opened, failed=failed)
+        await self.keep()
         return done
 
 

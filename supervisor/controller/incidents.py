@@ -23,8 +23,11 @@ remedy in its context and decides afresh; the events after it attach to that rem
 Since a job's lane runs its work in order, the events that came while a remedy ran are
 handled only once it finished, when whether it failed is known.
 
-Kept in memory, per job, the newest incident only; after a restart of the supervisor the
-events left unhandled go to the policy as before.
+Kept per job, the newest incident only, in memory and in the store
+(supervisor/store/remedy_state.py): written when it opens and when it closes, read back
+when a supervisor starts acting, so that after a restart or a change of leader the
+events its fault goes on raising still attach to it. A remedy left unfinished by the
+last supervisor closes its incident when the new one has carried it out.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from supervisor.domain import (
     DISRUPTIVE_ACTIONS,
     NODE_FAILURE_EVENTS,
     ActionRecord,
+    ActionStatus,
     Event,
     EventType,
     NodeView,
@@ -43,6 +47,7 @@ from supervisor.domain import (
 )
 from supervisor.event_details import WorkerExitedDetails, details_of
 from supervisor.remedies import REMEDIES
+from supervisor.store import IncidentRecord
 
 #: Events about the job's workers: during a remedy, they are its effects or its cause.
 WORKER_EVENTS = frozenset(
@@ -58,22 +63,61 @@ WORKER_EVENTS = frozenset(
 @dataclass(slots=True)
 class Incident:
     job: str
-    trigger: Event
+    #: The event the remedy was decided for.
+    trigger_id: int | None
     #: The action the attached events are listed on: the (last) one that heals.
     action_id: int
     nodes: frozenset[str]
     #: (node, rank, pid) of the job's workers when the remedy was decided.
     workers: frozenset[tuple[str, int, int]]
+    opened_at: datetime
     finished_at: datetime | None = None
     failed: bool = False
 
+    def record(self) -> IncidentRecord:
+        return IncidentRecord(
+            self.trigger_id,
+            self.action_id,
+            self.nodes,
+            self.workers,
+            self.opened_at,
+            self.finished_at,
+            self.failed,
+        )
+
 
 class Incidents:
-    """The newest incident of each job, and which incident an event belongs to."""
+    """The newest incident of each job, which incident an event belongs to, and which
+    jobs' incidents changed since they were last kept in the store."""
 
     def __init__(self, lag_s: float) -> None:
         self.lag = timedelta(seconds=lag_s)
         self._newest: dict[str, Incident] = {}
+        self._changed: set[str] = set()
+
+    def restore(self, records: dict[str, IncidentRecord]) -> None:
+        """The incidents a previous supervisor kept in the store."""
+        for job, r in records.items():
+            self._newest[job] = Incident(
+                job,
+                r.trigger_event,
+                r.action_id,
+                r.nodes,
+                r.workers,
+                r.opened_at,
+                r.finished_at,
+                r.failed,
+            )
+
+    def changed(self) -> dict[str, IncidentRecord]:
+        """The incidents changed since they were last kept, as they stand now."""
+        return {job: self._newest[job].record() for job in self._changed if job in self._newest}
+
+    def kept(self, job: str, record: IncidentRecord) -> None:
+        """`record` of the job is in the store (unless its incident changed since)."""
+        incident = self._newest.get(job)
+        if incident is None or incident.record() == record:
+            self._changed.discard(job)
 
     def opened(
         self, event: Event, actions: list[ActionRecord], nodes: dict[str, NodeView]
@@ -95,21 +139,32 @@ class Incidents:
             for w in view.workers
             if w.pid is not None
         )
-        incident = Incident(job, event, main.id, frozenset(covered), workers)
+        incident = Incident(job, event.id, main.id, frozenset(covered), workers, utcnow())
         self._newest[job] = incident
+        self._changed.add(job)
         return incident
 
     def closed(self, incident: Incident, *, failed: bool) -> None:
         """Its remedy was carried out; `failed`: its healing action failed."""
         incident.finished_at = utcnow()
         incident.failed = failed
+        self._changed.add(incident.job)
+
+    def carried_out(self, action: ActionRecord) -> None:
+        """`action`, resumed from the store, ran to its end: the incident it heals (one a
+        previous supervisor opened) is closed."""
+        incident = self._newest.get(action.job or "")
+        if incident is None or incident.action_id != action.id or incident.finished_at:
+            return
+        if action.status.finished:
+            self.closed(incident, failed=action.status is ActionStatus.FAILED)
 
     def incident_of(self, event: Event) -> Incident | None:
         """The incident `event` belongs to, if any (see the module docstring)."""
         if event.job is None:
             return None
         incident = self._newest.get(event.job)
-        if incident is None or incident.trigger.id == event.id or incident.failed:
+        if incident is None or incident.trigger_id == event.id or incident.failed:
             return None
         if event.type is EventType.WORKER_EXITED and WorkerExitedDetails.of(event).exit_code == 0:
             return None  # a worker that finished: no failure

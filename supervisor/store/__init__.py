@@ -3,6 +3,7 @@
 from supervisor.store.counters import PolicyCounts
 from supervisor.store.database import UNAVAILABLE, make_engine, migrate
 from supervisor.store.queries import ActionFilter, DeliveryFilter, EventFilter, InvalidCursor, Page
+from supervisor.store.remedy_state import BudgetRecord, IncidentRecord
 from supervisor.store.repository import Store
 from supervisor.store.retention import PRUNE_ORDER, HistoryTable, PrunedBatch
 
@@ -10,9 +11,11 @@ __all__ = [
     "PRUNE_ORDER",
     "UNAVAILABLE",
     "ActionFilter",
+    "BudgetRecord",
     "DeliveryFilter",
     "EventFilter",
     "HistoryTable",
+    "IncidentRecord",
     "InvalidCursor",
     "Page",
     "PolicyCounts",

@@ -262,3 +262,46 @@ class LeaderEpochRow(Base):
     epoch: Mapped[int] = mapped_column(BigInteger)
     holder: Mapped[str] = mapped_column(String(253))
     acquired_at: Mapped[datetime]
+
+
+class JobBudgetRow(Base):
+    """A job's restart budget as the controller judges it (supervisor/controller/budget.py),
+    so that a restarted or newly elected supervisor goes on where the last one stopped:
+    remedies without progress, the step they stood at, whether the job was given up, an
+    operator's reset. Written when it changes, never per heartbeat. `scope`: a live or a
+    dry-run supervisor's (supervisor/store/base.py), never read by the other."""
+
+    __tablename__ = "job_budgets"
+
+    scope: Mapped[str] = mapped_column(String(16), primary_key=True)
+    job: Mapped[str] = mapped_column(String(253), primary_key=True)
+    no_progress: Mapped[int] = mapped_column(default=0)
+    stood_at: Mapped[int | None] = mapped_column(BigInteger)
+    #: The last event whose remedy was counted (a retried decision counts once).
+    counted_event: Mapped[int | None] = mapped_column(BigInteger)
+    given_up: Mapped[str | None] = mapped_column(Text)
+    reset_at: Mapped[datetime | None]
+    #: The epoch of the supervisor that wrote it: an older one's write is refused.
+    leader_epoch: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime]
+
+
+class JobIncidentRow(Base):
+    """Each job's newest incident (supervisor/controller/incidents.py): the remedy it
+    started and what it covers, so that the events its fault goes on raising after a
+    restart or a change of leader attach to it instead of starting a second remedy."""
+
+    __tablename__ = "job_incidents"
+
+    scope: Mapped[str] = mapped_column(String(16), primary_key=True)
+    job: Mapped[str] = mapped_column(String(253), primary_key=True)
+    trigger_event: Mapped[int | None] = mapped_column(BigInteger)
+    action_id: Mapped[int] = mapped_column(BigInteger)
+    nodes: Mapped[list[str]] = mapped_column(JSON)
+    #: [node, rank, pid] of the job's workers when the remedy was decided.
+    workers: Mapped[list[list[Any]]] = mapped_column(JSON)
+    opened_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    failed: Mapped[bool] = mapped_column(default=False)
+    #: The epoch of the supervisor that wrote it: an older one's write is refused.
+    leader_epoch: Mapped[int | None] = mapped_column(BigInteger)

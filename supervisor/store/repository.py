@@ -17,6 +17,7 @@ from supervisor.store.events import EventRecords
 from supervisor.store.fault_records import FaultRecords
 from supervisor.store.goodput_history import GoodputHistory
 from supervisor.store.picture import ClusterPictureRecords
+from supervisor.store.remedy_state import RemedyStateRecords
 from supervisor.store.retention import HistoryTable, PrunedBatch, prune_batch, prune_extent
 
 
@@ -28,6 +29,7 @@ class Store(
     FaultRecords,
     GoodputHistory,
     DeliveryRecords,
+    RemedyStateRecords,
 ):
     """Every read and write of the database, one part per aggregate (its module says
     which), on one session factory."""

@@ -28,6 +28,6 @@ class BudgetReset(BaseModel):
 async def reset_budget(supervisor: SupervisorDep, name: str) -> BudgetReset:
     if supervisor.sensor.job_view(name) is None:
         raise HTTPException(404, f"name: job {name!r} not found")
-    event = supervisor.controller.budgets.reset(name)
+    event = await supervisor.controller.reset_budget(name)  # kept before it is said
     (recorded,) = await supervisor.record(Changes(events=[event]))
     return BudgetReset(job=job_out(supervisor, name), event=EventOut.of(recorded))
