@@ -250,8 +250,9 @@ class FaultProxy:
     """A loopback HTTP proxy in front of an S3 endpoint. `fault(method, path)` decides
     per request: "503" answers 503 SlowDown (the body S3 sends under load), "drop"
     closes the connection without an answer, "slow" passes it on `delay_s` late (a
-    congested bucket: the real server cannot be made slow on demand), anything else
-    passes the request on."""
+    congested bucket: the real server cannot be made slow on demand), "unconditional"
+    passes it on without its `If-Match` and `If-None-Match` headers (an S3-compatible
+    server that ignores conditional writes), anything else passes the request on."""
 
     def __init__(
         self, upstream: str, fault: Callable[[str, str], str | None], delay_s: float = 0.0
@@ -292,9 +293,18 @@ class FaultProxy:
                     return
                 if action == "slow":
                     time.sleep(proxy.delay_s)
+                headers = dict(self.headers)
+                if action == "unconditional":
+                    # Were they signed, SeaweedFS would refuse the request: a store that
+                    # rejects conditional writes, which the tier takes for the same lack.
+                    headers = {
+                        k: v
+                        for k, v in headers.items()
+                        if k.lower() not in ("if-match", "if-none-match")
+                    }
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 try:
-                    conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                    conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
                 except OSError:

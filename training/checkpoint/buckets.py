@@ -31,6 +31,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from training.errors import TrainingError
+
 #: Parts of a multipart upload, and parts uploaded at once per file.
 PART_BYTES = 16 * 1024 * 1024
 _READ_CHUNK = 8 * 1024 * 1024
@@ -40,6 +42,11 @@ _READ_CHUNK = 8 * 1024 * 1024
 class Listing:
     objects: dict[str, int]  # key -> size
     prefixes: list[str]  # "directories" one level down (ending in "/")
+
+
+class Conflict(TrainingError, OSError):
+    """A conditional write refused: the object exists (create), or is not at the version
+    given (replace)."""
 
 
 class Bucket(ABC):
@@ -73,6 +80,16 @@ class Bucket(ABC):
 
     @abstractmethod
     def delete(self, keys: Iterable[str]) -> None: ...
+
+    @abstractmethod
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and its version (S3: ETag; GCS: generation); None when there
+        is none."""
+
+    @abstractmethod
+    def put_if(self, key: str, data: bytes, version: str | None) -> str:
+        """Write a small object only if it is at `version` (None: only if there is none);
+        its new version. Conflict when not, with nothing written."""
 
 
 class S3Bucket(Bucket):
@@ -171,6 +188,27 @@ class S3Bucket(Bucket):
         if keys:
             obstore.delete(self._store, keys)
 
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        import obstore
+
+        try:
+            result = obstore.get(self._store, key)
+        except FileNotFoundError:
+            return None
+        return bytes(result.bytes()), str(result.meta["e_tag"])
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> str:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        # If-None-Match: * (create) or If-Match: <ETag> (replace), in one PUT.
+        mode: Any = "create" if version is None else {"e_tag": version}
+        try:
+            result = obstore.put(self._store, key, data, use_multipart=False, mode=mode)
+        except (AlreadyExistsError, PreconditionError, FileExistsError) as exc:
+            raise Conflict(f"{self.url}/{key}: changed meanwhile") from exc
+        return str(result["e_tag"])
+
 
 class GcsBucket(Bucket):
     def __init__(self, bucket: str, prefix: str, *, timeout_s: float) -> None:
@@ -235,6 +273,35 @@ class GcsBucket(Bucket):
                 self._bucket.delete_blob(
                     self._prefix + key, timeout=self._timeout, retry=self._retry
                 )
+
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        from google.api_core.exceptions import NotFound
+
+        blob = self._bucket.blob(self._prefix + key)
+        try:
+            data: bytes = blob.download_as_bytes(
+                checksum=None, timeout=self._timeout, retry=self._retry
+            )
+        except NotFound:
+            return None
+        return data, str(blob.generation)
+
+    def put_if(self, key: str, data: bytes, version: str | None) -> str:
+        from google.api_core.exceptions import PreconditionFailed
+
+        # One request (not a resumable upload), with ifGenerationMatch: 0 when there must
+        # be none. A precondition makes the write idempotent, so it is retried as well.
+        blob = self._bucket.blob(self._prefix + key)
+        try:
+            blob.upload_from_string(
+                data,
+                if_generation_match=0 if version is None else int(version),
+                timeout=self._timeout,
+                retry=self._retry,
+            )
+        except PreconditionFailed as exc:
+            raise Conflict(f"{self.url}/{key}: changed meanwhile") from exc
+        return str(blob.generation)
 
 
 def open_bucket(url: str, *, timeout_s: float) -> Bucket:

@@ -18,6 +18,12 @@ manifest before it uploads.
 A restore reads a bucket's step through a local directory (`stage`, then `fetch`): the
 manifest and DCP's small metadata first (to list candidates and check what they cover),
 the shards only for the step it loads; checksums are then checked as for any tier.
+
+Every commit here (a save's, the emergency copy from RAM, the step's merged `.metadata`)
+goes through the tier's commit fence (commit_fence.py, fencing.py): `begin` before the
+files, the manifest written only where there is none (a bucket: `If-None-Match: *` /
+`ifGenerationMatch: 0`), then `advance`, the commit point; a commit the fence refuses
+removes its manifest and raises StaleWorldCommit.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from pathlib import Path
 
 from training.checkpoint import fencing, global_view
 from training.checkpoint import format as fmt
-from training.checkpoint.buckets import Bucket, open_bucket
+from training.checkpoint.buckets import Bucket, Conflict, open_bucket
+from training.checkpoint.commit_fence import CommitFence
+from training.checkpoint.records import BucketRecords, DirectoryRecords
 from training.checkpoint.settings import CheckpointSettings
 
 _STEP = re.compile(r"^step-(\d{10,})/$")
@@ -47,6 +55,12 @@ class DurableStore(ABC):
     url: str
     #: The directory of a LocalStore; None for a bucket.
     root: Path | None = None
+    #: What fences its commits against newer worlds (commit_fence.py).
+    fence: CommitFence
+
+    def fenced_out(self, manifest: fmt.Manifest) -> bool:
+        """Whether this world's restore must not load a commit (commit_fence.py)."""
+        return not self.fence.admits(manifest.world, manifest.rank, manifest.step)
 
     @abstractmethod
     def committed_steps(self, rank: int) -> list[int]: ...
@@ -113,6 +127,16 @@ class LocalStore(DurableStore):
         self.root = Path(root)
         self.url = str(root)
         self.threads, self.sync = threads, sync
+        self.fence = CommitFence(DirectoryRecords(self.root, sync=sync), self.url)
+
+    def _advance(self, manifest: fmt.Manifest) -> None:
+        """The commit point; a refused commit's directory goes (no newer world counts it)."""
+        assert self.root is not None
+        try:
+            self.fence.advance(manifest.rank, manifest.step)
+        except fencing.StaleWorldCommit:
+            fmt.remove_step(self.root, manifest.step, manifest.rank)
+            raise
 
     def committed_steps(self, rank: int) -> list[int]:
         assert self.root is not None
@@ -129,12 +153,19 @@ class LocalStore(DurableStore):
     def commit(self, temp: Path, manifest: fmt.Manifest) -> Path:
         assert self.root is not None
         final = fmt.rank_dir(self.root, manifest.step, manifest.rank)
+        self.fence.begin(manifest.rank)
         fmt.commit(temp, manifest, final, sync=self.sync)
+        self._advance(manifest)
         return final
 
     def copy_committed(self, source: Path, manifest: fmt.Manifest) -> Path:
         assert self.root is not None
-        return fmt.copy_committed(source, manifest, self.root, sync=self.sync, threads=self.threads)
+        self.fence.begin(manifest.rank)
+        final = fmt.copy_committed(
+            source, manifest, self.root, sync=self.sync, threads=self.threads
+        )
+        self._advance(manifest)
+        return final
 
     def manifest(self, step: int, rank: int) -> fmt.Manifest:
         assert self.root is not None
@@ -151,7 +182,7 @@ class LocalStore(DurableStore):
 
     def publish(self, step: int, ranks: Sequence[int], *, sync: bool) -> bool:
         assert self.root is not None
-        return global_view.publish(self.root, step, ranks, sync=sync)
+        return global_view.publish(self.root, step, ranks, sync=sync, fence=self.fence)
 
     def stage(self, step: int, rank: int) -> Path:
         assert self.root is not None
@@ -187,6 +218,7 @@ class ObjectStore(DurableStore):
         self.threads = threads
         self._scratch_base = scratch
         self._staged: Path | None = None
+        self.fence = CommitFence(BucketRecords(bucket), bucket.url)
 
     # --- keys -------------------------------------------------------------------------
 
@@ -253,9 +285,19 @@ class ObjectStore(DurableStore):
 
     def copy_committed(self, source: Path, manifest: fmt.Manifest) -> None:
         base = self._dir(manifest.step, manifest.rank)
+        self.fence.begin(manifest.rank)
         # A manifest of this step from before (a run rolled back) must not name the
-        # objects being replaced: it goes first.
+        # objects being replaced: it goes first. A newer world's is never replaced.
         if self.bucket.size(base + fmt.MANIFEST) is not None:
+            try:
+                before = self.manifest(manifest.step, manifest.rank).world
+            except fmt.CheckpointCorrupt:
+                before = None  # unreadable: replaced, as before
+            if self.fence.world is not None and (before or -1) > self.fence.world:
+                raise fencing.StaleWorldCommit(
+                    f"{self.url}/{base}: written by world {before}, newer than this "
+                    f"rank's {self.fence.world}: not replaced"
+                )
             self.bucket.delete([base + fmt.MANIFEST])
         names = sorted(manifest.files, key=lambda n: -manifest.files[n].size)
         # Files in parallel, and the parts of each large file: together about `threads`.
@@ -267,7 +309,28 @@ class ObjectStore(DurableStore):
 
         with ThreadPoolExecutor(files_at_once) as pool:
             list(pool.map(upload, names))
-        self.bucket.put_bytes(base + fmt.MANIFEST, manifest.to_json().encode())
+        self._put_manifest(base + fmt.MANIFEST, manifest)
+        try:
+            self.fence.advance(manifest.rank, manifest.step)
+        except fencing.StaleWorldCommit:
+            self.bucket.delete([base + fmt.MANIFEST])  # counted by no newer world
+            raise
+
+    def _put_manifest(self, key: str, manifest: fmt.Manifest) -> None:
+        """Written only where there is none (a commit of this step meanwhile: refused)."""
+        data = manifest.to_json().encode()
+        if self.fence.world is None or self.fence.mode != "conditional":
+            self.bucket.put_bytes(key, data)
+            return
+        try:
+            self.bucket.put_if(key, data, None)
+        except Conflict:
+            found = self.bucket.read_versioned(key)
+            if found is not None and found[0] == data:
+                return  # this write's own, its answer lost and the request retried
+            raise fencing.StaleWorldCommit(
+                f"{self.url}/{key}: another commit of this step landed meanwhile"
+            ) from None
 
     def retain(self, rank: int, keep: int, aside: Iterable[int] = ()) -> list[int]:
         """Every object of this rank's steps but the newest `keep` committed ones
@@ -335,7 +398,13 @@ class ObjectStore(DurableStore):
             parts.append((f"rank-{rank}", metadata))
         merged = global_view.merge(parts)
         key = f"step-{step:010d}/{global_view.METADATA}"
+        self.fence.check(self.fence.rank)
         self.bucket.put_bytes(key, pickle.dumps(merged))
+        try:
+            self.fence.check(self.fence.rank)
+        except fencing.StaleWorldCommit:
+            self.bucket.delete([key])  # sealed meanwhile: the newer world's to write
+            raise
         return True
 
     # --- restoring --------------------------------------------------------------------

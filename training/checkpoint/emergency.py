@@ -96,8 +96,9 @@ class EmergencySaves:
             source = fmt.rank_dir(ram, step, self.rank)
             if durable is not None and step not in durable.committed_steps(self.rank):
                 manifest = fmt.read_manifest(source, step=step, rank=self.rank)
-                durable.copy_committed(source, manifest)
-                self._saver.emergency_step("durable", step)
+                error = self._saver.copy_emergency(step, source, manifest)
+                if error is not None:
+                    raise EmergencyCheckpointError(f"durable copy of step {step}: {error}")
             self._report_emergency(step, fmt.read_manifest(source).size, started)
             return
         if durable is not None and step in durable.committed_steps(self.rank):

@@ -21,11 +21,60 @@ any commit of an older world after `r` is shadowed by `w`'s start, whatever its 
 Writers fence themselves too: before a commit, a rank reads the starts of the tier it
 commits to and refuses (`StaleWorldCommit`, a failed save, reported) when a newer world
 than its own has started; a rank whose saves keep failing so stops training
-(`max_consecutive_save_failures`). That check races with the newer world's start (there
-is no lock across the tiers), which is why the restore rule stands on its own: a commit
-that slips through is shadowed, and retention removes shadowed commits first so that
-they never push a newer world's out. The peer tier's host monitors refuse pushes of an
-older world themselves (host_monitor/peer/worlds.py).
+(`max_consecutive_save_failures`). That read races with the newer world's start; in the
+durable tier the commit itself is fenced as well (below). In RAM and the peer tier the
+restore rule stands on its own: a commit that slips through is shadowed, and retention
+removes shadowed commits first so that they never push a newer world's out. The peer
+tier's host monitors refuse pushes of an older world themselves
+(host_monitor/peer/worlds.py).
+
+The durable tier's commit fence (commit_fence.py). Every durable commit of a rank in a
+numbered world (a save's, the emergency copy from RAM, the step's `.metadata`,
+`global_view.consolidate` given the store's fence) is conditional on the tier's world
+records, written only by compare-and-swap (records.py): S3 `If-None-Match: *` and
+`If-Match: <ETag>` on PUT, GCS `ifGenerationMatch`, a directory's `link()` of version
+n+1 (EEXIST: someone else's landed first). S3 has no transaction over two objects, so
+the manifest cannot be written on the condition of another object; instead a commit
+*counts* only once a per-(world, rank) record says so, and that record is the one
+object the writer and the newer world both write:
+
+- `.worlds/current` `{"world": w}`: raised (never lowered) by each newer world's ranks
+  as their restore begins, before they list anything.
+- `.worlds/commits/world-<w>-rank-<k>` `{"upto": s, "sealed": w'|null}`.
+
+Writer of world w, rank k, step s: (1) on its first commit, create its record (if
+absent), *then* read `.worlds/current`: a newer world there means refuse, and seal the
+record; every commit then reads the record and refuses when sealed (early, before the
+upload); (2) upload the files; (3) write the manifest where there is none (`If-None-
+Match: *`; a directory renames into place); (4) *the commit point*: advance the record to
+`upto = s` with `If-Match` the version read, only if not sealed. A lost race re-reads; a
+sealed record means StaleWorldCommit, and the writer deletes the manifest it wrote.
+
+Newer world w2 (every rank, at restore, after `adopt`, before listing): (a) raise
+`.worlds/current` to w2; (b) list `.worlds/commits/` and seal every record of an older
+world (its share of them; `If-Match`, re-read on conflict); (c) when the restore reads a
+commit of an older world w and rank k, it seals that record itself if it is not yet (its
+own CAS) and loads the commit only if `s <= upto`; a commit with no record (written
+before records existed) is left to the rule above.
+
+Why no interleaving lets an older world's commit that a newer world fenced count. Each
+record is changed only by CAS, so the writer's advance (4) and a seal (b, c) of the same
+record are ordered: if the seal comes first, (4) fails and `upto` stays below s forever
+(sealed records never move), so no restore of a newer world loads s (c); if (4) comes
+first, the commit preceded the fence of its record, and the newer world may continue
+from it (its start then names that step: nothing is shadowed). A record created after a
+newer world listed the records in (b) is created after that world raised
+`.worlds/current` in (a), so the writer's read of it in (1) sees the newer world and
+refuses. Every restorer is newer than every world it reads the commits of (`adopted`),
+so a record, once read, is sealed. Not covered: a commit of a world's own rank read by
+its own world (an in-process restart) is trusted as written.
+
+A store without conditional writes (an S3-compatible server that ignores the headers, a
+filesystem without hard links; probed once per store by creating one object twice) falls
+back to the same steps written as reads then writes: the fence is then no stronger than
+the read before each commit, and the restore rule above is what keeps an older world's
+commit out. The tier says so once in the log, and every durable save result says which
+fence it had (`SaveResult.fence`: "conditional" or "read-then-write").
 
 Worlds only grow as the supervisor counts them within one run of a job; a new run that
 reuses the tiers counts from 0 again (a JobSet made again, a second `supervisor run` on
@@ -54,6 +103,9 @@ log = logging.getLogger(__name__)
 
 #: The directory (a bucket's prefix) of the starts, in each tier's root.
 STARTS = ".worlds"
+#: The step of a world known only from the durable tier's world record (a world that
+#: fenced the tier and never recorded its start): it shadows nothing, and counts as newer.
+NO_STEP = 2**63 - 1
 _NAME = re.compile(r"^world-(\d{1,19})-from-(\d{1,19})$")
 
 

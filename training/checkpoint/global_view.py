@@ -30,7 +30,7 @@ import secrets
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -44,6 +44,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from training.checkpoint import format as fmt
 from training.checkpoint.state import local_numel
+
+if TYPE_CHECKING:
+    from training.checkpoint.commit_fence import CommitFence
 
 METADATA = ".metadata"
 _VIEW_PREFIX = ".view-"
@@ -108,29 +111,54 @@ def write_metadata(path: Path, metadata: Metadata, *, sync: bool = True) -> None
     os.replace(temp, path)
 
 
-def publish(root: Path, step: int, ranks: Sequence[int], *, sync: bool = True) -> bool:
+def _fenced_write(path: Path, metadata: Metadata, *, sync: bool, fence: CommitFence | None) -> None:
+    """Write a step's metadata in a durable tier: refused (StaleWorldCommit) when a newer
+    world sealed this one's commits before, and taken back when it did meanwhile (the
+    step is then the newer world's to describe)."""
+    if fence is not None:
+        fence.check(fence.rank)
+    write_metadata(path, metadata, sync=sync)
+    if fence is not None:
+        try:
+            fence.check(fence.rank)
+        except Exception:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            raise
+
+
+def publish(
+    root: Path,
+    step: int,
+    ranks: Sequence[int],
+    *,
+    sync: bool = True,
+    fence: CommitFence | None = None,
+) -> bool:
     """Write the step's global metadata once every rank of `ranks` has committed its
     directory under `root`; True when written. Any rank may call it after its commit: the
-    last to commit sees every directory, and two writers write the same bytes."""
+    last to commit sees every directory, and two writers write the same bytes. `fence`:
+    a durable tier's commit fence (commit_fence.py)."""
     directories = {rank: fmt.rank_dir(root, step, rank) for rank in ranks}
     if not all((d / fmt.MANIFEST).is_file() for d in directories.values()):
         return False
     merged = merge([(d.name, rank_metadata(d)) for d in directories.values()])
-    write_metadata(fmt.step_dir(root, step) / METADATA, merged, sync=sync)
+    _fenced_write(fmt.step_dir(root, step) / METADATA, merged, sync=sync, fence=fence)
     return True
 
 
-def consolidate(step_directory: Path) -> list[int]:
+def consolidate(step_directory: Path, fence: CommitFence | None = None) -> list[int]:
     """Write the global metadata of a step directory from the rank directories it holds
     (for a step whose last rank never got to `publish`: an emergency save, a job that
-    died mid-save); the ranks merged."""
+    died mid-save); the ranks merged. `fence`: the durable tier's commit fence, when a
+    rank of a fenced world writes it (a store's `fence`)."""
     ranks = sorted(
         int(child.name.removeprefix("rank-"))
         for child in step_directory.iterdir()
         if child.name.startswith("rank-") and (child / fmt.MANIFEST).is_file()
     )
     parts = [(f"rank-{r}", rank_metadata(step_directory / f"rank-{r}")) for r in ranks]
-    write_metadata(step_directory / METADATA, merge(parts))
+    _fenced_write(step_directory / METADATA, merge(parts), sync=True, fence=fence)
     return ranks
 
 

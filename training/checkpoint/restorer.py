@@ -190,8 +190,17 @@ class Restorer:
         for rank, step in found:
             try:
                 directory = store.stage(step, rank)
-                world = fmt.Manifest.from_json((directory / fmt.MANIFEST).read_bytes()).world
-                if not self._shadowed(f"{store.url} rank {rank}", world, step):
+                manifest = fmt.Manifest.from_json((directory / fmt.MANIFEST).read_bytes())
+                if store.fenced_out(manifest):
+                    log.warning(
+                        "checkpoint: skipping %s step %d rank %d: world %s committed it "
+                        "after a newer world fenced that world out",
+                        store.url,
+                        step,
+                        rank,
+                        manifest.world,
+                    )
+                elif not self._shadowed(f"{store.url} rank {rank}", manifest.world, step):
                     yield Tier.DURABLE, rank, step, directory
             except fmt.CheckpointCorrupt as exc:
                 log.warning("checkpoint: skipping %s", exc)

@@ -1,6 +1,7 @@
 """One rank's side of the fence between worlds (the rule is fencing.py's): the world its
-commits are written in, the check before each commit, the start it records after each
-restore, and the removal of shadowed commits before retention counts what it keeps."""
+commits are written in, the durable tier's commit fence raised as a restore begins, the
+check before each commit, the start it records after each restore, and the removal of
+shadowed commits before retention counts what it keeps."""
 
 from __future__ import annotations
 
@@ -34,8 +35,21 @@ class WorldFence:
         self.ram_root = ram_root
         self.durable = durable
         self._attempt = attempt
-        #: The world of this rank's commits (None: not known, nothing fenced).
+        self._world: int | None = None
         self.world = self._now()
+        if durable is not None:
+            durable.fence.rank = rank
+
+    @property
+    def world(self) -> int | None:
+        """The world of this rank's commits (None: not known, nothing fenced)."""
+        return self._world
+
+    @world.setter
+    def world(self, world: int | None) -> None:
+        self._world = world
+        if self.durable is not None:
+            self.durable.fence.world = world  # every durable commit is fenced as it
 
     def _now(self) -> int | None:
         given = parse_world(self._attempt()) if self._attempt is not None else None
@@ -61,6 +75,23 @@ class WorldFence:
         self.world = fencing.adopted(self.world, starts)
         return self.world
 
+    def fence(self, share: int, shares: int) -> None:
+        """As a restore begins, before anything is listed: fence the older worlds out of
+        the durable tier (commit_fence.py); this rank seals its `share` of `shares`. A
+        tier that cannot be written is said: the shadow rule still fences."""
+        if self.world is None or self.durable is None:
+            return
+        try:
+            self.durable.fence.fence(self.world, share, shares)
+        except Exception as exc:
+            log.warning(
+                "checkpoint: world %d not fenced in %s (the shadow rule alone keeps older "
+                "worlds' commits out): %r",
+                self.world,
+                self.durable.url,
+                exc,
+            )
+
     def starts(self) -> list[WorldStart]:
         """The starts this rank sees: this node's RAM tier and the durable tier (one that
         cannot be listed is skipped, and said)."""
@@ -68,6 +99,11 @@ class WorldFence:
         if self.durable is not None:
             try:
                 found.update(self.durable.starts())
+                # A world that raised the fence and died before its start was recorded
+                # is newer all the same: a new run goes on after it (`adopt`).
+                recorded = self.durable.fence.recorded_world()
+                if recorded is not None:
+                    found.add(WorldStart(recorded, fencing.NO_STEP))
             except Exception as exc:  # a bucket down: the other tiers still fence
                 log.warning("checkpoint: starts of %s not read: %r", self.durable.url, exc)
         return sorted(found)
@@ -123,7 +159,7 @@ class WorldFence:
                     manifest = store.manifest(step, rank)
                 except fmt.CheckpointCorrupt:
                     continue
-                if fencing.shadowed(manifest.world, step, starts):
+                if fencing.shadowed(manifest.world, step, starts) or store.fenced_out(manifest):
                     store.remove(step, rank)
                     removed.append(step)
         if removed:
