@@ -133,6 +133,8 @@ class Agent:
         forwarder = self._forwarder(node)  # hooked before any worker can report
         xid, ecc, faults = await self._watchdogs(node, sender)
         peer = PeerTier(s, node, forwarder)
+        if sender is not None:  # the supervisor's worlds fence the peer copies
+            sender.on_job_world = peer.worlds.current
         peer.start()  # clears what a crash left in the peer store
         peer.start_channel(self.worker_token)
         metrics = self._metrics(node, sender, [xid, ecc, *([self._nvml] if self._nvml else [])])
@@ -277,6 +279,7 @@ class Agent:
             unreachable_peers=probes.unreachable if probes is not None else None,
         )
         node.on_change = sender.trigger
+        node.supervisor_heard = sender.heard_s
         node.wait_for_delivery = True
         return sender
 

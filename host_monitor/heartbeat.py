@@ -14,6 +14,8 @@ the process monitor run in their own tasks and only `trigger()` a send.
 - Each worker's report carries its world (`world_of`); a refusal because some of them
   belong to an older world than their job's newest (409 `stale_world`) is handed to
   `on_stale_world`, which stops them (resiliency_protocol/worlds.py).
+- Each accepted heartbeat's answer names the job's newest world (a header), as does a
+  `stale_world` refusal: handed to `on_job_world`, the peer tier's fence between worlds.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
-from resiliency_protocol.worlds import StaleWorld, parse_world, stale_world_of
+from resiliency_protocol.worlds import (
+    JOB_WORLD_HEADER,
+    StaleWorld,
+    job_world_of,
+    parse_world,
+    stale_world_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +104,17 @@ class HeartbeatSender:
         self.delivered = 0  # heartbeats accepted, for status, metrics and tests
         self.failed_total = 0  # heartbeats that did not get through (metrics)
         self.last_delivered_unix_s: float | None = None
+        #: When the supervisor last answered (monotonic): any HTTP answer, or a refused
+        #: connection (its host answered; a restart). What the workers' lease runs from.
+        self.last_answered: float | None = None
         self._failures = 0
         self._last_problem: str | None = None
         self.mirrors = [HeartbeatMirror(url, self._credential, self._ssl) for url in mirrors]
         self._on_stale_world = on_stale_world
         self.stale_worlds = 0  # refusals for an older world, for status and tests
         self._unreachable_peers = unreachable_peers
+        #: Told `(job, world)`: the newest world the supervisor started for the job.
+        self.on_job_world: Callable[[str, int], None] | None = None
 
     # --- used by the rest of the agent ----------------------------------------------------
 
@@ -194,10 +207,13 @@ class HeartbeatSender:
             self._failed(str(exc))
             return False
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.ConnectError) and _refused(exc):
+                self.last_answered = time.monotonic()
             self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return False
         if self._silenced:
             return False
+        self.last_answered = time.monotonic()
         if response.is_success:
             del self._pending[:sent]  # reports queued meanwhile stay for the next one
             if self._failures:
@@ -210,6 +226,9 @@ class HeartbeatSender:
             self._last_problem = None
             self.delivered += 1
             self.last_delivered_unix_s = time.time()
+            world = job_world_of(response.headers.get(JOB_WORLD_HEADER))
+            if world is not None and body.job is not None and self.on_job_world is not None:
+                self.on_job_world(body.job, world)
             if self._on_delivered is not None:
                 self._on_delivered(snap)
             return True
@@ -219,6 +238,8 @@ class HeartbeatSender:
             if stale is not None:
                 self.stale_worlds += 1
                 log.warning("supervisor refused workers of an older world: %s", stale.message)
+                if self.on_job_world is not None:
+                    self.on_job_world(stale.job, stale.world)
                 if self._on_stale_world is not None:
                     self._on_stale_world(stale)
         if response.status_code == 401:
@@ -230,6 +251,14 @@ class HeartbeatSender:
             log.error("supervisor rejected %d GPU report(s), dropped: %s", sent, detail)
         self._failed(f"HTTP {response.status_code}: {detail}")
         return False
+
+    def heard_s(self) -> float | None:
+        """Seconds since the supervisor last answered; None until it accepted a heartbeat
+        (a supervisor still starting stops no worker: their lease is not armed yet)."""
+        answered = self.last_answered
+        if answered is None or not self.delivered:
+            return None
+        return time.monotonic() - answered
 
     @property
     def failing_in_a_row(self) -> int:
@@ -247,6 +276,16 @@ class HeartbeatSender:
             self._last_problem = problem
         else:
             log.debug("heartbeat to %s failed again (%s)", self.url, problem)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether the connection was refused (ECONNREFUSED anywhere in its causes)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError) or "Connection refused" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class HeartbeatMirror:

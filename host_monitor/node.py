@@ -98,6 +98,9 @@ class Node:
         # Set by the agent to its checkpoint forwarder: called, and it must have kept the
         # report durably, before the worker's report is acknowledged.
         self.on_checkpoint: Callable[[CheckpointRecord, str | None], None] | None = None
+        # Set by the agent to its heartbeat sender's: seconds since the supervisor last
+        # answered (None: never, or no supervisor), told to workers for their lease.
+        self.supervisor_heard: Callable[[], float | None] = lambda: None
         # Set by the agent when it heartbeats: a node releases itself only once the
         # supervisor has seen its workers' exits (`delivered`).
         self.wait_for_delivery = False
@@ -293,7 +296,8 @@ class Node:
 
     def progress(self, rank: int, report: WorkerProgress) -> ProgressReply:
         self.registry.progress(rank, report.step, report.attempt, report.compute_s)
-        return ProgressReply()
+        heard = self.supervisor_heard()
+        return ProgressReply(supervisor_heard_s=None if heard is None else max(0.0, heard))
 
     def world(self, rank: int) -> WorldAssignment:
         worker = self.registry.get(rank)

@@ -23,6 +23,9 @@ HOST_MONITOR_JOB = "HOST_MONITOR_JOB"
 WORKLOAD_ATTEMPT = "WORKLOAD_ATTEMPT"
 #: What the worker runs in, once: on Kubernetes its pod's UID (the downward API).
 POD_UID = "POD_UID"
+#: Seconds a rank trains on after the supervisor last answered its host monitor
+#: (training/monitor_link/lease.py); 0: no lease.
+HOST_LEASE_S = "HOST_LEASE_S"
 #: The checkpoint tiers' directories and the durable tier's URL.
 CHECKPOINT_RAM_DIR = "CHECKPOINT_RAM_DIR"
 CHECKPOINT_DURABLE_DIR = "CHECKPOINT_DURABLE_DIR"

@@ -133,4 +133,12 @@ class WorldAssignment(BaseModel):
 
 
 class ProgressReply(BaseModel):
-    """What the host monitor answers to a progress report (nothing yet: room to grow)."""
+    """What the host monitor answers to a progress report."""
+
+    supervisor_heard_s: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds since the supervisor last answered this host monitor's "
+        "heartbeats; null while it has none or was never answered. The worker's lease "
+        "(training/monitor_link/lease.py) runs from then.",
+    )

@@ -8,7 +8,11 @@ action in the newer world.
 
 The refusal is a 409 whose body is a `StaleWorld`: the newest world and the ranks that
 belong to an older one. The host monitor then stops those ranks (it fences itself) and
-reports again. Imports nothing from supervisor, host_monitor or training.
+reports again. Every accepted heartbeat's answer (204 or 202) names the newest world the
+supervisor started for the heartbeat's job in the header `JOB_WORLD_HEADER` (absent while
+it knows none): a header, so that the common answer keeps no body. Its host monitor
+refuses peer copies of an older world from then on (host_monitor/peer/worlds.py).
+Imports nothing from supervisor, host_monitor or training.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import msgspec
 World = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 STALE_WORLD: Literal["stale_world"] = "stale_world"
+
+#: The heartbeat answer's header naming the job's newest world (decimal digits).
+JOB_WORLD_HEADER = "x-job-world"
 
 
 class StaleWorld(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,3 +59,14 @@ def stale_world_of(body: bytes) -> StaleWorld | None:
         return _decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
+
+
+def job_world_header(world: int) -> tuple[bytes, bytes]:
+    """The header of a heartbeat answer naming `world`, as ASGI sends it."""
+    return (JOB_WORLD_HEADER.encode(), str(world).encode())
+
+
+def job_world_of(value: str | None) -> int | None:
+    """The world a heartbeat answer's `JOB_WORLD_HEADER` names; None when absent or not a
+    world number."""
+    return parse_world(value)

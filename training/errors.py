@@ -8,6 +8,8 @@ TrainingError
 │                             (checkpoint/checkpointer.py)
 ├── StaleWorldCommit          a commit refused: a newer world than the writer's has started
 │                             (checkpoint/fencing.py)
+├── Conflict                  a conditional write refused: another writer's landed first
+│                             (checkpoint/buckets.py; also an OSError)
 ├── CheckpointSavesRefused    max_consecutive_save_failures NumPy saves in a row refused
 │                             (numpy_workload/train.py)
 ├── ConfigError               a workload setting is missing or invalid
@@ -15,7 +17,9 @@ TrainingError
 ├── CollectiveTimeout         a NumPy collective waited past its timeout
 │                             (numpy_workload/collective.py)
 ├── Terminated                the NumPy workload was signalled to stop (numpy_workload/train.py)
-└── NoNewWorld                a collective failed and no new world came in time (healing.py)
+├── NoNewWorld                a collective failed and no new world came in time (healing.py)
+└── HostLeaseExpired          a durable write refused: the rank's lease ran out
+                              (monitor_link/lease.py)
 
 Imports nothing: the on-disk format module stays standard library only.
 """

@@ -56,12 +56,14 @@ from training.monitor_link.connection import MonitorConnection
 from training.monitor_link.connection import ssl_context_for as ssl_context_for
 from training.monitor_link.emergency import DEFAULT_REQUEST_ID as DEFAULT_REQUEST_ID
 from training.monitor_link.emergency import EmergencyServer
+from training.monitor_link.lease import LEASE_EXIT_CODE as LEASE_EXIT_CODE
+from training.monitor_link.lease import HostLease, HostLeaseExpired, LeaseSettings
 from training.monitor_link.registration import Registration
 from training.monitor_link.reporter import Reporter
 from training.monitor_link.stopping import TermHandler
 from training.monitor_link.worlds import ATTEMPT_RE, Worlds
 
-__all__ = ["CheckpointTier", "WorkerClient"]
+__all__ = ["CheckpointTier", "HostLeaseExpired", "LeaseSettings", "WorkerClient"]
 
 #: A checkpoint's tier; the report methods take its members or their strings ("ram").
 CheckpointTier = Tier
@@ -117,8 +119,11 @@ class WorkerClient:
         instance: str | None = None,
         ca_file: str | None = None,
         server_name: str | None = None,
+        lease: LeaseSettings | None = None,
     ) -> None:
-        """`instance`: what this process runs in, once (its pod's UID on Kubernetes): the
+        """`lease`: the rank's lease on its host monitor's word of the supervisor
+        (training/monitor_link/lease.py; default `LeaseSettings()`). `instance`: what
+        this process runs in, once (its pod's UID on Kubernetes): the
         supervisor assigns worlds to it (`new_world`). An https:// monitor is verified with
         `ca_file` (else the system's trust store), its certificate checked against
         `server_name` (else the URL's host); an unusable `ca_file` raises ValueError."""
@@ -136,7 +141,13 @@ class WorkerClient:
         self._registration = Registration(
             self._connection, rank, local_rank, self.job, self.instance
         )
-        self._reporter = Reporter(self._connection, self._registration, rank, report_interval_s)
+        #: Runs out `host_lease_s` after the supervisor last answered the host monitor.
+        self.lease = HostLease(
+            lease if lease is not None else LeaseSettings(), rank, grace_s=report_interval_s
+        )
+        self._reporter = Reporter(
+            self._connection, self._registration, rank, report_interval_s, self.lease
+        )
         self._term = TermHandler(self._connection, self._registration, rank)
         self._emergency = EmergencyServer(
             self._connection,
@@ -154,7 +165,7 @@ class WorkerClient:
     ) -> WorkerClient:
         """RANK, LOCAL_RANK (default 0), HOST_MONITOR_URL, HOST_MONITOR_WORKER_TOKEN,
         HOST_MONITOR_JOB, WORKLOAD_ATTEMPT, POD_UID, HOST_MONITOR_CA_FILE and
-        HOST_MONITOR_SERVER_NAME."""
+        HOST_MONITOR_SERVER_NAME, HOST_LEASE_S."""
         env = os.environ if env is None else env
         client = cls(
             int(env.get(ENV_RANK, "0")),
@@ -166,6 +177,7 @@ class WorkerClient:
             instance=env.get(ENV_INSTANCE) or None,
             ca_file=env.get(ENV_CA_FILE) or None,
             server_name=env.get(ENV_SERVER_NAME) or None,
+            lease=LeaseSettings.from_env(env),
         )
         attempt = env.get(ENV_ATTEMPT, "")
         client.attempt = attempt if ATTEMPT_RE.match(attempt) else None
@@ -226,6 +238,9 @@ class WorkerClient:
     def report_step(self, step: int, *, compute_s: float | None = None) -> None:
         """Record `step` as the newest finished step. Cheap: call it every step.
 
+        Once the rank's lease ran out (training/monitor_link/lease.py), the process ends
+        with status LEASE_EXIT_CODE within one report interval, whatever it is doing.
+
         `compute_s`: the seconds this step spent in the rank's own work (data, forward,
         backward) before it waited for the other ranks in a collective. Sent as a mean
         over the steps between two reports; the supervisor scores stragglers on it.
@@ -270,6 +285,11 @@ class WorkerClient:
         `step` to `tier` did not commit, with the error (cut to a bounded length). The
         supervisor raises a `checkpoint_failed` event for it."""
         self._reporter.report_checkpoint("failed", step, 0.0, tier, None, total_s, error=error)
+
+    def check_lease(self, what: str) -> None:
+        """HostLeaseExpired when the rank's lease ran out: `what` (a durable write) must
+        not happen."""
+        self.lease.check(what)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the checkpoint reports queued so far are sent to the host monitor
@@ -368,6 +388,7 @@ class WorkerClient:
         self._reporter.closed = True
         self._emergency.stop_thread(timeout_s)
         self._reporter.stop(timeout_s)
+        self.lease.close()
         # Before the connection closes: putting the handler back tells the host monitor.
         self._emergency.restore_handler()
         self._connection.close()

@@ -165,6 +165,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
             on_committed=self._on_committed,
             on_failed=self._on_failed,
             replicated=self.replicated,
+            lease=client.check_lease if client is not None else None,
         )
         #: Saves failed per tier since that tier's last commit, and the newest failure.
         self._failures: dict[str, int] = {}
@@ -447,6 +448,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         self._fence.entered()
         self._restorer.starts = self._agreed_starts()
         self._fence.adopt(self._restorer.starts)
+        self._fence.fence(self.rank, self.world_size)  # before anything is listed
         self._restorer.begin()
         candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.

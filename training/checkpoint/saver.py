@@ -87,6 +87,9 @@ class SaveResult:
     write_s: float | None = None
     #: Not attempted: the durable tier's previous upload was still under way.
     skipped: bool = False
+    #: A durable commit of a fenced world: how the tier fenced it ("conditional", or
+    #: "read-then-write" where the store lacks conditional writes: commit_fence.py).
+    fence: str | None = None
 
 
 class Saver:
@@ -106,10 +109,13 @@ class Saver:
         on_failed: Callable[[SaveResult], None] | None = None,
         replicated: bool = False,
         fence: WorldFence | None = None,
+        lease: Callable[[str], None] | None = None,
     ) -> None:
         """`replicated`: rank 0's directory alone is the whole state (DDP); otherwise a
         step is whole once every rank's directory is committed. `fence`: each commit
-        records its world and is refused once a newer world has started (fencing.py)."""
+        records its world and is refused once a newer world has started (fencing.py).
+        `lease`: raises once the rank's lease ran out (the worker client's `check_lease`,
+        training/monitor_link/lease.py): no durable commit after it."""
         self.rank = rank
         self.replicated = replicated
         self.world_size = world_size
@@ -123,6 +129,7 @@ class Saver:
         self.on_committed = on_committed
         self.on_failed = on_failed
         self.fence = fence
+        self.lease = lease
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
         #: Per tier, the steps emergency saves committed: retention does not count them.
@@ -197,6 +204,7 @@ class Saver:
             error,
             job.emergency,
             skipped=skipped,
+            fence=self._fence_mode(tier),
         )
         self.results.append(result)
         if self.on_failed is not None:
@@ -233,6 +241,8 @@ class Saver:
             )
             if self.fence is not None:
                 self.fence.check(first_tier)
+            if self.lease is not None and not job.to_ram:
+                self.lease(f"the durable commit of step {job.step}")
             final: Path | None
             if job.to_ram:
                 assert self.ram_root is not None
@@ -294,6 +304,8 @@ class Saver:
         try:
             if self.fence is not None:
                 self.fence.check("durable")
+            if self.lease is not None:
+                self.lease(f"the durable copy of step {job.step}")
             path = self.durable.copy_committed(final, manifest)
         except Exception as exc:  # the RAM tier holds the step: only durable failed
             # Nor is retention run there: a rank refused as an older world's must not
@@ -364,7 +376,30 @@ class Saver:
             # The step still restores here (the restore merges the ranks' metadata itself).
             log.warning("checkpoint: global metadata of step %d not written: %r", step, exc)
 
+    def _fence_mode(self, tier: str) -> str | None:
+        return self.durable.fence.known_mode if tier == "durable" and self.durable else None
+
+    def copy_emergency(self, step: int, source: Path, manifest: fmt.Manifest) -> str | None:
+        """An emergency save's copy of its RAM step to the durable tier, fenced as every
+        durable commit; the error, reported as a failed save, or None when committed."""
+        assert self.durable is not None
+        started = time.monotonic()
+        try:
+            if self.fence is not None:
+                self.fence.check("durable")
+            if self.lease is not None:
+                self.lease(f"the durable copy of emergency step {step}")
+            self.durable.copy_committed(source, manifest)
+        except Exception as exc:
+            job = SaveJob(step, {}, False, True, 0.0, started, emergency=True)
+            self._failed(job, "durable", exc)
+            return repr(exc)
+        self.emergency_step("durable", step)
+        return None
+
     def _committed(self, result: SaveResult) -> None:
+        if result.tier == "durable":
+            result.fence = self._fence_mode("durable")
         self.publish(result.tier, result.step)
         self.results.append(result)
         try:

@@ -18,6 +18,7 @@ from resiliency_protocol.checkpoint_reports import (
 )
 from resiliency_protocol.worker_wire import WorkerProgress, worker_path
 from training.monitor_link.connection import MonitorConnection, log
+from training.monitor_link.lease import HostLease
 from training.monitor_link.registration import Registration
 
 _MAX_QUEUED_REPORTS = 1000
@@ -34,8 +35,10 @@ class Reporter:
         registration: Registration,
         rank: int,
         report_interval_s: float,
+        lease: HostLease | None = None,
     ) -> None:
         self._connection = connection
+        self._lease = lease
         self._registration = registration
         self._rank = rank
         self._interval_s = report_interval_s
@@ -195,4 +198,10 @@ class Reporter:
             self._compute_sum, self._compute_count = 0.0, 0
         body = self._connection.body(WorkerProgress, "progress", **fields)
         if body is not None:
-            self._connection.post(worker_path(self._rank, "progress"), body, kind="progress")
+            asked_at = time.monotonic()
+            reply = self._connection.post(worker_path(self._rank, "progress"), body, "progress")
+            if self._lease is not None and isinstance(reply, dict):
+                heard = reply.get("supervisor_heard_s")
+                if not isinstance(heard, int | float) or isinstance(heard, bool):
+                    heard = None
+                self._lease.renew(asked_at, heard)

@@ -29,7 +29,7 @@ from training.numpy_workload.model import (
     init_state,
     local_gradient,
 )
-from training.worker_client import CheckpointTier, WorkerClient
+from training.worker_client import CheckpointTier, HostLeaseExpired, WorkerClient
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -141,6 +141,14 @@ class Trainer:
         """Save to `tier` and report it. A save refused because a newer world has started
         is reported as failed and counted (`check_refusals`); an emergency one raises too,
         so that its ack says it failed."""
+        try:
+            if tier == Tier.DURABLE:  # none once the rank's lease ran out (it exits soon)
+                self.client.check_lease(f"the durable save of step {state.step}")
+        except HostLeaseExpired as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.client.report_checkpoint_failed(state.step, tier, error)
+            self.say(f"checkpoint refused step={state.step} tier={tier}: {error}")
+            return
         try:
             _, duration = self.store.save(state, tier)
         except StaleWorldCommit as exc:

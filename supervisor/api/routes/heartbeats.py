@@ -7,8 +7,9 @@ token's (403), and applied to the sensor in memory (which checks what spans fiel
 unless the heartbeat repeats what it already holds for the node, and refuses a rank
 another alive node runs: 409), all within the request's first step, with no await
 between them; then a fixed reply is sent. Nothing is written to the database
-unless something changed; then the events are committed before the reply. Its schema is
-documented in /openapi.json like every other route (see app._openapi).
+unless something changed; then the events are committed before the reply, which names the
+job's newest world in a header (resiliency_protocol/worlds.py: no body on the common
+204). Its schema is documented in /openapi.json like every other route (see app._openapi).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
 from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
+from resiliency_protocol.worlds import JOB_WORLD_HEADER, job_world_header
 from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.identity.authenticator import AgentAuthenticator, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
@@ -34,6 +36,8 @@ _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER = [(b"retry-after", b"1")]
 _NO_CONTENT_START: Message = {"type": "http.response.start", "status": 204, "headers": ()}
 _NO_CONTENT_BODY: Message = {"type": "http.response.body", "body": b""}
+#: The 204's start message per world named in its header, made once per world.
+_NO_CONTENT_STARTS: dict[int | None, Message] = {None: _NO_CONTENT_START}
 
 
 class HeartbeatEndpoint:
@@ -50,6 +54,7 @@ class HeartbeatEndpoint:
         self._answered = supervisor.sensor.answered
         # Worker reports of an older world than their job's newest are never applied.
         self._fence = supervisor.worlds.heartbeat
+        self._newest_world = supervisor.worlds.newest
         self._max_skew_s = supervisor.settings.agent_clock_skew_s
         counter = supervisor.metrics.heartbeats_rejected
         self._rejected = {reason: counter.labels(reason.value) for reason in HeartbeatRejection}
@@ -160,15 +165,29 @@ class HeartbeatEndpoint:
                 [(b"retry-after", b"1")],
             )
             return
+        world = None if hb.job is None else self._newest_world(hb.job)
         if events:
             ids = [e.id for e in events]
-            await _send(send, 202, json.dumps({"events": ids}).encode())
+            named = None if world is None else [job_world_header(world)]
+            await _send(send, 202, json.dumps({"events": ids}).encode(), named)
         else:
             # The common case has no body: the server writes a body apart from the headers,
             # so this saves a socket write on every heartbeat. The messages are constants:
             # servers read them and never change them.
-            await send(_NO_CONTENT_START)
+            await send(_NO_CONTENT_STARTS.get(world) or _no_content_start(world))
             await send(_NO_CONTENT_BODY)
+
+
+def _no_content_start(world: int | None) -> Message:
+    """The 204's start message naming `world`, kept for the next answers (a job's worlds
+    are few; the cache is emptied past a bound)."""
+    if len(_NO_CONTENT_STARTS) > 4096:
+        _NO_CONTENT_STARTS.clear()
+        _NO_CONTENT_STARTS[None] = _NO_CONTENT_START
+    headers = () if world is None else (job_world_header(world),)
+    start: Message = {"type": "http.response.start", "status": 204, "headers": headers}
+    _NO_CONTENT_STARTS[world] = start
+    return start
 
 
 def _check_times(hb: HostHeartbeat, max_skew_s: float) -> None:
@@ -243,6 +262,15 @@ async def _reply(
     await _send(send, status, json.dumps(payload).encode(), headers)
 
 
+_WORLD_HEADER_DOC = {
+    JOB_WORLD_HEADER: {
+        "description": "The newest world the supervisor started for the heartbeat's job; "
+        "absent while it knows none. Peer copies of an older world are refused from then on.",
+        "schema": {"type": "integer", "minimum": 0},
+    }
+}
+
+
 def openapi_operation(schema_ref: str) -> dict[str, Any]:
     """The OpenAPI description of the route (it bypasses FastAPI, so is added by hand)."""
     error = {"description": "", "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -257,9 +285,13 @@ def openapi_operation(schema_ref: str) -> dict[str, Any]:
                 "content": {"application/json": {"schema": {"$ref": schema_ref}}},
             },
             "responses": {
-                "204": {"description": "Accepted; nothing changed, so no event was raised."},
+                "204": {
+                    "description": "Accepted; nothing changed, so no event was raised.",
+                    "headers": _WORLD_HEADER_DOC,
+                },
                 "202": {
                     "description": "Accepted; it raised events, already stored: their ids.",
+                    "headers": _WORLD_HEADER_DOC,
                     "content": {
                         "application/json": {
                             "schema": {
