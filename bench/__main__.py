@@ -29,6 +29,7 @@ from bench import (
 )
 from bench.chaos_report import chaos_rows
 from bench.checkpoint_table import checkpoint_rows, peer_transfer_rows
+from bench.fleet_table import fleet_rows
 from bench.ingest_table import ingest_rows
 from bench.loops import LOOP_NAME
 from bench.mttr_table import mttr_rows, torch_mttr_rows
@@ -166,6 +167,7 @@ def simulate_rows() -> list[Row]:
 SECTIONS = (
     "simulate",
     "ingest",
+    "ingest-fleet",  # nodes beating at a fleet's rate, late at random; SQLite and PostgreSQL
     "detection",
     "stragglers",
     "memory",
@@ -182,13 +184,15 @@ SECTIONS = (
     "cli",
     "hang-run",  # a frozen rank of an unchanged script, of an instrumented one, torchrun's
 )
+#: Run only when named with --only: a real Kubernetes control plane of 2,000 kwok nodes.
+ASKED_ONLY = ("kube-scale",)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
         "--only",
-        choices=SECTIONS,
+        choices=(*SECTIONS, *ASKED_ONLY),
         action="append",
         default=None,
     )
@@ -200,7 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=15, help="ingest: rounds (one window per app each)"
     )
     parser.add_argument(
-        "--profile", type=Path, default=None, help="save cProfile stats of each server here"
+        "--profile",
+        type=Path,
+        default=None,
+        help="ingest: save cProfile stats of each server here; ingest-fleet: py-spy's"
+        " samples of the supervisor in each window (bench/profile_top.py reads them)",
+    )
+    parser.add_argument(
+        "--fleet-window", type=float, default=15.0, help="ingest-fleet: measured window, s"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="ingest-fleet: SQLite, 8,000-rank jobs only"
     )
     parser.add_argument("--faults", type=int, default=5, help="mttr: faults per kind and policy")
     parser.add_argument(
@@ -208,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--minutes", type=float, default=2.0, help="chaos: minutes of random faults"
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=2_000, help="kube-scale: kwok nodes (and pods of the JobSet)"
     )
     args = parser.parse_args(argv)
     only = set(args.only or SECTIONS)
@@ -226,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += ingest_rows(config)
         # The largest fleets: 25,000 nodes of 8 GPUs, heartbeating every 5 s.
         rows += ingest_rows(dataclasses.replace(config, nodes=25_000), period_s=5.0)
+    if "ingest-fleet" in only:
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        profile = args.profile.resolve() if args.profile else None
+        rows += fleet_rows(args.quick, args.fleet_window, profile)
     if "detection" in only:
         rows += detection_rows(
             [
@@ -270,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += cli_start.rows()
     if "hang-run" in only:
         rows += hang_detect.rows()
+    if "kube-scale" in only:
+        from bench import kube_scale  # starts the tests' control plane: only when asked
+
+        rows += kube_scale.rows(args.nodes)
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0

@@ -17,21 +17,29 @@ def node_name(index: int) -> str:
     return f"bench-node-{index:05d}"
 
 
-def heartbeat_dict(index: int, step: int) -> dict[str, Any]:
-    """One node of job "bench", 8 running workers at `step`: raises no event."""
+def heartbeat_dict(
+    index: int,
+    step: int,
+    workers: int = WORKERS_PER_NODE,
+    job: str = JOB,
+    first_rank: int | None = None,
+) -> dict[str, Any]:
+    """One node of `job`, `workers` running workers at `step`: raises no event. Its ranks
+    start at `first_rank` (by default: the node's index times `workers`)."""
+    base = index * workers if first_rank is None else first_rank
     return {
         "node": node_name(index),
         "state": "running",
-        "job": JOB,
+        "job": job,
         "workers": [
             {
-                "rank": index * WORKERS_PER_NODE + local,
+                "rank": base + local,
                 "local_rank": local,
                 "pid": 10_000 + local,
                 "state": "running",
                 "step": step,
             }
-            for local in range(WORKERS_PER_NODE)
+            for local in range(workers)
         ],
         "address": f"10.{index // 65536 % 256}.{index // 256 % 256}.{index % 256}",
         "topology": {
@@ -42,13 +50,15 @@ def heartbeat_dict(index: int, step: int) -> dict[str, Any]:
     }
 
 
-def heartbeat_json(index: int, step: int) -> bytes:
-    """The heartbeat as compact JSON, as a host monitor would send it."""
-    return json.dumps(heartbeat_dict(index, step), separators=(",", ":")).encode()
+def heartbeat_json(index: int, step: int, **shape: Any) -> bytes:
+    """The heartbeat as compact JSON, as a host monitor would send it (`shape`: the
+    keyword arguments of `heartbeat_dict`)."""
+    return json.dumps(heartbeat_dict(index, step, **shape), separators=(",", ":")).encode()
 
 
-def heartbeat_template(index: int) -> bytes:
-    """The heartbeat with `%d` in place of each worker's step: `template % ((step,) * 8)`."""
-    body = heartbeat_json(index, _STEP_SENTINEL)
+def heartbeat_template(index: int, **shape: Any) -> bytes:
+    """The heartbeat with `%d` in place of each worker's step:
+    `template % ((step,) * workers)`."""
+    body = heartbeat_json(index, _STEP_SENTINEL, **shape)
     assert b"%" not in body.replace(str(_STEP_SENTINEL).encode(), b"")
     return body.replace(str(_STEP_SENTINEL).encode(), b"%d")

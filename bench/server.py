@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import signal
 import socket
 import sys
@@ -42,10 +43,25 @@ async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-def supervisor_app(database_url: str, agent_token: str, operator_token: str) -> Any:
+def supervisor_app(
+    database_url: str, agent_token: str, operator_token: str, fleet: dict[str, float] | None
+) -> Any:
+    """The real app. By default with timers out of the way (see below); with `fleet`
+    (`period_s`, `timeout_s`), as a fleet's supervisor runs: those heartbeat settings and
+    every other setting at its default."""
     from supervisor.api.app import create_app
     from supervisor.config import Settings
 
+    if fleet is not None:
+        return create_app(
+            Settings(
+                database_url=database_url,
+                agent_token=agent_token,
+                operator_token=operator_token,
+                heartbeat_polling_period_s=fleet["period_s"],
+                heartbeat_timeout_s=fleet["timeout_s"],
+            )
+        )
     settings = Settings(
         database_url=database_url,
         agent_token=agent_token,
@@ -59,6 +75,22 @@ def supervisor_app(database_url: str, agent_token: str, operator_token: str) -> 
     return create_app(settings)
 
 
+def count_sql() -> None:
+    """Count the SQL statements this process sends (SQLAlchemy's cursor events, on every
+    engine: one per execute or executemany) and print the count on stdout at each SIGUSR1.
+    Outside the app, so that the requests measured pass through nothing more."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    sent = [0]
+
+    def count(*_: Any) -> None:
+        sent[0] += 1
+
+    event.listen(Engine, "before_cursor_execute", count)
+    signal.signal(signal.SIGUSR1, lambda *_: print(sent[0], flush=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.server")
     parser.add_argument("--app", choices=("supervisor", "bare"), required=True)
@@ -66,11 +98,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agent-token", default="bench-agent-token")
     parser.add_argument("--operator-token", default="bench-operator-token")
     parser.add_argument("--profile", default=None, help="dump cProfile stats here on exit")
+    parser.add_argument(
+        "--fleet", default=None, help='JSON {"period_s", "timeout_s"}: default timers else'
+    )
+    parser.add_argument(
+        "--count-sql", action="store_true", help="print the SQL statements sent at SIGUSR1"
+    )
     args = parser.parse_args(argv)
 
     app: Any = bare_app
     if args.app == "supervisor":
-        app = supervisor_app(args.database_url, args.agent_token, args.operator_token)
+        fleet = json.loads(args.fleet) if args.fleet else None
+        app = supervisor_app(args.database_url, args.agent_token, args.operator_token, fleet)
+    if args.count_sql:
+        count_sql()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

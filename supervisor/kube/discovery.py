@@ -166,11 +166,15 @@ class Discovery:
         informer = self.informers.get(kind)
         return list(informer.items.values()) if informer else []
 
+    def _item(self, kind: str, key: str) -> Obj | None:
+        informer = self.informers.get(kind)
+        return informer.items.get(key) if informer else None
+
     def jobsets(self) -> dict[str, Obj]:
         return {o.name_of(js): js for js in self._items("JobSet")}
 
     def jobset(self, name: str) -> Obj | None:
-        return self.jobsets().get(name)
+        return self.jobsets().get(name)  # a namespace holds few JobSets
 
     def child_jobs(self, jobset: str) -> list[Obj]:
         return [j for j in self._items("Job") if o.labels_of(j).get(o.JOBSET_NAME) == jobset]
@@ -195,7 +199,10 @@ class Discovery:
         return {o.name_of(n): n for n in self._items("Node")}
 
     def node(self, name: str) -> Obj | None:
-        return self.nodes().get(name)
+        # Nodes are cluster-scoped: the informer's key is the name. A lookup per call: the
+        # partner requests ask once per node, and a dict of every node per lookup made
+        # each round N lookups of N (76% of the supervisor's CPU at 2,000 nodes).
+        return self._item("Node", name)
 
     def nodes_of(self, jobset: str) -> list[str]:
         return sorted(

@@ -124,8 +124,13 @@ class GoodputHistory(RepositoryBase):
     def record_progress_samples(self, samples: Sequence[ProgressSample]) -> None:
         if not samples:
             return
+        # One statement for every job's sample (executemany): the ORM's add_all sends an
+        # INSERT per row, so a fleet of many jobs would cost as many statements a period.
         with self._sessions.begin() as session:
-            session.add_all(ProgressSampleRow(job=s.job, step=s.step, time=s.time) for s in samples)
+            session.execute(
+                insert(ProgressSampleRow),
+                [{"job": s.job, "step": s.step, "time": s.time} for s in samples],
+            )
 
     def job_history(self, job: str, *, group_window_s: float = 30.0) -> JobHistory:
         """Events, actions, checkpoint reports (see :class:`JobHistory`) and progress

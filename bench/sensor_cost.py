@@ -1,0 +1,59 @@
+"""The supervisor's own work on a steady heartbeat, without HTTP: `python -m bench.sensor_cost`.
+
+Decoding (msgspec, `parse_heartbeat`) and the sensor's update (`Sensor.ingest`) of every
+node's heartbeat in turn, 4 rounds after one that registers them, on a fresh `Sensor`;
+CPU (user + system) per heartbeat, for 2,000 and 25,000 nodes of 8 workers in jobs of
+8,000 ranks and 25,000 nodes of 1 worker in jobs of 1,000. What the HTTP rows of
+`--only ingest-fleet` spend beyond this is the server stack's and the route's.
+"""
+
+from __future__ import annotations
+
+import resource
+
+from bench.fleet_loadgen import job_name
+from bench.loops import run as run_loop
+from bench.payload import heartbeat_template
+from resiliency_protocol.heartbeat import parse_heartbeat
+from supervisor.config import Settings
+from supervisor.sensor import Sensor
+
+ROUNDS = 4
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def cost_us(nodes: int, workers: int, ranks_per_job: int) -> float:
+    """CPU microseconds per steady heartbeat (formatting its body included)."""
+    settings = Settings(heartbeat_timeout_s=600, heartbeat_polling_period_s=300)
+    sensor = Sensor(settings.sensing, settings.workload, lambda _: None)
+    per_job = max(1, ranks_per_job // workers)
+    templates = [
+        heartbeat_template(
+            i, workers=workers, job=job_name(i // per_job), first_rank=(i % per_job) * workers
+        )
+        for i in range(nodes)
+    ]
+    try:
+        for step in range(1, ROUNDS + 2):
+            if step == 2:
+                started = _cpu_s()
+            for template in templates:
+                body = template % ((step,) * workers)
+                sensor.ingest(parse_heartbeat(body), body)
+        return 1e6 * (_cpu_s() - started) / (nodes * ROUNDS)
+    finally:
+        sensor.close()
+
+
+def main() -> None:
+    for nodes, workers, ranks in ((2_000, 8, 8_000), (25_000, 8, 8_000), (25_000, 1, 1_000)):
+        us = run_loop(cost_us(nodes, workers, ranks))
+        print(f"{nodes:,} nodes x {workers} workers, jobs of {ranks:,} ranks: {us:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
