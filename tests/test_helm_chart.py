@@ -1913,7 +1913,7 @@ def test_example_jobset_is_wired_to_the_host_monitor_and_the_worker_client() -> 
     assert policy["maxRestarts"] >= 1
     assert policy["rules"] == [
         {
-            "name": "restarts-by-the-supervisor",
+            "name": "restartsBySupervisor",
             "action": "RestartJobSetAndIgnoreMaxRestarts",
             "onJobFailureReasons": ["PodFailurePolicy"],
         }

@@ -1,4 +1,6 @@
-"""The product in its production mode, end to end, with real processes: `supervisor serve`
+"""The product in its production mode, end to end, with real processes (the scenarios of a
+trained job, a dead node and a crash run on the real control plane instead:
+tests/test_kube_e2e_real.py): `supervisor serve`
 with the Kubernetes backend (a kubeconfig pointing at the fake API server of tests/kube,
 the default policy, SQLite), a real `host-monitor` per node (started as a spare,
 heartbeating the supervisor), and the demo training workload run for each pod of the
@@ -301,130 +303,6 @@ def trains(
 
 
 FIRST_FOUR = {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}
-
-
-def test_the_job_trains_on_kubernetes(e2e: E2E) -> None:
-    """Four pods land on four of the six GPU nodes; their workers register with the host
-    monitors there (the nodes turn running with the job), the other two stay spares, and
-    the supervisor sees the steps advance. Nothing failed, so nothing was done."""
-    trains(e2e, FIRST_FOUR, attempt="0", steps=15)
-    for spare in ("gpu-4", "gpu-5"):
-        assert (e2e.node(spare) or {}).get("state") == "spare"
-    job = e2e.api(f"/api/v1/jobs/{JOB}")
-    assert sorted(job["nodes"]) == sorted(FIRST_FOUR)
-    assert (job["num_dp_replicas"], job["num_nodes_per_dp"]) == (2, 2)
-    ranks = {int(w["rank"]) for n in FIRST_FOUR for w in (e2e.node(n) or {}).get("workers") or []}
-    assert ranks == {0, 1, 2, 3}
-    assert e2e.actions() == []
-    assert [e for e in e2e.events() if e["type"] in FAILURES] == []
-
-
-def test_a_dead_node_is_swapped_for_a_spare_once_and_training_resumes(e2e: E2E) -> None:
-    """gpu-1 dies (host monitor and worker SIGKILLed, Node NotReady). The supervisor hears
-    both the silence and the NotReady, saves the healthy workers' state through their host
-    monitors, and hot-swaps the node once: cordoned and tainted, its pod evicted; the
-    JobSet restarts off gpu-1 (onto the spare gpu-4), where the workers resume from the
-    emergency step and train past it."""
-    trains(e2e, FIRST_FOUR, attempt="0", steps=25)
-    e2e.node_dies("gpu-1")
-
-    lost = wait_for(
-        lambda: [e for e in e2e.events("host_heartbeat_lost") if e["node"] == "gpu-1"],
-        20,
-        "host_heartbeat_lost",
-    )
-    not_ready = wait_for(
-        lambda: [e for e in e2e.events("node_not_ready") if e["node"] == "gpu-1"],
-        20,
-        "node_not_ready",
-    )
-    # The first signal names the job; one after the hot swap does not: gpu-1 has left it.
-    first = min([*lost, *not_ready], key=lambda e: int(e["id"]))
-    assert first["job"] == JOB, (lost, not_ready)
-
-    final = trains(e2e, None, attempt="1", steps=5, avoid=frozenset({"gpu-1"}))
-
-    checkpoint = wait_for(
-        lambda: [a for a in e2e.actions("emergency_checkpoint") if a["status"] == "succeeded"],
-        10,
-        "emergency checkpoint",
-    )
-    (saved,) = checkpoint[0]["result"]["steps"]
-    assert checkpoint[0]["params"]["exclude_nodes"] == ["gpu-1"]
-    assert sorted(checkpoint[0]["result"]["nodes"]) == ["gpu-0", "gpu-2", "gpu-3"]
-    resumed = [(int(s), tier) for s, tier in RESUMED.findall(e2e.logs())]
-    assert len(resumed) == 4 and {s for s, _ in resumed} == {saved}, resumed
-    assert {int(s) for s in EMERGENCY_SAVED.findall(e2e.logs())} == {saved}
-    assert final > saved
-
-    actions = wait_for(e2e.settled, 20, "actions settled")
-    swaps = [a for a in actions if a["type"] == "hot_swap"]
-    assert len(swaps) == 1, actions
-    (swap,) = swaps
-    assert swap["status"] == "succeeded" and swap["node"] == "gpu-1", swap
-    assert swap["params"]["spare"] == "gpu-4"
-    # The pod left terminating on the dead node (its kubelet is gone) is force-deleted;
-    # nothing else is done: no restart on top of the JobSet's own.
-    assert sorted(a["type"] for a in actions) == [
-        "emergency_checkpoint",
-        "force_delete_pod",
-        "hot_swap",
-    ], actions
-    assert all(a["status"] == "succeeded" for a in actions), actions
-
-    node = e2e.kube.get("Node", "gpu-1")
-    assert node is not None and node["spec"].get("unschedulable") is True
-    assert any(
-        t["key"] == "resiliency.supervisor.io/unhealthy" and t["effect"] == "NoExecute"
-        for t in node["spec"].get("taints") or []
-    )
-    on_node = e2e.kube_events("gpu-1")
-    assert (
-        "HotSwap" in on_node and f"supervisor action {swap['id']}" in on_node["HotSwap"]["message"]
-    )
-    on_jobset = e2e.kube_events(JOB)
-    assert {"EmergencyCheckpoint", "HotSwap", "ForceDeletePod"} <= set(on_jobset), sorted(on_jobset)
-    js = e2e.kube.get("JobSet", JOB)
-    assert js is not None and js["status"]["restarts"] == 1
-    # The supervisor's restart did not count toward the JobSet's maxRestarts.
-    assert js["status"].get("restartsCountTowardsMax", 0) == 0
-
-
-def test_a_crash_restarts_the_jobset_once(e2e: E2E) -> None:
-    """A worker process is SIGKILLed: the bridge reports its exit (137) as the kubelet
-    would, its Job fails (backoffLimit 0) and the JobSet controller restarts the JobSet by
-    its own failure policy. The supervisor hears the exit too; its remedy must not restart
-    the JobSet a second time."""
-    trains(e2e, FIRST_FOUR, attempt="0", steps=10)
-    e2e.crash_worker("gpu-2")
-    exited = wait_for(
-        lambda: [e for e in e2e.events("worker_exited") if e["node"] == "gpu-2"],
-        20,
-        "worker_exited",
-    )
-    # The host monitor adopted the worker (it did not launch it): its exit code is
-    # unknown there, only that it died without saying it was stopping.
-    assert exited[0]["details"].get("exit_code") is None, exited[0]
-    trains(e2e, None, attempt="1", steps=10)
-    actions = wait_for(e2e.settled, 30, "actions settled")
-    js = e2e.kube.get("JobSet", JOB)
-    assert js is not None
-    # One restart, by the JobSet controller, counted toward maxRestarts.
-    assert (js["status"]["restarts"], js["status"].get("restartsCountTowardsMax")) == (1, 1)
-    # The supervisor's remedy (an emergency checkpoint, then a restart in place) found
-    # the JobSet restarted already and left it alone.
-    assert sorted(a["type"] for a in actions) == ["emergency_checkpoint", "restart_in_place"]
-    (restart,) = [a for a in actions if a["type"] == "restart_in_place"]
-    assert restart["status"] == "succeeded", restart
-    assert "already restarted" in (restart["result"] or {}).get("skipped", ""), restart
-    # The three workers whose pods the JobSet controller deleted were stopped, not crashed.
-    assert len(e2e.events("worker_exited")) == 1
-    # A late second restart would show here: the JobSet restarted once, all pods of
-    # attempt 1 still run.
-    time.sleep(2 * HEARTBEAT_TIMEOUT_S)
-    js = e2e.kube.get("JobSet", JOB)
-    assert js is not None and js["status"]["restarts"] == 1
-    assert set(e2e.placement().values()) == {"1"} and len(e2e.placement()) == 4
 
 
 def test_workers_crashing_together_restart_the_jobset_once(e2e: E2E) -> None:

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,37 +212,11 @@ class KubeletBridge:
 
     def _start(self, pod: dict[str, Any], node_name: str, node: _Node) -> Container:
         m, spec = pod["metadata"], pod.get("spec") or {}
-        (container,) = spec.get("containers") or []  # one container per worker pod
-        env: dict[str, str] = {
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": str(REPO),
-            "HOME": os.environ.get("HOME", "/"),
-            "HOSTNAME": spec.get("hostname") or m["name"],
-        }
-        index = (m.get("annotations") or {}).get(COMPLETION_INDEX)
-        if index is not None:
-            env["JOB_COMPLETION_INDEX"] = index
-        for var in container.get("env") or []:
-            env[var["name"]] = self._value(var, pod, env)
-        if "HOST_MONITOR_URL" in env:
-            env["HOST_MONITOR_URL"] = node.host_monitor_url
-        argv = [
-            _expand(a, env)
-            for a in (container.get("command") or []) + (container.get("args") or [])
-        ]
+        argv, env = container_process(
+            pod, lambda name, key: self.secrets[(name, key)], node.host_monitor_url
+        )
         log = self.log_dir / f"{m['name']}.log"
-        cwd = self.log_dir / m["name"]
-        cwd.mkdir(exist_ok=True)
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                cwd=cwd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        proc = launch(argv, env, log, self.log_dir / m["name"])
         # Compressed by FakeKube's time_scale (30 s: 1.5 s), then stretched like the tests'
         # margins: a worker's orderly exit took longer than 1.5 s on a loaded machine.
         grace = scaled(
@@ -249,16 +224,64 @@ class KubeletBridge:
         )
         return Container(m["name"], m["uid"], node_name, proc, log, grace)
 
-    def _value(self, var: dict[str, Any], pod: dict[str, Any], env: dict[str, str]) -> str:
-        if "value" in var:
-            return _expand(str(var["value"]), env)
-        source = var.get("valueFrom") or {}
-        if "fieldRef" in source:
-            return _field(pod, source["fieldRef"]["fieldPath"])
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            return self.secrets[(ref["name"], ref["key"])]
-        raise ValueError(f"env {var['name']}: unsupported source {sorted(source)}")
+
+def container_process(
+    pod: dict[str, Any], secret: Callable[[str, str], str], host_monitor_url: str
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of the pod's one container, as the kubelet builds them
+    (`secret(name, key)` reads a Secret's key), with this machine's interpreter and the
+    repository on the path."""
+    m, spec = pod["metadata"], pod.get("spec") or {}
+    (container,) = spec.get("containers") or []  # one container per worker pod
+    env: dict[str, str] = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(REPO),
+        "HOME": os.environ.get("HOME", "/"),
+        "HOSTNAME": spec.get("hostname") or m["name"],
+    }
+    index = (m.get("annotations") or {}).get(COMPLETION_INDEX)
+    if index is not None:
+        env["JOB_COMPLETION_INDEX"] = index
+    for var in container.get("env") or []:
+        env[var["name"]] = _value(var, pod, env, secret)
+    if "HOST_MONITOR_URL" in env:
+        env["HOST_MONITOR_URL"] = host_monitor_url
+    argv = [
+        _expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])
+    ]
+    return argv, env
+
+
+def launch(argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    """The container's process: a session of its own, output appended to `log`."""
+    cwd.mkdir(exist_ok=True)
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def _value(
+    var: dict[str, Any],
+    pod: dict[str, Any],
+    env: dict[str, str],
+    secret: Callable[[str, str], str],
+) -> str:
+    if "value" in var:
+        return _expand(str(var["value"]), env)
+    source = var.get("valueFrom") or {}
+    if "fieldRef" in source:
+        return _field(pod, source["fieldRef"]["fieldPath"])
+    if "secretKeyRef" in source:
+        ref = source["secretKeyRef"]
+        return secret(ref["name"], ref["key"])
+    raise ValueError(f"env {var['name']}: unsupported source {sorted(source)}")
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
