@@ -1,11 +1,18 @@
 """The training side stands alone: it imports neither the supervisor nor the host
-monitor, the worker client needs no torch and no NumPy, and the service needs no NumPy."""
+monitor, the worker client needs no torch and no NumPy, and the service needs no NumPy.
+What a training script imports comes from `training` itself, each name on first use."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+import training
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,3 +67,27 @@ def test_the_checkpoint_tiers_need_no_lightning(tmp_path: Path) -> None:
         "Checkpointer(torch.nn.Linear(2, 2), settings=settings).close()\n"
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_every_exported_name_is_the_object_of_its_home_module() -> None:
+    for name in training.__all__:
+        home = importlib.import_module(training._HOMES[name])
+        assert getattr(training, name) is getattr(home, name), name
+    assert sorted(training.__all__) == sorted(training._HOMES)
+
+
+def test_an_unknown_name_is_refused_by_name() -> None:
+    with pytest.raises(AttributeError, match="Checkpointr"):
+        getattr(training, "Checkpointr")  # noqa: B009
+
+
+def test_the_package_and_its_worker_client_import_no_torch() -> None:
+    done = run(
+        "import json, sys\n"
+        "import training\n"
+        "before = 'torch' in sys.modules\n"
+        "from training import WorkerClient, CheckpointSettings\n"
+        "print(json.dumps([before, 'torch' in sys.modules, 'numpy' in sys.modules]))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [False, False, False]
