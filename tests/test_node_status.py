@@ -71,7 +71,9 @@ async def test_flapping_clears_after_the_stated_steady_time(
             await api.beat(heartbeat("n1"))
             await asyncio.sleep(0.05)
         cleared = await node(api, "n1")
-        assert (cleared["marks"], cleared["flapping_clears_in_s"]) == ([], None)
+        # Only the flapping mark: on a loaded machine the last beat may already be over
+        # half the (short) timeout old when read, which marks the node `late` as it should.
+        assert "flapping" not in cleared["marks"] and cleared["flapping_clears_in_s"] is None
         recovered = await api.get("/api/v1/events", type="node_recovered", node="n1")
         assert any(e["details"].get("was_flapping") for e in recovered["items"])
 
