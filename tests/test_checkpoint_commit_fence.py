@@ -323,3 +323,29 @@ def test_the_emergency_copy_from_ram_is_fenced(
     assert failed.fence == "conditional"
     assert opener().committed_steps(0) == [4]
     ckpt.close()
+
+
+def test_a_lease_that_ran_out_during_the_upload_refuses_the_commit_point(
+    opener: Opener, tmp_path: Path
+) -> None:
+    """The rank's lease (training/monitor_link/lease.py) is asked before each durable write
+    and again at the commit point, the fence's gate: a lease that ran out while the files
+    were uploading refuses the commit, its manifest goes, and no restore sees the step."""
+    from training.monitor_link.lease import HostLeaseExpired
+
+    ram = tmp_path / "ram"
+    writer = in_world(opener(), 1)
+    asked: list[str] = []
+    writer.fence.gate = asked.append  # the lease holds: each commit point asks it
+    writer.copy_committed(*ram_step(ram, 4, 0, world=1))
+
+    def ran_out(what: str) -> None:
+        raise HostLeaseExpired(f"no contact with the supervisor: {what} refused")
+
+    writer.fence.gate = ran_out
+    with pytest.raises(HostLeaseExpired, match="step 6"):
+        writer.copy_committed(*ram_step(ram, 6, 0, world=1))
+    assert asked == ["the durable commit of step 4"]
+    reader = opener()
+    assert reader.committed_steps(0) == [4]
+    assert restore(reader, 2, 0) == 4

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from training.checkpoint.fencing import StaleWorldCommit
@@ -56,6 +57,9 @@ class CommitFence:
         self._opened: set[tuple[int, int]] = set()
         self._sealed: dict[tuple[int, int], int] = {}  # final: a sealed record never moves
         self._lock = threading.Lock()
+        #: Asked right before the commit point; raises to refuse it (the rank's lease ran
+        #: out while its files were uploading: training/monitor_link/lease.py).
+        self.gate: Callable[[str], None] | None = None
 
     # --- what kind of fence ------------------------------------------------------------
 
@@ -193,6 +197,8 @@ class CommitFence:
         world = self.world
         if world is None:
             return
+        if self.gate is not None:
+            self.gate(f"the durable commit of step {step}")
         name = record_name(world, rank)
         for _ in range(_ROUNDS):
             found = self.records.read(name)

@@ -43,6 +43,7 @@ from training.checkpoint.buckets import Bucket, Conflict, open_bucket
 from training.checkpoint.commit_fence import CommitFence
 from training.checkpoint.records import BucketRecords, DirectoryRecords
 from training.checkpoint.settings import CheckpointSettings
+from training.errors import TrainingError
 
 _STEP = re.compile(r"^step-(\d{10,})/$")
 _RANK = re.compile(r"^rank-(\d+)/$")
@@ -134,7 +135,7 @@ class LocalStore(DurableStore):
         assert self.root is not None
         try:
             self.fence.advance(manifest.rank, manifest.step)
-        except fencing.StaleWorldCommit:
+        except TrainingError:  # a newer world's seal, or the rank's lease ran out
             fmt.remove_step(self.root, manifest.step, manifest.rank)
             raise
 
@@ -312,7 +313,7 @@ class ObjectStore(DurableStore):
         self._put_manifest(base + fmt.MANIFEST, manifest)
         try:
             self.fence.advance(manifest.rank, manifest.step)
-        except fencing.StaleWorldCommit:
+        except TrainingError:  # a newer world's seal, or the rank's lease ran out
             self.bucket.delete([base + fmt.MANIFEST])  # counted by no newer world
             raise
 

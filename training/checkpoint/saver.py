@@ -130,6 +130,10 @@ class Saver:
         self.on_failed = on_failed
         self.fence = fence
         self.lease = lease
+        if lease is not None and durable is not None:
+            # Checked before each durable write and again at its commit point: an upload
+            # may outlast the lease.
+            durable.fence.gate = lease
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
         #: Per tier, the steps emergency saves committed: retention does not count them.
