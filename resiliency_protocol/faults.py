@@ -20,9 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Annotated, Literal, TypeAlias
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 
 class FaultKind(StrEnum):
@@ -37,46 +35,6 @@ class FaultKind(StrEnum):
     STRAGGLER = "straggler"
 
 
-# --- the parameters of each kind (the operator API's fields, as each kind takes them) ----
-
-Rank = Annotated[int, Field(ge=0)]
-Gpu = Annotated[int, Field(ge=0, le=255)]
-XidCode = Annotated[int, Field(ge=0, le=1000)]
-EccCount = Annotated[int, Field(ge=1)]
-DurationS = Annotated[float, Field(gt=0, le=86400)]
-Slowdown = Annotated[float, Field(gt=0, le=10)]
-
-
-class FaultParams(BaseModel):
-    """The parameters of one kind; required fields are what the kind cannot do without."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class HeartbeatLossParams(FaultParams):
-    duration_s: DurationS | None = None  # unset: until the fault is deleted
-
-
-class XidParams(FaultParams):
-    code: XidCode
-    gpu: Gpu | None = None
-    rank: Rank | None = None  # the worker whose process the driver names
-
-
-class EccParams(FaultParams):
-    count: EccCount
-    gpu: Gpu | None = None
-
-
-class WorkerParams(FaultParams):
-    rank: Rank | None = None  # unset: the node's lowest live rank
-
-
-class StragglerParams(WorkerParams):
-    slowdown: Slowdown | None = None
-    duration_s: DurationS | None = None  # unset: until the worker exits
-
-
 @dataclass(frozen=True, slots=True)
 class FaultSpec:
     """What a fault kind is, wherever it is acted out."""
@@ -89,8 +47,9 @@ class FaultSpec:
     drillable: bool
     #: Over as soon as acted out (a kill, a signal, a GPU error); else it lasts a while.
     one_shot: bool
-    #: Its parameters; None: it takes none.
-    params: type[FaultParams] | None
+    #: Its parameters' model, by name in fault_params.py (which needs pydantic: imported
+    #: by what validates them, never by an operator's command); None: it takes none.
+    params: str | None
     #: The node's host monitor exits while acting it out: its answer may never come.
     agent_exits: bool = False
 
@@ -102,13 +61,21 @@ FAULTS: Mapping[FaultKind, FaultSpec] = MappingProxyType(
             through_sensor=True,
             drillable=False,  # it would mute a node until the drill's fault is deleted
             one_shot=False,
-            params=HeartbeatLossParams,
+            params="HeartbeatLossParams",
         ),
         FaultKind.XID: FaultSpec(
-            on_processes=True, through_sensor=True, drillable=True, one_shot=True, params=XidParams
+            on_processes=True,
+            through_sensor=True,
+            drillable=True,
+            one_shot=True,
+            params="XidParams",
         ),
         FaultKind.ECC: FaultSpec(
-            on_processes=True, through_sensor=True, drillable=True, one_shot=True, params=EccParams
+            on_processes=True,
+            through_sensor=True,
+            drillable=True,
+            one_shot=True,
+            params="EccParams",
         ),
         FaultKind.NODE_DOWN: FaultSpec(
             on_processes=True,
@@ -123,21 +90,21 @@ FAULTS: Mapping[FaultKind, FaultSpec] = MappingProxyType(
             through_sensor=False,
             drillable=True,
             one_shot=True,
-            params=WorkerParams,
+            params="WorkerParams",
         ),
         FaultKind.WORKER_HANG: FaultSpec(
             on_processes=True,
             through_sensor=False,
             drillable=True,
             one_shot=True,
-            params=WorkerParams,
+            params="WorkerParams",
         ),
         FaultKind.STRAGGLER: FaultSpec(
             on_processes=True,
             through_sensor=False,
             drillable=True,
             one_shot=False,
-            params=StragglerParams,
+            params="StragglerParams",
         ),
     }
 )
@@ -161,13 +128,6 @@ else:
     # Literal[...] of the table's process kinds: validated and listed in the JSON schema
     # as a written-out Literal is.
     ProcessFaultKind = Literal[tuple(k for k in FAULTS if k in PROCESS_FAULT_KINDS)]
-
-
-def takers(field: str) -> tuple[FaultKind, ...]:
-    """The kinds whose parameters include `field`, in the table's order."""
-    return tuple(
-        k for k, s in FAULTS.items() if s.params is not None and field in s.params.model_fields
-    )
 
 
 class SimulatedFault(StrEnum):

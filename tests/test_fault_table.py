@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from host_monitor.fault_actor import FaultActor
 from resiliency_protocol import faults
+from resiliency_protocol.fault_params import params_model
 from resiliency_protocol.faults import FAULTS, FaultKind, SimulatedFault
 from resiliency_protocol.node_commands import FaultOutcome, ProcessFault
 from supervisor.api import drill_schemas
@@ -35,7 +36,7 @@ REQUIRED_SAMPLES = {"code": 79, "count": 1}
 
 
 def required(kind: FaultKind) -> set[str]:
-    model = FAULTS[kind].params
+    model = params_model(kind)
     fields = model.model_fields if model is not None else {}
     return {name for name, field in fields.items() if field.is_required()}
 
@@ -88,7 +89,7 @@ def test_the_lists_of_kinds_are_the_tables_view() -> None:
 
 def test_each_kinds_parameters_are_fields_of_the_bodies_that_carry_them() -> None:
     for kind, spec in FAULTS.items():
-        fields = set(spec.params.model_fields) if spec.params is not None else set()
+        fields = set(m.model_fields) if (m := params_model(kind)) is not None else set()
         assert fields <= set(api_faults.FaultIn.model_fields), kind
         if spec.on_processes:
             assert fields <= set(ProcessFault.model_fields), kind
@@ -103,7 +104,7 @@ def test_the_api_checks_a_kinds_parameters_by_its_row(kind: FaultKind) -> None:
             api_faults.FaultIn.model_validate(body)
         body[name] = REQUIRED_SAMPLES[name]
     api_faults.FaultIn.model_validate(body)
-    model = FAULTS[kind].params
+    model = params_model(kind)
     for name, value in (("slowdown", 0.5), ("duration_s", 5.0)):
         if model is not None and name in model.model_fields:
             api_faults.FaultIn.model_validate({**body, name: value})
@@ -119,7 +120,7 @@ async def test_a_drills_parameters_are_valid_for_its_kind(
     sensor = Sensor(settings.sensing, settings.workload, lambda changes: None)
     try:
         for kind, draw in DRILL_PARAMS.items():
-            model = FAULTS[kind].params
+            model = params_model(kind)
             assert model is not None, kind
             model.model_validate(draw(sensor, "n1", random.Random()))
     finally:

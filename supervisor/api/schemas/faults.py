@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypeAlias
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from resiliency_protocol import faults as protocol
-from resiliency_protocol.faults import DurationS, EccCount, Gpu, Rank, Slowdown, XidCode
+from resiliency_protocol.fault_params import (
+    DurationS,
+    EccCount,
+    Gpu,
+    Rank,
+    Slowdown,
+    XidCode,
+    params_model,
+    takers,
+)
 from supervisor.api.drill_schemas import SCHEDULE_PATTERN, DrillIn, check_schedule
 from supervisor.api.schemas.fields import Name
 from supervisor.domain import Fault
@@ -93,14 +102,14 @@ class FaultIn(BaseModel):
     def _check_params(self, kind: protocol.FaultKind) -> Self:
         """The kind's own parameters (its model in the protocol's table): the required
         ones given, the tuning ones only where the kind takes them."""
-        model = protocol.FAULTS[kind].params
+        model = params_model(kind)
         fields = model.model_fields if model is not None else {}
         for name, field in fields.items():
             if field.is_required() and getattr(self, name) is None:
                 raise ValueError(f"{name} is required for {_an(kind)} fault")
         for name in TUNING_FIELDS:
             if name not in fields and getattr(self, name) is not None:
-                kinds = " and ".join(protocol.takers(name))
+                kinds = " and ".join(takers(name))
                 raise ValueError(f"{name} applies to {kinds} only")
         return self
 
