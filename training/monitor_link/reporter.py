@@ -161,7 +161,10 @@ class Reporter:
         while True:
             self._wake.clear()  # before draining: a report queued from now on wakes us
             stopping = self._stop.is_set()
-            self._drain()
+            # Checkpoint reports queued faster than they are sent must not starve the
+            # progress reports: the host monitor would take the rank for hung, and its
+            # lease (lease.py) would run out with the rank training on.
+            self._drain(until=None if stopping else next_progress)
             now = time.monotonic()
             if now >= next_progress or stopping or self._report_now:
                 self._report_now = False
@@ -172,10 +175,14 @@ class Reporter:
             if stopping:
                 self._drain()
                 return
+            if not self._queue.empty():
+                continue  # the drain stopped for the progress report: go on with it
             self._wake.wait(max(0.0, next_progress - time.monotonic()))
 
-    def _drain(self) -> None:
-        while True:
+    def _drain(self, until: float | None = None) -> None:
+        """Send the queued checkpoint reports, in order; `until` (monotonic): stop then,
+        when a progress report is due."""
+        while until is None or time.monotonic() < until:
             try:
                 path, body = self._queue.get_nowait()
             except queue.Empty:
