@@ -398,12 +398,22 @@ def test_a_crash_restarts_the_jobset_once(e2e: RealE2E) -> None:
     trains(e2e, None, attempt="1", steps=10)
     actions = wait_for(e2e.settled, 30, "actions settled")
     status = e2e.jobset_status()
-    # One restart, by the JobSet controller, counted toward maxRestarts.
-    assert (status["restarts"], status.get("restartsCountTowardsMax")) == (1, 1), status
     assert sorted(a["type"] for a in actions) == ["emergency_checkpoint", "restart_in_place"]
     (restart,) = [a for a in actions if a["type"] == "restart_in_place"]
     assert restart["status"] == "succeeded", restart
-    assert "already restarted" in (restart["result"] or {}).get("skipped", ""), restart
+    skipped = (restart["result"] or {}).get("skipped", "")
+    if skipped:
+        # The usual order: the kubelet reported the container's end, its Job failed, and
+        # the JobSet controller restarted the JobSet by its own policy, counted toward
+        # maxRestarts; the supervisor's restart found that done.
+        assert "already restarted" in skipped, restart
+        assert (status["restarts"], status.get("restartsCountTowardsMax")) == (1, 1), status
+    else:
+        # Seen once under load: the supervisor heard the worker's exit before the kubelet
+        # reported it, found the pod still Running, and restarted it (its eviction marks
+        # the pod DisruptionTarget): the JobSet restarted once all the same, by the rule
+        # for the supervisor's restarts, which uses up no maxRestarts.
+        assert status["restarts"] == 1 and not status.get("restartsCountTowardsMax"), status
     # The three workers whose pods the JobSet controller deleted were stopped, not crashed.
     assert len(e2e.events("worker_exited")) == 1
     # A late second restart would show here.

@@ -28,13 +28,12 @@ from tests.test_local_cluster import (
     assert_same_weights,
     demos,
     finished_actions,
-    job_step,
     output,
     reference_weights,
     resumed_steps,
     wait_for,
 )
-from tests.test_partitions import NODES, STEPS, node_status
+from tests.test_partitions import NODES, STEPS, node_status, trained_and_heard
 from tests.timing import scaled
 from training.worker_client import LEASE_EXIT_CODE
 
@@ -112,7 +111,7 @@ def test_a_cut_off_rank_refuses_durable_saves_and_exits_within_its_lease(
 ) -> None:
     expected = reference_weights(tmp_path, 2, 1, STEPS["numpy"], "numpy")
     demo = start_demo()
-    wait_for(lambda: job_step(demo) >= 20, within=120, what="training to reach step 20")
+    wait_for(lambda: trained_and_heard(demo), within=120, what="step 20, every node heard")
     victim = NODES[1]
     # The lease is armed by the first progress report answered once the supervisor took
     # the node's heartbeats: a few report intervals after it is heard.

@@ -201,7 +201,8 @@ def test_the_ddp_example_is_healed_to_the_weights_of_a_run_without_the_fault(
     output = "\n".join(run.lines)
     assert code == 0, output
     remedy = "hot_swap node-1" if fault["kind"] == "node_down" else "restart_in_place node-1"
-    assert f"[supervisor]: {remedy} succeeded" in output
+    said = [line for line in run.lines if "[supervisor]" in line]
+    assert f"[supervisor]: {remedy} succeeded" in output, said  # what it said, if not that
     # Every rank started again and resumed from a checkpoint, not from the beginning.
     for rank in range(4):
         resumed = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
