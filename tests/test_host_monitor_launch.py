@@ -415,7 +415,15 @@ def test_a_lost_host_is_swapped_for_a_spare_host_and_every_host_left_exits_at_th
         assert env["GROUP_RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
         assert env["MASTER_PORT"] == str(master_port + 1)
         assert env["resumed_at"] >= 3, env
-    swaps = [a for a in hosts.actions() if a["type"] == "hot_swap"]
+
+    def swaps_ended() -> list[dict[str, Any]] | None:
+        # The swap's workers start before the action is recorded as ended (seen in CI:
+        # read as "running" between the two).
+        swaps = [a for a in hosts.actions() if a["type"] == "hot_swap"]
+        ended = all(a["status"] in ("succeeded", "failed") for a in swaps)
+        return swaps if swaps and ended else None
+
+    swaps = wait_for("the hot swap to end", swaps_ended)
     assert [(a["node"], a["status"]) for a in swaps] == [("node-0", "succeeded")], swaps
     unused = ({"node-2", "node-3"} - {spare}).pop()
     for node in ("node-1", spare, unused):
