@@ -14,6 +14,7 @@ job's newest world in a header (resiliency_protocol/worlds.py: no body on the co
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -36,8 +37,6 @@ _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER = [(b"retry-after", b"1")]
 _NO_CONTENT_START: Message = {"type": "http.response.start", "status": 204, "headers": ()}
 _NO_CONTENT_BODY: Message = {"type": "http.response.body", "body": b""}
-#: The 204's start message per world named in its header, made once per world.
-_NO_CONTENT_STARTS: dict[int | None, Message] = {None: _NO_CONTENT_START}
 
 
 class HeartbeatEndpoint:
@@ -174,20 +173,16 @@ class HeartbeatEndpoint:
             # The common case has no body: the server writes a body apart from the headers,
             # so this saves a socket write on every heartbeat. The messages are constants:
             # servers read them and never change them.
-            await send(_NO_CONTENT_STARTS.get(world) or _no_content_start(world))
+            await send(_no_content_start(world))
             await send(_NO_CONTENT_BODY)
 
 
+@functools.lru_cache(maxsize=4096)  # a job's worlds are few: made once per world
 def _no_content_start(world: int | None) -> Message:
-    """The 204's start message naming `world`, kept for the next answers (a job's worlds
-    are few; the cache is emptied past a bound)."""
-    if len(_NO_CONTENT_STARTS) > 4096:
-        _NO_CONTENT_STARTS.clear()
-        _NO_CONTENT_STARTS[None] = _NO_CONTENT_START
-    headers = () if world is None else (job_world_header(world),)
-    start: Message = {"type": "http.response.start", "status": 204, "headers": headers}
-    _NO_CONTENT_STARTS[world] = start
-    return start
+    """The 204's start message naming `world` (none: the plain one)."""
+    if world is None:
+        return _NO_CONTENT_START
+    return {"type": "http.response.start", "status": 204, "headers": (job_world_header(world),)}
 
 
 def _check_times(hb: HostHeartbeat, max_skew_s: float) -> None:
