@@ -405,7 +405,7 @@ def test_pods_of_two_ranks_heal_in_process_after_a_crashed_rank_then_a_lost_node
         restart = wait_for(lambda: healed("restart_in_place"), 150, "restart in place")
         assert restart["result"]["path"] == "in_process", restart["result"]
         assert restart["result"]["world"] == 1
-        # Ranks 0 and 1: the same processes, in world 1 from memory.
+        # Ranks 0 and 1: the same processes, in world 1.
         assert env.rank_processes(pods[0]) == first
         replacement = wait_for(
             lambda: next((p for i, p in env.ranks().items() if i == 1 and p != pods[1]), None),
@@ -425,7 +425,11 @@ def test_pods_of_two_ranks_heal_in_process_after_a_crashed_rank_then_a_lost_node
         # The survivors resume from their memory once world 1 formed (the host monitors
         # count a rank in a world from when it takes it).
         wait_for(lambda: len(resumed_in(pods[0], "1")) == 2, 30, "world 1")
-        assert resumed_in(pods[0], "1") == {"0": "memory", "1": "memory"}
+        # From memory, or from their own RAM tier for a rank that had finished a step more
+        # than the others when rank 3 died (gloo's allreduce ends on each rank in turn):
+        # never from a peer or the durable tier.
+        sources = resumed_in(pods[0], "1")
+        assert set(sources.values()) <= {"memory", "ram"}, sources
         past = env.step() + 10
         wait_for(lambda: env.step() >= past, 90, f"step {past} in world 1")
 
