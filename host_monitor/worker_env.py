@@ -10,6 +10,7 @@ from pathlib import Path
 
 from host_monitor.config import HostMonitorSettings, env_without_secrets
 from resiliency_protocol import worker_env
+from resiliency_protocol.launch import thread_default
 from resiliency_protocol.logs import ENV_LOG_FORMAT, JsonFormatter
 from resiliency_protocol.node_commands import StartWorkersRequest
 
@@ -55,9 +56,10 @@ class WorkerEnvironment:
         }
 
     def of_rank(self, req: StartWorkersRequest, rank: int, local_rank: int) -> dict[str, str]:
-        return self.of_job(
+        env = self.of_job(
             req.job, req.env, {worker_env.RANK: str(rank), worker_env.LOCAL_RANK: str(local_rank)}
         )
+        return thread_default(env, len(req.workers))
 
     def of_standby(self, req: StartWorkersRequest) -> dict[str, str]:
         """What a standby starts with: a worker's environment without its rank's part (the

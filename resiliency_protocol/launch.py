@@ -67,6 +67,15 @@ def ranks_of(group_rank: int, nproc_per_node: int) -> range:
     return range(group_rank * nproc_per_node, (group_rank + 1) * nproc_per_node)
 
 
+def thread_default(env: dict[str, str], nproc_per_node: int) -> dict[str, str]:
+    """`env` with torchrun's default of one OpenMP thread per rank when a node runs several
+    ranks and nobody chose a count (`OMP_NUM_THREADS` unset): without it every rank starts
+    a thread per core, and the node's ranks spin on each other's cores."""
+    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        return {**env, "OMP_NUM_THREADS": "1"}
+    return env
+
+
 def master_port(base: int, attempt: int) -> int:
     """MASTER_PORT of `attempt` (1 = the first) of a job whose hosts agree on `base`."""
     return base + (max(1, attempt) - 1) % PORT_SPAN

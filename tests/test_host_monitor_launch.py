@@ -47,6 +47,7 @@ TORCHRUN_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
+    "OMP_NUM_THREADS",
 )
 
 # The user's script: records the environment it got (one file per rank and attempt),
@@ -248,6 +249,8 @@ def test_two_hosts_launch_the_user_script_with_torchrun_env_and_a_killed_worker_
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(master_port),
             "TORCHELASTIC_RESTART_COUNT": "0",
+            # torchrun's default for several ranks on a node, unless the user chose one.
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }, hosts.logs()
     # The supervisor knows both nodes and the job the hosts launched.
     wait_for(

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from resiliency_protocol.launch import CommandNotFound, ranks_of, resolve_command
+from resiliency_protocol.launch import CommandNotFound, ranks_of, resolve_command, thread_default
 from resiliency_protocol.worker_env import HOST_MONITOR_URL
 from training.auto_progress import startup_env
 
@@ -43,7 +43,7 @@ def rank_env(
     """The environment of the rank of `local` on the node of `node_rank` (torchrun's)."""
     rank = ranks_of(node_rank, nproc_per_node)[local]
     return {
-        **base,
+        **thread_default(dict(base), nproc_per_node),
         "RANK": str(rank),
         "LOCAL_RANK": str(local),
         "LOCAL_WORLD_SIZE": str(nproc_per_node),
