@@ -1,28 +1,25 @@
 """The FSDP2 example of docs/training.md as a user runs it: saved as `train.py`, started
-with `supervisor run --nnodes 2 --spares 1`, a fault injected through the supervisor's API
-mid-training (a crashed rank, then a lost node). Every rank resumes from a checkpoint and the
-job ends (exit 0) with final weights equal, tensor for tensor, to those of the same script
-run without a fault under torchrun, run once for the module."""
+with `supervisor run --nnodes 2 --spares 1`, three faults injected through the supervisor's
+API while both ranks are held at a point of a step (a crashed rank, a lost node, a crashed
+rank). Every rank resumes from a checkpoint and the job ends (exit 0) with final weights
+equal, tensor for tensor, to those of the same script run without a fault under torchrun,
+run once for the module."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.step_points import EDITS as POINT_EDITS
+from tests.step_points import FaultAt, assert_saved_and_resumed, env_of, inject_at_points
 from tests.test_run_user_job import Run, saved_example, user_env
 
-#: A pause per step, so that the fault lands mid-run, and the weights' file from the
-#: environment, so that the runs of the module do not share one.
-EDITS = {
-    "import os\n": "import os\nimport time\n",
-    "    data.batches += 1\n": "    data.batches += 1\n"
-    '    time.sleep(float(os.environ["STEP_TIME_S"]))\n',
-    '"final.pt"': 'os.environ["WEIGHTS_FILE"]',
-}
+#: The points of a step where the test holds the ranks (tests/step_points.py), and the
+#: weights' file from the environment, so that the runs of the module do not share one.
+EDITS = {**POINT_EDITS, '"final.pt"': 'os.environ["WEIGHTS_FILE"]'}
 
 
 def fsdp2_example(tmp: Path) -> Path:
@@ -66,33 +63,39 @@ def assert_same_weights(got: Path, want: Path) -> None:
     assert not differ, f"weights differ from the run without a fault: {differ}"
 
 
-def test_the_fsdp2_example_is_healed_twice_to_the_weights_of_a_run_without_the_fault(
+#: The survivor saves the step it holds; the rank that failed has its own shards only
+#: at the RAM tier's steps (every 10; the lost node's from its partner's peer copy), so
+#: every rank resumes from the newest of those: never more than the RAM interval back.
+FSDP2_FAULTS = [
+    FaultAt(23, "before", {"kind": "worker_crash", "node": "node-1", "rank": 1},
+            "restart_in_place node-1", (0,), 22),
+    FaultAt(47, "inside", {"kind": "node_down", "node": "node-1"}, "hot_swap node-1", (0,), 47),
+    FaultAt(74, "after", {"kind": "worker_crash", "node": "node-0", "rank": 0},
+            "restart_in_place node-0", (1,), 74),
+]  # fmt: skip
+
+
+def test_the_fsdp2_example_is_healed_from_faults_at_every_point_of_a_step_to_exact_weights(
     tmp_path: Path, reference: Path
 ) -> None:
-    """2 nodes x 1 rank and a spare: rank 1 crashes at step 20 or so (its node's worker
-    restarted), then, past step 60, its node is lost (swapped for the spare). One run
-    for both faults: each start of torch's processes costs tens of seconds here."""
+    """2 nodes x 1 rank and a spare, three faults injected through the API while both ranks
+    are held at a point of a step (tests/step_points.py): rank 1 crashed before the
+    optimizer's step, its node lost inside it (swapped for the spare), rank 0 crashed after
+    it. One run for the three: each start of torch's processes costs tens of seconds
+    here."""
     fsdp2_example(tmp_path)
     weights = tmp_path / "weights.pt"
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    extra = {"STEP_TIME_S": "0.02", "WEIGHTS_FILE": str(weights), **env_of(pauses, FSDP2_FAULTS)}
     args = ["--nnodes", "2", "--spares", "1", "train.py"]
-    run = Run(tmp_path, args, user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights)))
+    run = Run(tmp_path, args, user_env(tmp_path, **extra))
     try:
-        run.wait_step(20)
-        run.api("POST", "/api/v1/faults", kind="worker_crash", node="node-1", rank=1)
-        run.wait_step(60)
-        run.api("POST", "/api/v1/faults", kind="node_down", node="node-1")
+        inject_at_points(run, pauses, FSDP2_FAULTS, ranks=2)
         code = run.finish()
     finally:
         run.kill()
     output = "\n".join(run.lines)
     assert code == 0, output
-    assert "[supervisor]: restart_in_place node-1 succeeded" in output, output
-    assert "[supervisor]: hot_swap node-1 succeeded" in output, output
-    # Every rank started three times, resuming its shards from a checkpoint each time,
-    # never from the beginning (which would end with the same weights: the data depends
-    # only on the step and the rank).
-    for rank in range(2):
-        found = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
-        resumed = [int(step) for step in found]
-        assert len(resumed) == 3 and resumed[0] == 0 < resumed[1] < resumed[2], output
+    assert_saved_and_resumed(output, FSDP2_FAULTS, 2, [20, 40, 70])
     assert_same_weights(weights, reference)

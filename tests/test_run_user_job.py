@@ -1,7 +1,8 @@
 """A user's own scripts under `supervisor run`, faults injected through the supervisor's API
 as an operator would: the DDP example of docs/training.md (2 nodes x 2 workers, a spare)
-is healed after a crashed rank and after a lost node, and ends with the weights of a run
-without the fault; on 2 nodes x 1 worker, a hung rank is healed losing at most one step,
+is healed after crashed ranks and a lost node, each landing at a point of a step (before,
+inside and after the optimizer's step), and ends with the weights of a run without a
+fault; on 2 nodes x 1 worker, a hung rank is healed losing at most one step,
 to the same weights; the in-process example, started with `--in-process`, heals a crashed
 rank keeping the other node's processes; a plain shell loop, which knows nothing of the
 supervisor, is restarted too."""
@@ -23,6 +24,7 @@ import pytest
 
 from supervisor.local.demo import leftover_processes
 from tests.http import http
+from tests.step_points import EDITS, FaultAt, assert_saved_and_resumed, env_of, inject_at_points
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"the supervisor at (\S+) \(operator token (\S+)\)")
@@ -175,38 +177,52 @@ def run_reference(tmp: Path, script: Path, nproc: int) -> str:
     return weights.read_text()
 
 
-@pytest.mark.parametrize(
-    "fault",
-    [
-        {"kind": "worker_crash", "node": "node-1", "rank": 3},
-        {"kind": "node_down", "node": "node-1"},
-    ],
-    ids=["worker_crash", "node_down"],
-)
-def test_the_ddp_example_is_healed_to_the_weights_of_a_run_without_the_fault(
-    tmp_path: Path, fault: dict[str, Any]
+def paused_example(tmp: Path) -> Path:
+    """The DDP example of docs/training.md as a user saves it, with the points of a step
+    where the test holds its ranks (tests/step_points.py) and its final weights' hash
+    written by rank 0."""
+    return saved_example(tmp, "# example: checkpoint tiers", {**EDITS, "ckpt.close()": WEIGHTS_OUT})
+
+
+#: The survivors' state is the step they hold (22 before the optimizer's step 23, else the
+#: step itself): every rank resumes from it, no step lost.
+DDP_FAULTS = [
+    FaultAt(23, "before", {"kind": "worker_crash", "node": "node-1", "rank": 3},
+            "restart_in_place node-1", (0, 1), 22),
+    FaultAt(47, "inside", {"kind": "node_down", "node": "node-1"}, "hot_swap node-1",
+            (0, 1), 47),
+    FaultAt(74, "after", {"kind": "worker_crash", "node": "node-0", "rank": 1},
+            "restart_in_place node-0", (2, 3), 74),
+]  # fmt: skip
+
+
+def test_the_ddp_example_is_healed_from_faults_at_every_point_of_a_step_to_exact_weights(
+    tmp_path: Path,
 ) -> None:
+    """The DDP example of docs/training.md under `supervisor run` (2 nodes x 2 workers and
+    a spare), three faults injected through the API while every rank is held at a point of
+    a step: a crashed rank before the optimizer's step, a lost node inside it, a crashed
+    rank after it. Each emergency checkpoint holds exactly the step the survivors' state
+    is at (their collective raising once their peer is gone ends their processes, after
+    the save), every rank resumes from it, and the run ends with the weights of a run
+    without a fault."""
     pytest.importorskip("torch")
-    script = docs_example(tmp_path)
+    script = paused_example(tmp_path)
     want = reference_weights(tmp_path, script)
     weights = tmp_path / "weights.sha256"
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    extra = {"STEP_TIME_S": "0.02", "WEIGHTS_FILE": str(weights), **env_of(pauses, DDP_FAULTS)}
     args = ["--nnodes", "2", "--nproc-per-node", "2", "--spares", "1", "train.py"]
-    run = Run(tmp_path, args, user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights)))
+    run = Run(tmp_path, args, user_env(tmp_path, **extra))
     try:
-        run.wait_step(20)
-        run.api("POST", "/api/v1/faults", **fault)
+        inject_at_points(run, pauses, DDP_FAULTS, ranks=4)
         code = run.finish()
     finally:
         run.kill()
     output = "\n".join(run.lines)
     assert code == 0, output
-    remedy = "hot_swap node-1" if fault["kind"] == "node_down" else "restart_in_place node-1"
-    said = [line for line in run.lines if "[supervisor]" in line]
-    assert f"[supervisor]: {remedy} succeeded" in output, said  # what it said, if not that
-    # Every rank started again and resumed from a checkpoint, not from the beginning.
-    for rank in range(4):
-        resumed = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
-        assert len(resumed) == 2 and resumed[0] == "0" and int(resumed[1]) > 0, output
+    assert_saved_and_resumed(output, DDP_FAULTS, 4, [f.saved for f in DDP_FAULTS])
     assert weights.read_text() == want
 
 

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.test_host_monitor import WORKER_TOKEN, Agent, Cluster, wait_for
+from tests.test_run_user_job import docs_example
 from tests.test_worker_client import free_port
 from training.checkpoint import format as fmt
 
@@ -237,6 +238,69 @@ def test_a_survivor_saves_its_last_completed_step_and_the_job_resumes_bit_exactl
 
     (report,) = wait_for(emergency_reported, 10, "the emergency save reported")
     assert report["bytes"] > 0
+
+
+def test_a_rank_whose_collective_raised_saves_its_last_step_at_exit(
+    tmp_path: Path, nodes: dict[str, Agent]
+) -> None:
+    """The DDP example of docs/training.md, unchanged but for a pause per step: its loop
+    does not catch the error its all-reduce raises once the peer is SIGKILLed, so the rank
+    exits before any emergency request can reach it. Its last completed step is saved on
+    the way out, to both tiers, and reported."""
+    script = docs_example(tmp_path)
+    port = free_port()
+    procs = {}
+    for rank, node in enumerate(("node-a", "node-b")):
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "HOST_MONITOR_URL": nodes[node].url,
+            "HOST_MONITOR_WORKER_TOKEN": WORKER_TOKEN,
+            "HOST_MONITOR_JOB": JOB,
+            "CHECKPOINT_RAM_DIR": str(tmp_path / node / "ram" / JOB),
+            "CHECKPOINT_DURABLE_DIR": str(tmp_path / "durable"),
+            "STEP_TIME_S": "0.05",
+            "WEIGHTS_FILE": str(tmp_path / "weights.sha256"),
+        }
+        log = (tmp_path / f"exit-rank-{rank}.log").open("w")
+        procs[rank] = subprocess.Popen(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, stdout=log, stderr=log
+        )
+    ram = tmp_path / "node-a" / "ram" / JOB
+    try:
+        wait_for(lambda: 10 in fmt.committed_steps(ram, 0), 120, "rank 0's RAM save of step 10")
+        time.sleep(0.3)  # a few steps more: the step saved at exit is not a periodic one
+        procs[1].send_signal(signal.SIGKILL)
+        assert procs[0].wait(120) != 0, "the example does not catch its collective's error"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    out = (tmp_path / "exit-rank-0.log").read_text()
+    saved = re.findall(
+        r"emergency checkpoint at exit: the training loop raised after step (\d+)", out
+    )
+    assert len(saved) == 1, out
+    step = int(saved[0])
+    assert step > 10, out
+    assert fmt.committed_steps(ram, 0)[-1] == step
+    assert step in fmt.committed_steps(tmp_path / "durable", 0)
+
+    def emergency_reported() -> list[dict[str, Any]]:
+        r = nodes["node-a"].api.get("/v1/checkpoints")
+        return [
+            c["report"]
+            for c in r.json()
+            if c["report"]["tier"] == "emergency" and c["report"]["step"] == step
+        ]
+
+    wait_for(emergency_reported, 10, "the save at exit reported")
 
 
 # --- one process: what an emergency save reads -------------------------------------------

@@ -308,7 +308,12 @@ class WorkerClient:
         self._emergency.on_emergency_checkpoint(callback)
 
     def serve_emergency_checkpoints(
-        self, callback: Callable[[], int], *, term_grace_s: float = 1.0
+        self,
+        callback: Callable[[], int],
+        *,
+        term_grace_s: float = 1.0,
+        on_exit: Callable[[], None] = lambda: None,
+        exit_wait_s: float = 60.0,
     ) -> bool:
         """Serve emergency checkpoints from a thread of the client's own (see the module's
         docstring); True if that thread runs, False if it could not take the wakeup fd
@@ -317,9 +322,13 @@ class WorkerClient:
 
         `callback()` must be safe to call from another thread while the main thread trains
         (`training.checkpoint.Checkpointer.emergency_save` is). Call from the main thread,
-        after `register()` (so that SIGTERM reaches the thread too).
+        after `register()` (so that SIGTERM reaches the thread too). A request taken when
+        the process ends (the training loop raised) is finished before it does, within
+        `exit_wait_s`, `on_exit()` called first.
         """
-        return self._emergency.serve_from_thread(callback, term_grace_s)
+        return self._emergency.serve_from_thread(
+            callback, term_grace_s, on_exit=on_exit, exit_wait_s=exit_wait_s
+        )
 
     def at_safe_point(self) -> bool:
         """Serve a pending emergency checkpoint; True if one was served.

@@ -59,7 +59,7 @@ from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import durable as durable_tier
 from training.checkpoint import format as fmt
 from training.checkpoint.agreement import MAX_RESTORE_ROUNDS, RestoreAgreement, Restored
-from training.checkpoint.emergency import EmergencyCheckpointError, EmergencySaves
+from training.checkpoint.emergency import ACK_MARGIN_S, EmergencyCheckpointError, EmergencySaves
 from training.checkpoint.peer import PeerTier
 from training.checkpoint.restorer import Restorer
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
@@ -215,7 +215,10 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
             except OSError as exc:  # a durable tier that is down fails its saves, reported
                 log.warning("checkpoint: durable tier %s: %r", self.durable.url, exc)
         if self.emergency and client is not None:
-            client.serve_emergency_checkpoints(self.emergency_save)
+            wait_s = s.emergency_checkpoint_timeout_s + ACK_MARGIN_S
+            client.serve_emergency_checkpoints(
+                self.emergency_save, on_exit=self.training_ended, exit_wait_s=wait_s
+            )
 
     def _scratch(self) -> Path | None:
         """Local space for a bucket's saves without a RAM tier and for restores from it:

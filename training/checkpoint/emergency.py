@@ -27,6 +27,11 @@ from training.worker_client import WorkerClient
 log = logging.getLogger("training.checkpoint.checkpointer")
 
 
+#: Beyond `emergency_checkpoint_timeout_s`, what a process that is ending waits for a save
+#: in flight to be acked to its host monitor.
+ACK_MARGIN_S = 10.0
+
+
 class EmergencyCheckpointError(TrainingError, RuntimeError):
     """An emergency save could not be made (the message says why)."""
 
@@ -45,6 +50,15 @@ class EmergencySaves:
     _mid_step: bool
     _holder: int | None
     _completed: Snapshot | None
+    #: The process is ending (its training loop raised): a step in flight never completes.
+    _loop_ended = False
+
+    def training_ended(self) -> None:
+        """The training loop will take no more steps (the process is ending): a request
+        waiting for the step in flight's `step_done` fails now instead of at its timeout."""
+        with self._gate:
+            self._loop_ended = True
+            self._gate.notify_all()
 
     def emergency_save(self) -> int:
         """Save the last completed step now, to RAM and durable storage; returns the step.
@@ -60,12 +74,17 @@ class EmergencySaves:
         deadline = started + self.settings.emergency_checkpoint_timeout_s
         with self._gate:
             if not self._gate.wait_for(
-                lambda: not self._mid_step and self._holder is None,
+                lambda: self._holder is None and (self._loop_ended or not self._mid_step),
                 timeout=max(0.0, deadline - time.monotonic()),
             ):
                 raise EmergencyCheckpointError(
                     "the step in flight did not finish its optimizer step within "
                     f"{self.settings.emergency_checkpoint_timeout_s:g}s: not saving half a step"
+                )
+            if self._mid_step:  # woken by the loop's end
+                raise EmergencyCheckpointError(
+                    "the training loop ended between an optimizer.step() and its "
+                    "step_done: not saving half a step"
                 )
             snapshot = self._completed
             if snapshot is None:

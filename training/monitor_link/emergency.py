@@ -4,9 +4,11 @@ docstring), and acked to the host monitor."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +53,8 @@ class EmergencyServer:
         self._thread: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends
         self._term_grace_s = 1.0
+        self._on_exit: Callable[[], None] = lambda: None
+        self._exit_wait_s = 0.0
 
     def on_emergency_checkpoint(self, callback: Callable[[], int]) -> None:
         """Install the SIGUSR1 handler (once; main thread only) and `callback`."""
@@ -60,10 +64,23 @@ class EmergencyServer:
             self._handler_installed = True
             self._on_handler(True)
 
-    def serve_from_thread(self, callback: Callable[[], int], term_grace_s: float) -> bool:
-        """Start the serving thread on Python's wakeup fd; False if that fd is taken."""
-        if term_grace_s < 0:
-            raise ValueError("term_grace_s must be >= 0")
+    def serve_from_thread(
+        self,
+        callback: Callable[[], int],
+        term_grace_s: float,
+        *,
+        on_exit: Callable[[], None] = lambda: None,
+        exit_wait_s: float = 60.0,
+    ) -> bool:
+        """Start the serving thread on Python's wakeup fd; False if that fd is taken.
+
+        At the interpreter's exit (the training loop raised: a collective whose peer died,
+        say) `on_exit()` is called, then a request being served, or asked and not served
+        yet, is saved and acked within `exit_wait_s` before the process ends: the serving
+        thread is a daemon, which the interpreter would stop mid-save."""
+        if term_grace_s < 0 or exit_wait_s < 0:
+            raise ValueError("term_grace_s and exit_wait_s must be >= 0")
+        self._on_exit, self._exit_wait_s = on_exit, exit_wait_s
         self.on_emergency_checkpoint(callback)
         if self._thread is not None:
             return True
@@ -85,6 +102,7 @@ class EmergencyServer:
             target=self._serve_signals, name=f"emergency-checkpoint-{self._rank}", daemon=True
         )
         self._thread.start()
+        _at_interpreter_exit(self._finish_at_exit)
         return True
 
     def at_safe_point(self) -> bool:
@@ -113,7 +131,7 @@ class EmergencyServer:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._wakeup = None
-        self._thread = None
+        self._thread = None  # its exit hook does nothing now
 
     def restore_handler(self) -> None:
         """Put back the SIGUSR1 handler ours replaced (main thread only)."""
@@ -143,8 +161,39 @@ class EmergencyServer:
             if signal.SIGUSR1 in data:
                 self._serve()
 
-    def _serve(self) -> bool:
+    def _finish_at_exit(self) -> None:
+        if self._thread is None:
+            return
+        self._on_exit()
+        if not self._serve_lock.acquire(timeout=self._exit_wait_s):
+            log.error(
+                "emergency checkpoint still being saved after %gs at exit: not waiting longer",
+                self._exit_wait_s,
+            )
+            return
+        self._serve_lock.release()
+        if self._serve(only_if_requested=True) or getattr(sys, "last_value", None) is None:
+            return
+        # The main thread ended on an exception Python printed (a collective that raised
+        # once its peer died, say), before any request: the supervisor's comes after the
+        # process is gone. The last completed step is saved now, as a request would.
+        self._save_at_exit()
+
+    def _save_at_exit(self) -> None:
+        callback = self._callback
+        if callback is None:
+            return
+        try:
+            step = callback()
+        except Exception as exc:
+            log.error("emergency checkpoint at exit failed: %s: %s", type(exc).__name__, exc)
+            return
+        log.warning("emergency checkpoint at exit: the training loop raised after step %d", step)
+
+    def _serve(self, *, only_if_requested: bool = False) -> bool:
         with self._serve_lock:
+            if only_if_requested and not self.requested:
+                return False
             self.requested = False  # a signal arriving during the save asks for another
             self._save_and_ack()
         return True
@@ -180,6 +229,19 @@ class EmergencyServer:
                     break  # the host monitor would refuse it (logged)
                 if self._connection.post(path, body, "ack") is not None:
                     break
+
+
+def _at_interpreter_exit(call: Callable[[], None]) -> None:
+    """Run `call` when the main thread ends, before the interpreter joins its threads and
+    before concurrent.futures stops taking work (a save writes through thread pools):
+    through threading's exit hooks, which concurrent.futures registers with too (run last
+    registered first); through atexit where an interpreter lacks them."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(call)
+        return
+    with contextlib.suppress(RuntimeError):  # the interpreter is already ending
+        register(call)
 
 
 def _request_id() -> str:

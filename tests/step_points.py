@@ -1,0 +1,141 @@
+"""Faults that land at a chosen point of a training step of a user's script: the script,
+edited as a test saves it, holds each rank at `pause(step, point)` until the test releases
+it; the test injects the fault through the supervisor's API while every rank is held there
+and releases them once the emergency request reached the ranks that save.
+
+Points: "before" the optimizer's step (the rank's state is still the previous step's),
+"inside" it (a step pre-hook registered after the Checkpointer's own: the step has begun,
+no parameter changed yet) and "after" it (the scheduler and the user's object stepped,
+`step_done` not called). Held inside or after, an emergency save waits for the step's
+`step_done` and holds that step.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from subprocess import Popen
+from typing import Any, NamedTuple, Protocol
+
+from tests.timing import scaled
+
+#: Each rank writes a marker and waits for the test's release, once per rank and point: a
+#: step run again after a resume does not stop there again.
+PAUSE = """
+current_step = [0]
+
+
+def pause(step: int, point: str) -> None:
+    if f"{step}:{point}" not in os.environ.get("PAUSES", "").split(","):
+        return
+    folder = pathlib.Path(os.environ["PAUSE_DIR"])
+    marker = folder / f"at-{step}-{point}-rank{rank}"
+    released = folder / f"release-{step}-{point}"
+    if marker.exists() or released.exists():
+        return
+    marker.write_text(str(os.getpid()))
+    deadline = time.monotonic() + 600
+    while not released.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+class DataPosition:"""
+
+#: The edits that put the points into an example of docs/training.md (with a sleep of
+#: STEP_TIME_S per step after the optimizer's, so that the run lasts).
+EDITS = {
+    "import os\n": "import hashlib\nimport os\nimport pathlib\nimport time\n",
+    "class DataPosition:": PAUSE.lstrip("\n"),
+    "    generator = torch.Generator()": "    current_step[0] = step\n"
+    "    generator = torch.Generator()",
+    "    optimizer.step()\n": '    pause(step, "before")\n    optimizer.step()\n',
+    "    data.batches += 1\n": "    data.batches += 1\n"
+    '    time.sleep(float(os.environ["STEP_TIME_S"]))\n'
+    '    pause(step, "after")\n',
+    "start = ckpt.restore()": "optimizer.register_step_pre_hook("
+    'lambda *_: pause(current_step[0], "inside"))\nstart = ckpt.restore()',
+}
+
+
+class FaultAt(NamedTuple):
+    step: int
+    point: str  # "before", "inside" or "after"
+    fault: dict[str, Any]  # POST /api/v1/faults
+    remedy: str  # what the supervisor's line says succeeded
+    saving: tuple[int, ...]  # the ranks the emergency checkpoint asks (the other nodes')
+    saved: int  # the step it holds
+
+
+class UserRun(Protocol):
+    run_dir: Path
+    proc: Popen[str]
+    lines: list[str]
+
+    def api(self, method: str, path: str, **body: Any) -> Any: ...
+
+
+def env_of(pauses: Path, faults: Sequence[FaultAt]) -> dict[str, str]:
+    return {"PAUSES": ",".join(f"{f.step}:{f.point}" for f in faults), "PAUSE_DIR": str(pauses)}
+
+
+def inject_at_points(run: UserRun, pauses: Path, faults: Sequence[FaultAt], ranks: int) -> None:
+    """Each fault in turn, injected while all `ranks` are held at its point."""
+    for f in faults:
+
+        def held(step: int, point: str) -> bool:
+            return all((pauses / f"at-{step}-{point}-rank{r}").exists() for r in range(ranks))
+
+        wait_until(partial(held, f.step, f.point), 240, f"every rank at {f}", run)
+        injected = time.time() - 1  # the files' clock is coarser than time.time()
+        run.api("POST", "/api/v1/faults", **f.fault)
+        delivered = partial(requests_delivered, run.run_dir, f.saving, injected)
+        wait_until(delivered, 120, f"the emergency request handed to ranks {f.saving}", run)
+        time.sleep(0.5)  # the ranks' client threads take the request meanwhile
+        (pauses / f"release-{f.step}-{f.point}").touch()
+
+
+def assert_saved_and_resumed(
+    output: str, faults: Sequence[FaultAt], ranks: int, resumed: Sequence[int]
+) -> None:
+    """Each remedy succeeded, each emergency checkpoint saved by the ranks it asked of the
+    step they held, and every rank started from nothing and then from each of `resumed`."""
+    said = [line for line in output.splitlines() if "[supervisor]" in line]
+    for f in faults:
+        assert f"[supervisor]: {f.remedy} succeeded" in output, said
+    for rank in range(ranks):
+        saved = re.findall(
+            rf"\[rank{rank}\]: checkpoint: emergency checkpoint of step (\d+) saved", output
+        )
+        want = [str(f.saved) for f in faults if rank in f.saving]
+        # (A signal that reached the rank again while it saved asks again: saved at once.)
+        assert list(dict.fromkeys(saved)) == want, (rank, output)
+        starts = re.findall(rf"\[rank{rank}\]: rank {rank}: starting after step (\d+)", output)
+        assert starts == ["0", *map(str, resumed)], (rank, output)
+
+
+def requests_delivered(run_dir: Path, ranks: tuple[int, ...], since: float) -> bool:
+    """Whether each of `ranks` was handed an emergency request after `since` (its host
+    monitor writes the request's id to the rank's file, then signals it)."""
+    for rank in ranks:
+        files = [
+            f
+            for f in run_dir.rglob(f"*.rank{rank}.emergency-request")
+            if f.stat().st_mtime >= since and f.read_text().strip()
+        ]
+        if not files:
+            return False
+    return True
+
+
+def wait_until(condition: Callable[[], bool], within: float, what: str, run: UserRun) -> None:
+    deadline = time.monotonic() + scaled(within)
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if run.proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"not seen: {what}\n" + "\n".join(run.lines[-80:]))
