@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -126,6 +127,41 @@ def test_with_its_ram_tier_lost_the_job_resumes_from_durable(tmp_path: Path) -> 
     ((step, tier),) = resumed(tmp_path).values()
     assert tier == "durable" and step in (10, 20)
     assert (tmp_path / "weights").read_text() == (tmp_path / "reference" / "weights").read_text()
+
+
+@pytest.fixture(scope="module")
+def stateful_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The weights of one process with the resumable loader, run without a fault."""
+    tmp = tmp_path_factory.mktemp("reference")
+    reference = run_job(tmp, 1, "weights", DATA="stateful")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    return (tmp / "weights").read_text()
+
+
+@pytest.mark.parametrize(
+    ("point", "saved"),
+    [("before", 22), ("inside", 23), ("after", 23)],
+)
+def test_an_emergency_save_at_each_point_of_a_step_resumes_to_the_same_weights(
+    tmp_path: Path, stateful_reference: str, point: str, saved: int
+) -> None:
+    """An emergency save asked after global step 22, before the backward, inside the
+    optimizer's step or after it (tests/fixtures/lightning_job.py's EMERGENCY_AT), then
+    the process killed: the save holds step 22 (nothing of step 23 applied yet) or waits
+    for step 23's end and holds it, never half of it, and the job run again resumes from
+    it to the weights of a run without the fault."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    out = job_dir / "emergency"
+    killed = run_job(
+        job_dir, 1, DATA="stateful", EMERGENCY_AT=f"22:{point}", EMERGENCY_OUT=str(out)
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert out.read_text() == str(saved)
+    rerun = run_job(job_dir, 1, "weights", DATA="stateful")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert resumed(job_dir) == {0: (saved, "ram")}
+    assert (job_dir / "weights").read_text() == stateful_reference
 
 
 class _Tiny(LightningModule):
