@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from resiliency_protocol.faults import FaultKind
 from supervisor.action_params import ActionParams, InvalidParams, check_params, params_of
@@ -113,6 +113,13 @@ class ClusterNode:
     spare: bool
 
 
+class WorldStarted(Protocol):
+    """Told that `job` runs in `world` from now on. `run`: which run of the job the world
+    counts in (a Kubernetes JobSet's UID); a job made again counts its worlds afresh."""
+
+    def __call__(self, job: str, world: int, run: str | None = None) -> None: ...
+
+
 class Backend(ABC):
     """Carries out actions against the real world.
 
@@ -145,9 +152,9 @@ class Backend(ABC):
         raise ActionError(f"the {self.name} backend cannot inject {kind} faults")
 
     #: Told of each newer world of a job the backend starts (see `follow_worlds`).
-    _world_started: Callable[[str, int], None] | None = None
+    _world_started: WorldStarted | None = None
 
-    def follow_worlds(self, started: Callable[[str, int], None]) -> None:
+    def follow_worlds(self, started: WorldStarted) -> None:
         """Tell `started(job, world)` the newest world of each job now, and of every newer
         one this backend starts, before any rank of it starts: reports from the older
         worlds are refused from then on (supervisor/sensor/worlds.py)."""
@@ -159,9 +166,9 @@ class Backend(ABC):
         """The newest world of each job, as this backend keeps it; {} when it does not."""
         return {}
 
-    def world_started(self, job: str, world: int) -> None:
+    def world_started(self, job: str, world: int, run: str | None = None) -> None:
         if self._world_started is not None:
-            self._world_started(job, world)
+            self._world_started(job, world, run)
 
     def act_in_epoch(self, epoch: int | None) -> None:  # noqa: B027 - optional hook
         """Send `epoch` with every command to host monitors from now on (called before

@@ -14,6 +14,10 @@ read again). A repeat after a crash reads the entry and acts on the same targets
 UID preconditions make a second delete or eviction of an object that was already
 replaced a no-op. A finished entry is answered from the journal without any write.
 
+Worlds: the job's world is its JobSet's restart count plus its in-process attempt
+(worlds.py); the supervisor is told it at every JobSet change the watch sees, and refuses
+reports of older worlds (supervisor/sensor/worlds.py).
+
 Generations: a disruptive action acts on the pods or Jobs that existed at the time of
 the event it answers, never on those the JobSet controller created since; if the JobSet
 has restarted by itself meanwhile, the action is skipped (see `generations.py`).
@@ -38,6 +42,7 @@ from supervisor.actuator.backend import (
     Backend,
     BackendHooks,
     ClusterNode,
+    WorldStarted,
     dispatch,
 )
 from supervisor.actuator.leader_epoch import stamp
@@ -51,10 +56,12 @@ from supervisor.kube.discovery import Discovery
 from supervisor.kube.errors import KubeError
 from supervisor.kube.events import EventRecorder
 from supervisor.kube.in_process import InProcessHealing
+from supervisor.kube.objects import Obj
 from supervisor.kube.pod_links import PodLinks
 from supervisor.kube.recovery import NodeRecovery
 from supervisor.kube.scale import Rescaling
 from supervisor.kube.sensing import KubeSensing
+from supervisor.kube.worlds import fenced_world
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +135,25 @@ class KubeBackend(Backend):
         )
         self.in_process = InProcessHealing(self.ctx, self.links)
         self.rescaling = Rescaling(self.ctx)
+        self.discovery.listeners.append(self._jobset_changed)
+
+    # --- worlds ---------------------------------------------------------------------------
+
+    def follow_worlds(self, started: WorldStarted) -> None:
+        super().follow_worlds(started)
+        for js in self.discovery.jobsets().values():
+            self._tell_world(js)
+
+    def _jobset_changed(self, kind: str, type_: str, obj: Obj, _before: Obj | None) -> None:
+        # Each JobSet restart the watch sees, and each in-process heal completed (ours,
+        # or a previous leader's), moves the job's world on: reports of older ones are
+        # refused from then on. Level-triggered, so a new leader knows it from its first
+        # list.
+        if kind == "JobSet" and type_ != "DELETED":
+            self._tell_world(obj)
+
+    def _tell_world(self, js: Obj) -> None:
+        self.world_started(o.name_of(js), fenced_world(js), o.uid_of(js))
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ torch.distributed world of each pod of a JobSet that heals in-process, and each 
 checkpoint partner (the peer tier).
 
 **Worlds.** A JobSet annotated `resiliency.supervisor.io/in-process-restart: "true"` has a
-current world (worlds.py). Its pods bound to a node are assigned that world through their
+current world (worlds.py). Its pods bound to a node are assigned that world, by its number
+(the pod's `restart-attempt` plus the attempt), through their
 node's host monitor (POST /v1/workers/world, for the pod's UID and each of its ranks: a
 pod runs `resiliency.supervisor.io/nproc-per-node` of them), once per rank and world:
 the survivors of an in-process heal learn the new world when the heal moves the JobSet to
@@ -71,7 +72,7 @@ class PodLinks:
         self._http = http
         self._url = host_monitor_url
         self._fence = fence
-        self._worlds_told: dict[tuple[str, int], int] = {}  # (pod UID, rank) -> attempt
+        self._worlds_told: dict[tuple[str, int], int] = {}  # (pod UID, rank) -> world number
         # JobSet -> (world, node rank -> the UID of its member pod)
         self._members: dict[str, tuple[int, dict[int, str]]] = {}
         self._partners_told: dict[str, tuple[str, str, float]] = {}  # node -> partner, url, when
@@ -122,16 +123,17 @@ class PodLinks:
                     continue  # being replaced: its replacement is the member
                 if members.setdefault(node_rank, uid) != uid:
                     continue  # a replacement: it joins the next world
+                number = world.number(o.restart_attempt(pod))
                 for rank in ranks_of(node_rank, shape.nproc_per_node):
-                    if self._worlds_told.get((uid, rank)) == world.attempt:
+                    if self._worlds_told.get((uid, rank)) == number:
                         continue
                     body = AssignWorldRequest(
-                        request_id=f"{uid}-{rank}-{world.attempt}",
+                        request_id=f"{uid}-{rank}-{number}",
                         job=name,
                         rank=rank,
                         instance=uid,
-                        attempt=str(world.attempt),
-                        env=world.env(shape.world_size),
+                        attempt=str(number),
+                        env=world.env(shape.world_size, o.restart_attempt(pod)),
                     )
                     todo.append((str(o.node_of(pod)), body))
         return todo
@@ -254,6 +256,8 @@ class PodLinks:
         pods, shape = self._pods(js)
         waiting = set(range(shape.world_size))
         nodes = sorted({str(o.node_of(p)) for p in pods.values()})
+        # What each node's ranks report training in world `attempt`: its world number.
+        numbers = {str(o.node_of(p)): str(attempt + o.restart_attempt(p)) for p in pods.values()}
 
         async def status(node: str) -> NodeStatus | None:
             url = self._url(node)
@@ -267,11 +271,12 @@ class PodLinks:
             except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
                 return None
 
-        for answer in await asyncio.gather(*(status(n) for n in nodes)):
+        answers = await asyncio.gather(*(status(n) for n in nodes))
+        for node, answer in zip(nodes, answers, strict=True):
             if answer is None or answer.job != jobset:
                 continue
             for worker in answer.workers:
-                if worker.attempt == str(attempt) and worker.state == WorkerState.RUNNING:
+                if worker.attempt == numbers[node] and worker.state == WorkerState.RUNNING:
                     waiting.discard(worker.rank)
         return sorted(waiting)
 

@@ -2,7 +2,18 @@
 `resiliency.supervisor.io/world`: `{"attempt": n, "master_port": p, "at": t}`. Absent:
 attempt 0 on the port of its pods' `MASTER_PORT`. Each in-process heal moves the JobSet to
 the next attempt on a new port (the old rendezvous store may still be held by a surviving
-rank); `at` is when a heal into it completed (empty until then, and for the first)."""
+rank); `at` is when a heal into it completed (empty until then, and for the first).
+
+**World numbers.** A job's world, as its workers report it (WORKLOAD_ATTEMPT) and the
+supervisor fences it (supervisor/sensor/worlds.py), is one number: the JobSet's restart
+count plus its in-process attempt, `status.restarts + attempt` (a pod's: its
+`restart-attempt` label plus the attempt it was told). A JobSet restart raises the first
+and keeps the second; an in-process heal raises the second and keeps the first; neither
+ever goes down while the JobSet lives. So the sum goes up at every restart and every
+heal, never back, and no two worlds of one JobSet share a number. A JobSet that does not
+heal in-process has attempt 0 throughout: its world is `status.restarts`, the label its
+pods pass as WORKLOAD_ATTEMPT. A JobSet made again (a rescale) is a new run: its count
+starts from 0 again (the supervisor keys its fence on the JobSet's UID)."""
 
 from __future__ import annotations
 
@@ -32,9 +43,13 @@ class World:
     #: their node, down, still shows them running.
     replaced: tuple[str, ...] = ()
 
-    def env(self, world_size: int) -> dict[str, str]:
+    def number(self, restarts: int) -> int:
+        """The world number of a pod of JobSet restart `restarts` in this world."""
+        return restarts + self.attempt
+
+    def env(self, world_size: int, restarts: int) -> dict[str, str]:
         return {
-            worker_env.WORKLOAD_ATTEMPT: str(self.attempt),
+            worker_env.WORKLOAD_ATTEMPT: str(self.number(restarts)),
             "MASTER_PORT": str(self.master_port),
             "WORLD_SIZE": str(world_size),
         }
@@ -84,3 +99,15 @@ def healed_since(js: Obj, when: datetime) -> bool:
 
 def healed(world: World) -> World:
     return dataclasses.replace(world, at=datetime.now(UTC).isoformat())
+
+
+def fenced_world(js: Obj) -> int:
+    """The JobSet's world number the supervisor fences: reports of an older one are
+    refused. Of a JobSet that heals in-process, the attempt counts once the heal into it
+    completed (`at`: every rank trains in it): until then a survivor may not have been
+    told it yet, and its reports of the world before must be taken."""
+    if not o.in_process_enabled(js):
+        return o.jobset_restarts(js)
+    world = current_world(js, [])
+    formed = world.attempt if world.at or world.attempt == 0 else world.attempt - 1
+    return o.jobset_restarts(js) + formed

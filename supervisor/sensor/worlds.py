@@ -2,15 +2,16 @@
 
 A backend tells `started(job, world)` as it starts a newer world (a restart, a hot-swap,
 an in-process heal), before it starts any rank in it, and the newest it keeps when the
-supervisor starts. Only the backend decides: a world is never learned from reports (a
-pod started anew by its JobSet may report an older world until it is told the current
-one, and must not be killed for it). A job whose backend tells no world is not fenced.
-A worker report of an older world is never applied: a node cut off during the heal would
-otherwise report, when it comes back, what its old workers did (a lost heartbeat, an
-exit) and drive an action in the newer world. One that is still alive makes the whole
-report refused (`StaleWorldReport`): its host monitor stops it and reports again; one
-that is not is dropped from the report, and the rest applies. Both are counted in
-`supervisor_stale_world_reports`.
+supervisor starts (the Kubernetes backend: as its watch sees each JobSet restart and
+in-process heal, supervisor/kube/worlds.py). Only the backend decides: a world is never
+learned from reports (a pod started anew by its JobSet may report an older world until it
+is told the current one, and must not be killed for it). A job whose backend tells no
+world is not fenced. A worker report of an older world is never applied: a node cut off
+during the heal would otherwise report, when it comes back, what its old workers did (a
+lost heartbeat, an exit) and drive an action in the newer world. One that is still alive
+makes the whole report refused (`StaleWorldReport`): its host monitor stops it and
+reports again; one that is not is dropped from the report, and the rest applies. Both are
+counted in `supervisor_stale_world_reports`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StaleWorldReport(SupervisorError):
 class WorldFence:
     def __init__(self, metrics: Metrics | None = None) -> None:
         self._newest: dict[str, int] = {}
+        self._runs: dict[str, str] = {}  # job -> the run its newest world counts in
         self._counter = Counter(
             "supervisor_stale_world_reports",
             "Reports from an older world than the job's newest, refused or dropped, by "
@@ -60,8 +62,17 @@ class WorldFence:
             for outcome in ("refused", "dropped"):
                 self._counter.labels(report, outcome)
 
-    def started(self, job: str, world: int) -> None:
-        """The job runs in `world` from now on (an older one is ignored)."""
+    def started(self, job: str, world: int, run: str | None = None) -> None:
+        """The job runs in `world` from now on (an older one is ignored). `run`: which run
+        of the job its worlds count in (a JobSet's UID); a job made again under its name
+        (a JobSet recreated to rescale it) counts its worlds from 0 again, so the new run's
+        world replaces the old run's newest instead of being taken for an older one."""
+        if run is not None:
+            previous, self._runs[job] = self._runs.get(job), run
+            if previous is not None and previous != run:
+                log.info("job %s: made again; world %d is its newest", job, world)
+                self._newest[job] = world
+                return
         if world > self._newest.get(job, -1):
             log.info("job %s: world %d is the newest; older ones are fenced", job, world)
             self._newest[job] = world
