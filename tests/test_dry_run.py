@@ -31,6 +31,7 @@ from tests.kube import FakeKube
 from tests.kube.harness import action, kube_settings, mutations, setup_cluster
 from tests.test_host_monitor import Cluster, wait_for
 from tests.test_host_monitor import Supervisor as ServedSupervisor
+from tests.timing import scaled
 
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
@@ -109,7 +110,9 @@ async def test_dry_run_on_kubernetes_builds_a_read_only_watcher(
 
 
 async def _wait(predicate: Any, timeout: float = 10.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
+    # Scaled: under both sessions' load the cluster watch and the policy's loop took
+    # longer than 10 s (seen once in a clean-clone run).
+    deadline = asyncio.get_running_loop().time() + scaled(timeout)
     while True:
         value = await predicate()
         if value:
