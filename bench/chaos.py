@@ -52,6 +52,7 @@ import numpy as np
 from bench.chaos_judge import judge
 from bench.chaos_network import NetworkChaos, NetworkFault
 from bench.stall import Stalled, StallWatch
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo, leftover_processes
 from supervisor.local.demo_options import DemoOptions
@@ -158,7 +159,7 @@ def reference_weights(run: Path, config: ChaosConfig) -> Output:
             STEP_TIME_S="0",
             RUN_DIR=str(run / "job"),
             LOCAL_CKPT_DIR=str(run / f"local-{rank}"),
-            DURABLE_CKPT_DIR=str(run / "durable"),
+            DURABLE_CKPT_DIR=str(run / Tier.DURABLE),
             OUTPUT_DIR=str(run / "output"),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),

@@ -68,13 +68,13 @@ class HostMonitor:
 
     def __init__(self, node: str, directory: Path, tokens: dict[str, str]) -> None:
         self.node = node
-        self.root = directory / node / "ram"
+        self.root = directory / node / Tier.RAM
         self.root.mkdir(parents=True)
         argv = [
             sys.executable, "-m", "host_monitor.cli", "--node", node, "--port", "0",
             "--initial-state", "running", "--job", "bench",
             "--checkpoint-root", str(self.root),
-            "--peer-store-dir", str(directory / node / "peer"),
+            "--peer-store-dir", str(directory / node / Tier.PEER),
             "--run-dir", str(directory / node / "run"),
         ]  # fmt: skip
         env = {
@@ -113,8 +113,10 @@ def peer_restore(
 ) -> tuple[float, float]:
     """(push MiB/s, restore MiB/s) of a node's checkpoint copied to its partner and
     restored from there by a swapped-in spare with an empty RAM tier."""
-    tokens = {role: secrets.token_hex(16) for role in ("actuator", "worker", "peer")}
-    monitors = [HostMonitor(node, ram / "peer", tokens) for node in ("node-b", "node-a", "spare")]
+    tokens = {role: secrets.token_hex(16) for role in ("actuator", "worker", Tier.PEER)}
+    monitors = [
+        HostMonitor(node, ram / Tier.PEER, tokens) for node in ("node-b", "node-a", "spare")
+    ]
     try:
         b, a, spare = monitors
         b.partner(a)
@@ -324,14 +326,14 @@ def run(config: CheckpointConfig) -> CheckpointResult:
                     assert saved.error is None and saved.write_s, saved.error
                     # The tier's rate: its write, as the raw rate measures the medium's.
                     add(f"{saved.tier} save", saved.size / MiB / saved.write_s)
-                    if saved.tier == "ram":  # and with the copy to host memory before it
+                    if saved.tier == Tier.RAM:  # and with the copy to host memory before it
                         add("ram save with staging", saved.size / MiB / saved.total_s)
             result.state_bytes = nbytes = ckpt.save_results[-1].size
-            add("ram load", _load_rate(restorer, nbytes, "ram"))
+            add("ram load", _load_rate(restorer, nbytes, Tier.RAM))
             # A node whose RAM tier is gone reads the durable copy, from the disk itself.
             shutil.rmtree(ram / "tier" / fmt.step_dir(Path(), step).name)
             _evict(disk / "tier")
-            add("durable load", _load_rate(restorer, nbytes, "durable"))
+            add("durable load", _load_rate(restorer, nbytes, Tier.DURABLE))
             # Blocking: a save followed by a training step, as in a training loop.
             ckpt.save(step + 1, to_ram=True)
             _train_step(model, optimizer, config.width)  # its optimizer step may wait

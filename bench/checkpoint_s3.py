@@ -233,6 +233,7 @@ def worker() -> int:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     from bench.sharded_worker import build, train_step
+    from resiliency_protocol.checkpoint_manifest import MANIFEST
     from resiliency_protocol.checkpoint_reports import Tier
     from training.checkpoint import Checkpointer, CheckpointSettings
     from training.checkpoint import format as fmt
@@ -273,11 +274,11 @@ def worker() -> int:
         ckpt.step_done(step)
         train_step(model, optimizer, width)  # the deferred copy to host memory waits in it
         ckpt.wait()
-        durable = [r for r in ckpt.save_results if r.tier == "durable" and r.step == step]
+        durable = [r for r in ckpt.save_results if r.tier == Tier.DURABLE and r.step == step]
         errors += [f"rank {rank} step {step}: {r.error}" for r in durable if r.error]
         runs["tier save"].append((durable[-1].size, durable[-1].write_s or 1e-9))
         directory = fmt.rank_dir(settings.ram_root("bench"), step, rank)
-        files = {p.name: p for p in directory.iterdir() if p.name != fmt.MANIFEST}
+        files = {p.name: p for p in directory.iterdir() if p.name != MANIFEST}
         size = sum(p.stat().st_size for p in files.values())
         # Raw PUT of the same bytes, files in parallel and parts of each, as the tier does.
         files_at_once = max(1, min(threads, len(files)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from bench.table import Row, verdict
+from resiliency_protocol.checkpoint_reports import Tier
 
 CHECKPOINT_TIER_TARGET = 0.70
 CHECKPOINT_BLOCKING_TARGET = 0.10
@@ -180,8 +181,8 @@ def sharded_checkpoint_rows() -> list[Row]:
             f"{res.step_with_ram_save_s / res.step_s - 1:+.0%} per step",
             f"without checkpoints {res.step_s:.3f} s",
         ),
-        Row("  ram save, summed over ranks (MiB/s)", f"{res.save_mib_s['ram']:,.0f}"),
-        Row("  durable save, summed over ranks (MiB/s)", f"{res.save_mib_s['durable']:,.0f}"),
+        Row("  ram save, summed over ranks (MiB/s)", f"{res.save_mib_s[Tier.RAM]:,.0f}"),
+        Row("  durable save, summed over ranks (MiB/s)", f"{res.save_mib_s[Tier.DURABLE]:,.0f}"),
         Row("  ram load, same layout (MiB/s)", f"{res.ram_load_mib_s:,.0f}"),
         Row("  durable load, same layout (MiB/s)", f"{res.durable_load_mib_s:,.0f}"),
         Row(
@@ -189,6 +190,6 @@ def sharded_checkpoint_rows() -> list[Row]:
             f"{res.resharded_restore_s:.2f} s = {ratio:.2f}x same layout",
             f"same-layout restore from durable {res.same_layout_restore_s:.2f} s",
             f"<= {RESHARDED_RESTORE_TARGET:g}x",
-            verdict(ratio <= RESHARDED_RESTORE_TARGET and res.resharded_tier == "durable"),
+            verdict(ratio <= RESHARDED_RESTORE_TARGET and res.resharded_tier == Tier.DURABLE),
         ),
     ]

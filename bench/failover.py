@@ -45,6 +45,7 @@ import httpx
 import yaml
 
 from bench.table import Row, render, verdict
+from resiliency_protocol.faults import FaultKind
 from supervisor.kube.leader import JITTER
 from supervisor.local.cluster_state import free_port
 from tests.kube import FakeKube
@@ -282,7 +283,7 @@ async def inject_xids(leader: Replica, nodes: list[str], codes: list[int]) -> li
 
         async def one(node: str, code: int) -> list[int]:
             r = await client.post(
-                "/api/v1/faults", json={"kind": "xid", "node": node, "code": code}
+                "/api/v1/faults", json={"kind": FaultKind.XID, "node": node, "code": code}
             )
             r.raise_for_status()
             events: list[int] = r.json()["events"]

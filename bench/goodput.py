@@ -18,6 +18,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.domain import (
     ActionRequest,
     ActionType,
@@ -41,7 +42,7 @@ def populate(store: Store, hours: float, ranks: int) -> int:
     n = 0
     for step in range(1, seconds + 1):
         t = T0 + timedelta(seconds=step)
-        for every, tier, cost in ((10, "local", 0.2), (100, "durable", 1.0)):
+        for every, tier, cost in ((10, "local", 0.2), (100, Tier.DURABLE, 1.0)):
             if step % every == 0:
                 for r in range(ranks):
                     n += 1

@@ -44,6 +44,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.heartbeat import GPU_ECC
+
 
 def emit(name: str, ok: bool, **figures: Any) -> bool:
     print(json.dumps({"check": name, "ok": ok, **figures}, default=str), flush=True)
@@ -69,7 +72,7 @@ def check_nvml() -> bool:
         time.sleep(1.5)  # one wait for XID events, which should time out quietly
         unsupported = {gpu: sorted(seen.unsupported) for gpu, seen in watchdog._seen.items()}
         seen = {
-            gpu: {"ecc": s.ecc, "remap": s.remap, "nvlink": s.nvlink, "throttle": s.throttle}
+            gpu: {GPU_ECC: s.ecc, "remap": s.remap, "nvlink": s.nvlink, "throttle": s.throttle}
             for gpu, s in watchdog._seen.items()
         }
     finally:
@@ -151,8 +154,8 @@ def check_sharded_gpu_save(tmp: Path, params_m: int) -> bool:
     settings = CheckpointSettings(
         in_memory_checkpointing_freq=4,
         s3_checkpointing_freq=20,
-        ram_dir=tmp / "ram",
-        durable_dir=tmp / "durable",
+        ram_dir=tmp / Tier.RAM,
+        durable_dir=tmp / Tier.DURABLE,
         enable_peer_ckpt=False,
         ram_topk_ckpt=2,
     )
@@ -183,7 +186,7 @@ def check_sharded_gpu_save(tmp: Path, params_m: int) -> bool:
         dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / f"sync-{i}"))
         sync_s.append(time.perf_counter() - started)
         shutil.rmtree(tmp / f"sync-{i}")
-    size = fmt.read_manifest(fmt.rank_dir(ckpt.durable_root or tmp, 20, 0)).size
+    size = fmt.read_manifest(fmt.rank_dir(ckpt.durable_root or tmp, 20, 0)).total_bytes
     ckpt.close()
 
     # A fresh model restores step 20 (RAM first), bit for bit.
@@ -198,7 +201,7 @@ def check_sharded_gpu_save(tmp: Path, params_m: int) -> bool:
     train_step(plain, plain_opt, 0)  # an optimizer state to load into
     model_sd, optim_sd = get_state_dict(plain, plain_opt)
     target = {"model": model_sd, "optim": optim_sd}
-    durable_step = fmt.step_dir(tmp / "durable", 20)
+    durable_step = fmt.step_dir(tmp / Tier.DURABLE, 20)
     plain_error = None
     try:
         dcp_load(target, checkpoint_id=str(durable_step))

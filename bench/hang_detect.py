@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench.table import Row, verdict
+from resiliency_protocol import worker_env
 
 HANG_TIMEOUT_S = 4.0
 STEP_TIME_S = 0.05
@@ -131,7 +132,7 @@ def supervised(tmp: Path, script: str, auto: bool) -> Detection:
     command = [sys.executable, "-m", "supervisor.cli", "run", "--run-dir", str(tmp / "run")]
     command += ["--nnodes", "2", "--nproc-per-node", "1"]
     command += ["--set", f"hang_timeout_s={HANG_TIMEOUT_S:g}", "train.py"]
-    extra = {} if auto else {"RESILIENCY_AUTO_PROGRESS": "0"}
+    extra = {} if auto else {worker_env.AUTO_PROGRESS: "0"}
     proc = subprocess.Popen(
         command,
         cwd=tmp,

@@ -43,13 +43,16 @@ from typing import Any
 import httpx
 
 from bench.mttr_progress import CollectiveProgress, LogProgress, Stuck, WorkerLogs
+from resiliency_protocol.faults import RESTART_KINDS, FaultKind
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo
 from supervisor.local.demo_options import DemoOptions
 
 DEFAULT_POLICY = "policies.default:DefaultPolicy"
 BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"
-KINDS = ("node_down", "worker_crash")
+#: What the default run injects: of the table's RESTART_KINDS, all but worker_hang, which
+#: the torch run adds (torchrun_mttr.TORCH_KINDS).
+KINDS = tuple(k for k in RESTART_KINDS if k != FaultKind.WORKER_HANG)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,15 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from resiliency_protocol.checkpoint_reports import Tier
+
 START = re.compile(r"start attempt=(\d+) world_size=(\d+)")
 STEP_LINE = re.compile(r" step=(\d+)/\d+ ")
 RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
 FROM_ZERO = re.compile(r"starting from step=0")
 TERMINATED = re.compile(r"terminated by \w+ at step=(\d+)")
 STEP_DIR = re.compile(r"step-(\d+)$")
-TIER_ORDER = ("emergency", "local", "durable", "none")
+TIER_ORDER = (Tier.EMERGENCY, Tier.LOCAL, Tier.DURABLE, "none")
 
 
 def _tier_rank(tier: str) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from bench import mttr, mttr_summary, torchrun_mttr
 from bench.table import Row, verdict
+from resiliency_protocol.faults import FaultKind
 
 
 def mttr_rows(config: mttr.MttrConfig) -> list[Row]:
@@ -58,7 +59,7 @@ def mttr_rows(config: mttr.MttrConfig) -> list[Row]:
     return rows
 
 
-IN_PROCESS_KINDS = ("node_down", "worker_crash")
+IN_PROCESS_KINDS = (FaultKind.NODE_DOWN, FaultKind.WORKER_CRASH)
 
 
 def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
@@ -97,7 +98,7 @@ def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
     n = faults_per_kind
     rows: list[Row] = []
     torchrun_crash = [
-        f.mttr_s for f in mttr_summary.recovered(torchrun.of("worker_crash")) if f.mttr_s
+        f.mttr_s for f in mttr_summary.recovered(torchrun.of(FaultKind.WORKER_CRASH)) if f.mttr_s
     ]
     for kind in torchrun_mttr.TORCH_KINDS:
         mine = ours.of(kind)
@@ -107,7 +108,7 @@ def torch_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
         mttrs = [f.mttr_s for f in good if f.mttr_s is not None]
         ok = len(good) == n and bool(lost) and max(lost) <= 1 and len(detected) == n
         target = "all recovered and detected, lost <= 1"
-        if kind == "worker_crash":
+        if kind == FaultKind.WORKER_CRASH:
             target += ", MTTR p50 < torchrun's"
             ok = (
                 ok
@@ -180,7 +181,7 @@ def hsdp_mttr_rows(faults_per_kind: int, keep: Path | None) -> list[Row]:
         mine = run.of(kind)
         good = mttr_summary.recovered(mine)
         lost = [f.steps_lost for f in good if f.steps_lost is not None]
-        most = 0 if kind == "node_down" else 1  # a crashed rank's own copy is older
+        most = 0 if kind == FaultKind.NODE_DOWN else 1  # a crashed rank's own copy is older
         ok = len(good) == n and bool(lost) and max(lost) <= most
         rows.append(
             Row(

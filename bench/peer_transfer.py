@@ -16,7 +16,6 @@ TLS on (certificates made here), for its cost.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -37,6 +36,8 @@ import crc32c
 import httpx
 
 from bench.bucket_restore import BucketRestore
+from resiliency_protocol.checkpoint_manifest import MANIFEST, FileEntry, Manifest
+from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint.peer import PeerTier as WorkerPeerTier
 
 MiB = 1024 * 1024
@@ -82,13 +83,13 @@ class Monitor:
 
     def __init__(self, node: str, directory: Path, tokens: dict[str, str], tls: Tls | None):
         self.node = node
-        self.root = directory / node / "ram"
+        self.root = directory / node / Tier.RAM
         self.root.mkdir(parents=True)
         argv = [
             sys.executable, "-m", "host_monitor.cli", "--node", node, "--port", "0",
             "--initial-state", "running", "--job", "bench",
             "--checkpoint-root", str(self.root),
-            "--peer-store-dir", str(directory / node / "peer"),
+            "--peer-store-dir", str(directory / node / Tier.PEER),
             "--run-dir", str(directory / node / "run"),
         ]  # fmt: skip
         if tls is not None:
@@ -172,17 +173,11 @@ def _write_checkpoint(directory: Path, step: int, files: list[Path]) -> Path:
     entries = {}
     for source in files:
         os.link(source, rank_dir / source.name)
-        entries[source.name] = {"size": source.stat().st_size, "crc32c": int(source.stem[5:])}
-    manifest = {
-        "format": "resiliency-checkpoint/2",
-        "step": step,
-        "rank": 0,
-        "world_size": 1,
-        "job": "bench",
-        "files": entries,
-        "created": time.time(),
-    }
-    (rank_dir / "manifest.json").write_text(json.dumps(manifest))
+        entries[source.name] = FileEntry(size=source.stat().st_size, crc32c=int(source.stem[5:]))
+    manifest = Manifest(
+        step=step, rank=0, world_size=1, job="bench", files=entries, created=time.time()
+    )
+    (rank_dir / MANIFEST).write_text(manifest.to_json())
     return rank_dir
 
 
@@ -290,7 +285,7 @@ def raw_tcp(sources: list[Path], directory: Path, tls: Tls | None) -> tuple[floa
 
 @contextmanager
 def _monitors(directory: Path, tls: Tls | None) -> Iterator[tuple[Monitor, Monitor, Monitor]]:
-    tokens = {role: secrets.token_hex(16) for role in ("actuator", "worker", "peer")}
+    tokens = {role: secrets.token_hex(16) for role in ("actuator", "worker", Tier.PEER)}
     started: list[Monitor] = []
     try:
         for node in ("node-a", "node-b", "spare"):

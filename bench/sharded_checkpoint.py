@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resiliency_protocol.checkpoint_reports import Tier
+
 MiB = 1024 * 1024
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +121,7 @@ def run(cfg: ShardedConfig) -> ShardedResult:
     saves = len(saved[0]["blocking_s"])
     blocking = [max(r["blocking_s"][i] for r in saved) for i in range(saves)]
     rates: dict[str, float] = {}
-    for tier in ("ram", "durable"):
+    for tier in (Tier.RAM, Tier.DURABLE):
         per_save = []
         for i in range(saves):
             results = [[s for s in r["saves"] if s["tier"] == tier][i] for r in saved]

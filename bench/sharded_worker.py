@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.checkpoint.reader import DirectReader
 
@@ -106,7 +107,7 @@ def main() -> int:
         in_memory_checkpointing_freq=1,
         s3_checkpointing_freq=1,
         ram_dir=Path(os.environ["BENCH_RAM"]) / f"rank-{rank}",
-        durable_dir=root / "durable",
+        durable_dir=root / Tier.DURABLE,
         ram_topk_ckpt=1,
         topk_ckpt=1,
         ckpt_threads_per_rank=int(os.environ.get("THREADS", "2")),

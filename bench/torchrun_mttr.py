@@ -45,6 +45,9 @@ from pathlib import Path
 
 from bench.mttr import FaultResult, PolicyRun
 from bench.mttr_progress import read_lines
+from resiliency_protocol import worker_env
+from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.faults import RESTART_KINDS, FaultKind
 from supervisor.local.cluster_state import free_port
 
 START = re.compile(
@@ -64,13 +67,13 @@ TORCH_MTTR_ENV = (
     ("LOG_EVERY_STEPS", "1"),
     ("OMP_NUM_THREADS", "1"),
 )
-TORCH_KINDS = ("node_down", "worker_crash", "worker_hang")
+TORCH_KINDS: tuple[str, ...] = RESTART_KINDS
 
 
 @dataclass(frozen=True, slots=True)
 class TorchrunConfig:
     faults_per_kind: int = 5
-    kinds: tuple[str, ...] = ("node_down", "worker_crash", "worker_hang")
+    kinds: tuple[str, ...] = TORCH_KINDS
     step_time_s: float = 0.05
     in_memory_checkpointing_freq: int = 10
     s3_checkpointing_freq: int = 20
@@ -169,9 +172,9 @@ class TorchrunJob:
             "LOG_EVERY_STEPS": "1",
             "IN_MEMORY_CHECKPOINTING_FREQ": str(c.in_memory_checkpointing_freq),
             "S3_CHECKPOINTING_FREQ": str(c.s3_checkpointing_freq),
-            "CHECKPOINT_RAM_DIR": str(self.root / node / "ram"),
-            "CHECKPOINT_DURABLE_DIR": str(self.root / "durable"),
-            "OUTPUT_DIR": str(self.root / "output"),
+            worker_env.CHECKPOINT_RAM_DIR: str(self.root / node / Tier.RAM),
+            worker_env.CHECKPOINT_DURABLE_DIR: str(self.root / Tier.DURABLE),
+            worker_env.OUTPUT_DIR: str(self.root / "output"),
         }
 
     def start_agent(self, node: str) -> None:
@@ -309,12 +312,12 @@ class Runner:
         self._track(job.read())
         step_before = self.step
         injected = time.monotonic()
-        if kind == "worker_crash":
+        if kind == FaultKind.WORKER_CRASH:
             os.kill(job.worker_pid(node), signal.SIGKILL)
-        elif kind == "worker_hang":
+        elif kind == FaultKind.WORKER_HANG:
             hung = job.worker_pid(node)
             os.kill(hung, signal.SIGSTOP)
-        elif kind == "node_down":
+        elif kind == FaultKind.NODE_DOWN:
             job.kill_node(node)
         else:
             raise ValueError(kind)
@@ -355,7 +358,7 @@ class Runner:
         if result.mttr_s is None and result.error is None:
             what = "not detected" if detected is None else "detected, not resumed"
             result.error = f"{what} within {cfg.fault_timeout_s:g}s"
-        if kind == "worker_hang" and result.mttr_s is None:
+        if kind == FaultKind.WORKER_HANG and result.mttr_s is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(hung, signal.SIGKILL)  # let the run go on
         return result

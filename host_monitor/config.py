@@ -19,6 +19,12 @@ from host_monitor.credentials import BearerCredential
 from host_monitor.errors import HostMonitorError
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
 from resiliency_protocol import worker_env
+from resiliency_protocol.shared_settings import (
+    DEFAULT_GPU_REPORT_COOLDOWN_S,
+    DEFAULT_HEARTBEAT_POLLING_PERIOD_S,
+    DEFAULT_HOST_MONITOR_PORT,
+    HOST_MONITOR_ENV_PREFIX,
+)
 from resiliency_protocol.tls import client_context, server_context
 
 DEV_KMSG = "/dev/kmsg"
@@ -44,7 +50,7 @@ _URL = re.compile(r"https?://[^\s/]+(/\S*)?")
 
 class HostMonitorSettings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="HOST_MONITOR_",
+        env_prefix=HOST_MONITOR_ENV_PREFIX,
         # Unknown keyword settings are errors; unknown HOST_MONITOR_* environment variables
         # are not read at all (HOST_MONITOR_URL, say, is our workers' env, not a setting).
         extra="forbid",
@@ -95,10 +101,15 @@ class HostMonitorSettings(BaseSettings):
     )
     host: str = Field("127.0.0.1", min_length=1, description="Address the local API binds.")
     host_daemon_port: int = Field(
-        9400, ge=0, le=65535, description="Port the local API binds; 0 picks a free one."
+        DEFAULT_HOST_MONITOR_PORT,
+        ge=0,
+        le=65535,
+        description="Port the local API binds; 0 picks a free one.",
     )
     heartbeat_polling_period_s: float = Field(
-        5.0, gt=0, description="How often a heartbeat is sent to the supervisor."
+        DEFAULT_HEARTBEAT_POLLING_PERIOD_S,
+        gt=0,
+        description="How often a heartbeat is sent to the supervisor.",
     )
     probe_peers: bool = Field(
         True,
@@ -142,7 +153,9 @@ class HostMonitorSettings(BaseSettings):
         10.0, gt=0, description="How often the GPU watchdogs look at their sources."
     )
     gpu_report_cooldown_s: float = Field(
-        60.0, ge=0, description="Repeats of one (kind, gpu, code) within this are not sent."
+        DEFAULT_GPU_REPORT_COOLDOWN_S,
+        ge=0,
+        description="Repeats of one (kind, gpu, code) within this are not sent.",
     )
     run_dir: Path = Field(
         Path("var/host-monitor"), description="Where the logs of launched workers go."

@@ -34,6 +34,7 @@ from host_monitor.config import HostMonitorSettings
 from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.errors import HostMonitorError
 from host_monitor.node import Node
+from resiliency_protocol import worker_env
 from resiliency_protocol.launch import (
     DEFAULT_MASTER_PORT,
     MAX_PORT,
@@ -225,7 +226,7 @@ def spare_launch(launch: Launch, args: dict[str, object], env: MutableMapping[st
     """A spare's launch takes the job's name from the settings (`--job`, HOST_MONITOR_JOB,
     else the default), which then leave it unset: the host monitor of a spare serves no
     job until the supervisor starts one on it."""
-    job = args.pop("job", None) or env.pop("HOST_MONITOR_JOB", None) or DEFAULT_JOB
+    job = args.pop("job", None) or env.pop(worker_env.HOST_MONITOR_JOB, None) or DEFAULT_JOB
     return replace(launch, job=str(job))
 
 

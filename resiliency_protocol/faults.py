@@ -121,6 +121,11 @@ SENSOR_FAULT_KINDS: frozenset[FaultKind] = frozenset(
 )
 #: The kinds a drill (or a random schedule) may inject, in the table's order.
 DRILL_KINDS: tuple[FaultKind, ...] = tuple(k for k, s in FAULTS.items() if s.drillable)
+#: The kinds that stop a worker (or its node) at once, which only a restart recovers from:
+#: what the MTTR benchmarks inject (bench/mttr.py, bench/torchrun_mttr.py), in the table's order.
+RESTART_KINDS: tuple[FaultKind, ...] = tuple(
+    k for k, s in FAULTS.items() if s.on_processes and s.one_shot and not s.through_sensor
+)
 
 if TYPE_CHECKING:
     ProcessFaultKind: TypeAlias = FaultKind

@@ -27,7 +27,7 @@ from __future__ import annotations
 import operator
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -76,6 +76,13 @@ class WorkerReport(
     world: World | None = None
 
 
+#: What a GpuReport's `kind` says.
+GpuReportKind = Literal["xid", "ecc", "row_remap", "nvlink", "throttle"]
+#: The two kinds a fault can inject, named as the fault kinds that inject them (faults.py).
+GPU_XID: Final = "xid"
+GPU_ECC: Final = "ecc"
+
+
 class GpuReport(
     msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False, omit_defaults=True
 ):
@@ -86,7 +93,7 @@ class GpuReport(
     counters), `throttle` (a hardware clock slowdown for heat or power; the reasons in
     `message`)."""
 
-    kind: Literal["xid", "ecc", "row_remap", "nvlink", "throttle"]
+    kind: GpuReportKind
     gpu: NonNegative | None = None
     code: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None
     count: NonNegative | None = None

@@ -1,149 +1,26 @@
 """Bodies of the peer checkpoint tier: host monitor to host monitor, and worker to its own
 host monitor.
 
-A committed checkpoint of one rank at one step is a directory of files plus
-`manifest.json` (written by the training side): each file's size and checksum, CRC-32C
-in format `resiliency-checkpoint/2`, zlib's crc32 in the older `resiliency-checkpoint/1`
-(still read: checkpoints taken before an upgrade are still copied and served). The same
-manifest travels with a copy to the partner node, which verifies every file against it
-before it commits the copy.
+A committed checkpoint of one rank at one step is a directory of files plus its
+manifest (checkpoint_manifest.py, written by the training side). The manifest travels
+with a copy to the partner node, which verifies every file against it before it commits
+the copy.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Literal
 
-import crc32c
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic import StringConstraints as Str
 
+from resiliency_protocol.checkpoint_manifest import FileName, Manifest
 from resiliency_protocol.node_commands import CheckpointPeer
-from resiliency_protocol.states import Name
 
-FORMAT = "resiliency-checkpoint/2"
-Format = Literal["resiliency-checkpoint/2", "resiliency-checkpoint/1"]
-#: Each format's checksum: the file entry's key, and the function (any buffer, running value).
-Checksum = Callable[[Any, int], int]
-CHECKSUMS: dict[str, tuple[str, Checksum]] = {
-    FORMAT: ("crc32c", crc32c.crc32c),
-    "resiliency-checkpoint/1": ("crc32", zlib.crc32),
-}
-CHECKSUM_BY_NAME: dict[str, Checksum] = {name: fn for name, fn in CHECKSUMS.values()}
-MANIFEST = "manifest.json"
 # Path segment of a copy whose worker has no job.
 NO_JOB = "_"
-FILE_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,200}$"
 # A job as a path segment: a job name, or NO_JOB.
 JOB_SEGMENT_PATTERN = r"^(_|[A-Za-z0-9][-A-Za-z0-9_.]{0,252})$"
-MAX_FILES = 100_000
-
-
-def check_file_name(name: str) -> str:
-    """A checkpoint file name: one path segment, never `.`, `..` or the manifest itself."""
-    if name in (".", ".."):
-        raise ValueError("must not be '.' or '..'")
-    if name == MANIFEST:
-        raise ValueError(f"{MANIFEST} is the manifest itself, not a listed file")
-    return name
-
-
-FileName = Annotated[str, Str(pattern=FILE_NAME_PATTERN), AfterValidator(check_file_name)]
-
-
-class FileEntry(BaseModel):
-    """A file's size and checksum: `crc32c` in format 2, `crc32` in format 1."""
-
-    model_config = ConfigDict(extra="forbid")
-    size: int = Field(ge=0)
-    crc32c: int | None = Field(
-        None, ge=0, le=0xFFFFFFFF, description="CRC-32C of the file's bytes (format 2)."
-    )
-    crc32: int | None = Field(
-        None, ge=0, le=0xFFFFFFFF, description="zlib.crc32 of the file's bytes (format 1)."
-    )
-
-    @model_serializer(mode="wrap")
-    def _without_the_other_sum(self, handler: SerializerFunctionWrapHandler) -> Any:
-        body = handler(self)
-        return {k: v for k, v in body.items() if v is not None or k == "size"}
-
-    @property
-    def checksum(self) -> int:
-        return self.crc32c if self.crc32c is not None else (self.crc32 or 0)
-
-
-class Manifest(BaseModel):
-    """`manifest.json` of a committed checkpoint directory (rank `rank` at step `step`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    format: Format
-    step: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    job: Name | None = None
-    files: dict[FileName, FileEntry] = Field(max_length=MAX_FILES)
-    created: float = Field(description="Unix time of the save.")
-    world: int | None = Field(
-        None,
-        ge=0,
-        description="The world (the job's attempt) the save was written in; absent: not "
-        "known, older than every world.",
-    )
-
-    @model_serializer(mode="wrap")
-    def _world_when_known(self, handler: SerializerFunctionWrapHandler) -> Any:
-        # Left out when not known: as the training side writes it, and as a partner of a
-        # version before worlds accepts it.
-        body = handler(self)
-        if isinstance(body, dict) and body.get("world") is None:
-            body.pop("world", None)
-        return body
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
-        key = CHECKSUMS[self.format][0]
-        for name, entry in self.files.items():
-            if getattr(entry, key) is None or (
-                entry.crc32c is not None and entry.crc32 is not None
-            ):
-                raise ValueError(f"files.{name}: format {self.format} sums a file with {key} alone")
-        return self
-
-    @property
-    def checksum(self) -> Checksum:
-        return CHECKSUMS[self.format][1]
-
-    @property
-    def checksum_name(self) -> str:
-        return CHECKSUMS[self.format][0]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
-
-    def newer_than(self, other: Manifest) -> bool:
-        """Whether this save comes after `other` (same job and rank): by world, then save
-        time, then step. A job that went back to an older checkpoint saves lower steps
-        later: those replace the copy of the abandoned run. A save of an older world
-        never replaces a newer world's, whenever it was made (a node cut off)."""
-        mine, theirs = _world(self.world), _world(other.world)
-        return (mine, self.created, self.step) > (theirs, other.created, other.step)
-
-
-def _world(world: int | None) -> int:
-    return -1 if world is None else world
 
 
 # --- partner -> partner (peer token) ---------------------------------------------------

@@ -30,6 +30,16 @@ HOST_LEASE_S = "HOST_LEASE_S"
 CHECKPOINT_RAM_DIR = "CHECKPOINT_RAM_DIR"
 CHECKPOINT_DURABLE_DIR = "CHECKPOINT_DURABLE_DIR"
 CHECKPOINT_DURABLE_URL = "CHECKPOINT_DURABLE_URL"
+#: torchrun's: how many ranks the job's world has.
+WORLD_SIZE = "WORLD_SIZE"
+#: The NumPy demo workload's (training/numpy_workload), set by the local cluster: the
+#: job's shape, its run folder, its tiers' folders and where it writes what it trained.
+NUM_DP_REPLICAS = "NUM_DP_REPLICAS"
+NUM_NODES_PER_DP = "NUM_NODES_PER_DP"
+RUN_DIR = "RUN_DIR"
+LOCAL_CKPT_DIR = "LOCAL_CKPT_DIR"
+DURABLE_CKPT_DIR = "DURABLE_CKPT_DIR"
+OUTPUT_DIR = "OUTPUT_DIR"
 #: `0` (or false, no, off): no automatic step count in the worker (training.auto_progress);
 #: `supervisor run --no-auto-progress` and training.pod_launch honour it too.
 AUTO_PROGRESS = "RESILIENCY_AUTO_PROGRESS"

@@ -23,9 +23,10 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from resiliency_protocol.faults import FAULTS, SENSOR_FAULT_KINDS, FaultKind
+from resiliency_protocol.heartbeat import GPU_ECC, GPU_XID, GpuReportKind
 from supervisor.actuator import ActionError, Backend
 from supervisor.config import Settings
 from supervisor.domain import Event, Fault
@@ -208,15 +209,15 @@ class FaultInjector:
     async def _xid(
         self, node: str, params: Mapping[str, Any], fault: Fault
     ) -> tuple[Fault, list[Event]]:
-        return await self._gpu_report("xid", node, params, fault)
+        return await self._gpu_report(GPU_XID, node, params, fault)
 
     async def _ecc(
         self, node: str, params: Mapping[str, Any], fault: Fault
     ) -> tuple[Fault, list[Event]]:
-        return await self._gpu_report("ecc", node, params, fault)
+        return await self._gpu_report(GPU_ECC, node, params, fault)
 
     async def _gpu_report(
-        self, kind: Literal["xid", "ecc"], node: str, params: Mapping[str, Any], fault: Fault
+        self, kind: GpuReportKind, node: str, params: Mapping[str, Any], fault: Fault
     ) -> tuple[Fault, list[Event]]:
         """A GPU error reported straight to the sensor, as the node's watchdog would."""
         report = GpuReport(

@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from resiliency_protocol.checkpoint_manifest import Manifest
 from tests.object_store import BUCKET, FakeGcs, FaultProxy, Seaweed
 from training.checkpoint import commit_fence, fencing, global_view
 from training.checkpoint import format as fmt
@@ -84,7 +85,7 @@ def in_world(store: DurableStore, world: int, rank: int = 0) -> DurableStore:
     return store
 
 
-def ram_step(ram: Path, step: int, rank: int, world: int) -> tuple[Path, fmt.Manifest]:
+def ram_step(ram: Path, step: int, rank: int, world: int) -> tuple[Path, Manifest]:
     """A committed RAM directory of `rank` at `step`, as a save leaves it."""
     import torch
     from torch.distributed.checkpoint.filesystem import FileSystemWriter

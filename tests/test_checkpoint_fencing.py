@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from resiliency_protocol.checkpoint_manifest import Manifest
 from tests.object_store import BUCKET, FakeGcs, Seaweed
 from training.checkpoint import fencing
 from training.checkpoint import format as fmt
@@ -165,9 +166,9 @@ def test_the_rule() -> None:
     assert not fencing.shadowed(3, 200, starts)
     assert fencing.WorldStart.parse(fencing.WorldStart(7, 12).name) == fencing.WorldStart(7, 12)
     assert fencing.WorldStart.parse("world-x-from-1") is None
-    manifest = fmt.Manifest(4, 0, 1, None, {}, 0.0, world=5)
-    assert fmt.Manifest.from_json(manifest.to_json()).world == 5
-    assert "world" not in json.loads(fmt.Manifest(4, 0, 1, None, {}, 0.0).to_json())
+    manifest = Manifest(step=4, rank=0, world_size=1, files={}, created=0.0, world=5)
+    assert Manifest.parse(manifest.to_json()).world == 5
+    assert "world" not in json.loads(manifest.model_copy(update={"world": None}).to_json())
 
 
 #: The store's own fence is the first test's, on every store; what the next two test (the

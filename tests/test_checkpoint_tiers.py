@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from resiliency_protocol.checkpoint_manifest import FORMAT, MANIFEST, FileEntry
 from tests.test_worker_client import free_port
 from training.checkpoint import CheckpointSettings
 from training.checkpoint import format as fmt
@@ -350,10 +351,10 @@ def test_a_synchronous_save_is_committed_when_it_returns(tmp_path: Path) -> None
     assert fmt.committed_steps(tmp_path / "durable", 0) == [4, 6]  # topk_ckpt = 2
     manifest = fmt.read_manifest(fmt.rank_dir(tmp_path / "durable", 6, 0), step=6, rank=0)
     fmt.verify(fmt.rank_dir(tmp_path / "durable", 6, 0), manifest)
-    assert manifest.size == sum(
+    assert manifest.total_bytes == sum(
         f.stat().st_size
         for f in fmt.rank_dir(tmp_path / "durable", 6, 0).iterdir()
-        if f.name != fmt.MANIFEST
+        if f.name != MANIFEST
     )
 
 
@@ -676,16 +677,17 @@ def test_a_checkpoint_of_the_previous_format_restores_and_is_checked(tmp_path: P
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     directory = fmt.rank_dir(tmp_path / "ram", 3, 0)
     current = fmt.read_manifest(directory, step=3, rank=0)
-    assert current.format == fmt.FORMAT
+    assert current.format == FORMAT
     sums = {n: zlib.crc32((directory / n).read_bytes()) for n in current.files}
-    old = fmt.Manifest(
-        current.step, current.rank, current.world_size, current.job,
-        {n: fmt.FileEntry(e.size, sums[n]) for n, e in current.files.items()},
-        current.created, "resiliency-checkpoint/1",
-    )  # fmt: skip
+    old = current.model_copy(
+        update={
+            "format": "resiliency-checkpoint/1",
+            "files": {n: FileEntry(size=e.size, crc32=sums[n]) for n, e in current.files.items()},
+        }
+    )
     text = old.to_json()
     assert '"crc32"' in text and '"crc32c"' not in text
-    (directory / fmt.MANIFEST).write_text(text)
+    (directory / MANIFEST).write_text(text)
 
     def restored() -> int:
         with torch.no_grad():

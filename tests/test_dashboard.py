@@ -283,6 +283,12 @@ def test_fault_injected_through_the_api_appears_live_with_its_actions(
         assert page.evaluate("window.notReloaded") is True  # live, not a reload
         shot(page, "xid-live")
 
+        # The form shows each kind's parameters as the protocol's table gives them
+        # (/api/v1/info's fault_params): an XID takes a code, a GPU and a rank.
+        page.select_option("#fault-kind", "xid")
+        for label in ("XID code", "GPU", "Rank"):
+            expect(page.locator("#fault-form").get_by_label(label, exact=True)).to_be_visible()
+        expect(page.get_by_label("Duration (s)")).to_be_hidden()
         # The page's own form: a heartbeat loss on n2, which is declared lost.
         page.select_option("#fault-kind", "heartbeat_loss")
         page.select_option("#fault-node", "n2")

@@ -27,6 +27,12 @@ async def test_the_dry_run_backend_says_it_is_a_dry_run(make_settings: SettingsF
     async with running(settings, make_backend(settings)) as api:
         info = await api.get("/api/v1/info")
         assert (info["backend"], info["dry_run"]) == ("dry_run", True)
+        # What the dashboard's fault form shows of each kind: its row's parameters.
+        assert info["fault_params"] == {
+            "ecc": ["count", "gpu"],
+            "heartbeat_loss": ["duration_s"],
+            "xid": ["code", "gpu", "rank"],
+        }
 
 
 async def until_swapped(api: Api, silent: str, alive: dict[str, str | None]) -> dict[str, Any]:

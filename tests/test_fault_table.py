@@ -8,6 +8,7 @@ import random
 import re
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from resiliency_protocol import faults
 from resiliency_protocol.fault_params import params_model
 from resiliency_protocol.faults import FAULTS, FaultKind, SimulatedFault
 from resiliency_protocol.node_commands import FaultOutcome, ProcessFault
+from supervisor import dashboard
 from supervisor.api import drill_schemas
 from supervisor.api.schemas import faults as api_faults
 from supervisor.config import Settings
@@ -125,3 +127,23 @@ async def test_a_drills_parameters_are_valid_for_its_kind(
             model.model_validate(draw(sensor, "n1", random.Random()))
     finally:
         sensor.close()
+
+
+def test_the_dashboards_fault_form_has_a_field_for_each_parameter_and_no_other() -> None:
+    """The form shows a kind's fields by `/api/v1/info`'s `fault_params` (the table's
+    models): an input named otherwise would never show, a parameter without one never
+    be given from the page."""
+    page = (Path(dashboard.__file__).parent / "static" / "index.html").read_text()
+    start = page.index('<form id="fault-form"')
+    form = page[start : page.index("</form>", start)]
+    inputs = set(
+        re.findall(
+            r'<div class="field" data-param>\s*<label[^>]*>[^<]*</label>\s*'
+            r'<input [^>]*name="([a-z_]+)"',
+            form,
+        )
+    )
+    params = {
+        name for kind in FaultKind if (model := params_model(kind)) for name in model.model_fields
+    }
+    assert inputs == params

@@ -32,8 +32,9 @@ from host_monitor.node import Node as HostNode
 from host_monitor.peer.routes import peer_router
 from host_monitor.peer.store import Mismatch, PeerStore, TooLarge
 from host_monitor.peer.tier import PeerTier
+from resiliency_protocol.checkpoint_manifest import Manifest
 from resiliency_protocol.node_commands import CheckpointPeer
-from resiliency_protocol.peer_checkpoints import Manifest, ReplicateRequest
+from resiliency_protocol.peer_checkpoints import ReplicateRequest
 from supervisor.local.cluster import checkpoint_partner
 from supervisor.local.cluster_state import JobSpec, free_port
 from tests.test_host_monitor import ACTUATOR, WORKER, Agent, Cluster, wait_for

@@ -26,7 +26,8 @@ import pytest
 
 from host_monitor.peer.store import Mismatch, PeerStore
 from host_monitor.peer.wire import recv_frame, send_frame
-from resiliency_protocol.peer_checkpoints import ChannelReply, ChannelRequest, Manifest
+from resiliency_protocol.checkpoint_manifest import Manifest
+from resiliency_protocol.peer_checkpoints import ChannelReply, ChannelRequest
 from tests.test_host_monitor import WORKER_TOKEN, Cluster
 from tests.test_host_monitor_peer import (
     JOB,

@@ -49,6 +49,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from resiliency_protocol import worker_env
 from training.errors import TrainingError
 from training.worker_client import WorkerClient
 
@@ -138,7 +139,7 @@ class InProcessHealing:
         # Registered once in the process group: the supervisor then knows this rank
         # trains in this attempt's world.
         self.client.register(world_size=dist.get_world_size())
-        return World(self.client.attempt or os.environ.get("WORKLOAD_ATTEMPT", "0"), False)
+        return World(self.client.attempt or os.environ.get(worker_env.WORKLOAD_ATTEMPT, "0"), False)
 
     def _enter(
         self, assigned: tuple[str, dict[str, str]], wait_s: float, *, rejoined: bool

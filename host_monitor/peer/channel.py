@@ -52,7 +52,9 @@ from host_monitor.peer.wire import (
     send_file,
     send_frame,
 )
-from resiliency_protocol.peer_checkpoints import CHECKSUM_BY_NAME, ChannelReply, ChannelRequest
+from resiliency_protocol.checkpoint_manifest import CHECKSUM_BY_NAME
+from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.peer_checkpoints import ChannelReply, ChannelRequest
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +262,8 @@ class PeerChannel:
             or expected is None
             or not secrets.compare_digest(token.encode(), expected)
         ):
-            raise _Refused(401, f"missing or invalid {'worker' if relay else 'peer'} token")
+            role = "worker" if relay else Tier.PEER
+            raise _Refused(401, f"missing or invalid {role} token")
         try:
             return ChannelRequest.model_validate(body)
         except ValidationError as exc:

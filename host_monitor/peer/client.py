@@ -40,17 +40,11 @@ from host_monitor.peer.wire import (
     send_frame,
 )
 from resiliency_protocol.backoff import attempt_delay
+from resiliency_protocol.checkpoint_manifest import Checksum, FileEntry, Manifest
+from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.node_commands import CheckpointPeer
-from resiliency_protocol.peer_checkpoints import (
-    ChannelInfo,
-    ChannelReply,
-    ChannelRequest,
-    Checksum,
-    FileEntry,
-    Manifest,
-    PeerCopy,
-)
+from resiliency_protocol.peer_checkpoints import ChannelInfo, ChannelReply, ChannelRequest, PeerCopy
 from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
@@ -113,7 +107,7 @@ class PartnerClient:
             log.info("%s: %s (attempt %d of %d)", what, problem, number, attempts)
             await asyncio.sleep(attempt_delay(BACKOFF_S, number, jitter=random.random))
         raise PeerTierError(
-            503, "peer", f"partner {peer.node} ({peer.url}) unreachable: {what}: {problem}"
+            503, Tier.PEER, f"partner {peer.node} ({peer.url}) unreachable: {what}: {problem}"
         )
 
     async def request(
@@ -137,7 +131,7 @@ class PartnerClient:
     def refused_by(peer: CheckpointPeer, what: str, response: httpx.Response) -> PeerTierError:
         return PeerTierError(
             503,
-            "peer",
+            Tier.PEER,
             f"partner {peer.node} refused {what}: HTTP {response.status_code}: "
             f"{error_message(response)}",
         )
@@ -161,7 +155,7 @@ class PartnerClient:
         try:
             return PeerCopy.model_validate_json(response.content)
         except ValidationError:
-            raise PeerTierError(503, "peer", f"partner {peer.node} sent no valid copy") from None
+            raise PeerTierError(503, Tier.PEER, f"partner {peer.node} sent no valid copy") from None
 
     async def channel(self, peer: CheckpointPeer, client: httpx.AsyncClient) -> ChannelInfo | None:
         """The partner's data channel, if it has one of the kind its API is (TLS or not)."""
@@ -267,7 +261,7 @@ class PartnerClient:
             if reply.status != 200:
                 raise PeerTierError(
                     503,
-                    "peer",
+                    Tier.PEER,
                     f"partner {peer.node} refused the upload of {name}: "
                     f"{reply.status}: {reply.detail}",
                 )
@@ -315,7 +309,7 @@ class PartnerClient:
         bytes follow (the caller reads them and closes it), and its size."""
         info = await self.channel(peer, client)
         if info is None:
-            raise PeerTierError(503, "peer", f"partner {peer.node} has no data channel")
+            raise PeerTierError(503, Tier.PEER, f"partner {peer.node} has no data channel")
         request = ChannelRequest(
             token=self.token, op="get", job=job, rank=rank, step=step, name=name
         )
@@ -342,7 +336,7 @@ class PartnerClient:
                 raise Transient(f"data channel: {reply.status}: {reply.detail}")
             raise PeerTierError(
                 404 if reply.status == 404 else 502,
-                "step" if reply.status == 404 else "peer",
+                "step" if reply.status == 404 else Tier.PEER,
                 f"partner {peer.node}: {reply.status}: {reply.detail}",
             )
 
@@ -414,7 +408,7 @@ class PartnerClient:
             if status != 200:
                 raise PeerTierError(
                     502,
-                    "peer",
+                    Tier.PEER,
                     f"partner {peer.node} refused the download of {name}: {status} "
                     f"{detail[:300]!r}",
                 )

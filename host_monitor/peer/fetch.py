@@ -33,8 +33,9 @@ from host_monitor.peer.paths import (
     owner_of,
     remove_dir,
 )
+from resiliency_protocol.checkpoint_manifest import MANIFEST
 from resiliency_protocol.node_commands import CheckpointPeer
-from resiliency_protocol.peer_checkpoints import MANIFEST, FetchPeerRequest, FetchPeerResult
+from resiliency_protocol.peer_checkpoints import FetchPeerRequest, FetchPeerResult
 
 log = logging.getLogger(__name__)
 

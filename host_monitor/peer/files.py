@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from resiliency_protocol.peer_checkpoints import MANIFEST, Checksum, Manifest
+from resiliency_protocol.checkpoint_manifest import MANIFEST, Checksum, Manifest
 
 CHUNK = 4 * 1024 * 1024  # bytes read or written at a time: memory stays flat
 PART_PREFIX = "~"

@@ -12,11 +12,9 @@ import os
 import shutil
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from host_monitor.errors import HostMonitorError
 from host_monitor.peer.files import MAX_MANIFEST_BYTES
-from resiliency_protocol.peer_checkpoints import MANIFEST, Manifest
+from resiliency_protocol.checkpoint_manifest import MANIFEST, Manifest
 
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -92,13 +90,9 @@ def read_dir_manifest(dir_fd: int, field: str) -> Manifest:
     finally:
         os.close(fd)
     try:
-        return Manifest.model_validate_json(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise PeerTierError(
-            422, field, f"{MANIFEST}: {where}: {first['msg']}".replace("Value error, ", "")
-        ) from None
+        return Manifest.parse(data)
+    except ValueError as exc:
+        raise PeerTierError(422, field, str(exc)) from None
 
 
 def committed(dir_fd: int, name: str) -> bool:

@@ -36,14 +36,13 @@ from host_monitor.peer.store import (
     TooLarge,
 )
 from host_monitor.peer.tier import PeerTier
+from resiliency_protocol.checkpoint_manifest import FILE_NAME_PATTERN, Manifest, check_file_name
+from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.peer_checkpoints import (
-    FILE_NAME_PATTERN,
     JOB_SEGMENT_PATTERN,
     ChannelInfo,
     CommitResult,
-    Manifest,
     PeerCopy,
-    check_file_name,
 )
 
 Job = Annotated[
@@ -79,7 +78,7 @@ def peer_router(tier: PeerTier) -> APIRouter:
         return tier.store
 
     Store = Annotated[PeerStore, Depends(store_for_peer)]
-    router = APIRouter(prefix="/v1/peer", tags=["peer"])
+    router = APIRouter(prefix="/v1/peer", tags=[Tier.PEER])
 
     @router.get(
         "/channel",

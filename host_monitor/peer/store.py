@@ -49,15 +49,8 @@ from host_monitor.peer.files import (
     verify_files,
     write_all,
 )
-from resiliency_protocol.peer_checkpoints import (
-    CHECKSUMS,
-    FORMAT,
-    MANIFEST,
-    Checksum,
-    CommitResult,
-    Manifest,
-    PeerCopy,
-)
+from resiliency_protocol.checkpoint_manifest import CHECKSUMS, FORMAT, MANIFEST, Checksum, Manifest
+from resiliency_protocol.peer_checkpoints import CommitResult, PeerCopy
 
 if TYPE_CHECKING:
     from host_monitor.peer.worlds import PeerWorlds

@@ -44,18 +44,18 @@ from host_monitor.peer.paths import (
 )
 from host_monitor.peer.store import PeerStore
 from host_monitor.peer.worlds import PeerWorlds
+from resiliency_protocol.checkpoint_manifest import MANIFEST, Manifest
+from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.clock import utcnow
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import (
-    MANIFEST,
     NO_JOB,
     ChannelInfo,
     ChannelRequest,
     CommitResult,
     FetchPeerRequest,
     FetchPeerResult,
-    Manifest,
     PeerCopy,
     PeerTierStatus,
     ReplicateRequest,
@@ -215,11 +215,11 @@ class PeerTier:
 
     def _partner(self) -> tuple[CheckpointPeer, httpx.AsyncClient]:
         if self.token is None:
-            raise PeerTierError(503, "peer", "peer tier off: peer_token is not set")
+            raise PeerTierError(503, Tier.PEER, "peer tier off: peer_token is not set")
         peer = self.node.checkpoint_peer
         if peer is None:
             raise PeerTierError(
-                503, "peer", f"node {self.node.name} has no checkpoint partner (checkpoint_peer)"
+                503, Tier.PEER, f"node {self.node.name} has no checkpoint partner (checkpoint_peer)"
             )
         if self._http is None:
             self._http = httpx.AsyncClient(
@@ -358,7 +358,7 @@ class PeerTier:
                 event="saved",
                 step=push.step,
                 duration_s=0.0,  # the training loop did not wait for it
-                tier="peer",
+                tier=Tier.PEER,
                 size_bytes=push.manifest.total_bytes,
                 total_s=seconds,
                 time=utcnow().isoformat(),

@@ -25,7 +25,7 @@ import struct
 from pydantic import BaseModel
 
 from host_monitor.errors import HostMonitorError
-from resiliency_protocol.peer_checkpoints import Checksum
+from resiliency_protocol.checkpoint_manifest import Checksum
 
 MAGIC = b"RSPW"
 _LENGTH = struct.Struct(">I")

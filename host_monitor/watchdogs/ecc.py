@@ -25,6 +25,7 @@ from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.nvidia_smi import NvidiaSmiError, run_nvidia_smi
 from host_monitor.wire import GpuReport
 from resiliency_protocol.clock import utcnow
+from resiliency_protocol.heartbeat import GPU_ECC
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class EccWatchdog(Watchdog):
             if total <= before:
                 continue
             report = GpuReport(
-                kind="ecc",
+                kind=GPU_ECC,
                 gpu=gpu,
                 count=total,
                 message=f"uncorrected volatile ECC errors: {before} -> {total}",

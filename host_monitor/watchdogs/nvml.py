@@ -30,6 +30,7 @@ from typing import Any
 from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.wire import GpuReport
 from resiliency_protocol.clock import utcnow
+from resiliency_protocol.heartbeat import GPU_ECC, GPU_XID
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class NvmlWatchdog(Watchdog):
                 except nvml.NVMLError:
                     gpu = None
                 report = GpuReport(
-                    kind="xid",
+                    kind=GPU_XID,
                     gpu=gpu,
                     code=int(data.eventData),
                     message=f"Xid {int(data.eventData)} (NVML event)",
@@ -159,7 +160,7 @@ class NvmlWatchdog(Watchdog):
 
     def _forget(self, report: GpuReport, previous: _Seen) -> None:
         seen = self._seen[report.gpu or 0]
-        if report.kind == "ecc":
+        if report.kind == GPU_ECC:
             seen.ecc = previous.ecc
         elif report.kind == "nvlink":
             seen.nvlink = previous.nvlink
@@ -196,7 +197,7 @@ class NvmlWatchdog(Watchdog):
         nvml = self.nvml
         total = self._call(
             seen,
-            "ecc",
+            GPU_ECC,
             nvml.nvmlDeviceGetTotalEccErrors,
             handle,
             nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
@@ -208,7 +209,7 @@ class NvmlWatchdog(Watchdog):
         if seen.ecc <= before:
             return []
         message = f"uncorrected volatile ECC errors: {before} -> {seen.ecc} (NVML)"
-        return [GpuReport(kind="ecc", gpu=gpu, count=seen.ecc, message=message, time=utcnow())]
+        return [GpuReport(kind=GPU_ECC, gpu=gpu, count=seen.ecc, message=message, time=utcnow())]
 
     def _remap(self, gpu: int, handle: Any, seen: _Seen) -> list[GpuReport]:
         nvml = self.nvml

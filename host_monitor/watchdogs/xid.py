@@ -30,6 +30,7 @@ from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.nvidia_smi import GpuTopology, normalize_pci
 from host_monitor.wire import GpuReport
 from resiliency_protocol.clock import utcnow
+from resiliency_protocol.heartbeat import GPU_XID
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class XidWatchdog(Watchdog):
             return False
         message = f"{xid.message} (PCI {xid.pci})" if xid.message else f"PCI {xid.pci}"
         report = GpuReport(
-            kind="xid",
+            kind=GPU_XID,
             gpu=self.topology.gpu_for(xid.pci),
             code=xid.code,
             message=message[:MAX_MESSAGE],

@@ -6,6 +6,7 @@ from typing import Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from resiliency_protocol.shared_settings import DEFAULT_HOST_MONITOR_PORT
 from supervisor.config_parts.group import SettingsGroup
 
 
@@ -101,7 +102,7 @@ class KubernetesSettings(SettingsGroup):
         "to failed pods or Jobs of its generation before it acts itself.",
     )
     host_monitor_port: int = Field(
-        9400,
+        DEFAULT_HOST_MONITOR_PORT,
         ge=1,
         le=65535,
         description="Port of the host monitors' local API (emergency checkpoints), when "

@@ -7,6 +7,10 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
+from resiliency_protocol.shared_settings import (
+    DEFAULT_GPU_REPORT_COOLDOWN_S,
+    DEFAULT_HEARTBEAT_POLLING_PERIOD_S,
+)
 from supervisor.config_parts.group import SettingsGroup
 from supervisor.policy import PolicyLimits
 from supervisor.xid import XidResponse
@@ -20,7 +24,9 @@ class SensingSettings(SettingsGroup):
     title = "Sensing"
 
     heartbeat_polling_period_s: float = Field(
-        5.0, gt=0, description="How often host monitors send a heartbeat."
+        DEFAULT_HEARTBEAT_POLLING_PERIOD_S,
+        gt=0,
+        description="How often host monitors send a heartbeat.",
     )
     heartbeat_timeout_s: float = Field(
         15.0, gt=0, description="A node is declared lost this long after its last heartbeat."
@@ -62,7 +68,9 @@ class SensingSettings(SettingsGroup):
         "is replaced by newer reports first.",
     )
     gpu_report_cooldown_s: float = Field(
-        60.0, ge=0, description="Repeats of the same GPU error on a node within this are dropped."
+        DEFAULT_GPU_REPORT_COOLDOWN_S,
+        ge=0,
+        description="Repeats of the same GPU error on a node within this are dropped.",
     )
     straggler_threshold: float = Field(
         1.1,

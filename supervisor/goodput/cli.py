@@ -18,6 +18,7 @@ from dataclasses import fields
 from datetime import datetime
 from typing import Any
 
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.goodput.advice import (
     CheckpointAdvice,
     TierAdvice,
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
             )
     durable = None
     if args.durable_save_s is not None:
-        durable = TierInput("durable", args.durable_save_s, args.durable_every)
+        durable = TierInput(Tier.DURABLE, args.durable_save_s, args.durable_every)
     elif args.durable_every is not None:
         raise ValueError("--durable-every needs --durable-save-s")
     advice = advise(

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import httpx
 
+from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.launch import resolve_command
+from resiliency_protocol.shared_settings import host_monitor_env
 from resiliency_protocol.tls import TLSError, client_context
 from supervisor.local.cluster import ClusterError, LocalCluster
 from supervisor.local.cluster_state import ClusterState, NodeInfo
@@ -44,9 +46,9 @@ from supervisor.local.run_folder import RunFolderError, clear_job_entries, job_e
 from training.auto_progress import startup_env
 
 PROG = "python -m supervisor.local.bootstrap"
-TOKEN_ENV = "HOST_MONITOR_ACTUATOR_TOKEN"  # the host monitors' own name for this token
+TOKEN_ENV = host_monitor_env("actuator_token")  # the host monitors' own name for this token
 # What a previous job left in the run directory (see LocalCluster.worker_env).
-JOB_ENTRIES = ("cluster.json", "job", "durable", "output", "nodes")
+JOB_ENTRIES = ("cluster.json", "job", Tier.DURABLE, "output", "nodes")
 
 
 def _parser() -> argparse.ArgumentParser:

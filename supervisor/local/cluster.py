@@ -21,6 +21,7 @@ import httpx
 from pydantic import BaseModel
 
 from resiliency_protocol import worker_env
+from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.emergency import emergency_checkpoint
 from resiliency_protocol.launch import job_env, rendezvous_env
 from resiliency_protocol.node_commands import (
@@ -188,17 +189,17 @@ class LocalCluster:
         return {
             **job.env,
             worker_env.WORKLOAD_ATTEMPT: str(job.attempt),
-            "NUM_DP_REPLICAS": str(job.num_dp_replicas),
-            "NUM_NODES_PER_DP": str(job.num_nodes_per_dp),
-            "WORLD_SIZE": str(job.world_size),
-            "RUN_DIR": str(run / "job"),
-            "LOCAL_CKPT_DIR": str(run / "nodes" / node / "checkpoints"),
-            "DURABLE_CKPT_DIR": str(run / "durable"),
-            worker_env.CHECKPOINT_DURABLE_DIR: str(run / "durable"),
+            worker_env.NUM_DP_REPLICAS: str(job.num_dp_replicas),
+            worker_env.NUM_NODES_PER_DP: str(job.num_nodes_per_dp),
+            worker_env.WORLD_SIZE: str(job.world_size),
+            worker_env.RUN_DIR: str(run / "job"),
+            worker_env.LOCAL_CKPT_DIR: str(run / "nodes" / node / "checkpoints"),
+            worker_env.DURABLE_CKPT_DIR: str(run / Tier.DURABLE),
+            worker_env.CHECKPOINT_DURABLE_DIR: str(run / Tier.DURABLE),
             # The RAM tier: under the host monitor's checkpoint_root, so that it can copy
             # the saves to the partner node and restore the partner's copy here.
             worker_env.CHECKPOINT_RAM_DIR: str(Path(root) / node),
-            "OUTPUT_DIR": str(run / "output"),
+            worker_env.OUTPUT_DIR: str(run / "output"),
             # torch.distributed's environment, as torchrun sets it (RANK and LOCAL_RANK
             # come from the host monitor, GROUP_RANK with the start): rank 0's node hosts
             # the rendezvous store.
@@ -321,7 +322,7 @@ class LocalCluster:
         survivors = [n for n in dict.fromkeys(job.placement) if n not in fresh_nodes]
         world = {
             worker_env.WORKLOAD_ATTEMPT: attempt,
-            "WORLD_SIZE": str(job.world_size),
+            worker_env.WORLD_SIZE: str(job.world_size),
             **self.rendezvous_env(job),
         }
         rejoin = {

@@ -24,6 +24,8 @@ from typing import IO, Any
 
 import httpx
 
+from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.shared_settings import host_monitor_env
 from supervisor.local.cluster import LocalCluster
 from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
 from supervisor.local.demo_options import DemoOptions
@@ -36,12 +38,12 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def node_checkpoint_root(run_dir: Path, node: str) -> Path:
     """The `checkpoint_root` of a local node's host monitor: its "RAM" (a directory of the
     run, emptied when the node is repaired, as a reboot empties a tmpfs)."""
-    return run_dir / "nodes" / node / "ram"
+    return run_dir / "nodes" / node / Tier.RAM
 
 
 def node_peer_store(run_dir: Path, node: str) -> Path:
     """Where a local node's host monitor keeps the copies its partner sends it."""
-    return run_dir / "nodes" / node / "peer"
+    return run_dir / "nodes" / node / Tier.PEER
 
 
 def _die_with_parent() -> None:
@@ -110,25 +112,26 @@ class LocalDemo:
             # A node that comes back (repaired) has lost what it held in RAM.
             shutil.rmtree(volatile, ignore_errors=True)
         ram.mkdir()
-        env = {
-            "HOST_MONITOR_NODE": node,
-            "HOST_MONITOR_SUPERVISOR_URL": self.url,
-            "HOST_MONITOR_AGENT_TOKEN": self.agent_token,
-            "HOST_MONITOR_ACTUATOR_TOKEN": self.actuator_token,
-            "HOST_MONITOR_HOST": o.host(node)[1],
-            "HOST_MONITOR_HOST_DAEMON_PORT": str(port),
-            "HOST_MONITOR_HEARTBEAT_POLLING_PERIOD_S": str(o.heartbeat_polling_period_s),
-            "HOST_MONITOR_WORKER_HEARTBEAT_TIMEOUT_S": str(
+        settings = {
+            "node": node,
+            "supervisor_url": self.url,
+            "agent_token": self.agent_token,
+            "actuator_token": self.actuator_token,
+            "host": o.host(node)[1],
+            "host_daemon_port": str(port),
+            "heartbeat_polling_period_s": str(o.heartbeat_polling_period_s),
+            "worker_heartbeat_timeout_s": str(
                 o.worker_heartbeat_timeout_s or max(2.0, o.heartbeat_timeout_s)
             ),
-            "HOST_MONITOR_INITIAL_STATE": "spare",
-            "HOST_MONITOR_KERNEL_LOG": str(node_dir / "kmsg.log"),
-            "HOST_MONITOR_WATCHDOG_PERIOD_S": "0.5",
-            "HOST_MONITOR_RUN_DIR": str(node_dir),
-            "HOST_MONITOR_PEER_TOKEN": self.peer_token,
-            "HOST_MONITOR_CHECKPOINT_ROOT": str(ram),
-            "HOST_MONITOR_PEER_STORE_DIR": str(peer_store),
+            "initial_state": "spare",
+            "kernel_log": str(node_dir / "kmsg.log"),
+            "watchdog_period_s": "0.5",
+            "run_dir": str(node_dir),
+            "peer_token": self.peer_token,
+            "checkpoint_root": str(ram),
+            "peer_store_dir": str(peer_store),
         }
+        env = {host_monitor_env(name): value for name, value in settings.items()}
         self.monitors[node] = self._spawn(
             [sys.executable, "-m", "host_monitor.cli"], env, f"host-monitor-{node}"
         )

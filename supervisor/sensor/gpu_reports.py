@@ -6,7 +6,7 @@ A report that repeats one of the node's within `gpu_report_cooldown_s` raises no
 
 from __future__ import annotations
 
-from resiliency_protocol.heartbeat import GpuReport
+from resiliency_protocol.heartbeat import GPU_XID, GpuReport
 from supervisor.config_parts import SensingSettings
 from supervisor.domain import Event, EventType, utcnow
 from supervisor.metrics import Metrics
@@ -27,8 +27,8 @@ class GpuReports:
         """The event the node's report raises, if any; `fault_id`: an injected fault's."""
         observed = (report.time or utcnow()).isoformat()
         event = self._events.event
-        if report.kind == "xid":
-            if self._repeated(node, ("xid", report.gpu, report.code), now, EventType.GPU_XID):
+        if report.kind == GPU_XID:
+            if self._repeated(node, (GPU_XID, report.gpu, report.code), now, EventType.GPU_XID):
                 return None
             xid = classify(report.code, self.settings.xid_responses)
             return event(

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from resiliency_protocol.faults import SimulatedFault
+from resiliency_protocol.heartbeat import GPU_ECC, GPU_XID
 from supervisor.sensor import GpuReport
 from supervisor.simulate.fault_sources import Fault
 from supervisor.simulate.hosts import SimNode
@@ -40,7 +41,7 @@ async def _gpu_xid(
     cluster: SimulatedCluster, node: SimNode, fault: Fault, now: float, in_job: bool
 ) -> None:
     code = int(fault.details.get("code", 79))
-    report = GpuReport(kind="xid", gpu=_gpu(cluster, fault), code=code)
+    report = GpuReport(kind=GPU_XID, gpu=_gpu(cluster, fault), code=code)
     await _gpu_error(cluster, node, fault, report, in_job)
 
 
@@ -48,7 +49,7 @@ async def _gpu_ecc(
     cluster: SimulatedCluster, node: SimNode, fault: Fault, now: float, in_job: bool
 ) -> None:
     count = int(fault.details.get("count", 1))
-    report = GpuReport(kind="ecc", gpu=_gpu(cluster, fault), count=count)
+    report = GpuReport(kind=GPU_ECC, gpu=_gpu(cluster, fault), count=count)
     await _gpu_error(cluster, node, fault, report, in_job)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.errors import SupervisorError
 
 #: How far a checkpoint tier's copies reach: `process` (the node's host memory: survives
@@ -61,8 +62,8 @@ class JobModel(_Model):
     name: str = Field("train", pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*)$", max_length=63)
     step_s: float = Field(2.0, gt=0, description="Seconds per training step.")
     tiers: tuple[TierModel, ...] = (
-        TierModel(name="ram", every_s=600, save_s=1, restore_s=10, survives="process"),
-        TierModel(name="durable", every_s=3600, save_s=10, restore_s=120, survives="all"),
+        TierModel(name=Tier.RAM, every_s=600, save_s=1, restore_s=10, survives="process"),
+        TierModel(name=Tier.DURABLE, every_s=3600, save_s=10, restore_s=120, survives="all"),
     )
     startup_s: float = Field(
         50.0,

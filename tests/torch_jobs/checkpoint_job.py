@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from resiliency_protocol.checkpoint_manifest import Manifest
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.checkpoint import format as fmt
 from training.worker_client import WorkerClient
@@ -77,7 +78,7 @@ def main() -> int:
     if kill_at:
         build = fmt.build_manifest
 
-        def build_then_die(directory: Path, **kw: Any) -> fmt.Manifest:
+        def build_then_die(directory: Path, **kw: Any) -> Manifest:
             if kw["step"] == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             return build(directory, **kw)

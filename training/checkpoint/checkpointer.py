@@ -398,7 +398,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
                 Tier.EMERGENCY
                 if result.emergency
                 else Tier.RAM
-                if result.tier == "ram"
+                if result.tier == Tier.RAM
                 else Tier.DURABLE
             )
             self.client.report_checkpoint_failed(
@@ -410,17 +410,17 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
 
     def _on_committed(self, result: SaveResult) -> None:
         self._failures.pop(result.tier, None)
-        if result.tier == "ram" and result.path is not None and self.settings.enable_peer_ckpt:
+        if result.tier == Tier.RAM and result.path is not None and self.settings.enable_peer_ckpt:
             self.peer.replicate(result.step, result.path)
         if self.client is not None:
-            first = result.tier == "ram" or self.ram_root is None
+            first = result.tier == Tier.RAM or self.ram_root is None
             emergency = result.emergency and first
             self.client.report_checkpoint_saved(
                 result.step,
                 result.total_s if emergency else result.blocking_s,
                 Tier.EMERGENCY
                 if emergency
-                else (Tier.RAM if result.tier == "ram" else Tier.DURABLE),
+                else (Tier.RAM if result.tier == Tier.RAM else Tier.DURABLE),
                 size_bytes=result.size,
                 total_s=result.total_s,
             )

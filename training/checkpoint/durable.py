@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from resiliency_protocol.checkpoint_manifest import MANIFEST, Manifest
 from training.checkpoint import fencing, global_view
 from training.checkpoint import format as fmt
 from training.checkpoint.buckets import Bucket, Conflict, open_bucket
@@ -59,7 +60,7 @@ class DurableStore(ABC):
     #: What fences its commits against newer worlds (commit_fence.py).
     fence: CommitFence
 
-    def fenced_out(self, manifest: fmt.Manifest) -> bool:
+    def fenced_out(self, manifest: Manifest) -> bool:
         """Whether this world's restore must not load a commit (commit_fence.py)."""
         return not self.fence.admits(manifest.world, manifest.rank, manifest.step)
 
@@ -74,16 +75,16 @@ class DurableStore(ABC):
         """A fresh local directory for a save that writes here first (no RAM tier)."""
 
     @abstractmethod
-    def commit(self, temp: Path, manifest: fmt.Manifest) -> Path | None:
+    def commit(self, temp: Path, manifest: Manifest) -> Path | None:
         """Commit `temp` (from `write_dir`) as its manifest's rank and step; the committed
         directory of a LocalStore, None for a bucket."""
 
     @abstractmethod
-    def copy_committed(self, source: Path, manifest: fmt.Manifest) -> Path | None:
+    def copy_committed(self, source: Path, manifest: Manifest) -> Path | None:
         """Copy a committed directory (of the RAM tier) here, committed last."""
 
     @abstractmethod
-    def manifest(self, step: int, rank: int) -> fmt.Manifest:
+    def manifest(self, step: int, rank: int) -> Manifest:
         """The committed manifest; CheckpointCorrupt when missing or unreadable."""
 
     @abstractmethod
@@ -130,7 +131,7 @@ class LocalStore(DurableStore):
         self.threads, self.sync = threads, sync
         self.fence = CommitFence(DirectoryRecords(self.root, sync=sync), self.url)
 
-    def _advance(self, manifest: fmt.Manifest) -> None:
+    def _advance(self, manifest: Manifest) -> None:
         """The commit point; a refused commit's directory goes (no newer world counts it)."""
         assert self.root is not None
         try:
@@ -151,7 +152,7 @@ class LocalStore(DurableStore):
         assert self.root is not None
         return fmt.new_temp_dir(self.root, step, rank)
 
-    def commit(self, temp: Path, manifest: fmt.Manifest) -> Path:
+    def commit(self, temp: Path, manifest: Manifest) -> Path:
         assert self.root is not None
         final = fmt.rank_dir(self.root, manifest.step, manifest.rank)
         self.fence.begin(manifest.rank)
@@ -159,7 +160,7 @@ class LocalStore(DurableStore):
         self._advance(manifest)
         return final
 
-    def copy_committed(self, source: Path, manifest: fmt.Manifest) -> Path:
+    def copy_committed(self, source: Path, manifest: Manifest) -> Path:
         assert self.root is not None
         self.fence.begin(manifest.rank)
         final = fmt.copy_committed(
@@ -168,7 +169,7 @@ class LocalStore(DurableStore):
         self._advance(manifest)
         return final
 
-    def manifest(self, step: int, rank: int) -> fmt.Manifest:
+    def manifest(self, step: int, rank: int) -> Manifest:
         assert self.root is not None
         return fmt.read_manifest(fmt.rank_dir(self.root, step, rank), step=step, rank=rank)
 
@@ -245,7 +246,7 @@ class ObjectStore(DurableStore):
         return [
             step
             for step in self._steps()
-            if self.bucket.size(self._dir(step, rank) + fmt.MANIFEST) is not None
+            if self.bucket.size(self._dir(step, rank) + MANIFEST) is not None
         ]
 
     def committed_ranks(self) -> list[int]:
@@ -254,15 +255,15 @@ class ObjectStore(DurableStore):
             for prefix in self.bucket.list(f"step-{step:010d}/").prefixes:
                 match = _RANK.match(prefix.rsplit("/", 2)[-2] + "/")
                 if match and int(match.group(1)) not in ranks:
-                    key = self._dir(step, int(match.group(1))) + fmt.MANIFEST
+                    key = self._dir(step, int(match.group(1))) + MANIFEST
                     if self.bucket.size(key) is not None:
                         ranks.add(int(match.group(1)))
         return sorted(ranks)
 
-    def manifest(self, step: int, rank: int) -> fmt.Manifest:
-        key = self._dir(step, rank) + fmt.MANIFEST
+    def manifest(self, step: int, rank: int) -> Manifest:
+        key = self._dir(step, rank) + MANIFEST
         try:
-            manifest = fmt.Manifest.from_json(self.bucket.get_bytes(key))
+            manifest = Manifest.parse(self.bucket.get_bytes(key))
         except FileNotFoundError:
             raise fmt.CheckpointCorrupt(f"{self.url}/{key}: missing") from None
         except ValueError as exc:
@@ -278,18 +279,18 @@ class ObjectStore(DurableStore):
     def write_dir(self, step: int, rank: int) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"durable-{step}-{rank}-", dir=self._scratch()))
 
-    def commit(self, temp: Path, manifest: fmt.Manifest) -> None:
+    def commit(self, temp: Path, manifest: Manifest) -> None:
         try:
             self.copy_committed(temp, manifest)
         finally:
             shutil.rmtree(temp, ignore_errors=True)
 
-    def copy_committed(self, source: Path, manifest: fmt.Manifest) -> None:
+    def copy_committed(self, source: Path, manifest: Manifest) -> None:
         base = self._dir(manifest.step, manifest.rank)
         self.fence.begin(manifest.rank)
         # A manifest of this step from before (a run rolled back) must not name the
         # objects being replaced: it goes first. A newer world's is never replaced.
-        if self.bucket.size(base + fmt.MANIFEST) is not None:
+        if self.bucket.size(base + MANIFEST) is not None:
             try:
                 before = self.manifest(manifest.step, manifest.rank).world
             except fmt.CheckpointCorrupt:
@@ -299,7 +300,7 @@ class ObjectStore(DurableStore):
                     f"{self.url}/{base}: written by world {before}, newer than this "
                     f"rank's {self.fence.world}: not replaced"
                 )
-            self.bucket.delete([base + fmt.MANIFEST])
+            self.bucket.delete([base + MANIFEST])
         names = sorted(manifest.files, key=lambda n: -manifest.files[n].size)
         # Files in parallel, and the parts of each large file: together about `threads`.
         files_at_once = max(1, min(self.threads, len(names) or 1))
@@ -310,14 +311,14 @@ class ObjectStore(DurableStore):
 
         with ThreadPoolExecutor(files_at_once) as pool:
             list(pool.map(upload, names))
-        self._put_manifest(base + fmt.MANIFEST, manifest)
+        self._put_manifest(base + MANIFEST, manifest)
         try:
             self.fence.advance(manifest.rank, manifest.step)
         except TrainingError:  # a newer world's seal, or the rank's lease ran out
-            self.bucket.delete([base + fmt.MANIFEST])  # counted by no newer world
+            self.bucket.delete([base + MANIFEST])  # counted by no newer world
             raise
 
-    def _put_manifest(self, key: str, manifest: fmt.Manifest) -> None:
+    def _put_manifest(self, key: str, manifest: Manifest) -> None:
         """Written only where there is none (a commit of this step meanwhile: refused)."""
         data = manifest.to_json().encode()
         if self.fence.world is None or self.fence.mode != "conditional":
@@ -339,7 +340,7 @@ class ObjectStore(DurableStore):
         uploads cut short included."""
         steps = self._steps()
         committed = [
-            s for s in steps if self.bucket.size(self._dir(s, rank) + fmt.MANIFEST) is not None
+            s for s in steps if self.bucket.size(self._dir(s, rank) + MANIFEST) is not None
         ]
         kept = set(committed) - set(fmt.beyond_retention(committed, keep, aside))
         removed = []
@@ -356,7 +357,7 @@ class ObjectStore(DurableStore):
         listing = self.bucket.list(self._dir(step, rank))
         if not listing.objects:
             return False
-        manifest = self._dir(step, rank) + fmt.MANIFEST
+        manifest = self._dir(step, rank) + MANIFEST
         if manifest in listing.objects:
             self.bucket.delete([manifest])
         self.bucket.delete(k for k in listing.objects if k != manifest)
@@ -387,7 +388,7 @@ class ObjectStore(DurableStore):
 
     def publish(self, step: int, ranks: Sequence[int], *, sync: bool) -> bool:
         for rank in ranks:
-            if self.bucket.size(self._dir(step, rank) + fmt.MANIFEST) is None:
+            if self.bucket.size(self._dir(step, rank) + MANIFEST) is None:
                 return False
         parts = []
         for rank in ranks:
@@ -431,11 +432,11 @@ class ObjectStore(DurableStore):
         directory.mkdir(parents=True, exist_ok=True)
         small = [n for n, e in manifest.files.items() if e.size <= SMALL_BYTES]
         self._download(base, directory, {n: manifest.files[n].size for n in small})
-        (directory / fmt.MANIFEST).write_text(manifest.to_json())
+        (directory / MANIFEST).write_text(manifest.to_json())
         return directory
 
     def fetch(self, directory: Path) -> None:
-        manifest = fmt.Manifest.from_json((directory / fmt.MANIFEST).read_bytes())
+        manifest = Manifest.parse((directory / MANIFEST).read_bytes())
         base = self._dir(manifest.step, manifest.rank)
         left = {
             name: entry.size

@@ -118,10 +118,10 @@ class EmergencySaves:
                 error = self._saver.copy_emergency(step, source, manifest)
                 if error is not None:
                     raise EmergencyCheckpointError(f"durable copy of step {step}: {error}")
-            self._report_emergency(step, fmt.read_manifest(source).size, started)
+            self._report_emergency(step, fmt.read_manifest(source).total_bytes, started)
             return
         if durable is not None and step in durable.committed_steps(self.rank):
-            self._report_emergency(step, durable.manifest(step, self.rank).size, started)
+            self._report_emergency(step, durable.manifest(step, self.rank).total_bytes, started)
             return
         # Straight from the live tensors: nothing changes them while this thread holds the
         # gate, and the staging buffers may belong to the save that just finished.

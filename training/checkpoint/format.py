@@ -4,9 +4,9 @@
         manifest.json                 written last, inside the temporary directory
         .metadata, __0_0.distcp, ...  what torch.distributed.checkpoint wrote
 
-`manifest.json` = {"format": "resiliency-checkpoint/2", "step", "rank", "world_size",
-"job", "files": {name: {"size", "crc32c"}}, "created", "world"}; `world`, the job's attempt
-the commit was written in, is left out when not known (fencing.py says what it fences).
+`manifest.json` is the protocol's `Manifest` (resiliency_protocol/checkpoint_manifest.py):
+format, step, rank, world_size, job, each file's size and checksum, the save's time and
+`world`, the job's attempt the commit was written in (fencing.py says what it fences).
 A directory is written under a hidden temporary name beside its final one and renamed
 into place once every file and the manifest are on disk (fsynced), so a process killed
 mid-save never leaves a directory that looks complete. A reader trusts a directory only
@@ -31,120 +31,28 @@ partner node (the peer tier).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
 import shutil
 import time
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import crc32c
 
+from resiliency_protocol.checkpoint_manifest import MANIFEST, Checksum, FileEntry, Manifest
 from training.errors import TrainingError
 
-FORMAT = "resiliency-checkpoint/2"
-#: What each format sums its files with: (the manifest's key, the function, which takes
-#: any buffer and the running value).
-Checksum = Callable[[Any, int], int]
-CHECKSUMS: dict[str, tuple[str, Checksum]] = {
-    FORMAT: ("crc32c", crc32c.crc32c),
-    "resiliency-checkpoint/1": ("crc32", zlib.crc32),
-}
-MANIFEST = "manifest.json"
 _CHUNK = 8 * 1024 * 1024
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
 _RANK_RE = re.compile(r"^rank-(\d+)$")
 TMP_PREFIX = ".tmp-"
-FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
 class CheckpointCorrupt(TrainingError):
     """A checkpoint directory failed verification (the message names the file)."""
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    size: int
-    checksum: int  # by the manifest's format: see CHECKSUMS
-
-
-@dataclass(frozen=True)
-class Manifest:
-    step: int
-    rank: int
-    world_size: int
-    job: str | None
-    files: dict[str, FileEntry]
-    created: float
-    format: str = FORMAT
-    #: The world (the job's attempt) it was written in; None: not known (fencing.py).
-    world: int | None = None
-
-    @property
-    def size(self) -> int:
-        return sum(f.size for f in self.files.values())
-
-    @property
-    def checksum(self) -> Checksum:
-        return CHECKSUMS[self.format][1]
-
-    def to_json(self) -> str:
-        key = CHECKSUMS[self.format][0]
-        world = {} if self.world is None else {"world": self.world}
-        return json.dumps(
-            world
-            | {
-                "format": self.format,
-                "step": self.step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "job": self.job,
-                "files": {
-                    name: {"size": f.size, key: f.checksum} for name, f in self.files.items()
-                },
-                "created": self.created,
-            },
-            sort_keys=True,
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Manifest:
-        """Parse a manifest; ValueError names what is wrong."""
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"manifest is not JSON: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("format") not in CHECKSUMS:
-            raise ValueError(f"manifest format is not one of {sorted(CHECKSUMS)}")
-        form = raw["format"]
-        key = CHECKSUMS[form][0]
-        step, rank, world = raw.get("step"), raw.get("rank"), raw.get("world_size")
-        if not all(isinstance(v, int) and v >= 0 for v in (step, rank, world)):
-            raise ValueError("manifest step, rank and world_size must be integers >= 0")
-        job = raw.get("job")
-        files = raw.get("files")
-        if (job is not None and not isinstance(job, str)) or not isinstance(files, dict):
-            raise ValueError("manifest job or files malformed")
-        entries: dict[str, FileEntry] = {}
-        for name, entry in files.items():
-            if not FILE_NAME_RE.match(name) or name in {".", "..", MANIFEST}:
-                raise ValueError(f"manifest names a bad file {name!r}")
-            size = entry.get("size") if isinstance(entry, dict) else None
-            crc = entry.get(key) if isinstance(entry, dict) else None
-            if not (isinstance(size, int) and size >= 0 and isinstance(crc, int) and crc >= 0):
-                raise ValueError(f"manifest entry of {name!r} malformed")
-            entries[name] = FileEntry(size, crc)
-        created = raw.get("created", 0.0)
-        written = raw.get("world")
-        if written is not None and not (isinstance(written, int) and written >= 0):
-            raise ValueError("manifest world must be an integer >= 0")
-        return cls(step, rank, world, job, entries, float(created), form, written)  # type: ignore[arg-type]
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -196,15 +104,23 @@ def build_manifest(
     with ThreadPoolExecutor(max(1, min(threads, len(left) or 1))) as pool:
         crcs = list(pool.map(file_checksum, (directory / name for name in left)))
     summed.update(zip(left, crcs, strict=True))
-    files = {name: FileEntry(sizes[name], summed[name]) for name in names}
-    return Manifest(step, rank, world_size, job, files, time.time(), world=world)
+    files = {name: FileEntry(size=sizes[name], crc32c=summed[name]) for name in names}
+    return Manifest(
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        job=job,
+        files=files,
+        created=time.time(),
+        world=world,
+    )
 
 
 def read_manifest(directory: Path, *, step: int | None = None, rank: int | None = None) -> Manifest:
     """The manifest of a committed directory, checked against its path and file sizes
     (cheap: no file is read). Raises CheckpointCorrupt."""
     try:
-        manifest = Manifest.from_json((directory / MANIFEST).read_bytes())
+        manifest = Manifest.parse((directory / MANIFEST).read_bytes())
     except OSError as exc:
         raise CheckpointCorrupt(f"{directory}: no manifest ({exc.strerror})") from None
     except ValueError as exc:

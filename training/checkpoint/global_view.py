@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from resiliency_protocol.checkpoint_manifest import MANIFEST
 from training.checkpoint import format as fmt
 from training.checkpoint.state import local_numel
 
@@ -140,7 +141,7 @@ def publish(
     last to commit sees every directory, and two writers write the same bytes. `fence`:
     a durable tier's commit fence (commit_fence.py)."""
     directories = {rank: fmt.rank_dir(root, step, rank) for rank in ranks}
-    if not all((d / fmt.MANIFEST).is_file() for d in directories.values()):
+    if not all((d / MANIFEST).is_file() for d in directories.values()):
         return False
     merged = merge([(d.name, rank_metadata(d)) for d in directories.values()])
     _fenced_write(fmt.step_dir(root, step) / METADATA, merged, sync=sync, fence=fence)
@@ -155,7 +156,7 @@ def consolidate(step_directory: Path, fence: CommitFence | None = None) -> list[
     ranks = sorted(
         int(child.name.removeprefix("rank-"))
         for child in step_directory.iterdir()
-        if child.name.startswith("rank-") and (child / fmt.MANIFEST).is_file()
+        if child.name.startswith("rank-") and (child / MANIFEST).is_file()
     )
     parts = [(f"rank-{r}", rank_metadata(step_directory / f"rank-{r}")) for r in ranks]
     _fenced_write(step_directory / METADATA, merge(parts), sync=True, fence=fence)

@@ -31,7 +31,20 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from resiliency_protocol.peer_checkpoints import FetchPeerRequest, FetchPeerResult, ReplicateRequest
+from resiliency_protocol.checkpoint_manifest import (
+    MANIFEST,
+    Checksum,
+    FileEntry,
+    Manifest,
+    first_error,
+)
+from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.peer_checkpoints import (
+    FetchPeerRequest,
+    FetchPeerResult,
+    PeerCopy,
+    ReplicateRequest,
+)
 from training.checkpoint import format as fmt
 from training.errors import TrainingError
 from training.worker_client import (
@@ -112,13 +125,19 @@ class PeerTier:
 
     def newest_copy(self) -> tuple[int, int | None] | None:
         """(step, world it was written in; None: not known) of the partner's copy."""
-        body = self._call("GET", "peer")
-        step = body.get("step") if isinstance(body, dict) else None
-        if not isinstance(step, int):
+        copy = self._partner_copy()
+        return None if copy is None else (copy.step, copy.manifest.world)
+
+    def _partner_copy(self) -> PeerCopy | None:
+        """The partner's newest copy of this rank, as the host monitor answers it."""
+        body = self._call("GET", Tier.PEER)
+        if body is None:
             return None
-        manifest = body.get("manifest") if isinstance(body, dict) else None
-        world = manifest.get("world") if isinstance(manifest, dict) else None
-        return step, world if isinstance(world, int) else None
+        try:
+            return PeerCopy.model_validate(body)
+        except ValidationError as exc:
+            self._warn(Tier.PEER, f"the partner's copy: {first_error(exc)}")
+            return None
 
     def fetch(self, step: int, ram_root: Path) -> tuple[Path, bool] | None:
         """Fetch the partner's copy of `step` into this node's RAM tier: its directory,
@@ -156,16 +175,12 @@ class PeerTier:
         channel = self._call("GET", "channel")
         if not isinstance(channel, dict) or not isinstance(channel.get("port"), int):
             return None
-        copy = self._call("GET", "peer")
-        if not isinstance(copy, dict) or copy.get("step") != step:
+        copy = self._partner_copy()
+        if copy is None or copy.step != step:
             return None
-        try:
-            manifest = fmt.Manifest.from_json(json.dumps(copy.get("manifest")))
-        except ValueError as exc:
-            self._warn("relay", f"the partner's manifest of step {step}: {exc}")
-            return None
+        manifest = copy.manifest
         final = fmt.rank_dir(ram_root, step, self.rank)
-        if (final / fmt.MANIFEST).exists():
+        if (final / MANIFEST).exists():
             return final, False
         temp = fmt.new_temp_dir(ram_root, step, self.rank)
         address: tuple[str, int] | str = (self._host, int(channel["port"]))
@@ -195,9 +210,9 @@ class PeerTier:
         tls: bool,
         step: int,
         temp: Path,
-        manifest: fmt.Manifest,
+        manifest: Manifest,
         name: str,
-        entry: fmt.FileEntry,
+        entry: FileEntry,
     ) -> None:
         """One file, relayed by the host monitor: over TCP (TLS as its API), or over its
         Unix socket, which hands over the partner's plain TCP connection itself."""
@@ -301,7 +316,7 @@ def _reply(sock: socket.socket) -> tuple[dict[str, Any], socket.socket | None]:
     return body, handed
 
 
-def _receive(sock: socket.socket, path: Path, size: int, checksum: fmt.Checksum) -> int:
+def _receive(sock: socket.socket, path: Path, size: int, checksum: Checksum) -> int:
     """`size` bytes into a new file at `path`, through one buffer: their checksum."""
     buffer = bytearray(min(_BUFFER, max(size, 1)))
     view = memoryview(buffer)

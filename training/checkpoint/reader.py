@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from training.checkpoint.format import Checksum
+from resiliency_protocol.checkpoint_manifest import Checksum
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, 30 bytes
 #: Bytes read into a tensor at a time, then summed while still in the CPU's cache.

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from resiliency_protocol.checkpoint_manifest import MANIFEST, Manifest
 from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import ddp_order, fencing, global_view
 from training.checkpoint import format as fmt
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 #: memory (an in-process restart rewinds instead of loading).
 Source = Literal["memory", Tier.RAM, Tier.PEER, Tier.DURABLE]
 #: Sources from fastest to slowest: a sharded restore reports the slowest it read from.
-SPEED: dict[str, int] = {"memory": 0, "ram": 1, "peer": 2, "durable": 3}
+SPEED: dict[str, int] = {"memory": 0, Tier.RAM: 1, Tier.PEER: 2, Tier.DURABLE: 3}
 #: Files up to this size (DCP's metadata) are verified before a load reads them; larger
 #: ones (the shards) as the load reads them.
 VERIFY_FIRST_BYTES = 1 << 20
@@ -190,7 +191,7 @@ class Restorer:
         for rank, step in found:
             try:
                 directory = store.stage(step, rank)
-                manifest = fmt.Manifest.from_json((directory / fmt.MANIFEST).read_bytes())
+                manifest = Manifest.parse((directory / MANIFEST).read_bytes())
                 if store.fenced_out(manifest):
                     log.warning(
                         "checkpoint: skipping %s step %d rank %d: world %s committed it "
@@ -243,16 +244,16 @@ class Restorer:
             else:
                 directory = where
             try:
-                if tier == "durable":
+                if tier == Tier.DURABLE:
                     self._fetch(directory)
                 manifest = fmt.read_manifest(directory, step=step)
                 self._read(step, directory, {"": (directory, manifest)}, verified=verified)
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
                 log.warning("checkpoint: step %d from %s not loadable: %s", step, tier, exc)
-                if tier in ("ram", "peer"):
+                if tier in (Tier.RAM, Tier.PEER):
                     fmt.remove_step(self.ram_root or Path(), step, self.rank)
                 continue
-            return Loaded(tier, manifest.size, {})
+            return Loaded(tier, manifest.total_bytes, {})
         return None
 
     # --- sharded states ---------------------------------------------------------------
@@ -332,7 +333,7 @@ class Restorer:
                     return None
                 for rank in bad:
                     tier, _ = left[rank].pop(0)
-                    if tier in ("ram", "peer") and self.ram_root is not None:
+                    if tier in (Tier.RAM, Tier.PEER) and self.ram_root is not None:
                         fmt.remove_step(self.ram_root, step, rank)
                 if any(not left[rank] for rank in bad) and self._gaps(
                     {r: f for r, f in left.items() if f}, self._target(step)
@@ -342,7 +343,7 @@ class Restorer:
                 continue
             used = {rank: chosen[rank][0] for rank in read if rank in chosen}
             tier = max(used.values(), key=SPEED.__getitem__, default=Tier.RAM)
-            size = sum(parts[f"rank-{rank}"][1].size for rank in used)
+            size = sum(parts[f"rank-{rank}"][1].total_bytes for rank in used)
             return Loaded(tier, size, used)
         return None
 
@@ -378,7 +379,7 @@ class Restorer:
         self,
         step: int,
         path: Path,
-        parts: dict[str, tuple[Path, fmt.Manifest]],
+        parts: dict[str, tuple[Path, Manifest]],
         *,
         verified: bool,
         target: dict[str, Any] | None = None,

@@ -36,6 +36,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from resiliency_protocol.checkpoint_manifest import Manifest
+from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import format as fmt
 from training.checkpoint import global_view
 from training.checkpoint.durable import DurableStore
@@ -137,7 +139,7 @@ class Saver:
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
         #: Per tier, the steps emergency saves committed: retention does not count them.
-        self.emergency_steps: dict[str, set[int]] = {"ram": set(), "durable": set()}
+        self.emergency_steps: dict[str, set[int]] = {Tier.RAM: set(), Tier.DURABLE: set()}
         self._idle = threading.Event()
         self._idle.set()
         #: The step whose durable copy is under way (its own thread), if any.
@@ -189,7 +191,7 @@ class Saver:
         try:
             self._save(job)
         except Exception as exc:  # never kill the training loop for a failed save
-            self._failed(job, "ram" if job.to_ram else "durable", exc)
+            self._failed(job, Tier.RAM if job.to_ram else Tier.DURABLE, exc)
         finally:
             self._idle.set()
 
@@ -221,7 +223,7 @@ class Saver:
         if job.finish_staging is not None:
             job.state = job.finish_staging(job.state)
         writing = time.monotonic()
-        first_tier = "ram" if job.to_ram else "durable"
+        first_tier = Tier.RAM if job.to_ram else Tier.DURABLE
         if job.to_ram:
             assert self.ram_root is not None
             temp = fmt.new_temp_dir(self.ram_root, job.step, self.rank)
@@ -263,7 +265,7 @@ class Saver:
                 job.step,
                 first_tier,
                 final,
-                manifest.size,
+                manifest.total_bytes,
                 job.blocking_s,
                 time.monotonic() - job.started,
                 emergency=job.emergency,
@@ -276,11 +278,11 @@ class Saver:
             # retention: with a sharded state a rank that could not save it (the dead one)
             # needs the periodic step the others still hold. Its durable copy is made
             # here: the process may not live to see a thread's.
-            self.emergency_step("ram" if job.to_ram else "durable", job.step)
+            self.emergency_step(Tier.RAM if job.to_ram else Tier.DURABLE, job.step)
             if copy and self._to_durable(job, final, manifest):
-                self.emergency_step("durable", job.step)
+                self.emergency_step(Tier.DURABLE, job.step)
             return
-        self.emergency_steps["ram" if job.to_ram else "durable"].discard(job.step)
+        self.emergency_steps[Tier.RAM if job.to_ram else Tier.DURABLE].discard(job.step)
         if copy and not job.background:
             if self._to_durable(job, final, manifest):
                 self._after_durable(job.step)
@@ -295,44 +297,46 @@ class Saver:
             # before it with the ranks that committed.
             keep = max(self.ram_keep, 2) if self.world_size > 1 else self.ram_keep
             if self.fence is not None:
-                self.fence.drop_shadowed("ram", self.rank)
-            aside = self.emergency_steps["ram"]
+                self.fence.drop_shadowed(Tier.RAM, self.rank)
+            aside = self.emergency_steps[Tier.RAM]
             uploading = self._uploading
             protect = () if uploading is None else (uploading,)
             aside -= set(fmt.retain(self.ram_root, self.rank, keep, protect=protect, aside=aside))
 
-    def _to_durable(self, job: SaveJob, final: Path | None, manifest: fmt.Manifest) -> bool:
+    def _to_durable(self, job: SaveJob, final: Path | None, manifest: Manifest) -> bool:
         """Copy the step committed in RAM to the durable tier; whether it committed."""
         assert final is not None and self.durable is not None
         copied_at = time.monotonic()
         try:
             if self.fence is not None:
-                self.fence.check("durable")
+                self.fence.check(Tier.DURABLE)
             if self.lease is not None:
                 self.lease(f"the durable copy of step {job.step}")
             path = self.durable.copy_committed(final, manifest)
         except Exception as exc:  # the RAM tier holds the step: only durable failed
             # Nor is retention run there: a rank refused as an older world's must not
             # evict what a newer world keeps.
-            self._failed(job, "durable", exc)
+            self._failed(job, Tier.DURABLE, exc)
             return False
         # The loop blocked once, for the RAM save: the durable copy adds no blocking.
         seconds = time.monotonic() - copied_at
         self._committed(
-            SaveResult(job.step, "durable", path, manifest.size, 0.0, seconds, write_s=seconds)
+            SaveResult(
+                job.step, Tier.DURABLE, path, manifest.total_bytes, 0.0, seconds, write_s=seconds
+            )
         )
         return True
 
     def _after_durable(self, step: int) -> None:
         """The durable tier committed periodic step `step`: its retention."""
         assert self.durable is not None
-        aside = self.emergency_steps["durable"]
+        aside = self.emergency_steps[Tier.DURABLE]
         with self._durable_lock:  # an emergency save may add to it meanwhile
             aside.discard(step)  # saved again as a periodic step
             emergency = set(aside)
         try:
             if self.fence is not None:
-                self.fence.drop_shadowed("durable", self.rank)
+                self.fence.drop_shadowed(Tier.DURABLE, self.rank)
             removed = self.durable.retain(self.rank, self.durable_keep, aside=emergency)
         except Exception as exc:  # the step is committed: retention runs again next time
             log.warning("checkpoint: durable retention failed: %r", exc)
@@ -340,7 +344,7 @@ class Saver:
         with self._durable_lock:
             aside -= set(removed)
 
-    def _upload(self, job: SaveJob, final: Path | None, manifest: fmt.Manifest) -> None:
+    def _upload(self, job: SaveJob, final: Path | None, manifest: Manifest) -> None:
         """The durable copy in a thread of its own; skipped, and reported, while the
         previous one is still under way (see the module)."""
         with self._lock:
@@ -354,7 +358,7 @@ class Saver:
                 f"bucket); the RAM tier keeps step {job.step}"
             )
             log.warning("checkpoint: durable save of step %d %s", job.step, error)
-            self._report_failed(job, "durable", error, skipped=True)
+            self._report_failed(job, Tier.DURABLE, error, skipped=True)
             return
 
         def upload() -> None:
@@ -372,38 +376,38 @@ class Saver:
         """Write `step`'s global metadata in `tier` if every rank has committed."""
         ranks = [0] if self.replicated else list(range(self.world_size))
         try:
-            if tier == "durable" and self.durable is not None:
+            if tier == Tier.DURABLE and self.durable is not None:
                 self.durable.publish(step, ranks, sync=self.sync_files)
-            elif tier == "ram" and self.ram_root is not None:
+            elif tier == Tier.RAM and self.ram_root is not None:
                 global_view.publish(self.ram_root, step, ranks, sync=self.sync_files)
         except Exception as exc:
             # The step still restores here (the restore merges the ranks' metadata itself).
             log.warning("checkpoint: global metadata of step %d not written: %r", step, exc)
 
     def _fence_mode(self, tier: str) -> str | None:
-        return self.durable.fence.known_mode if tier == "durable" and self.durable else None
+        return self.durable.fence.known_mode if tier == Tier.DURABLE and self.durable else None
 
-    def copy_emergency(self, step: int, source: Path, manifest: fmt.Manifest) -> str | None:
+    def copy_emergency(self, step: int, source: Path, manifest: Manifest) -> str | None:
         """An emergency save's copy of its RAM step to the durable tier, fenced as every
         durable commit; the error, reported as a failed save, or None when committed."""
         assert self.durable is not None
         started = time.monotonic()
         try:
             if self.fence is not None:
-                self.fence.check("durable")
+                self.fence.check(Tier.DURABLE)
             if self.lease is not None:
                 self.lease(f"the durable copy of emergency step {step}")
             self.durable.copy_committed(source, manifest)
         except Exception as exc:
             job = SaveJob(step, {}, False, True, 0.0, started, emergency=True)
-            self._failed(job, "durable", exc)
+            self._failed(job, Tier.DURABLE, exc)
             return repr(exc)
-        self.emergency_step("durable", step)
+        self.emergency_step(Tier.DURABLE, step)
         return None
 
     def _committed(self, result: SaveResult) -> None:
-        if result.tier == "durable":
-            result.fence = self._fence_mode("durable")
+        if result.tier == Tier.DURABLE:
+            result.fence = self._fence_mode(Tier.DURABLE)
         self.publish(result.tier, result.step)
         self.results.append(result)
         try:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.worlds import parse_world
 from training.checkpoint import fencing
 from training.checkpoint import format as fmt
@@ -113,7 +114,7 @@ class WorldFence:
         world has started there."""
         if self.world is None:
             return
-        if tier == "ram":
+        if tier == Tier.RAM:
             starts = fencing.read_local(self.ram_root) if self.ram_root is not None else []
             where = f"RAM tier {self.ram_root}"
         else:
@@ -140,7 +141,7 @@ class WorldFence:
         """Remove `rank`'s shadowed commits in `tier`, before retention keeps the newest
         steps (a shadowed step must not push a newer world's out); the steps removed."""
         removed: list[int] = []
-        if tier == "ram" and self.ram_root is not None:
+        if tier == Tier.RAM and self.ram_root is not None:
             root = self.ram_root
             starts = fencing.read_local(root)
             for step in fmt.committed_steps(root, rank) if starts else []:
@@ -151,7 +152,7 @@ class WorldFence:
                 if fencing.shadowed(manifest.world, step, starts):
                     fmt.remove_step(root, step, rank)
                     removed.append(step)
-        elif tier == "durable" and self.durable is not None:
+        elif tier == Tier.DURABLE and self.durable is not None:
             store = self.durable
             starts = store.starts()
             for step in store.committed_steps(rank) if starts else []:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from resiliency_protocol import worker_env
+from resiliency_protocol.shared_settings import DEFAULT_HOST_LEASE_S
 from training.errors import TrainingError
 from training.monitor_link.connection import log
 
@@ -44,7 +45,7 @@ class HostLeaseExpired(TrainingError, RuntimeError):
 class LeaseSettings:
     #: Seconds a rank keeps training after the supervisor last answered its host monitor
     #: (three of the host monitor's default heartbeat periods); 0: no lease.
-    host_lease_s: float = 15.0
+    host_lease_s: float = DEFAULT_HOST_LEASE_S
 
     def __post_init__(self) -> None:
         if not (self.host_lease_s >= 0 and self.host_lease_s < float("inf")):

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from resiliency_protocol import worker_env
+from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint.fencing import world_from_env
 from training.errors import TrainingError
 
@@ -121,21 +122,21 @@ class WorkloadConfig:
         def non_negative(v: float) -> bool:
             return v >= 0
 
-        rank = get("RANK", int, 0, non_negative)
-        replicas = get("NUM_DP_REPLICAS", int, 1, positive)
-        shards = get("NUM_NODES_PER_DP", int, 1, positive)
-        world = get("WORLD_SIZE", int, replicas * shards, positive)
+        rank = get(worker_env.RANK, int, 0, non_negative)
+        replicas = get(worker_env.NUM_DP_REPLICAS, int, 1, positive)
+        shards = get(worker_env.NUM_NODES_PER_DP, int, 1, positive)
+        world = get(worker_env.WORLD_SIZE, int, replicas * shards, positive)
         if world != replicas * shards:
             raise ConfigError(
                 f"WORLD_SIZE={world} but NUM_DP_REPLICAS x NUM_NODES_PER_DP = {replicas * shards}"
             )
         if rank >= world:
             raise ConfigError(f"RANK={rank} is not below the world size {world}")
-        run_dir = Path(env.get("RUN_DIR") or "workload-run")
+        run_dir = Path(env.get(worker_env.RUN_DIR) or "workload-run")
         attempt = env.get(worker_env.WORKLOAD_ATTEMPT, "").strip() or "0"
         if "/" in attempt or attempt in (".", ".."):
             raise ConfigError(f"invalid WORKLOAD_ATTEMPT={attempt!r}")
-        durable = Path(env.get("DURABLE_CKPT_DIR") or run_dir / "durable")
+        durable = Path(env.get(worker_env.DURABLE_CKPT_DIR) or run_dir / Tier.DURABLE)
         return cls(
             rank=rank,
             num_replicas=replicas,
@@ -146,7 +147,9 @@ class WorkloadConfig:
             run_dir=run_dir,
             attempt=attempt,
             world=world_from_env(env),
-            local_ckpt_dir=Path(env.get("LOCAL_CKPT_DIR") or run_dir / "local" / f"rank-{rank}"),
+            local_ckpt_dir=Path(
+                env.get(worker_env.LOCAL_CKPT_DIR) or run_dir / "local" / f"rank-{rank}"
+            ),
             durable_ckpt_dir=durable,
             local_freq=get("IN_MEMORY_CHECKPOINTING_FREQ", int, 10, non_negative),
             durable_freq=get("S3_CHECKPOINTING_FREQ", int, 20, non_negative),
@@ -154,7 +157,7 @@ class WorkloadConfig:
             max_consecutive_save_failures=get(
                 "MAX_CONSECUTIVE_SAVE_FAILURES", int, 3, non_negative
             ),
-            output_dir=Path(env.get("OUTPUT_DIR") or run_dir / "output"),
+            output_dir=Path(env.get(worker_env.OUTPUT_DIR) or run_dir / "output"),
             collective_timeout_s=get("COLLECTIVE_TIMEOUT_S", float, 600.0, positive),
             log_every=get("LOG_EVERY_STEPS", int, 10, positive),
             model_dim=get("MODEL_DIM", int, 64, positive),

@@ -70,7 +70,13 @@ class FaultIn(BaseModel):
                 ]
             }
         ),
-    ] = Field(None, examples=["random,120", {"cron": "0 2 * * *", "kinds": ["worker_crash"]}])
+    ] = Field(
+        None,
+        examples=[
+            "random,120",
+            {"cron": "0 2 * * *", "kinds": [protocol.FaultKind.WORKER_CRASH.value]},
+        ],
+    )
     node: Name | None = None
     job: Name | None = Field(None, description="Job whose nodes a schedule targets.")
     rank: Rank | None = Field(None, description="Worker to hit.")

@@ -13,6 +13,7 @@ export class Faults {
     this.node = $("#fault-node");
     this.result = $("#fault-result");
     this.enabled = false;
+    this.params = {};
     this.kind.addEventListener("change", () => this.showFields());
     this.form.addEventListener("submit", (e) => {
       e.preventDefault();
@@ -26,6 +27,8 @@ export class Faults {
     this.section.hidden = !this.enabled;
     $("#faults-link").hidden = !this.enabled;
     if (!this.enabled) return;
+    // Each kind's parameters come from the protocol's table, through /api/v1/info.
+    this.params = info.fault_params;
     setOptions(this.kind, info.fault_kinds.map((k) => [k, words(k)]));
     this.showFields();
   }
@@ -35,9 +38,9 @@ export class Faults {
   }
 
   showFields() {
-    const kind = this.kind.value;
-    for (const field of this.form.querySelectorAll(".field[data-for]")) {
-      const on = field.dataset.for.split(" ").includes(kind);
+    const taken = this.params?.[this.kind.value] ?? [];
+    for (const field of this.form.querySelectorAll(".field[data-param]")) {
+      const on = [...field.querySelectorAll("input")].some((input) => taken.includes(input.name));
       field.hidden = !on;
       for (const input of field.querySelectorAll("input")) input.disabled = !on;
     }
@@ -45,7 +48,7 @@ export class Faults {
 
   body() {
     const body = { kind: this.kind.value, node: this.node.value };
-    for (const input of this.form.querySelectorAll(".field[data-for] input")) {
+    for (const input of this.form.querySelectorAll(".field[data-param] input")) {
       if (input.disabled || input.value === "") continue;
       body[input.name] = Number(input.value);
     }

@@ -1,0 +1,32 @@
+"""The settings the supervisor, the host monitor and the training side must agree on,
+each declared once here: every process's own settings take their default from here, so
+that one side's default never drifts from the other's. Imports nothing from supervisor,
+host_monitor or training. The worker's environment variables are in worker_env.py.
+"""
+
+from __future__ import annotations
+
+#: The prefix of the host monitor's settings in its environment (`HOST_MONITOR_NODE`...):
+#: read by the host monitor, written by whatever starts one (the local cluster, the demo).
+HOST_MONITOR_ENV_PREFIX = "HOST_MONITOR_"
+
+#: The port of a host monitor's local API: where it binds (`host_daemon_port`) and where
+#: the supervisor reaches it when its heartbeat gives no address (`host_monitor_port`).
+DEFAULT_HOST_MONITOR_PORT = 9400
+
+#: How often a host monitor sends a heartbeat (`heartbeat_polling_period_s` on both sides:
+#: the supervisor derives its waits from it).
+DEFAULT_HEARTBEAT_POLLING_PERIOD_S = 5.0
+
+#: Repeats of the same GPU error within this are dropped (`gpu_report_cooldown_s`: the
+#: host monitor does not send them, the supervisor does not act on them).
+DEFAULT_GPU_REPORT_COOLDOWN_S = 60.0
+
+#: Seconds a rank trains on after the supervisor last answered its host monitor
+#: (`host_lease_s`, worker_env.HOST_LEASE_S): three default heartbeat periods.
+DEFAULT_HOST_LEASE_S = 3 * DEFAULT_HEARTBEAT_POLLING_PERIOD_S
+
+
+def host_monitor_env(setting: str) -> str:
+    """The environment variable of the host monitor's setting `setting`."""
+    return HOST_MONITOR_ENV_PREFIX + setting.upper()
