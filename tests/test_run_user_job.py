@@ -184,28 +184,29 @@ def paused_example(tmp: Path) -> Path:
     return saved_example(tmp, "# example: checkpoint tiers", {**EDITS, "ckpt.close()": WEIGHTS_OUT})
 
 
-#: The survivors' state is the step they hold (22 before the optimizer's step 23, else the
-#: step itself): every rank resumes from it, no step lost.
+#: Each kind of fault at each point of a step (three lost nodes: three spares). The
+#: survivors' state is the step they hold (the step before, held before the optimizer's
+#: step, else the step itself): every rank resumes from it, no step lost.
 DDP_FAULTS = [
-    FaultAt(23, "before", {"kind": "worker_crash", "node": "node-1", "rank": 3},
-            "restart_in_place node-1", (0, 1), 22),
-    FaultAt(47, "inside", {"kind": "node_down", "node": "node-1"}, "hot_swap node-1",
-            (0, 1), 47),
-    FaultAt(74, "after", {"kind": "worker_crash", "node": "node-0", "rank": 1},
-            "restart_in_place node-0", (2, 3), 74),
-]  # fmt: skip
+    FaultAt(13, "before", "node_down", 2, (0, 1), 12),
+    FaultAt(27, "inside", "worker_crash", 1, (2, 3), 27),
+    FaultAt(44, "after", "node_down", 0, (2, 3), 44),
+    FaultAt(58, "before", "worker_crash", 3, (0, 1), 57),
+    FaultAt(73, "inside", "node_down", 3, (0, 1), 73),
+    FaultAt(88, "after", "worker_crash", 0, (2, 3), 88),
+]
 
 
 def test_the_ddp_example_is_healed_from_faults_at_every_point_of_a_step_to_exact_weights(
     tmp_path: Path,
 ) -> None:
     """The DDP example of docs/training.md under `supervisor run` (2 nodes x 2 workers and
-    a spare), three faults injected through the API while every rank is held at a point of
-    a step: a crashed rank before the optimizer's step, a lost node inside it, a crashed
-    rank after it. Each emergency checkpoint holds exactly the step the survivors' state
-    is at (their collective raising once their peer is gone ends their processes, after
-    the save), every rank resumes from it, and the run ends with the weights of a run
-    without a fault."""
+    3 spares), a lost node and a crashed rank injected through the API at each point of a
+    step while every rank is held there: before the optimizer's step, inside it, after it.
+    Each emergency checkpoint holds exactly the step the survivors' state is at (their
+    collective raising once their peer is gone ends their processes, after the save),
+    every rank resumes from it, and the run ends with the weights of a run without a
+    fault."""
     pytest.importorskip("torch")
     script = paused_example(tmp_path)
     want = reference_weights(tmp_path, script)
@@ -213,15 +214,16 @@ def test_the_ddp_example_is_healed_from_faults_at_every_point_of_a_step_to_exact
     pauses = tmp_path / "pauses"
     pauses.mkdir()
     extra = {"STEP_TIME_S": "0.02", "WEIGHTS_FILE": str(weights), **env_of(pauses, DDP_FAULTS)}
-    args = ["--nnodes", "2", "--nproc-per-node", "2", "--spares", "1", "train.py"]
+    args = ["--nnodes", "2", "--nproc-per-node", "2", "--spares", "3", "train.py"]
     run = Run(tmp_path, args, user_env(tmp_path, **extra))
     try:
-        inject_at_points(run, pauses, DDP_FAULTS, ranks=4)
+        remedies = inject_at_points(run, pauses, DDP_FAULTS, ranks=4)
         code = run.finish()
     finally:
         run.kill()
     output = "\n".join(run.lines)
     assert code == 0, output
+    assert all(line in output for line in remedies), remedies
     assert_saved_and_resumed(output, DDP_FAULTS, 4, [f.saved for f in DDP_FAULTS])
     assert weights.read_text() == want
 
