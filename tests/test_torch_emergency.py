@@ -59,26 +59,35 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, Agent]]:
             agent.proc.wait(10)
 
 
+def rank_env(tmp: Path, nodes: dict[str, Agent], rank: int, port: int) -> dict[str, str]:
+    """What rank `rank` of two (node-a's, node-b's) starts with: registered with its node's
+    host monitor, its RAM tier on that node, one durable tier for both."""
+    node = ("node-a", "node-b")[rank]
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "HOST_MONITOR_URL": nodes[node].url,
+        "HOST_MONITOR_WORKER_TOKEN": WORKER_TOKEN,
+        "HOST_MONITOR_JOB": JOB,
+        "CHECKPOINT_RAM_DIR": str(tmp / node / "ram" / JOB),
+        "CHECKPOINT_DURABLE_DIR": str(tmp / "durable"),
+    }
+
+
 def start_world(
     tmp: Path, nodes: dict[str, Agent], name: str, **env: str
 ) -> dict[int, subprocess.Popen[str]]:
     port = free_port()
     procs = {}
-    for rank, node in enumerate(("node-a", "node-b")):
+    for rank in (0, 1):
         full = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "HOST_MONITOR_URL": nodes[node].url,
-            "HOST_MONITOR_WORKER_TOKEN": WORKER_TOKEN,
-            "HOST_MONITOR_JOB": JOB,
-            "CHECKPOINT_RAM_DIR": str(tmp / node / "ram" / JOB),
-            "CHECKPOINT_DURABLE_DIR": str(tmp / "durable"),
+            **rank_env(tmp, nodes, rank, port),
             "IN_MEMORY_CHECKPOINTING_FREQ": "10",
             "S3_CHECKPOINTING_FREQ": "20",
             "ENABLE_PEER_CKPT": "false",
@@ -250,20 +259,9 @@ def test_a_rank_whose_collective_raised_saves_its_last_step_at_exit(
     script = docs_example(tmp_path)
     port = free_port()
     procs = {}
-    for rank, node in enumerate(("node-a", "node-b")):
+    for rank in (0, 1):
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "HOST_MONITOR_URL": nodes[node].url,
-            "HOST_MONITOR_WORKER_TOKEN": WORKER_TOKEN,
-            "HOST_MONITOR_JOB": JOB,
-            "CHECKPOINT_RAM_DIR": str(tmp_path / node / "ram" / JOB),
-            "CHECKPOINT_DURABLE_DIR": str(tmp_path / "durable"),
+            **rank_env(tmp_path, nodes, rank, port),
             "STEP_TIME_S": "0.05",
             "WEIGHTS_FILE": str(tmp_path / "weights.sha256"),
         }
