@@ -1,7 +1,8 @@
 """The production mode end to end on the real Kubernetes control plane (tests/control_plane.py):
-the scenarios of tests/test_kube_e2e.py, with the real API server, scheduler, Job and
-JobSet controllers (the JobSet's failure policy deciding its own restarts) and node
-lifecycle controller in place of FakeKube's models.
+the scenarios once run on the model (tests/kube_model_e2e.py), with the real API server,
+scheduler, Job and JobSet controllers (the JobSet's failure policy deciding its own
+restarts) and node lifecycle controller in place of FakeKube's models; more of them in
+tests/test_kube_e2e_real_restarts.py.
 
 `supervisor serve` with the Kubernetes backend (the chart's ServiceAccount token, the
 default policy, SQLite), a real `host-monitor` per node (started as a spare), and the
@@ -31,10 +32,7 @@ import pytest
 
 from supervisor.kube import objects as o
 from tests.control_plane import ControlPlane, Identity
-from tests.kube_real import JOBSETS, NS, get
-from tests.kube_real_kubelet import RealKubelet
-from tests.test_host_monitor import ACTUATOR_TOKEN, WORKER_TOKEN, Agent, Cluster, Supervisor
-from tests.test_kube_e2e import (
+from tests.kube_model_e2e import (
     EMERGENCY_SAVED,
     FAILURES,
     HEARTBEAT_PERIOD_S,
@@ -42,6 +40,9 @@ from tests.test_kube_e2e import (
     RESUMED,
     jobset,
 )
+from tests.kube_real import JOBSETS, NS, get
+from tests.kube_real_kubelet import RealKubelet
+from tests.test_host_monitor import ACTUATOR_TOKEN, WORKER_TOKEN, Agent, Cluster, Supervisor
 from tests.timing import scaled
 
 SUPERVISED = "resiliency.supervisor.io/supervised"

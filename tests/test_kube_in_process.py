@@ -12,7 +12,7 @@ are bit-identical to a run without the fault. The host monitors are told their
 checkpoint partners from the pods' placement, so a replacement restores from the peer
 copy when no emergency checkpoint was taken.
 
-Still a fake where there is no choice (see tests/test_kube_e2e.py): the API server and
+Still a fake where there is no choice (see tests/kube_model_e2e.py): the API server and
 the controllers are FakeKube's models; MASTER_ADDR is 127.0.0.1 (no cluster DNS here).
 """
 
@@ -34,8 +34,8 @@ import yaml
 
 from supervisor.local.cluster_state import free_port
 from tests.http import http
+from tests.kube_model_e2e import E2E, wait_for
 from tests.test_host_monitor import ACTUATOR_TOKEN
-from tests.test_kube_e2e import E2E, wait_for
 from tests.test_torch_emergency import SMALL, fault_free_weights
 
 pytest.importorskip("torch")
@@ -103,7 +103,7 @@ def jobset(tmp: Path, master_port: int, nproc: int = 1) -> dict[str, Any]:
 
 
 class Env(E2E):
-    """tests/test_kube_e2e.py's cluster with four nodes, one node per replica, the peer
+    """tests/kube_model_e2e.py's cluster with four nodes, one node per replica, the peer
     tier on, and the PyTorch JobSet."""
 
     nodes = NODES

@@ -23,7 +23,8 @@ from tests.conftest import SettingsFactory
 from tests.http import http
 from tests.kube import FakeKube
 from tests.kube.harness import NS, action, kube_settings, setup_cluster, started
-from tests.test_kube_e2e import OPERATOR, wait_for
+from tests.kube_model_e2e import wait_for
+from tests.test_host_monitor import OPERATOR
 
 
 @pytest.fixture

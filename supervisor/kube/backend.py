@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 #: How long execute() waits for the watches' first lists.
 SYNC_TIMEOUT_S = 30.0
+#: How often that wait looks for a JobSet list refused for want of the CRD.
+SYNC_CHECK_S = 0.5
 
 
 class KubeBackend(Backend):
@@ -176,8 +178,23 @@ class KubeBackend(Backend):
         self.recovery.start()
         if not self.read_only:
             self.links.start()
-        if not await self.discovery.synced(SYNC_TIMEOUT_S):
-            log.warning("kubernetes watches not synced after %.0fs; going on", SYNC_TIMEOUT_S)
+        if not await self._synced():
+            # Not a reason to exit: a restarted supervisor would meet the same cluster
+            # (a crash loop); every action says why it cannot run until it is fixed.
+            if (missing := self.discovery.jobset_crd_missing()) is not None:
+                log.error("kubernetes backend: %s", missing)
+            else:
+                log.warning("kubernetes watches not synced after %.0fs; going on", SYNC_TIMEOUT_S)
+
+    async def _synced(self) -> bool:
+        """Wait for the watches' first lists, but not for a JobSet list the API server
+        answers 404 (no JobSet CRD): that one will not come before someone installs it."""
+        for _ in range(int(SYNC_TIMEOUT_S / SYNC_CHECK_S)):
+            if self.discovery.jobset_crd_missing() is not None:
+                return False
+            if await self.discovery.synced(SYNC_CHECK_S):
+                return True
+        return False
 
     def _start_watches(self) -> None:
         if not self._started:
@@ -224,7 +241,9 @@ class KubeBackend(Backend):
         if self.read_only:
             raise ActionError(f"{action.type.value}: this backend only watches (dry run)")
         self._start_watches()
-        if not await self.discovery.synced(SYNC_TIMEOUT_S):
+        if not await self._synced():
+            if (missing := self.discovery.jobset_crd_missing()) is not None:
+                raise ActionError(missing)  # until a cluster admin installs it
             raise ActionError("the Kubernetes watches have not listed yet", retryable=True)
         try:
             return await dispatch(self.name, self.actions, self, action)

@@ -21,11 +21,19 @@ from kubernetes import client
 from supervisor.config_parts import KubernetesSettings, WorkloadSettings
 from supervisor.domain import utcnow
 from supervisor.kube import objects as o
+from supervisor.kube.errors import NotFound
 from supervisor.kube.informer import Informer
 from supervisor.kube.objects import JobShape, Obj
 
 #: (kind, event type, object, object before) for every change seen by a watch.
 ChangeListener = Callable[[str, str, Obj, Obj | None], None]
+
+#: What the operator reads where the API server does not serve JobSets at all.
+JOBSET_CRD_MISSING = (
+    f"the JobSet CRD {o.JOBSET_PLURAL}.{o.JOBSET_GROUP} is not installed in the cluster "
+    f"(the API server has no {o.JOBSET_API_VERSION} {o.JOBSET_PLURAL}): install JobSet "
+    "(its CRD and controller); the supervisor lists JobSets again on its own, no restart needed"
+)
 
 
 class Discovery:
@@ -108,6 +116,14 @@ class Discovery:
         except TimeoutError:
             return False
         return True
+
+    def jobset_crd_missing(self) -> str | None:
+        """Why no JobSet can be listed, when the API server serves no JobSets (the list's
+        404: the CRD is not installed, or was removed); None otherwise."""
+        informer = self.informers.get("JobSet")
+        if informer is not None and isinstance(informer.last_error, NotFound):
+            return JOBSET_CRD_MISSING
+        return None
 
     def _changed(self, kind: str, type_: str, obj: Obj, before: Obj | None) -> None:
         if kind == "Pod":

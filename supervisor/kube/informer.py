@@ -72,6 +72,9 @@ class Informer:
         self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0}
         #: Where the next watch resumes: the last list's, event's or bookmark's version.
         self.resource_version: str | None = None
+        #: What the last list or watch failed with (the `ApiError`, or the exception),
+        #: until a list succeeds: read on the event loop to say why it has not synced.
+        self.last_error: Exception | None = None
         self._stop = threading.Event()
         self._response: Any = None
         self._thread = threading.Thread(target=self._run, name=f"informer-{kind}", daemon=True)
@@ -105,6 +108,7 @@ class Informer:
             try:
                 if version is None:
                     version = self._relist()
+                    self.last_error = None
                 version = self._watch(version)
                 backoff.reset()
             except Gone:  # an ERROR event in the stream
@@ -123,6 +127,7 @@ class Informer:
                 if isinstance(error, Gone):  # the answer to the watch request itself
                     version = None
                     continue
+                self.last_error = error
                 brief = (
                     str(error) if isinstance(error, ApiError) else f"{type(exc).__name__}: {exc}"
                 )

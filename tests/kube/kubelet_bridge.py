@@ -1,5 +1,5 @@
 """A kubelet for FakeKube that runs real processes: the container runtime of the
-end-to-end test (tests/test_kube_e2e.py).
+end-to-end tests on the model (tests/kube_model_e2e.py).
 
 FakeKube's own kubelet model only moves pod phases; no container ever runs. This bridge
 plays, for the nodes it is given, the part of the kubelet that starts and stops

@@ -1,15 +1,17 @@
-"""The product in its production mode, end to end, with real processes (the scenarios of a
-trained job, a dead node and a crash run on the real control plane instead:
-tests/test_kube_e2e_real.py): `supervisor serve`
-with the Kubernetes backend (a kubeconfig pointing at the fake API server of tests/kube,
-the default policy, SQLite), a real `host-monitor` per node (started as a spare,
-heartbeating the supervisor), and the demo training workload run for each pod of the
-JobSet by the kubelet bridge (tests/kube/kubelet_bridge.py), from the example manifest
-of the Helm chart. Faults are real: SIGKILL of a node's processes with its Node turning
-NotReady, a worker process crashing.
+"""The production mode end to end on the model of the API server (tests/kube's FakeKube):
+the harness of the modules that still run pods' processes through the kubelet bridge
+(tests/test_kube_in_process.py, tests/test_partitions_kube.py), and what the real plane's
+end-to-end modules share with it (the chart's example JobSet with host paths, the log
+patterns, the heartbeat timings). Every end-to-end scenario of a trained job, a dead
+node, a crash, workers crashing together, a node forgetting a replaced pod's workers and
+a workload restart runs on the real control plane (tests/test_kube_e2e_real*.py).
 
-Still a fake where there is no choice: the API server, scheduler, Job and JobSet
-controllers are FakeKube's models, and containers are plain processes (see the bridge).
+`supervisor serve` with the Kubernetes backend (a kubeconfig pointing at the fake API
+server, the default policy, SQLite), a real `host-monitor` per node (started as a spare,
+heartbeating the supervisor), and each pod's container command run by the kubelet
+bridge (tests/kube/kubelet_bridge.py). Still a fake where there is no choice: the API
+server, scheduler, Job and JobSet controllers are FakeKube's models, and containers are
+plain processes (see the bridge).
 """
 
 from __future__ import annotations
@@ -19,28 +21,24 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
 from bench.failover import write_kubeconfig
-from tests.http import http
 from tests.kube import FakeKube
 from tests.kube.kubelet_bridge import KubeletBridge
 from tests.test_host_monitor import (
     ACTUATOR_TOKEN,
-    OPERATOR,
     WORKER_TOKEN,
     Agent,
     Cluster,
     Supervisor,
 )
-from tests.test_host_monitor_lifecycle import Workers
 from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,159 +266,3 @@ class E2E:
             os.killpg(agent.proc.pid, signal.SIGKILL)
         agent.proc.wait(5)
         self.bridge.node_down(node)
-
-
-@pytest.fixture
-def e2e(tmp_path: Path) -> Iterator[E2E]:
-    env = E2E(tmp_path)
-    try:
-        env.start()
-        yield env
-    finally:
-        env.stop()
-
-
-def trains(
-    e2e: E2E,
-    nodes: set[str] | None,
-    attempt: str | None = None,
-    steps: int = 10,
-    avoid: frozenset[str] = frozenset(),
-) -> int:
-    """Wait until the job's four workers run (on `nodes`, or on any nodes but `avoid`:
-    where a restart puts them depends on when the old pods free their nodes) and its
-    step, as the supervisor sees it, has moved by `steps`; returns the step then."""
-
-    def placed() -> bool:
-        on = set(e2e.placement())
-        if len(on) != 4 or on & avoid or (nodes is not None and on != nodes):
-            return False
-        return e2e.training_on(on, attempt)
-
-    wait_for(placed, 40, f"workers running on {sorted(nodes or [])} (avoiding {sorted(avoid)})")
-    start = wait_for(lambda: e2e.step() >= 0 and e2e.step() + 1, 30, "a step") - 1
-    return int(wait_for(lambda: e2e.step() >= start + steps and e2e.step(), 30, "steps advance"))
-
-
-FIRST_FOUR = {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}
-
-
-def test_workers_crashing_together_restart_the_jobset_once(e2e: E2E) -> None:
-    """Every worker dies at once (a NCCL error takes all ranks down): the JobSet
-    controller restarts the JobSet once; the four worker_exited events the supervisor
-    hears must not add restarts of their own."""
-    trains(e2e, FIRST_FOUR, attempt="0", steps=10)
-    for node in sorted(FIRST_FOUR):
-        e2e.crash_worker(node)
-    wait_for(lambda: len(e2e.events("worker_exited")) == 4, 20, "four worker_exited")
-    trains(e2e, None, attempt="1", steps=10)
-    actions = wait_for(e2e.settled, 30, "actions settled")
-    restarts = [a for a in actions if a["type"] in ("restart_in_place", "restart_workload")]
-    assert restarts, actions
-    for action in restarts:
-        assert action["status"] == "succeeded", action
-        assert "already restarted" in (action["result"] or {}).get("skipped", ""), action
-    time.sleep(2 * HEARTBEAT_TIMEOUT_S)
-    js = e2e.kube.get("JobSet", JOB)
-    assert js is not None and js["status"]["restarts"] == 1
-    assert set(e2e.placement().values()) == {"1"} and len(e2e.placement()) == 4
-
-
-def test_a_node_forgets_the_workers_of_a_pod_replaced_on_it(e2e: E2E) -> None:
-    """A restart may put another rank on a node that keeps the job: once the supervisor
-    has seen the old worker stopped, the node lists only the new one (not the old one as
-    `stopped` for as long as it serves the job)."""
-    agent = e2e.cluster.start_agent(
-        e2e.supervisor.url,
-        node="side-0",
-        heartbeat_polling_period_s=HEARTBEAT_PERIOD_S,
-        idle_release_s=60.0,  # the node keeps its job between the two pods
-    )
-    (e2e.tmp / "side").mkdir()
-    workers = Workers(e2e.tmp / "side", agent)
-    try:
-
-        def states() -> list[tuple[int, str]]:
-            view = e2e.node("side-0") or {}
-            return [(w["rank"], w["state"]) for w in view.get("workers") or []]
-
-        first, _ = workers.start(0, "side-job")
-        wait_for(lambda: states() == [(0, "running")], 20, "rank 0 running")
-        first.send_signal(signal.SIGTERM)
-        first.wait(10)
-        wait_for(lambda: states() == [(0, "stopped")], 20, "rank 0 seen stopped")
-        workers.start(1, "side-job")
-        wait_for(lambda: states() == [(1, "running")], 20, "only rank 1 listed")
-        assert (e2e.node("side-0") or {}).get("job") == "side-job"
-        assert [e for e in e2e.events() if e["node"] == "side-0" and e["type"] in FAILURES] == []
-    finally:
-        workers.close()
-
-
-def operator_restart(e2e: E2E) -> None:
-    r = http.post(
-        f"{e2e.supervisor.url}/api/v1/actions",
-        json={"type": "restart_workload", "job": JOB, "reason": "e2e: operator restart"},
-        headers={**OPERATOR, "Idempotency-Key": "e2e-restart-1"},
-    )
-    assert r.status_code in (200, 201, 202), r.text
-
-
-def test_pods_deleted_by_a_restart_stop_without_a_storm(e2e: E2E) -> None:
-    """An operator restarts the workload through the API: the supervisor evicts the
-    JobSet's pods, each worker gets SIGTERM and tells its host monitor it is stopping, so
-    the supervisor sees every old worker `stopped`: no worker_exited event, no further
-    action; the JobSet controller restarts the JobSet (restart-attempt 1), new pods start
-    and their workers register."""
-    trains(e2e, FIRST_FOUR, attempt="0", steps=10)
-    first = {c.uid for c in e2e.bridge.running()}
-    operator_restart(e2e)
-    seen: dict[str, set[str]] = {n: set() for n in FIRST_FOUR}
-
-    def all_seen_stopped() -> bool:
-        for name in FIRST_FOUR:
-            for worker in (e2e.node(name) or {}).get("workers") or []:
-                seen[name].add(worker["state"])
-        return all("stopped" in states for states in seen.values())
-
-    wait_for(all_seen_stopped, 30, "every old worker seen stopped")
-    wait_for(
-        lambda: (
-            len({c.uid for c in e2e.bridge.running()} - first) == 4
-            and e2e.training_on(set(e2e.placement()))
-        ),
-        30,
-        "new workers registered",
-    )
-    old = [c for c in e2e.bridge.containers.values() if c.uid in first]
-    assert all(c.exit_code == 143 for c in old), [(c.pod, c.exit_code) for c in old]
-    assert e2e.logs().count("terminated by SIGTERM") == 4
-    actions = wait_for(e2e.settled, 30, "actions settled")
-    assert [a["type"] for a in actions] == ["restart_workload"], actions
-    assert actions[0]["status"] == "succeeded", actions[0]
-    assert [e for e in e2e.events() if e["type"] in FAILURES] == []
-    assert not any("exited" in states for states in seen.values()), seen
-
-
-def test_a_workload_restarted_by_the_supervisor_resumes_and_trains(e2e: E2E) -> None:
-    """After the supervisor's workload restart, done as a JobSet restart that does not
-    count toward maxRestarts, the new workers (restart-attempt 1: a collective of their
-    own) agree on the newest checkpoint every rank can load (the durable one at step 20
-    at least) and train on."""
-    trains(e2e, FIRST_FOUR, attempt="0", steps=25)
-    first = {c.uid for c in e2e.bridge.running()}
-    operator_restart(e2e)
-    wait_for(lambda: len({c.uid for c in e2e.bridge.running()} - first) == 4, 30, "new pods")
-    assert {p["metadata"]["labels"][f"{JS}restart-attempt"] for p in e2e.pods()} == {"1"}
-    status = e2e.kube.get("JobSet", JOB)["status"]
-    assert status["restarts"] == 1 and status.get("restartsCountTowardsMax", 0) == 0, status
-    resumed = wait_for(
-        lambda: len(RESUMED.findall(e2e.logs())) == 4 and RESUMED.findall(e2e.logs()),
-        15,
-        "4 ranks resumed",
-    )
-    assert all(int(step) >= 20 for step, _ in resumed), resumed
-    before = e2e.step()
-    wait_for(lambda: e2e.step() >= before + 10, 20, "training goes on")
-    (restart,) = wait_for(e2e.settled, 30, "actions settled")
-    assert restart["status"] == "succeeded" and restart["result"]["method"] == "evict", restart
