@@ -272,9 +272,14 @@ class Supervisor:
         self.readiness = {"status": "lost leadership", "detail": reason}
 
     async def settle(self) -> None:
-        """Wait until recorded changes are persisted and their handling is done."""
-        await self._pending.join()
-        await self.controller.drain()
+        """Wait until recorded changes are persisted and their handling is done, the
+        events that handling raised (a job given up, a spare again) included: they are
+        held while the controller drains, so one pass is not enough."""
+        while True:
+            await self._pending.join()
+            await self.controller.drain()
+            if not self._backlog and self.controller.idle:
+                return
 
     # --- sensor input ---------------------------------------------------------------------
 

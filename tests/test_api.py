@@ -59,7 +59,7 @@ class Api:
         return response.json()
 
     async def settle(self) -> None:
-        await asyncio.wait_for(self.supervisor.settle(), timeout=10)
+        await asyncio.wait_for(self.supervisor.settle(), timeout=scaled(10))
 
 
 @asynccontextmanager
@@ -491,7 +491,7 @@ async def test_a_swapped_out_node_is_no_spare_until_uncordoned(
             "/api/v1/faults", json={"kind": "xid", "node": "n1", "code": 79}, headers=OPERATOR
         )
         assert response.status_code == 201, response.text
-        await asyncio.wait_for(backend.swapping.wait(), 10)
+        await asyncio.wait_for(backend.swapping.wait(), scaled(10))
         # Its host monitor reports it idle while the swap still runs, and after.
         await api.beat(heartbeat("n1", job=None))
         backend.release.set()
@@ -868,10 +868,9 @@ async def test_fault_schedule_injects_until_deleted(make_settings: SettingsFacto
         assert response.status_code == 201, response.text
         schedule = response.json()
         assert schedule["kind"] == "schedule" and schedule["params"] == {"schedule": "xid,0.05"}
-        for _ in range(200):
-            faults = await api.get("/api/v1/faults")
-            if len(faults) >= 4:
-                break
+        deadline = time.monotonic() + scaled(30)
+        while len(await api.get("/api/v1/faults")) < 4:  # the schedule and 3 of its faults
+            assert time.monotonic() < deadline, "the schedule did not inject 3 faults"
             await asyncio.sleep(0.02)
         ended = await api.client.delete(f"/api/v1/faults/{schedule['id']}", headers=OPERATOR)
         assert ended.json()["active"] is False
@@ -1016,7 +1015,7 @@ async def test_work_cut_by_a_database_outage_is_carried_out_once_it_is_back(
             finished = all(a["status"] == "succeeded" for a in actions)
             return actions if actions and finished else []
 
-        deadline = asyncio.get_running_loop().time() + 20
+        deadline = asyncio.get_running_loop().time() + scaled(20)
         while not (actions := await done()):
             assert asyncio.get_running_loop().time() < deadline, "never carried out"
             await asyncio.sleep(0.1)

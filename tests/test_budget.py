@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from supervisor.domain import EventType
+from supervisor.store import EventFilter
 from tests.conftest import OPERATOR_TOKEN, SettingsFactory
 from tests.test_api import Api, running
 from tests.test_notifications import Receiver, route
@@ -50,11 +52,15 @@ class Job:
             await self.beat()
             await asyncio.sleep(0.01)
 
+    async def fail(self) -> None:
+        """n0's worker exits with 1, and the supervisor settles."""
+        await self.beat(n0={"state": "exited", "exit_code": 1})
+        await self.api.settle()
+
     async def crash(self) -> list[dict[str, Any]]:
         """n0's worker exits with 1; the actions decided for it."""
         before = len(await actions(self.api))
-        await self.beat(n0={"state": "exited", "exit_code": 1})
-        await self.api.settle()
+        await self.fail()
         # The remedy restarted it: a new process, from the step every rank stood at.
         self.pids["n0"] += 100
         await self.beat()
@@ -90,7 +96,13 @@ async def test_remedies_without_progress_give_the_job_up_and_say_so(api: Api) ->
         assert [a["type"] for a in await job.crash()][-1].startswith("restart")
     assert (await api.get("/api/v1/events", type="job_given_up"))["items"] == []
 
-    assert await job.crash() == []  # the fourth: no remedy, and the supervisor says why
+    before = len(await actions(api))
+    await job.fail()  # the fourth: no remedy, and the supervisor says why
+    # Raised while the controller drained, the give-up is recorded once settled: read
+    # at once, nothing awaited in between.
+    recorded = api.supervisor.store.list_events(EventFilter(types=[EventType.JOB_GIVEN_UP]))
+    assert len(recorded.items) == 1, "settled before the give-up was recorded"
+    assert (await actions(api))[before:] == []
     (given_up,) = (await api.get("/api/v1/events", type="job_given_up"))["items"]
     assert given_up["job"] == "j1" and given_up["details"]["no_progress_restarts"] == 3
     assert "3 remedies in a row were not followed by progress" in given_up["details"]["reason"]
@@ -165,9 +177,9 @@ async def test_a_job_given_up_pages_its_route(make_settings: SettingsFactory) ->
             await job.train_to(3)
             await job.crash()
             assert await job.crash() == []
-            for _ in range(100):
-                if hook.requests:
-                    break
+            deadline = asyncio.get_running_loop().time() + scaled(5)
+            while not hook.requests:
+                assert asyncio.get_running_loop().time() < deadline, "no notification sent"
                 await asyncio.sleep(0.05)
     (sent,) = hook.bodies("/owners")
     assert (sent["type"], sent["job"], sent["severity"]) == ("job_given_up", "j1", "critical")

@@ -6,9 +6,10 @@ import asyncio
 from collections.abc import Callable
 
 from supervisor.sensor.deadlines import DeadlineQueue
+from tests.timing import scaled
 
 # Generous upper bound for "it fires eventually" on a shared, noisy machine.
-PATIENCE_S = 5.0
+PATIENCE_S = scaled(5.0)
 
 
 async def _until(predicate: Callable[[], bool]) -> None:

@@ -12,6 +12,7 @@ from host_monitor.watchdogs import GpuReporter
 from host_monitor.watchdogs.nvml import NvmlWatchdog
 from host_monitor.wire import GpuReport
 from tests.fake_nvml import FakeGpu, FakeNvml
+from tests.timing import scaled
 
 
 def opened(fake: FakeNvml) -> tuple[NvmlWatchdog, list[GpuReport]]:
@@ -108,9 +109,9 @@ async def test_xid_events_are_reported_as_they_come_and_the_wait_ends_on_close()
     watchdog, sent = opened(fake)
     assert watchdog.start_events(asyncio.get_running_loop())
     fake.xid(1, 79)
-    for _ in range(200):
-        if sent:
-            break
+    deadline = asyncio.get_running_loop().time() + scaled(2)
+    while not sent:
+        assert asyncio.get_running_loop().time() < deadline, "the XID was not reported"
         await asyncio.sleep(0.01)
     assert [(r.kind, r.gpu, r.code) for r in sent] == [("xid", 1, 79)]
     watchdog.close()

@@ -38,6 +38,7 @@ from resiliency_protocol.peer_checkpoints import ReplicateRequest
 from supervisor.local.cluster import checkpoint_partner
 from supervisor.local.cluster_state import JobSpec, free_port
 from tests.test_host_monitor import ACTUATOR, WORKER, Agent, Cluster, wait_for
+from tests.timing import scaled
 
 PEER_TOKEN = "hm-test-peer-token"
 PEER = {"Authorization": f"Bearer {PEER_TOKEN}"}
@@ -589,7 +590,7 @@ class _Recording(httpx.AsyncBaseTransport):
 
 
 async def until(predicate: Callable[[], bool], pause: float = 0.01, within: float = 5) -> None:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     for _ in itertools.count():
         if predicate():
             return

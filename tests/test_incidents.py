@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 from supervisor.actuator import ActionError
@@ -15,18 +16,20 @@ from supervisor.domain import ActionRecord, ActionType, utcnow
 from tests.acting_stand_in import RecordingBackend
 from tests.conftest import SettingsFactory
 from tests.test_api import Api, running
+from tests.timing import scaled
 
 
-class SlowRestarts(RecordingBackend):
-    """Does nothing, as a dry run, but a restart takes `seconds`."""
+class HeldRestarts(RecordingBackend):
+    """Does nothing, as a dry run, but a restart runs until the test releases it: the
+    failures meant to come while it runs do, however slow the machine."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.seconds = seconds
+        self.release = asyncio.Event()
 
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
         if action.type in (ActionType.RESTART_IN_PLACE, ActionType.RESTART_WORKLOAD):
-            await asyncio.sleep(self.seconds)
+            await self.release.wait()
         return await super().execute(action)
 
 
@@ -56,7 +59,7 @@ async def train(api: Api, steps: int, nodes: tuple[str, ...] = ("n0", "n1")) -> 
 
 async def until(predicate: Any, within: float = 60.0) -> Any:
     # Generous: on a loaded machine each round (beats sent, actions listed) is slow.
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while time.monotonic() < deadline:
         value = await predicate()
         if value:
@@ -94,12 +97,12 @@ async def hang_remedy_running(api: Api) -> dict[str, Any]:
 async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
     make_settings: SettingsFactory,
 ) -> None:
-    # The restart lasts long enough for the crash to arrive while it runs, even when the
-    # machine is slow.
-    async with running(make_settings(**HANGS), backend=SlowRestarts(4.0)) as api:
+    backend = HeldRestarts()
+    async with running(make_settings(**HANGS), backend=backend) as api:
         restart = await hang_remedy_running(api)
         # The hung worker then crashes, while its remedy runs.
         await send(api, beat("n0", 8, state="exited", exit_code=137), beat("n1", 8))
+        backend.release.set()
         await api.settle()
         (hang,) = (await api.get("/api/v1/events", type="hang"))["items"]
         (crash,) = (await api.get("/api/v1/events", type="worker_exited"))["items"]
@@ -126,15 +129,16 @@ async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
 async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
     make_settings: SettingsFactory,
 ) -> None:
-    # Lost after 2 s of silence, within the 3-s restart: on a loaded machine a round of
-    # beats (four nodes, then the actions listed) has taken over 0.5 s, and the nodes
+    # Lost after 2 s of silence, while the restart is held: on a loaded machine a round
+    # of beats (four nodes, then the actions listed) has taken over 0.5 s, and the nodes
     # still beating were lost too.
     settings = make_settings(heartbeat_polling_period_s=0.05, heartbeat_timeout_s=2.0)
     spare = {"node": "s1", "state": "spare"}
-    async with running(settings, backend=SlowRestarts(3.0)) as api:
+    backend = HeldRestarts()
+    async with running(settings, backend=backend) as api:
         await send(api, spare)
         await train(api, 5, ("n0", "n1", "n2"))
-        # n0's worker crashes: the job restarts in place (3 s here).
+        # n0's worker crashes: the job restarts in place (until released here).
         crashed = beat("n0", 5, state="exited", exit_code=1)
 
         async def restart_running() -> Any:
@@ -145,6 +149,14 @@ async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
         # Meanwhile n2's worker ends on a collective timeout (exit 3), and n1 goes silent
         # (lost after 2 s): the first is the same incident, the second a node of its own.
         peer_gone = beat("n2", 5, state="exited", exit_code=3)
+
+        async def n1_lost() -> bool:
+            await send(api, crashed, peer_gone, spare)
+            view = api.supervisor.sensor.node_view("n1")
+            return view is not None and not view.alive
+
+        await until(n1_lost)
+        backend.release.set()  # the restart ends
 
         async def swapped() -> Any:
             await send(api, crashed, peer_gone, spare)
@@ -171,14 +183,18 @@ async def test_a_node_failing_again_during_its_remedy_counts_once_against_it(
 ) -> None:
     """ECC errors that keep coming while the job restarts for the first are one failure
     of the node: the next incident is its second, not its fourth."""
+    # Lost after 2 s of silence: on a loaded machine a round of beats (three nodes, then
+    # the actions listed) has taken over 0.5 s, and n1, still beating, was lost.
     settings = make_settings(
         heartbeat_polling_period_s=0.05,
-        heartbeat_timeout_s=0.5,
+        heartbeat_timeout_s=2.0,
         max_workload_restarts=2,
         gpu_report_cooldown_s=0,
     )
+    lag = timedelta(seconds=2.0 + 0.05)  # the detection lag: heartbeat timeout + polling
     spare = {"node": "s1", "state": "spare"}
-    async with running(settings, backend=SlowRestarts(1.0)) as api:
+    backend = HeldRestarts()
+    async with running(settings, backend=backend) as api:
         await train(api, 5)
 
         def ecc(count: int) -> Any:
@@ -192,9 +208,15 @@ async def test_a_node_failing_again_during_its_remedy_counts_once_against_it(
         await until(lambda: keep_up(api, restarts, spare))
         await send(api, ecc(2), beat("n1", 5), spare)  # while it restarts
         await send(api, ecc(3), beat("n1", 5), spare)
-        # The restart ends; the detection lag (0.55 s here) passes.
-        for _ in range(40):
-            await send(api, beat("n0", 5), beat("n1", 5), spare)
+        backend.release.set()  # the restart ends...
+
+        async def ended() -> list[dict[str, Any]]:
+            return [a for a in await restarts() if a["status"] == "succeeded"]
+
+        (first,) = await until(lambda: keep_up(api, ended, spare))
+        finished = datetime.fromisoformat(first["finished_at"])
+        while utcnow() <= finished + lag:  # ...then the lag, within which its old workers'
+            await send(api, beat("n0", 5), beat("n1", 5), spare)  # ends still belong to it
             await asyncio.sleep(0.05)
         await send(api, ecc(4), beat("n1", 5), spare)  # a new incident
         second = await until(lambda: keep_up(api, restarts, spare, count=2))
@@ -211,8 +233,8 @@ async def keep_up(api: Api, find: Any, spare: Any, count: int = 1) -> Any:
     return found if len(found) >= count else None
 
 
-class FailingSlowRestartsInPlace(SlowRestarts):
-    """A restart in place runs for `seconds`, then fails (its workers never joined);
+class FailingHeldRestartsInPlace(HeldRestarts):
+    """A restart in place runs until released, then fails (its workers never joined);
     anything else does nothing, as a dry run."""
 
     async def execute(self, action: ActionRecord) -> Mapping[str, Any]:
@@ -229,7 +251,8 @@ async def test_a_remedy_that_fails_while_every_worker_exits_is_followed_by_anoth
     failed: the first goes to the policy (the whole job is restarted, the in-job rung
     having failed), the others attach to that new remedy. Without it the job would stay
     down: its workers are gone, and nothing else would ever be reported."""
-    async with running(make_settings(**HANGS), backend=FailingSlowRestartsInPlace(3.0)) as api:
+    backend = FailingHeldRestartsInPlace()
+    async with running(make_settings(**HANGS), backend=backend) as api:
         in_place = await hang_remedy_running(api)
         # While it runs, every worker of the job exits. The hosts go on beating: nothing
         # else is ever raised (no worker runs to hang or fall silent, no host is lost).
@@ -237,6 +260,8 @@ async def test_a_remedy_that_fails_while_every_worker_exits_is_followed_by_anoth
             beat("n0", 8, state="exited", exit_code=1),
             beat("n1", 8, state="exited", exit_code=1),
         )
+        await send(api, *exited)
+        backend.release.set()
 
         async def restarted_whole() -> Any:
             await send(api, *exited)

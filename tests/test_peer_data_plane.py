@@ -40,6 +40,7 @@ from tests.test_host_monitor_peer import (
     shard,
 )
 from tests.test_tls import Pki, monitor_verify, pki, start_tls_agent
+from tests.timing import scaled
 
 CAP = 4 * 1024 * 1024  # the capped node's store
 __all__ = ["pki"]  # tests/test_tls.py's fixture, used here
@@ -204,7 +205,7 @@ def test_a_sender_short_of_its_size_leaves_nothing(nodes: Nodes) -> None:
         assert reply(sock).status == 100
         sock.sendall(b"y" * 10)
     # The store drops the part file once the connection ends.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while incoming(b) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert incoming(b) == []

@@ -24,6 +24,7 @@ from supervisor.schedules.scheduler import JOBS_TABLE
 from supervisor.store import open_store
 from tests.conftest import SettingsFactory
 from tests.test_api import OPERATOR, Api, heartbeat, running
+from tests.timing import scaled
 
 #: (the supervisor that ran it, the job's name), as the stored test job records them.
 turns: list[tuple[str | None, str]] = []
@@ -41,7 +42,7 @@ class Host:
 
 
 async def until(predicate: Callable[[], Any], within: float = 20.0) -> Any:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while not (value := predicate()):
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
@@ -49,7 +50,7 @@ async def until(predicate: Callable[[], Any], within: float = 20.0) -> Any:
 
 
 async def until_async(predicate: Callable[[], Any], within: float = 20.0) -> Any:
-    deadline = time.monotonic() + within
+    deadline = time.monotonic() + scaled(within)
     while not (value := await predicate()):
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)

@@ -108,11 +108,11 @@ class Emitted:
 
 
 async def until(predicate: Callable[[], bool], patience: float = PATIENCE_S) -> None:
-    """Wait (polling) until `predicate()` holds; fail after `patience` seconds."""
-    give_up = now() + patience
+    """Wait (polling) until `predicate()` holds; fail after `patience` seconds (scaled)."""
+    give_up = now() + scaled(patience)
     while not predicate():
         if now() > give_up:
-            raise AssertionError(f"condition not met within {patience} s")
+            raise AssertionError(f"condition not met within {scaled(patience):g} s")
         await asyncio.sleep(0.005)
 
 
