@@ -102,6 +102,8 @@ class FaultInjector:
         self._host = host
         self._fault_timers: dict[int, asyncio.TimerHandle] = {}
         self._schedules: dict[int, asyncio.Task[None]] = {}
+        #: Per schedule, the injection under way (ending the schedule waits for it).
+        self._injecting: dict[int, asyncio.Future[bool]] = {}
 
     @property
     def settings(self) -> Settings:
@@ -324,7 +326,12 @@ class FaultInjector:
         rng = random.Random()
         while True:
             await asyncio.sleep(rng.expovariate(1.0 / mean_s))
-            await self._inject_one(parent, kinds, job, rng)
+            # Shielded: a schedule ended mid-injection finishes that fault before its end is
+            # answered (`end` waits), rather than write it afterwards from a store thread.
+            injecting = asyncio.ensure_future(self._inject_one(parent, kinds, job, rng))
+            self._injecting[parent] = injecting
+            await asyncio.shield(injecting)
+            self._injecting.pop(parent, None)
 
     async def _inject_one(
         self, parent: int, kinds: tuple[str, ...], job: str | None, rng: random.Random
@@ -362,6 +369,9 @@ class FaultInjector:
         schedule = self._schedules.pop(fault_id, None)
         if schedule is not None:
             schedule.cancel()
+            injecting = self._injecting.pop(fault_id, None)
+            if injecting is not None:
+                await asyncio.wait({injecting})
         if self._host.scheduler is not None:
             await asyncio.to_thread(self._host.scheduler.remove, job_id(fault_id))
         timer = self._fault_timers.pop(fault_id, None)
