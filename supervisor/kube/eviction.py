@@ -112,6 +112,15 @@ def running_pods(ctx: ActionContext, jobset: str, node: str | None) -> list[Targ
     )
 
 
+async def _node_now(ctx: ActionContext, name: str) -> o.Obj | None:
+    """The node as the API server has it now, not as the watch last saw it: a grace-0
+    delete decided on a stale copy would miss a taint just added, or one just removed."""
+    try:
+        return await rmw.read(ctx, "Node", name)
+    except NotFound:
+        return None
+
+
 async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str, Any]:
     params = params_for(action, ForceDeletePodParams)
     pod_name, ns, uid = params.pod, params.namespace or ctx.ns, params.uid
@@ -119,7 +128,7 @@ async def force_delete_pod(ctx: ActionContext, action: ActionRecord) -> dict[str
     if cached is None or (uid and o.uid_of(cached) != uid):
         return {"pod": pod_name, "outcome": "gone"}
     node = o.node_of(cached)
-    verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node) if node else None)
+    verdict = may_force_delete(ctx.settings, node, await _node_now(ctx, node) if node else None)
     if not verdict.allowed:
         # Not retried: it stays so until the node is back or fenced (node_fencing.py).
         raise ActionError(f"pod {pod_name} not deleted with grace 0: {verdict.why}")
