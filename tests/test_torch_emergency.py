@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,16 @@ def registered(agent: Agent, rank: int) -> bool:
     return bool(worker and worker.get("host_pid") and worker.get("step"))
 
 
+def emergency_reports(agent: Agent, step: int) -> list[dict[str, Any]]:
+    """The emergency saves of `step` the agent's workers reported."""
+    r = agent.api.get("/v1/checkpoints")
+    return [
+        c["report"]
+        for c in r.json()
+        if c["report"]["tier"] == "emergency" and c["report"]["step"] == step
+    ]
+
+
 def emergency(agent: Agent, request_id: str, timeout_s: float = 30) -> dict[str, Any]:
     r = agent.api.post(
         "/v1/emergency-checkpoint",
@@ -237,15 +248,8 @@ def test_a_survivor_saves_its_last_completed_step_and_the_job_resumes_bit_exactl
     assert f"resumed step={held} tier=durable" in output(tmp_path, "second", 1)
     assert (tmp_path / "second" / "weights.sha256").read_text() == reference
 
-    def emergency_reported() -> list[dict[str, Any]]:
-        r = nodes["node-a"].api.get("/v1/checkpoints")
-        return [
-            c["report"]
-            for c in r.json()
-            if c["report"]["tier"] == "emergency" and c["report"]["step"] == held
-        ]
-
-    (report,) = wait_for(emergency_reported, 10, "the emergency save reported")
+    reported = partial(emergency_reports, nodes["node-a"], held)
+    (report,) = wait_for(reported, 10, "the emergency save reported")
     assert report["bytes"] > 0
 
 
@@ -290,15 +294,7 @@ def test_a_rank_whose_collective_raised_saves_its_last_step_at_exit(
     assert fmt.committed_steps(ram, 0)[-1] == step
     assert step in fmt.committed_steps(tmp_path / "durable", 0)
 
-    def emergency_reported() -> list[dict[str, Any]]:
-        r = nodes["node-a"].api.get("/v1/checkpoints")
-        return [
-            c["report"]
-            for c in r.json()
-            if c["report"]["tier"] == "emergency" and c["report"]["step"] == step
-        ]
-
-    wait_for(emergency_reported, 10, "the save at exit reported")
+    wait_for(partial(emergency_reports, nodes["node-a"], step), 10, "the save at exit reported")
 
 
 # --- one process: what an emergency save reads -------------------------------------------
