@@ -81,13 +81,15 @@ $(ZSH):
 	$$( [ "$$(id -u)" -eq 0 ] || echo sudo ) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq zsh >/dev/null'
 
 # The fleet-scale modules alone first (`-m solo`, SOLO_MODULES in tests/conftest.py), then
-# two pytest sessions side by side, each running its modules one after another: the
-# modules that train with several torch processes (`-m heavy`, HEAVY_MODULES in
-# tests/conftest.py), and all the others. The suite is bound by the machine's two cores:
-# two heavy modules at once broke timing margins, and more workers ran no faster
-# (docs/testing.md). The heavy session's output follows the other's. The two sessions keep
-# both cores busy: the tests' margins (tests/timing.py) are doubled unless said otherwise.
-# Each session leaves its per-test times in var/junit-*.xml.
+# two pytest sessions side by side: the modules that train with several torch processes
+# (`-m heavy`, HEAVY_MODULES in tests/conftest.py) one after another, and all the others
+# on two xdist workers, each module whole on one worker (`--dist loadgroup`; the modules
+# on the control plane share one worker and its plane, the small torch modules share
+# another, one at a time: tests/conftest.py). The suite is bound by the machine's two
+# cores (docs/testing.md): three workers, each taking any module, pushed two heavy
+# modules together and broke their margins. The heavy session's output follows the
+# other's. Both sessions keep both cores busy: the tests' margins (tests/timing.py) are
+# doubled unless said otherwise. Each session leaves its per-test times in var/junit-*.xml.
 TEST_TIME_SCALE ?= 2
 test: export TEST_TIME_SCALE := $(TEST_TIME_SCALE)
 test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT) $(POSTGRES) $(ZSH) control-plane
@@ -99,7 +101,8 @@ test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT) $(POSTGRES) $(ZSH) control-plane
 	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m solo -p no:cacheprovider; solo=$$?; \
 	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m heavy -p no:cacheprovider \
 		--junitxml=var/junit-heavy.xml > var/test-heavy.log 2>&1 & heavy=$$!; \
-	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m "not heavy and not solo" --junitxml=var/junit-other.xml; light=$$?; \
+	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m "not heavy and not solo" -n 2 --dist loadgroup \
+		--junitxml=var/junit-other.xml; light=$$?; \
 	wait $$heavy; heavy_rc=$$?; \
 	echo "=== the heavy modules' session (-m heavy), run beside the one above ==="; \
 	cat var/test-heavy.log; \

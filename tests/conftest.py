@@ -211,35 +211,37 @@ FAST_MODULES = frozenset(
 
 #: The modules that train with several torch processes at once: they take the machine's
 #: cores. `make test` runs them (`-m heavy`) one after another in one pytest session,
-#: and every other module in a second session beside it: two of these side by side
-#: pushed a 2-core machine's load past 8 and broke their timing margins. Measured
-#: serially, they take about half of the suite.
+#: beside a second session that runs every other module: two of these side by side
+#: pushed a 2-core machine's load past 8 and broke their timing margins.
 HEAVY_MODULES = frozenset(
     {
-        "test_auto_progress_run",
         "test_checkpoint_tiers",
-        "test_ddp_resume_order",
         "test_fsdp1_checkpoint",
         "test_fsdp2_example",
         "test_in_process_restart",
         "test_kube_in_process",
-        "test_lightning_checkpoint",
         "test_local_cluster",
         "test_partitions",
-        "test_partitions_lease",
         "test_run_user_job",
         "test_sharded_checkpoint",
         "test_sharded_local_cluster",
-        "test_torch_emergency",
         "test_torch_workload",
     }
 )
 
 
-#: Modules that train nothing but run in the heavy modules' session all the same, to even
-#: the two sessions' lengths (the other session ran about 130 s longer in the clean-clone
-#: runs of 2026-11-30): CPU-bound within one process, with no timing margin to break.
-EVENING_MODULES = frozenset({"test_api_schema"})
+#: Modules that train too, but with two or three small ranks that mostly wait (for a
+#: lease, a step's pace, a fault): the second session runs them one after another (one
+#: xdist group), beside the heavy session, so at most two training modules run at once.
+SIDE_TORCH_MODULES = frozenset(
+    {
+        "test_auto_progress_run",
+        "test_ddp_resume_order",
+        "test_lightning_checkpoint",
+        "test_partitions_lease",
+        "test_torch_emergency",
+    }
+)
 
 
 #: The modules that measure the service at fleet scale (2,000 nodes heartbeating against
@@ -249,15 +251,45 @@ EVENING_MODULES = frozenset({"test_api_schema"})
 SOLO_MODULES = frozenset({"test_dashboard_fleet"})
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
+def _module(item: pytest.Item) -> str:
     module = getattr(item, "module", None)
-    name = module.__name__.rsplit(".", 1)[-1] if module is not None else item.nodeid
+    return module.__name__.rsplit(".", 1)[-1] if module is not None else item.nodeid
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    name = _module(item)
     if name in FAST_MODULES:
         item.add_marker(pytest.mark.fast)
-    if name in HEAVY_MODULES or name in EVENING_MODULES:
+    if name in HEAVY_MODULES:
         item.add_marker(pytest.mark.heavy)
     if name in SOLO_MODULES:
         item.add_marker(pytest.mark.solo)
+
+
+#: Groups a session split among xdist workers (`--dist loadgroup`) runs whole on one
+#: worker: the modules on the control plane (one plane per worker would start the
+#: session's plane twice), the side torch modules (one at a time). Every other module is
+#: a group of its own, so its module-scoped fixtures are set up once.
+PLANE_GROUP = "control-plane"
+SIDE_TORCH_GROUP = "side-torch"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test's xdist group, and the two long groups first, so that a worker is not
+    left with one of them at the end while the other idles; each module's tests stay
+    together, in their order."""
+    on_plane = {_module(i) for i in items if "control_plane" in getattr(i, "fixturenames", ())}
+
+    def group(module: str) -> str:
+        if module in on_plane:
+            return PLANE_GROUP
+        return SIDE_TORCH_GROUP if module in SIDE_TORCH_MODULES else module
+
+    first = (SIDE_TORCH_GROUP, PLANE_GROUP)
+    groups = {id(item): group(_module(item)) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    items.sort(key=lambda i: first.index(groups[id(i)]) if groups[id(i)] in first else 2)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
