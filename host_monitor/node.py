@@ -171,7 +171,10 @@ class Node:
                     env[ENV_REQUEST_FILE] = str(request_file)
                     log_path = self.worker_env.log_path(req, spec.rank)
                     standby = (
-                        self.standbys.take(req.job, req.command, env, log_path)
+                        # In a thread: the standby's answer (a fork) keeps the loop waiting.
+                        await asyncio.to_thread(
+                            self.standbys.take, req.job, req.command, env, log_path
+                        )
                         if req.standby_preload
                         else None
                     )
@@ -237,7 +240,8 @@ class Node:
         """A warm standby of the job's command, for when this node takes one of its ranks."""
         check_env(req.env)
         env = self.worker_env.of_job(req.job, req.env)
-        return StandbyResult(ready=self.standbys.prepare(req.job, req.command, env, req.preload))
+        ready = self.standbys.prepare(req.job, req.command, env, req.preload)
+        return StandbyResult(ready=ready, warm=ready and self.standbys.warm)
 
     async def shutdown(self, grace_s: float) -> None:
         """The agent is stopping: stop the workers we launched (not the adopted ones)."""

@@ -1,41 +1,44 @@
-"""Warm standby worker processes: the next worker of a job, already started.
+"""Warm standbys: one process per node with the job's modules imported, forking workers.
 
-A recovery that starts a rank anew (a crashed worker restarted in place, a spare taking a
-lost node's rank) waits for Python to start and import the training code (torch: over a
-second per process here, far more with CUDA). So the host monitor keeps, per node, one
-standby for the job it serves or may serve: `python -m training.warm_start` with the
-job's modules imported, waiting for its order on stdin (training/warm_start.py). The next
-start of that job's command on this node hands the standby its rank's environment and
-log file and adopts the process as the worker; a new standby is started behind it.
+A recovery that starts a rank anew (a crashed worker restarted in place, the survivors of
+a lost node started again in a new world, a spare taking a lost node's rank) waits for
+Python to start and import the training code (torch: over a second per process here, far
+more with CUDA). So the host monitor keeps, per node, one standby for the job it serves or
+may serve: `python -m training.warm_start` with the job's modules imported, which forks a
+worker for each start of that job's command on this node, with the rank's environment
+and log file (training/warm_start.py). The standby stays for the next start: only its
+first start pays for the import.
 
-Only commands of the form `[python, "-m", module, ...]` have standbys. One standby per
-node (the newest job asked for wins); it is killed when the host monitor stops.
+A forked worker is the standby's child, not ours: `ForkedWorker` is what the worker
+registry needs of it (`pid`, `poll()`), with the exit code the standby reports when it
+reaps it. Only commands of the form `[python, "-m", module, ...]` have standbys. One
+standby per node (the newest job asked for wins); a dropped standby takes no more orders
+and ends after the workers it forked; it is killed when the host monitor dies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
+import select
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from resiliency_protocol.standby_orders import Exited, Forked, Ready, WorkerOrder, parse_reply
 
 log = logging.getLogger(__name__)
 
 LAUNCHER = "training.warm_start"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@dataclass
-class Standby:
-    job: str
-    command: tuple[str, ...]
-    proc: subprocess.Popen[bytes]
+# How long a fork may take to be answered: the standby answers at once unless it is
+# still importing the job's modules (its first order waits for that).
+FORK_TIMEOUT_S = 60.0
 
 
 def _die_with_parent() -> None:
@@ -48,11 +51,119 @@ def warm_startable(command: Sequence[str]) -> bool:
     return len(command) >= 3 and command[1] == "-m"
 
 
+class Standby:
+    """One standby process and the pipe its replies come on."""
+
+    def __init__(
+        self, job: str, command: tuple[str, ...], proc: subprocess.Popen[bytes], replies: int
+    ):
+        self.job = job
+        self.command = command
+        self.proc = proc
+        self._replies = replies
+        self._buffer = b""
+        self._codes: dict[int, int] = {}
+        self._forked: list[Forked] = []
+        # Orders are sent from a thread (a fork waits for the standby's imports); exits
+        # are read by the registry's polls: one reader at a time.
+        self._lock = threading.Lock()
+        self.closed = False  # its reply pipe ended: it has exited
+        self.warm = False  # it said it has imported its modules
+
+    def fork(self, order: WorkerOrder) -> ForkedWorker:
+        """The worker of `order`, forked; OSError when the standby cannot fork it. Blocks
+        until the standby answers (at once, once it is warm)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(order.to_line())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + FORK_TIMEOUT_S
+        while True:
+            with self._lock:
+                if self._forked:
+                    answer = self._forked.pop(0)
+                    break
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    raise OSError("the standby did not fork the worker")
+                self._read(min(left, 0.1))
+        if answer.pid is None:
+            raise OSError(f"the standby refused the order: {answer.error}")
+        return ForkedWorker(answer.pid, self)
+
+    def collect(self) -> None:
+        """Read the replies there are, without waiting."""
+        with self._lock:
+            self._read(0.0)
+
+    def _read(self, wait_s: float) -> None:
+        while not self.closed:
+            ready, _, _ = select.select([self._replies], [], [], wait_s)
+            if not ready:
+                return
+            wait_s = 0.0
+            chunk = os.read(self._replies, 65536)
+            if not chunk:
+                self.closed = True
+                os.close(self._replies)
+                return
+            self._buffer += chunk
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                try:
+                    reply = parse_reply(line)
+                except ValueError as exc:
+                    log.warning("the standby of job %s replied %r: %s", self.job, line, exc)
+                    continue
+                if isinstance(reply, Ready):
+                    self.warm = True
+                elif isinstance(reply, Exited):
+                    self._codes[reply.pid] = reply.code
+                else:
+                    self._forked.append(reply)
+
+    def exit_code(self, pid: int) -> int | None:
+        self.collect()
+        return self._codes.get(pid)
+
+    def stop_taking_orders(self) -> None:
+        """It forks no more: it exits once its workers have (their codes still come)."""
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+
+
+class ForkedWorker:
+    """A worker a standby forked, as the worker registry sees a launched process."""
+
+    def __init__(self, pid: int, standby: Standby) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._standby = standby
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._standby.exit_code(self.pid)
+        if self.returncode is None and self._standby.closed and not _running(self.pid):
+            # The standby was killed before its worker ended: the worker became init's
+            # child, and its exit code is nobody's to know. Gone is all we can tell.
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 class Standbys:
     def __init__(self, run_dir: Path, node: str) -> None:
         self.run_dir = run_dir
         self.node = node
         self._standby: Standby | None = None
+        self._dropped: list[Standby] = []  # still reporting the exits of their workers
 
     @property
     def ready(self) -> Standby | None:
@@ -67,6 +178,15 @@ class Standbys:
             self._standby = standby = None
         return standby
 
+    @property
+    def warm(self) -> bool:
+        """The current standby has imported its modules."""
+        standby = self.ready
+        if standby is None:
+            return False
+        standby.collect()
+        return standby.warm
+
     def prepare(
         self, job: str, command: Sequence[str], env: dict[str, str], preload: Sequence[str]
     ) -> bool:
@@ -78,26 +198,34 @@ class Standbys:
         if current is not None and current.job == job and current.command == tuple(command):
             return True
         self.drop()
-        argv = [command[0], "-m", LAUNCHER]
+        replies, reply_w = os.pipe()
+        argv = [command[0], "-m", LAUNCHER, "--reply-fd", str(reply_w)]
         for module in preload:
             argv += ["--preload", module]
         path = self._log_path(job)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # as a launched worker: its own process group
-                close_fds=True,
-                # A standby nobody will ever order dies with this host monitor, however
-                # it dies (a node_down fault kills it); the standby clears this once it
-                # becomes a worker.
-                preexec_fn=_die_with_parent,
-            )
-        self._standby = Standby(job, tuple(command), proc)
+        try:
+            with path.open("ab") as out:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group, apart from its workers'
+                    close_fds=True,
+                    pass_fds=(reply_w,),
+                    # A standby dies with this host monitor, however it dies (a node_down
+                    # fault kills it); the workers it forked do not (the kernel clears
+                    # this in a forked child).
+                    preexec_fn=_die_with_parent,
+                )
+        except BaseException:
+            os.close(replies)
+            raise
+        finally:
+            os.close(reply_w)
+        self._standby = Standby(job, tuple(command), proc, replies)
         log.info("standby of job %s started (pid %d), preloading %s", job, proc.pid, preload)
         return True
 
@@ -108,34 +236,48 @@ class Standbys:
         env: dict[str, str],
         log_path: Path,
         cwd: str | None = None,
-    ) -> subprocess.Popen[bytes] | None:
-        """The ready standby of `job` and `command`, told to run as the worker with `env`
-        and `log_path`; None when there is none (start the worker the usual way)."""
+    ) -> ForkedWorker | None:
+        """A worker of `job` forked by the warm standby of `command`, with `env` and
+        `log_path`; None when there is none, or it is still importing (start the worker
+        the usual way)."""
+        self._collect_dropped()
         standby = self.ready
         if standby is None or standby.job != job or standby.command != tuple(command):
             return None
-        self._standby = None
-        order = {"argv": list(command[1:]), "env": env, "log": str(log_path), "cwd": cwd}
+        standby.collect()
+        if not standby.warm:  # still importing: a worker of its own starts sooner
+            log.info("the standby of job %s is still importing: launching the worker", job)
+            return None
+        order = WorkerOrder(tuple(command[1:]), env, cwd, str(log_path))
         try:
-            assert standby.proc.stdin is not None
-            standby.proc.stdin.write(json.dumps(order).encode() + b"\n")
-            standby.proc.stdin.close()
+            return standby.fork(order)
         except (OSError, ValueError) as exc:
-            log.warning("the standby of job %s did not take its order: %s", job, exc)
+            log.warning("the standby of job %s did not fork the worker: %s", job, exc)
+            self._standby = None
             self._kill(standby)
             return None
-        return standby.proc
 
     def drop(self) -> None:
+        """No more workers from the current standby: it ends after those it forked."""
         if self._standby is not None:
-            self._kill(self._standby)
+            self._standby.stop_taking_orders()
+            self._dropped.append(self._standby)
             self._standby = None
+
+    def _collect_dropped(self) -> None:
+        for standby in list(self._dropped):
+            standby.collect()
+            if standby.closed:
+                self._dropped.remove(standby)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    standby.proc.wait(1)
 
     def _kill(self, standby: Standby) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             standby.proc.wait(5)
+        standby.collect()
 
     def _log_path(self, job: str) -> Path:
         return self.run_dir / f"{self.node}.{job}.standby.log"

@@ -1,7 +1,9 @@
 """The node's workers: the ones we launched and the ones that registered themselves.
 
 A launched worker is our child (`subprocess.Popen`, in its own session, so its process
-group holds whatever it forks): its exit code comes from `poll()`. A worker that only
+group holds whatever it forks), or the child of the job's warm standby on this node
+(`host_monitor/standby.py`, in a session of its own too): its exit code comes from
+`poll()`. A worker that only
 registered (e.g. a training process in a Kubernetes pod) is not our child: it has exited
 when its pid is gone, and its exit code is unknown.
 
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from host_monitor import pidns
 from host_monitor.errors import HostMonitorError
@@ -87,6 +90,16 @@ def _pid_alive(pid: int, start_time: str | None) -> bool:
     return start_time is None or started == start_time
 
 
+class LaunchedProcess(Protocol):
+    """What the registry needs of a process it started: a `subprocess.Popen`, or a worker
+    a standby forked for it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
 @dataclass(slots=True)
 class Worker:
     rank: int
@@ -97,7 +110,7 @@ class Worker:
     # `pid` only for a worker that registered from another PID namespace.
     host_pid: int | None = None
     pid_namespace: int | None = None  # as registered; None for pids of our namespace
-    proc: subprocess.Popen[bytes] | None = None  # set when we launched it
+    proc: LaunchedProcess | None = None  # set when we launched it
     start_time: str | None = None  # of a registered-only host_pid, see _proc_start_time
     step: int | None = None
     compute_s: float | None = None
@@ -211,10 +224,10 @@ class WorkerRegistry:
         log_path: Path,
         request_file: Path | None = None,
         *,
-        standby: subprocess.Popen[bytes] | None = None,
+        standby: LaunchedProcess | None = None,
     ) -> Worker:
         """Start one worker in its own session, output appended to `log_path`; or adopt
-        `standby`, a warm standby already told to run as this worker (standby.py).
+        `standby`, the worker a warm standby forked for it (standby.py).
 
         Raises OSError when the command cannot be run (nothing is registered then).
         """
@@ -222,6 +235,7 @@ class WorkerRegistry:
         if existing is not None and existing.alive:
             raise WorkerConflict(f"rank {rank} is already running (pid {existing.pid})")
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        proc: LaunchedProcess
         if standby is not None:
             proc = standby
         else:
@@ -248,7 +262,7 @@ class WorkerRegistry:
         )
         self.workers[rank] = worker
         self.starts += 1
-        how = "standby took over as" if standby is not None else "launched"
+        how = "standby forked" if standby is not None else "launched"
         log.info("%s rank %d (pid %d), log %s", how, rank, proc.pid, log_path)
         return worker
 

@@ -78,6 +78,11 @@ class StandbyRequest(BaseModel):
 
 class StandbyResult(BaseModel):
     ready: bool = Field(description="False when the command cannot have a standby.")
+    warm: bool = Field(
+        default=False,
+        description="It has imported what it preloads: the next start of the job here is "
+        "a fork of it.",
+    )
 
 
 class RejoinRequest(BaseModel):

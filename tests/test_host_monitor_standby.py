@@ -1,20 +1,21 @@
-"""Warm standby workers of a real host monitor: started ahead with the job's modules
-imported, adopted as the worker by the next start of the job's command, replaced, and
-never left behind when the host monitor dies."""
+"""Warm standbys of a real host monitor: started ahead with the job's modules imported,
+forking a worker for every start of the job's command on the node (their exits reported
+as a launched worker's), and never left behind when the host monitor dies."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from resiliency_protocol.standby_orders import Exited, Forked, Ready, WorkerOrder, parse_reply
 from tests.test_host_monitor import Agent, Cluster, wait_for
 
 COMMAND = [sys.executable, "-m", "tests.fixtures.standby_worker", "--flag"]
@@ -55,49 +56,129 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_standby_becomes_the_worker_and_another_one_follows(agent: tuple[Agent, Path]) -> None:
+def start(monitor: Agent, request_id: str, env: dict[str, str], *ranks: int) -> None:
+    body = {
+        "request_id": request_id,
+        "job": "j1",
+        "command": COMMAND,
+        "env": env,
+        "workers": [{"rank": r, "local_rank": i} for i, r in enumerate(ranks)],
+        "standby_preload": PRELOAD,
+    }
+    r = monitor.api.post("/v1/workers/start", json=body)
+    assert r.status_code == 200, r.text
+
+
+def ended(monitor: Agent, rank: int) -> dict[str, Any] | None:
+    worker = monitor.workers().get(rank)
+    return worker if worker is not None and worker["exit_code"] is not None else None
+
+
+def test_a_standby_forks_every_start_of_its_job_and_reports_their_exits(
+    agent: tuple[Agent, Path],
+) -> None:
     monitor, out = agent
     env = {"STANDBY_OUT": str(out), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     body = {"job": "j1", "command": COMMAND, "env": env, "preload": PRELOAD}
     r = monitor.api.post("/v1/standby", json=body)
-    assert r.status_code == 200 and r.json() == {"ready": True}, r.text
+    assert r.status_code == 200 and r.json()["ready"] is True, r.text
     (standby,) = wait_for(lambda: preloaded(out), 30, "the standby preloaded")
-    # Asked again: the same standby, not a second one.
-    assert monitor.api.post("/v1/standby", json=body).json() == {"ready": True}
-    time.sleep(0.5)
-    assert preloaded(out) == {standby}
-    start = {
-        "request_id": "s1",
-        "job": "j1",
-        "command": COMMAND,
-        "env": env,
-        "workers": [{"rank": 3, "local_rank": 0}],
-        "standby_preload": PRELOAD,
-    }
-    r = monitor.api.post("/v1/workers/start", json=start)
-    assert r.status_code == 200, r.text
-    (worker,) = wait_for(lambda: workers(out), 30, "the worker ran")
-    # The standby itself runs the worker: its pid, its preloaded module, the rank's env.
-    assert worker == {"pid": standby, "rank": "3", "preloaded": True, "argv": ["--flag"]}
-    assert monitor.workers()[3]["host_pid"] == standby
+    # Asked again: the same standby, not a second one; warm once its imports are done.
+    wait_for(
+        lambda: monitor.api.post("/v1/standby", json=body).json() == {"ready": True, "warm": True},
+        30,
+        "the standby warm",
+    )
+
+    # Two ranks, each forked by the standby: its modules already imported, the rank's
+    # own environment, argv and log, each in a process group of its own.
+    start(monitor, "s1", {**env, "WORKER_SECONDS": "0.5", "WORKER_EXIT": "3"}, 3, 4)
+    first = wait_for(lambda: len(workers(out)) == 2 and workers(out), 30, "the workers ran")
+    assert {w["rank"] for w in first} == {"3", "4"}
+    for worker in first:
+        assert worker["parent"] == standby and worker["pid"] != standby
+        assert worker["group"] == worker["pid"]
+        assert worker["preloaded"] is True and worker["argv"] == ["--flag"]
+    assert {monitor.workers()[r]["host_pid"] for r in (3, 4)} == {w["pid"] for w in first}
     log = (monitor.log.parent / "run" / "node-s.j1.rank3.log").read_text()
     assert "worker rank=3 running" in log
-    # A new standby follows, a few seconds later (not while the ranks start).
-    second = wait_for(lambda: preloaded(out) - {standby}, 30, "the next standby")
-    (second_pid,) = second
-    # The host monitor dies: its standby goes with it, the worker stays (as a launched one
-    # does).
+    # Their exit codes, as the standby reaped them.
+    done = wait_for(lambda: ended(monitor, 3) and ended(monitor, 4), 30, "both exits seen")
+    assert done["exit_code"] == 3 and monitor.workers()[3]["exit_code"] == 3
+
+    # The next start of the job is a fork of the same standby: nothing imported again, and
+    # no other standby started (a few seconds after a start, the host monitor asks again).
+    start(monitor, "s2", {**env, "WORKER_SECONDS": "60"}, 3)
+    (second,) = wait_for(
+        lambda: [w for w in workers(out) if w["pid"] not in {x["pid"] for x in first}],
+        30,
+        "the next worker ran",
+    )
+    assert second["parent"] == standby and second["preloaded"] is True
+    assert preloaded(out) == {standby}
+    # Stopped as a launched worker is: its whole group, its end recorded.
+    r = monitor.api.post("/v1/workers/stop", json={"grace_s": 5})
+    assert r.status_code == 200, r.text
+    assert not alive(second["pid"])
+    assert monitor.workers()[3]["exit_code"] == -signal.SIGTERM
+
+    # The host monitor dies: its standby goes with it; a worker it forked stays (as a
+    # launched one does).
+    start(monitor, "s3", {**env, "WORKER_SECONDS": "60"}, 5)
+    (third,) = wait_for(
+        lambda: [w for w in workers(out) if w["rank"] == "5"], 30, "the third worker ran"
+    )
     monitor.proc.send_signal(signal.SIGKILL)
     monitor.proc.wait(10)
-    wait_for(lambda: not alive(second_pid), 10, "the standby gone with its host monitor")
-    assert alive(standby)
-    os.kill(standby, signal.SIGKILL)
+    wait_for(lambda: not alive(standby), 10, "the standby gone with its host monitor")
+    assert alive(third["pid"])
+    os.kill(third["pid"], signal.SIGKILL)
+
+
+def test_a_bad_order_is_refused_by_the_standby_which_keeps_serving(tmp_path: Path) -> None:
+    """The pipe itself, without a host monitor: a line that is not an order is refused
+    with its field named, and the next order is forked."""
+    out = tmp_path / "out"
+    out.mkdir()
+    replies, reply_w = os.pipe()
+    env = {
+        **os.environ,
+        "STANDBY_OUT": str(out),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    argv = [sys.executable, "-m", "training.warm_start", "--reply-fd", str(reply_w)]
+    proc = subprocess.Popen(
+        [*argv, "--preload", PRELOAD[0]],
+        env=env,
+        stdin=subprocess.PIPE,
+        pass_fds=(reply_w,),
+    )
+    os.close(reply_w)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(b'{"argv": ["x.py"], "env": {}}\n')
+        order = WorkerOrder(tuple(COMMAND[1:]), {**env, "WORKER_SECONDS": "0"}, None, None)
+        proc.stdin.write(order.to_line())
+        proc.stdin.flush()
+        with os.fdopen(replies, "rb") as pipe:
+            ready, refused, forked, exited = (parse_reply(pipe.readline()) for _ in range(4))
+            assert ready == Ready()
+            assert isinstance(refused, Forked) and refused.pid is None
+            assert refused.error is not None and "argv" in refused.error
+            assert isinstance(forked, Forked) and forked.pid is not None
+            assert exited == Exited(forked.pid, 0)
+            proc.stdin.close()  # dropped: no child left, so it ends
+            assert proc.wait(10) == 64
+            assert pipe.readline() == b""
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_a_command_that_is_not_a_module_has_no_standby(agent: tuple[Agent, Path]) -> None:
     monitor, _ = agent
     body = {"job": "j1", "command": [sys.executable, "x.py"], "preload": PRELOAD}
     r = monitor.api.post("/v1/standby", json=body)
-    assert r.status_code == 200 and r.json() == {"ready": False}
+    assert r.status_code == 200 and r.json() == {"ready": False, "warm": False}
     r = monitor.api.post("/v1/standby", json={**body, "preload": []})
     assert r.status_code == 422 and "preload" in r.text

@@ -1,90 +1,139 @@
-"""A standby worker process: imports the training code now, runs it when told.
+"""A warm standby: imports the training code once, then forks a worker per order.
 
 A worker's start is mostly Python starting and importing torch (1.1-1.5 s per process on
 a 2-core machine, far more with CUDA on a large node), all of it on the critical path of
 a recovery. The host monitor keeps one standby per job on its node:
 
-    python -m training.warm_start --preload training.torch_workload.train
+    python -m training.warm_start --reply-fd 5 --preload training.torch_workload.train
 
-It imports the `--preload` modules, then waits for one JSON line on stdin:
-{"argv": ["-m", "training.torch_workload", ...], "env": {...}, "cwd": "...",
-"log": "/path/to/rank.log"}. It then sends its output to `log` (appended), replaces its
-environment with `env`, and runs the module as `python -m` would (`runpy`), in this very
-process: the host monitor adopts it as the worker. Anything that reads the environment
-only when imported (OMP_NUM_THREADS in torch) comes from the environment the standby was
-started with, which the host monitor makes the job's.
+It imports the `--preload` modules, says it is ready on the reply pipe, then reads orders
+on stdin, one JSON line each (`resiliency_protocol.standby_orders.WorkerOrder`). For each
+it forks: the child starts a session of its own (its process group, as a launched
+worker's), sends its output to the order's log (appended), replaces its environment with
+the order's, and runs the module as `python -m` would (`runpy`), exiting as that
+interpreter would (atexit handlers, threads joined). The standby answers each order with
+the child's pid and, when a child ends, its exit code, on the reply pipe; so every start
+of the job on this node after the first costs a fork, not an import. Anything that reads
+the environment only when imported (OMP_NUM_THREADS in torch) comes from the environment
+the standby was started with, which the host monitor makes the job's.
 
-Standard library only, besides what it preloads. Exit codes: 64 when stdin closes
-without an order (the host monitor dropped the standby), 2 for an order it cannot run.
+When stdin closes (the host monitor dropped it), the standby takes no more orders, waits
+for the workers it forked and exits 64; it dies with its host monitor (PR_SET_PDEATHSIG,
+set by the host monitor), its workers do not, as launched workers do not.
+
+Standard library only, besides what it preloads.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
+import errno
 import importlib
-import json
 import os
 import runpy
+import select
+import signal
 import sys
-from typing import Any
+
+from resiliency_protocol.standby_orders import (
+    Exited,
+    Forked,
+    Ready,
+    Reply,
+    WorkerOrder,
+    reply_line,
+)
 
 EXIT_DROPPED = 64
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-EXIT_BAD_ORDER = 2
 
 
-def _order(line: str) -> tuple[str, list[str], dict[str, str], str | None, str | None]:
-    order: Any = json.loads(line)
-    if not isinstance(order, dict):
-        raise ValueError("the order is not an object")
-    argv, env = order.get("argv"), order.get("env")
-    if (
-        not isinstance(argv, list)
-        or len(argv) < 2
-        or argv[0] != "-m"
-        or not all(isinstance(a, str) for a in argv)
-    ):
-        raise ValueError("argv must be ['-m', module, ...]")
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise ValueError("env must map strings to strings")
-    cwd, log = order.get("cwd"), order.get("log")
-    if cwd is not None and not isinstance(cwd, str):
-        raise ValueError("cwd must be a string")
-    if log is not None and not isinstance(log, str):
-        raise ValueError("log must be a string")
-    return argv[1], argv[2:], env, cwd, log
+class ForkServer:
+    def __init__(self, reply_fd: int) -> None:
+        self.reply_fd = reply_fd
+        self.children: set[int] = set()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        # SIGCHLD wakes the select below through the pipe: no polling while idle.
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
 
+    def serve(self) -> WorkerOrder | None:
+        """Take orders until stdin closes (then None, once every child is reaped); in a
+        forked child, return its order."""
+        stdin = sys.stdin.buffer
+        self._reply(Ready())
+        buffered = b""
+        open_ = True
+        while open_ or self.children:
+            watched = [self._wake_r] + ([stdin.fileno()] if open_ else [])
+            try:
+                ready, _, _ = select.select(watched, [], [])
+            except InterruptedError:
+                ready = []
+            if self._wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 512)
+            self._reap()
+            if open_ and stdin.fileno() in ready:
+                chunk = os.read(stdin.fileno(), 65536)
+                if not chunk:
+                    open_ = False
+                buffered += chunk
+                while b"\n" in buffered:
+                    line, buffered = buffered.split(b"\n", 1)
+                    order = self._fork(line)
+                    if order is not None:
+                        return order  # the child
+        return None
 
-def _outlive_the_host_monitor() -> None:
-    """A standby dies with its host monitor (it set PR_SET_PDEATHSIG); a worker does not,
-    like one the host monitor launched: clear it."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.warm_start")
-    parser.add_argument("--preload", action="append", default=[], help="A module to import now.")
-    args = parser.parse_args()
-    for module in args.preload:
-        importlib.import_module(module)
-    line = sys.stdin.readline()
-    if not line:
-        return EXIT_DROPPED
-    try:
-        module, rest, env, cwd, log = _order(line)
-    except ValueError as exc:
-        print(f"warm start: bad order: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_ORDER
-    _outlive_the_host_monitor()
-    if log is not None:
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    def _fork(self, line: bytes) -> WorkerOrder | None:
+        try:
+            order = WorkerOrder.parse(line)
+        except ValueError as exc:
+            print(f"warm start: bad order: {exc}", file=sys.stderr, flush=True)
+            self._reply(Forked(error=f"bad order: {exc}"))
+            return None
         sys.stdout.flush()
         sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_child()
+            return order
+        self.children.add(pid)
+        self._reply(Forked(pid=pid))
+        return None
+
+    def _become_child(self) -> None:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (self._wake_r, self._wake_w, self.reply_fd):
+            os.close(fd)
+        os.setsid()  # as a launched worker: its own session and process group
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            self._reply(Exited(pid, os.waitstatus_to_exitcode(status)))
+
+    def _reply(self, reply: Reply) -> None:
+        try:
+            os.write(self.reply_fd, reply_line(reply))
+        except OSError as exc:  # the host monitor is gone: nobody to tell
+            if exc.errno not in (errno.EPIPE, errno.EBADF):
+                raise
+
+
+def _run(order: WorkerOrder) -> None:
+    if order.log is not None:
+        fd = os.open(order.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -92,11 +141,24 @@ def main() -> int:
     os.dup2(null, 0)  # as a launched worker: nothing on stdin
     os.close(null)
     os.environ.clear()
-    os.environ.update(env)
-    if cwd is not None:
-        os.chdir(cwd)
-    sys.argv = [module, *rest]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    os.environ.update(order.env)
+    if order.cwd is not None:
+        os.chdir(order.cwd)
+    sys.argv = [order.module, *order.argv[2:]]
+    runpy.run_module(order.module, run_name="__main__", alter_sys=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.warm_start")
+    parser.add_argument("--preload", action="append", default=[], help="A module to import now.")
+    parser.add_argument("--reply-fd", type=int, required=True, help="The pipe replies go to.")
+    args = parser.parse_args()
+    for module in args.preload:
+        importlib.import_module(module)
+    order = ForkServer(args.reply_fd).serve()
+    if order is None:
+        return EXIT_DROPPED
+    _run(order)
     return 0
 
 
