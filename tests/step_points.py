@@ -145,15 +145,17 @@ def assert_saved_and_resumed(
 def requests_delivered(run_dir: Path, ranks: tuple[int, ...], since: float) -> bool:
     """Whether each of `ranks` was handed an emergency request after `since` (its host
     monitor writes the request's id to the rank's file, then signals it)."""
-    for rank in ranks:
-        files = [
-            f
-            for f in run_dir.rglob(f"*.rank{rank}.emergency-request")
-            if f.stat().st_mtime >= since and f.read_text().strip()
-        ]
-        if not files:
-            return False
-    return True
+    return all(_handed(run_dir, rank, since) for rank in ranks)
+
+
+def _handed(run_dir: Path, rank: int, since: float) -> bool:
+    for path in run_dir.rglob(f"*.rank{rank}.emergency-request"):
+        try:  # a start of the rank removes its file: it may vanish as it is read
+            if path.stat().st_mtime >= since and path.read_text().strip():
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def wait_until(condition: Callable[[], bool], within: float, what: str, run: UserRun) -> None:

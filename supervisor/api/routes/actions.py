@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
 from supervisor.api.deps import Operator, Reader, SupervisorDep
+from supervisor.api.parts import ActionLog, Known
 from supervisor.api.routes.common import RecordId, RecordIdFilter, as_utc, check_known, page_of
 from supervisor.api.schemas import ActionIn, ActionOut, Page, UtcTime
 from supervisor.domain import ActionRequest, ActionStatus, ActionType
@@ -20,7 +21,8 @@ router = APIRouter(prefix="/api/v1/actions", tags=["actions"])
     "", response_model=Page[ActionOut], dependencies=[Reader], summary="Actions, newest first"
 )
 async def list_actions(
-    supervisor: SupervisorDep,
+    actions: ActionLog,
+    known: Known,
     type: Annotated[list[ActionType] | None, Query(description="Repeat to match several.")] = None,
     status: ActionStatus | None = None,
     node: str | None = None,
@@ -38,7 +40,7 @@ async def list_actions(
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[ActionOut]:
-    check_known(supervisor, node=node, job=job)
+    check_known(known, node=node, job=job)
     filters = ActionFilter(
         types=type or (),
         status=status,
@@ -49,15 +51,15 @@ async def list_actions(
         until=as_utc(until),
         dry_run=dry_run,
     )
-    page = await page_of(supervisor.store.list_actions, filters, cursor, limit)
+    page = await page_of(actions.list_actions, filters, cursor, limit)
     return Page[ActionOut](
         items=[ActionOut.of(a) for a in page.items], next_cursor=page.next_cursor
     )
 
 
 @router.get("/{action_id}", response_model=ActionOut, dependencies=[Reader], summary="One action")
-async def get_action(supervisor: SupervisorDep, action_id: RecordId) -> ActionOut:
-    action = await asyncio.to_thread(supervisor.store.get_action, action_id)
+async def get_action(actions: ActionLog, action_id: RecordId) -> ActionOut:
+    action = await asyncio.to_thread(actions.get_action, action_id)
     if action is None:
         raise HTTPException(404, f"action {action_id} not found")
     return ActionOut.of(action)

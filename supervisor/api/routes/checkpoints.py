@@ -28,6 +28,7 @@ from resiliency_protocol.checkpoint_reports import (
 )
 from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
+from supervisor.api.parts import Known, ProgressLog
 from supervisor.api.routes.common import check_known
 from supervisor.domain import CheckpointReport, Event, EventType, utcnow
 from supervisor.event_details import CheckpointFailedDetails
@@ -156,10 +157,11 @@ def failed_event(report: CheckpointReport) -> Event:
     summary="The newest checkpoint reports, newest first",
 )
 async def list_checkpoints(
-    supervisor: SupervisorDep,
+    progress: ProgressLog,
+    known: Known,
     job: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[CheckpointReportOut]:
-    check_known(supervisor, job=job)
-    reports = await asyncio.to_thread(supervisor.store.list_checkpoint_reports, job, limit)
+    check_known(known, job=job)
+    reports = await asyncio.to_thread(progress.list_checkpoint_reports, job, limit)
     return [CheckpointReportOut.of(r) for r in reports]

@@ -9,7 +9,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import HTTPException, Path, Query
 
-from supervisor.runtime import Supervisor
+from supervisor.api.parts import KnownNames
 from supervisor.store import InvalidCursor, Page
 
 #: Ids of stored records are SQL BIGINTs: a larger one is refused with a 422 naming the
@@ -22,11 +22,11 @@ T = TypeVar("T")
 F = TypeVar("F")
 
 
-def check_known(supervisor: Supervisor, *, node: str | None = None, job: str | None = None) -> None:
+def check_known(known: KnownNames, *, node: str | None = None, job: str | None = None) -> None:
     """404 for a node or job the supervisor has never seen (most often a typo)."""
-    if node is not None and not supervisor.sensor.has_node(node):
+    if node is not None and not known.has_node(node):
         raise HTTPException(404, f"node {node!r} not found")
-    if job is not None and not supervisor.sensor.has_job(job):
+    if job is not None and not known.has_job(job):
         raise HTTPException(404, f"job {job!r} not found")
 
 

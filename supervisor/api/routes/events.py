@@ -5,7 +5,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 
-from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.deps import Reader
+from supervisor.api.parts import EventLog, Known
 from supervisor.api.routes.common import RecordId, as_utc, check_known, page_of
 from supervisor.api.schemas import EventOut, Page, UtcTime
 from supervisor.domain import EventType
@@ -16,7 +17,8 @@ router = APIRouter(prefix="/api/v1/events", tags=["events"], dependencies=[Reade
 
 @router.get("", response_model=Page[EventOut], summary="Events, newest first")
 async def list_events(
-    supervisor: SupervisorDep,
+    events: EventLog,
+    known: Known,
     type: Annotated[list[EventType] | None, Query(description="Repeat to match several.")] = None,
     node: str | None = None,
     job: str | None = None,
@@ -25,17 +27,17 @@ async def list_events(
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[EventOut]:
-    check_known(supervisor, node=node, job=job)
+    check_known(known, node=node, job=job)
     filters = EventFilter(
         types=type or (), node=node, job=job, since=as_utc(since), until=as_utc(until)
     )
-    page = await page_of(supervisor.store.list_events, filters, cursor, limit)
+    page = await page_of(events.list_events, filters, cursor, limit)
     return Page[EventOut](items=[EventOut.of(e) for e in page.items], next_cursor=page.next_cursor)
 
 
 @router.get("/{event_id}", response_model=EventOut, summary="One event")
-async def get_event(supervisor: SupervisorDep, event_id: RecordId) -> EventOut:
-    event = await asyncio.to_thread(supervisor.store.get_event, event_id)
+async def get_event(events: EventLog, event_id: RecordId) -> EventOut:
+    event = await asyncio.to_thread(events.get_event, event_id)
     if event is None:
         raise HTTPException(404, f"event {event_id} not found")
     return EventOut.of(event)

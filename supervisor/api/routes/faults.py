@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, status
 from resiliency_protocol.faults import FaultKind
 from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
 from supervisor.api.drill_schemas import DrillIn
+from supervisor.api.parts import FaultLog
 from supervisor.api.routes.common import RecordId
 from supervisor.api.schemas import FaultIn, FaultOut
 from supervisor.errors import FaultNotSupported, UnknownTarget
@@ -47,17 +48,17 @@ async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
 
 
 @router.get("", response_model=list[FaultOut], summary="Faults injected, newest first")
-async def list_faults(supervisor: SupervisorDep, active: bool | None = None) -> list[FaultOut]:
-    faults = await asyncio.to_thread(supervisor.store.list_faults, active)
+async def list_faults(log: FaultLog, active: bool | None = None) -> list[FaultOut]:
+    faults = await asyncio.to_thread(log.list_faults, active)
     return [FaultOut.of(f) for f in faults]
 
 
 @router.get("/{fault_id}", response_model=FaultOut, summary="A fault and what it caused")
-async def get_fault(supervisor: SupervisorDep, fault_id: RecordId) -> FaultOut:
-    fault = await asyncio.to_thread(supervisor.store.get_fault, fault_id)
+async def get_fault(log: FaultLog, fault_id: RecordId) -> FaultOut:
+    fault = await asyncio.to_thread(log.get_fault, fault_id)
     if fault is None:
         raise HTTPException(404, f"fault {fault_id} not found")
-    events, actions = await asyncio.to_thread(supervisor.store.linked_to_fault, fault_id)
+    events, actions = await asyncio.to_thread(log.linked_to_fault, fault_id)
     return FaultOut.of(fault, [e.id for e in events if e.id is not None], [a.id for a in actions])
 
 

@@ -295,7 +295,7 @@ async def get_goodput(
         Query(gt=0, description="Step time to assume after a restart; measured if unset."),
     ] = None,
 ) -> GoodputOut:
-    check_known(supervisor, job=job)
+    check_known(supervisor.sensor, job=job)
     report, sources = await goodput.report(
         job, points=points, reference_step_time_s=reference_step_time_s
     )
@@ -331,7 +331,7 @@ async def get_advice(
         Query(ge=0, le=1, description="Ramdisk headroom (GKE advises 0.10-0.15)."),
     ] = 0.15,
 ) -> AdviceOut:
-    check_known(supervisor, job=job)
+    check_known(supervisor.sensor, job=job)
     ramdisk: RamdiskOut | None = None
     if parameters is not None:
         if hosts is None:

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
-from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.deps import Reader
+from supervisor.api.parts import DeliveryLog, Known
 from supervisor.api.routes.common import RecordId, RecordIdFilter, check_known, page_of
 from supervisor.api.schemas import Page
 from supervisor.config_parts.notification_routes import ROUTE_NAME_PATTERN
@@ -65,7 +66,8 @@ class NotificationOut(BaseModel):
 
 @router.get("", response_model=Page[NotificationOut], summary="Notifications, newest first")
 async def list_notifications(
-    supervisor: SupervisorDep,
+    deliveries: DeliveryLog,
+    known: Known,
     status: DeliveryStatus | None = None,
     # Only a route's name: anything else (a NUL, which PostgreSQL refuses) names no route.
     route: Annotated[
@@ -77,17 +79,17 @@ async def list_notifications(
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[NotificationOut]:
-    check_known(supervisor, job=job)
+    check_known(known, job=job)
     filters = DeliveryFilter(status=status, route=route, kind=kind, item_id=item_id, job=job)
-    page = await page_of(supervisor.store.list_deliveries, filters, cursor, limit)
+    page = await page_of(deliveries.list_deliveries, filters, cursor, limit)
     return Page[NotificationOut](
         items=[NotificationOut.of(d) for d in page.items], next_cursor=page.next_cursor
     )
 
 
 @router.get("/{notification_id}", response_model=NotificationOut, summary="One notification")
-async def get_notification(supervisor: SupervisorDep, notification_id: RecordId) -> NotificationOut:
-    delivery = await asyncio.to_thread(supervisor.store.get_delivery, notification_id)
+async def get_notification(deliveries: DeliveryLog, notification_id: RecordId) -> NotificationOut:
+    delivery = await asyncio.to_thread(deliveries.get_delivery, notification_id)
     if delivery is None:
         raise HTTPException(404, f"notification {notification_id} not found")
     return NotificationOut.of(delivery)
