@@ -25,6 +25,7 @@ from bench import (
     memory,
     mttr,
     simulate,
+    standby_start,
     stragglers,
 )
 from bench.chaos_report import chaos_rows
@@ -183,6 +184,7 @@ SECTIONS = (
     "dashboard",
     "cli",
     "hang-run",  # a frozen rank of an unchanged script, of an instrumented one, torchrun's
+    "standby-start",  # a rank started again on its node: forked by its standby, or anew
 )
 #: Run only when named with --only: a real Kubernetes control plane of 2,000 kwok nodes.
 ASKED_ONLY = ("kube-scale",)
@@ -292,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += cli_start.rows()
     if "hang-run" in only:
         rows += hang_detect.rows()
+    if "standby-start" in only:
+        rows += standby_start.rows()
     if "kube-scale" in only:
         from bench import kube_scale  # starts the tests' control plane: only when asked
 
