@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from resiliency_protocol.checkpoint_reports import Tier
 from supervisor.local.demo import LocalDemo
 from tests.http import http
 from tests.netns import Network, unavailable
@@ -303,13 +304,29 @@ def test_a_node_cut_from_its_peers_but_heard_by_the_supervisor_is_swapped_out(
     resumes = {step for step, _ in resumed_steps(demo)}
     # The cut-off rank saved its shard of that step too, but on its own node only: its push
     # to the partner was cut. The newest step every shard can be loaded from is the last
-    # one its partner got, at most one step back (most_lost).
-    assert len(resumes) == 1 and min(resumes) >= saved - most_lost(workload), (saved, resumes)
+    # one its partner got: one step back when its pushes kept up (most_lost), more when the
+    # cut came while a push was slow (once, on a loaded machine: 2 steps back). No step
+    # any shard's partner has is lost.
+    floor = saved - most_lost(workload)
+    if workload == "fsdp":
+        floor = min(floor, partner_got(demo, victim))
+    assert len(resumes) == 1 and min(resumes) >= floor, (saved, floor, resumes)
     after = demo.api("/api/v1/actions")["items"]
     assert [a["type"] for a in after if a["type"] != "cordon"] == [
         "hot_swap",
         "emergency_checkpoint",
     ]
+
+
+def partner_got(demo: LocalDemo, node: str) -> int:
+    """The newest step the ranks of `node` pushed to their partner (the peer tier's reports,
+    which the node's host monitor still delivers to the supervisor it hears)."""
+    reports = demo.api("/api/v1/checkpoints", job=demo.options.job, limit=1000)
+    return max(
+        int(r["step"])
+        for r in reports
+        if r["node"] == node and r["tier"] == Tier.PEER and r["event"] == "saved"
+    )
 
 
 def partner(demo: LocalDemo, node: str) -> str | None:
