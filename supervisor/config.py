@@ -77,6 +77,14 @@ class Settings(
             )
         return self
 
+    @property
+    def in_process_wait_s(self) -> float:
+        """How long an in-process restart may take before the full restart: its bound, but
+        at most half an action's attempt. The fallback runs in the same attempt; an
+        in-process wait as long as the attempt left it no time, and the attempt timed out
+        instead (its retries then only waited again for the same world)."""
+        return min(self.in_process_restart_timeout_s, self.action_timeout_s / 2)
+
     # --- the settings by the part they configure (supervisor/config_parts/) ----------
 
     @property

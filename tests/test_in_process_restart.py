@@ -92,6 +92,40 @@ def test_an_in_process_restart_past_its_bound_falls_back_to_a_full_restart(
     assert weights == expected
 
 
+def test_a_replaced_rank_that_ends_before_it_joins_falls_back_at_once(
+    start_demo: Callable[..., LocalDemo], tmp_path: Path
+) -> None:
+    """The crashed rank's replacement dies while it starts: the new world cannot form, so
+    the in-process restart gives way to a full restart at once, not after its bound (a
+    minute here: the action's attempt timed out first, once, under load)."""
+    expected = reference_weights(tmp_path, 2, 1, STEPS, "torch")
+    # No standby: the replacement starts from nothing, slow enough to be caught starting.
+    demo = start_demo(
+        warm_standby=False, supervisor_env={"SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "60"}
+    )
+    victim = demo.options.nodes[0]
+    wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
+    (old,) = node_status(demo, victim)["workers"]
+    inject(demo, kind="worker_crash", node=victim)
+
+    def replacement() -> list[dict[str, Any]]:
+        return [
+            w
+            for w in node_status(demo, victim)["workers"]
+            if w["host_pid"] != old["host_pid"] and w["state"] == "starting"
+        ]
+
+    (new,) = wait_for(replacement, what="the replacement starting")
+    os.kill(new["host_pid"], 9)
+    actions = wait_for(lambda: finished_actions(demo, 2), what="the remediation")
+    result = actions[1]["result"]
+    assert (actions[1]["type"], actions[1]["status"]) == ("restart_in_place", "succeeded")
+    assert result["path"] == "full_restart", result
+    assert f"rank 0 on {victim} ended before it joined" in result["in_process_error"], result
+    weights = wait_for(lambda: output(demo), within=180, what="the job to finish")
+    assert weights == expected
+
+
 def remedy_of(demo: LocalDemo, fault_id: int) -> list[dict[str, Any]]:
     """The finished actions of the fault's remedy (its emergency checkpoint and restart)."""
     items = [a for a in demo.api("/api/v1/actions")["items"] if a["fault_id"] == fault_id]

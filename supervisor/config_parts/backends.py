@@ -25,7 +25,9 @@ class LocalSettings(SettingsGroup):
         20.0,
         gt=0,
         description="An in-process restart (survivors keep their processes and join a new "
-        "world) not done in this long falls back to a full restart of every rank.",
+        "world) not done in this long falls back to a full restart of every rank, in the "
+        "same action: the wait is at most half of `action_timeout_s`, and it ends at once "
+        "when a rank's process ends before it joined.",
     )
 
 

@@ -153,10 +153,10 @@ class InProcessHealing:
             verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node))
             fencing = verdict.result()
             if verdict.allowed:
-                await delete_now(ctx, targets)
+                await delete_now(ctx, action, targets)
             else:
                 log.warning("%s: pods of %s not force-deleted: %s", key, node, verdict.why)
-        timeout = ctx.settings.in_process_restart_timeout_s
+        timeout = ctx.settings.in_process_wait_s
         deadline = time.monotonic() + timeout
         while waiting := await self.links.joined(jobset, world.attempt):
             # A member gone: waiting on would only spend the timeout.
@@ -166,7 +166,8 @@ class InProcessHealing:
             elif time.monotonic() >= deadline:
                 why = (
                     f"ranks {waiting} did not join world {world.attempt} within"
-                    f" in_process_restart_timeout_s={timeout:g}s"
+                    f" {timeout:g}s (in_process_restart_timeout_s, at most half of"
+                    " action_timeout_s)"
                 )
             else:
                 await asyncio.sleep(0.1)

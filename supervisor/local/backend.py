@@ -218,7 +218,7 @@ class LocalBackend(Backend):
             }
         try:
             return await self.cluster.restart_in_process(
-                key, fresh, timeout_s=self.settings.in_process_restart_timeout_s
+                key, fresh, timeout_s=self.settings.in_process_wait_s
             )
         except InProcessFailed as exc:
             log.warning("in-process restart %s failed, restarting every rank: %s", key, exc)

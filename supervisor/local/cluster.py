@@ -32,6 +32,7 @@ from resiliency_protocol.node_commands import (
     StopWorkersRequest,
     WorkerSpec,
 )
+from resiliency_protocol.states import WorkerState
 from resiliency_protocol.tls import client_context
 from supervisor.actuator.backend import Fenced
 from supervisor.actuator.leader_epoch import stamp
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 # The host monitor's default `checkpoint_root` (host_monitor/config.py): where its workers'
 # RAM checkpoint tier must live for the peer tier to copy it.
 HOST_MONITOR_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
+#: A worker in one of these states has no process left to join a world.
+ENDED = frozenset({WorkerState.EXITED.value, WorkerState.STOPPED.value})
 
 
 class ClusterError(SupervisorError):
@@ -362,7 +365,9 @@ class LocalCluster:
         }
 
     async def _wait_joined(self, job: JobSpec, attempt: str, timeout_s: float) -> None:
-        """Until every rank reports training in `attempt`."""
+        """Until every rank reports training in `attempt`; InProcessFailed past `timeout_s`,
+        or at once when a rank's process ended before it joined (waiting on would only
+        spend the timeout: the world cannot form without it)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiting = {
@@ -374,14 +379,13 @@ class LocalCluster:
                     status = await self.call(node, "/v1/status", timeout=2.0)
                 except (httpx.HTTPError, ClusterError):
                     continue
-                joined = any(
-                    w.get("rank") == rank
-                    and w.get("attempt") == attempt
-                    and w.get("state") == "running"
-                    for w in status.get("workers", [])
-                )
-                if joined:
+                mine = [w for w in status.get("workers", []) if w.get("rank") == rank]
+                if any(w.get("attempt") == attempt and w.get("state") == "running" for w in mine):
                     del waiting[rank]
+                elif any(w.get("state") in ENDED for w in mine):
+                    raise InProcessFailed(
+                        f"rank {rank} on {node} ended before it joined attempt {attempt}"
+                    )
             if not waiting:
                 return
             if loop.time() >= deadline:

@@ -153,7 +153,8 @@ class LocalDemo:
             "SUPERVISOR_NUM_NODES_PER_DP": str(o.nodes_per_dp),
             "SUPERVISOR_ENABLE_WORKLOAD_SCALING": "true",
             "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "10",
-            "SUPERVISOR_ACTION_TIMEOUT_S": "60",
+            # Room for an in-process restart's bound and the full restart after it.
+            "SUPERVISOR_ACTION_TIMEOUT_S": "150",
             "SUPERVISOR_LOCAL_STOP_GRACE_S": "2",
             "SUPERVISOR_HANG_MIN_TIMEOUT_S": "10",
             "SUPERVISOR_POLICY": o.policy,
