@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from host_monitor.processes import proc_stat
 from resiliency_protocol.standby_orders import Exited, Forked, Ready, WorkerOrder, parse_reply
 
 log = logging.getLogger(__name__)
@@ -151,11 +152,8 @@ class ForkedWorker:
 
 
 def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
 
 
 class Standbys:

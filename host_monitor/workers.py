@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from host_monitor import pidns
 from host_monitor.errors import HostMonitorError
+from host_monitor.processes import LaunchedProcess, pid_alive, proc_start_time
 from resiliency_protocol.node_commands import WorkerStatus
 from resiliency_protocol.states import WorkerState
 from resiliency_protocol.worker_wire import WorkerFinishing, WorkerRegistration, WorkerStopping
@@ -53,53 +53,6 @@ class WorkerConflict(HostMonitorError):
     """The request does not fit the workers' current state (HTTP 409)."""
 
 
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of `pid` from /proc/PID/stat, None where /proc cannot tell.
-
-    The start time (field 22) tells a reused pid apart; state `Z` is a zombie: exited,
-    only waiting for its parent to reap it.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return (fields[0], fields[19]) if len(fields) > 19 else None
-
-
-def _proc_start_time(pid: int) -> str | None:
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
-
-
-def _pid_alive(pid: int, start_time: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    stat = _proc_stat(pid)
-    if stat is None:
-        return True
-    state, started = stat
-    if state == "Z":
-        return False
-    # A different start time: the pid was reused by another process.
-    return start_time is None or started == start_time
-
-
-class LaunchedProcess(Protocol):
-    """What the registry needs of a process it started: a `subprocess.Popen`, or a worker
-    a standby forked for it."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-
 @dataclass(slots=True)
 class Worker:
     rank: int
@@ -111,7 +64,7 @@ class Worker:
     host_pid: int | None = None
     pid_namespace: int | None = None  # as registered; None for pids of our namespace
     proc: LaunchedProcess | None = None  # set when we launched it
-    start_time: str | None = None  # of a registered-only host_pid, see _proc_start_time
+    start_time: str | None = None  # of a registered-only host_pid, see proc_start_time
     step: int | None = None
     compute_s: float | None = None
     exit_code: int | None = None
@@ -287,7 +240,7 @@ class WorkerRegistry:
                 pid=reg.pid,
                 host_pid=host_pid,
                 pid_namespace=reg.pid_namespace,
-                start_time=_proc_start_time(host_pid),
+                start_time=proc_start_time(host_pid),
             )
             self.workers[reg.rank] = worker
         worker.registered = True
@@ -473,7 +426,7 @@ class WorkerRegistry:
                 return False
             worker.exit_code = code
         elif worker.host_pid is not None:
-            if _pid_alive(worker.host_pid, worker.start_time):
+            if pid_alive(worker.host_pid, worker.start_time):
                 return False
             worker.exit_code = None  # not our child: nobody tells us
         else:

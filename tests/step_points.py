@@ -149,7 +149,9 @@ def requests_delivered(run_dir: Path, ranks: tuple[int, ...], since: float) -> b
 
 
 def _handed(run_dir: Path, rank: int, since: float) -> bool:
-    for path in run_dir.rglob(f"*.rank{rank}.emergency-request"):
+    # The nodes' folders only: a walk of the whole run folder meets the peer stores'
+    # incoming copies, which vanish as they are committed (it failed so once).
+    for path in run_dir.glob(f"nodes/*/*.rank{rank}.emergency-request"):
         try:  # a start of the rank removes its file: it may vanish as it is read
             if path.stat().st_mtime >= since and path.read_text().strip():
                 return True
