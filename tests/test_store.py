@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -740,3 +741,34 @@ def test_worker_states_round_trip(store: Store) -> None:
     store.record([], [view])
     [loaded] = store.load_nodes()
     assert loaded.workers == (worker,)
+
+
+def test_a_new_node_recorded_from_two_threads_at_once_is_recorded_by_both(store: Store) -> None:
+    """The heartbeat route, the deadline handler and a fault injection each record in a
+    thread of their own: two records of a node (and job) new to the database, at once,
+    both land with their events and each failure counted (a read-then-insert upsert lost
+    one of them to a unique violation, seen once under load)."""
+    rounds = 20
+    for i in range(rounds):
+        barrier = threading.Barrier(2)
+        errors: list[BaseException] = []
+
+        def write(
+            name: str, job: str, barrier: threading.Barrier, errors: list[BaseException]
+        ) -> None:
+            barrier.wait()
+            try:
+                store.record([event(node=name, job=job)], [node_view(name, job)], [job_view(job)])
+            except BaseException as exc:
+                errors.append(exc)
+
+        args = (f"new-{i}", f"job-{i}", barrier, errors)
+        threads = [threading.Thread(target=write, args=args) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+    assert len(store.load_nodes()) == rounds and len(store.load_jobs()) == rounds
+    failures = store.policy_counts(T0).node_failures
+    assert failures == {f"new-{i}": 2 for i in range(rounds)}

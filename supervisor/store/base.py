@@ -17,6 +17,7 @@ from supervisor.store.models import (
     ActionRow,
     CounterRow,
 )
+from supervisor.store.upsert import upsert
 
 NODE_SCOPE = "node"
 JOB_SCOPE = "job"
@@ -36,13 +37,9 @@ class RepositoryBase:
     _job_scope: str
 
     def _bump(self, session: Session, scope: str, key: str, name: str, now: datetime) -> None:
-        row = session.get(CounterRow, (scope, key, name), with_for_update=True)
-        if row is None:
-            session.add(CounterRow(scope=scope, key=key, name=name, value=1, updated_at=now))
-            session.flush()
-        else:
-            row.value += 1
-            row.updated_at = now
+        values = {"scope": scope, "key": key, "name": name, "value": 1, "updated_at": now}
+        bump = {"value": CounterRow.value + 1, "updated_at": now}
+        upsert(session, CounterRow, values, ("scope", "key", "name"), bump)
 
     def _new_action(
         self,

@@ -27,6 +27,7 @@ from supervisor.store.models import (
     JobRow,
     NodeRow,
 )
+from supervisor.store.upsert import upsert
 from supervisor.xid import blames_node
 
 
@@ -71,41 +72,41 @@ class ClusterPictureRecords(RepositoryBase):
             return [event_of(row) for row in rows]
 
     def _upsert_node(self, session: Session, node: NodeView, now: datetime) -> None:
-        session.merge(
-            NodeRow(
-                name=node.name,
-                state=node.state.value,
-                job=node.job,
-                alive=node.alive,
-                cordoned=node.cordoned,
-                flapping=node.flapping,
-                last_heartbeat=node.last_heartbeat,
-                workers=[
-                    {
-                        "rank": w.rank,
-                        "local_rank": w.local_rank,
-                        "pid": w.pid,
-                        "state": w.state.value,
-                        "step": w.step,
-                        "exit_code": w.exit_code,
-                    }
-                    for w in node.workers
-                ],
-                updated_at=now,
-            )
-        )
+        values = {
+            "name": node.name,
+            "state": node.state.value,
+            "job": node.job,
+            "alive": node.alive,
+            "cordoned": node.cordoned,
+            "flapping": node.flapping,
+            "last_heartbeat": node.last_heartbeat,
+            "workers": [
+                {
+                    "rank": w.rank,
+                    "local_rank": w.local_rank,
+                    "pid": w.pid,
+                    "state": w.state.value,
+                    "step": w.step,
+                    "exit_code": w.exit_code,
+                }
+                for w in node.workers
+            ],
+            "updated_at": now,
+        }
+        upsert(session, NodeRow, values, ("name",))
 
     def _upsert_job(self, session: Session, job: JobView, now: datetime) -> None:
-        row = session.get(JobRow, job.name)
-        if row is None:
-            row = JobRow(name=job.name, created_at=now)
-            session.add(row)
-        row.num_dp_replicas = job.num_dp_replicas
-        row.min_num_dp_replicas = job.min_num_dp_replicas
-        row.max_num_dp_replicas = job.max_num_dp_replicas
-        row.num_nodes_per_dp = job.num_nodes_per_dp
-        row.step_interval_s = job.step_interval_s
-        row.updated_at = now
+        values = {
+            "name": job.name,
+            "num_dp_replicas": job.num_dp_replicas,
+            "min_num_dp_replicas": job.min_num_dp_replicas,
+            "max_num_dp_replicas": job.max_num_dp_replicas,
+            "num_nodes_per_dp": job.num_nodes_per_dp,
+            "step_interval_s": job.step_interval_s,
+            "updated_at": now,
+        }
+        # `created_at` only when the row is new: every other value, always.
+        upsert(session, JobRow, {**values, "created_at": now}, ("name",), keep=("created_at",))
 
     def load_nodes(self) -> list[NodeView]:
         with self._sessions() as session:
