@@ -7,7 +7,9 @@ every beat sent to the supervisor and to the bare ASGI app alike. Measured per w
 each server's CPU (user + system, from /proc) per heartbeat it answered, and the SQL
 statements the supervisor sent (SQLAlchemy's cursor events, counted in its process).
 For each node count of a group, a supervisor restores that fleet from a fresh database
-(as after a restart: no registration storm), with the bare app beside it.
+(as after a restart: no registration storm), with the bare app beside it. A phase with
+`batch` > 1 sends the supervisor its beats in batches of that many, as a relay does
+(`POST /api/v1/heartbeats/batch`), the bare app still one request a beat.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Phase:
     nodes: int
     jitter_s: float  # each beat late by 0..jitter_s
     period_s: float = 5.0
+    batch: int = 1  # the supervisor's beats in batches of this many (a relay's)
 
     @property
     def timeout_s(self) -> float:
@@ -56,6 +59,7 @@ class FleetWindow:
     phase: Phase
     seconds: float
     heartbeats: int  # answered by the supervisor
+    requests: int  # the supervisor's requests those came in (batches count one)
     bare_heartbeats: int
     cpu_s: float
     bare_cpu_s: float
@@ -153,7 +157,10 @@ def _measure(
     for server in servers:
         assert server.stdout is not None
         ports.append(int(server.stdout.readline()))
-    plan = [{"nodes": p.nodes, "period": p.period_s, "jitter": p.jitter_s} for p in phases]
+    plan = [
+        {"nodes": p.nodes, "period": p.period_s, "jitter": p.jitter_s, "batch": p.batch}
+        for p in phases
+    ]
     gen = subprocess.Popen(
         [
             sys.executable,
@@ -215,6 +222,7 @@ def _measure(
                         phase=phases[w["phase"]],
                         seconds=w["seconds"],
                         heartbeats=w["answered"][0],
+                        requests=w["requests"][0],
                         bare_heartbeats=w["answered"][1],
                         cpu_s=cpu1[0] - cpu0[0],
                         bare_cpu_s=cpu1[1] - cpu0[1],
@@ -237,7 +245,9 @@ def _measure(
 def _profile_name(group: Group, phase: Phase) -> str:
     return (
         f"{group.database}-{group.workers}w-{group.ranks_per_job}r-"
-        f"{phase.nodes}n-{phase.period_s:g}p-{phase.jitter_s:g}j.txt"
+        f"{phase.nodes}n-{phase.period_s:g}p-{phase.jitter_s:g}j"
+        + (f"-{phase.batch}b" if phase.batch > 1 else "")
+        + ".txt"
     )
 
 

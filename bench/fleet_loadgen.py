@@ -17,6 +17,12 @@ phase starts it prints
 `window-start I`, then after `--duration` s `window-end I` (the parent samples the servers'
 CPU and statements at both marks) and `window {json}`. It prints `done` at the end.
 Beats go on between windows, so no node is ever lost.
+
+A phase with `"batch": B` > 1 sends the supervisor's beats as a relay would
+(`host-monitor relay`): held until B are, or for `RELAY_HOLD_S` at most, then sent as one
+request to `POST /api/v1/heartbeats/batch` (each entry with its node's credential); the
+bare app still gets each beat as a request of its own, so its CPU per request stays the
+stack's ceiling. A batch's entries answered 202 or 204 count as answered heartbeats.
 """
 
 from __future__ import annotations
@@ -36,12 +42,19 @@ from bench.loadgen import read_response
 from bench.loops import run as run_loop
 from bench.payload import heartbeat_template
 from bench.stats import summary_ms
+from resiliency_protocol.heartbeat_batch import BATCH_PATH, encode_batch, parse_answer
 
 #: A job's step time: every node of a job reports the step its job is at (as one job's
 #: ranks do), so most beats repeat the job's newest step.
 STEP_S = 1.0
 #: A first beat answered 503 is sent again a second later, this many times at most.
 RETRIES = 60
+#: A relay sends what it holds once it holds a batch, or after this long.
+RELAY_HOLD_S = 0.5
+#: The relays' keep-alive connections: a few racks' relays, each one request at a time
+#: (spread over the whole pool, each connection would sit idle past uvicorn's keep-alive
+#: timeout and be opened again every few batches, which no relay does).
+RELAYS = 4
 
 
 def job_name(index: int) -> str:
@@ -74,9 +87,35 @@ class Stream:
                     raise
         raise AssertionError("unreachable")
 
+    async def exchange_batch(self, request: bytes) -> tuple[int, bytes]:
+        """One batch's request: its status and body (sent again as `exchange` does)."""
+        for attempt in range(3):
+            if self._pair is None:
+                self._pair = await asyncio.open_connection("127.0.0.1", self.port)
+            reader, writer = self._pair
+            try:
+                writer.write(request)
+                return await _read_with_body(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                self._pair = None
+                self.reconnects += 1
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def close(self) -> None:
         if self._pair is not None:
             self._pair[1].close()
+
+
+async def _read_with_body(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One Content-Length framed response: its status and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lower = head.lower()
+    at = lower.find(b"\r\ncontent-length:") + 17
+    length = int(lower[at : lower.index(b"\r\n", at)]) if at >= 17 else 0
+    return int(head[9:12]), await reader.readexactly(length) if length else b""
 
 
 @dataclass
@@ -84,7 +123,8 @@ class Connection:
     """One keep-alive connection to one server and the requests waiting for it."""
 
     port: int
-    queue: deque[tuple[float, bytes]] = field(default_factory=deque)
+    # (queued at, request, heartbeats in it: 0 for a single one, else a batch's entries)
+    queue: deque[tuple[float, bytes, int]] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -98,6 +138,11 @@ class Server:
     statuses: dict[int, int] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
     measuring: bool = False
+    requests: int = 0  # answered, each batch one
+    batch_head: bytes = b""
+    held: list[bytes] = field(default_factory=list)  # beats a relay holds (batch phases)
+    held_since: float = 0.0
+    next_connection: int = 0
 
 
 class Fleet:
@@ -121,9 +166,18 @@ class Fleet:
                     "Content-Length: %d\r\n\r\n"
                 ).encode(),
                 connections=[Connection(port) for _ in range(args.pool)],
+                batch_head=(
+                    f"POST {BATCH_PATH} HTTP/1.1\r\n"
+                    f"Host: 127.0.0.1:{port}\r\n"
+                    f"Authorization: Bearer {args.token}\r\n"
+                    "Content-Type: application/json\r\n"
+                    "Content-Length: %d\r\n\r\n"
+                ).encode(),
             )
             for port in args.ports
         ]
+        self.token: str = args.token
+        self.batch = 1  # the supervisor's beats in batches of this many (1: one a request)
         self.late: list[float] = []  # how late the scheduler sent beats, in the window
 
     async def add_nodes(self, count: int) -> None:
@@ -181,15 +235,40 @@ class Fleet:
                 if self.servers[0].measuring:
                     self.late.append(now - send_at)
                 body = self.body(node, now)
-                for server in self.servers:
+                for index, server in enumerate(self.servers):
+                    if index == 0 and self.batch > 1:  # to the relay (`relay`)
+                        if not server.held:
+                            server.held_since = now
+                        server.held.append(body)
+                        continue
                     conn = server.connections[node % len(server.connections)]
-                    conn.queue.append((now, server.head % len(body) + body))
+                    conn.queue.append((now, server.head % len(body) + body, 0))
                     conn.ready.set()
                 nominal += self.period
                 later = nominal + self.rng.uniform(0, self.jitter) if self.jitter else nominal
                 heapq.heappush(heap, (max(later, now), nominal, node))
             wait = heap[0][0] - time.monotonic() if heap else 0.01
             await asyncio.sleep(min(max(wait, 0.0), 0.01))
+
+    async def relay(self) -> None:
+        """The supervisor's beats as a relay sends them: a batch once `batch` are held,
+        or what is held after RELAY_HOLD_S; batches spread over RELAYS connections."""
+        server = self.servers[0]
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            held = server.held
+            while len(held) >= self.batch or (held and now - server.held_since >= RELAY_HOLD_S):
+                taken, server.held = held[: self.batch], held[self.batch :]
+                held = server.held
+                server.held_since = now
+                body = encode_batch([(self.token, beat) for beat in taken])
+                conn = server.connections[
+                    server.next_connection % min(RELAYS, len(server.connections))
+                ]
+                server.next_connection += 1
+                conn.queue.append((now, server.batch_head % len(body) + body, len(taken)))
+                conn.ready.set()
 
     async def connection(self, index: int, conn: Connection) -> None:
         server = self.servers[index]
@@ -200,15 +279,25 @@ class Fleet:
                 conn.ready.clear()
                 await conn.ready.wait()
                 continue
-            queued_at, request = queue.popleft()
-            status = await stream.exchange(request)
-            if status in (202, 204):
-                server.answered += 1
-                if server.measuring:
-                    server.latencies.append(time.monotonic() - queued_at)
+            queued_at, request, entries = queue.popleft()
+            if entries:
+                status, body = await stream.exchange_batch(request)
+                statuses = (
+                    [r.status for r in parse_answer(body).results]
+                    if status == 200
+                    else [status] * entries
+                )
             else:
-                server.errors += 1
-                server.statuses[status] = server.statuses.get(status, 0) + 1
+                statuses = [await stream.exchange(request)]
+            server.requests += 1
+            if server.measuring:
+                server.latencies.append(time.monotonic() - queued_at)
+            for status in statuses:
+                if status in (202, 204):
+                    server.answered += 1
+                else:
+                    server.errors += 1
+                    server.statuses[status] = server.statuses.get(status, 0) + 1
 
 
 def _say(line: str) -> None:
@@ -236,12 +325,15 @@ async def run(args: argparse.Namespace) -> None:
         for conn in server.connections
     ]
     tasks.append(asyncio.create_task(fleet.schedule()))
+    tasks.append(asyncio.create_task(fleet.relay()))
     for index, phase in enumerate(plan):
         fleet.period, fleet.jitter = float(phase["period"]), float(phase["jitter"])
+        fleet.batch = int(phase.get("batch", 1))
         await fleet.add_nodes(phase["nodes"])
         await asyncio.sleep(args.settle)
         answered = [s.answered for s in fleet.servers]
         errors = [s.errors for s in fleet.servers]
+        requests = [s.requests for s in fleet.servers]
         fleet.late.clear()
         for server in fleet.servers:
             server.latencies.clear()
@@ -261,6 +353,7 @@ async def run(args: argparse.Namespace) -> None:
             "seconds": elapsed,
             "answered": [s.answered - a for s, a in zip(fleet.servers, answered, strict=True)],
             "errors": [s.errors - e for s, e in zip(fleet.servers, errors, strict=True)],
+            "requests": [s.requests - r for s, r in zip(fleet.servers, requests, strict=True)],
             "statuses": [{str(k): v for k, v in s.statuses.items()} for s in fleet.servers],
             "latency": [summary_ms(s.latencies) for s in fleet.servers],
             "late_p99_ms": late["p99_ms"],
@@ -275,7 +368,9 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_loadgen")
     parser.add_argument("--ports", required=True, type=lambda s: [int(p) for p in s.split(",")])
-    parser.add_argument("--plan", required=True, help="JSON list of {nodes, period, jitter}")
+    parser.add_argument(
+        "--plan", required=True, help="JSON list of {nodes, period, jitter[, batch]}"
+    )
     parser.add_argument("--token", default="bench-agent-token")
     parser.add_argument("--workers", type=int, default=8, help="workers (ranks) per node")
     parser.add_argument("--ranks-per-job", type=int, default=8000)

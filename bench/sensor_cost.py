@@ -5,10 +5,17 @@ node's heartbeat in turn, 4 rounds after one that registers them, on a fresh `Se
 CPU (user + system) per heartbeat, for 2,000 and 25,000 nodes of 8 workers in jobs of
 8,000 ranks and 25,000 nodes of 1 worker in jobs of 1,000. What the HTTP rows of
 `--only ingest-fleet` spend beyond this is the server stack's and the route's.
+
+Then the controller's snapshot of the cluster (`Sensor.snapshot`, taken before each
+decision: a burst of losses takes one each): the first after every node beat (each
+node's view built, its last heartbeat decoded), and the next ones of a burst, each after
+1% of the nodes beat again (only theirs built again); CPU per snapshot, 2,000 and 25,000
+nodes of 8 workers.
 """
 
 from __future__ import annotations
 
+import random
 import resource
 
 from bench.fleet_loadgen import job_name
@@ -49,10 +56,56 @@ async def cost_us(nodes: int, workers: int, ranks_per_job: int) -> float:
         sensor.close()
 
 
+#: Snapshots of a burst measured after the first, and the share of nodes heard before each.
+BURST = 20
+BEAT_BETWEEN = 0.01
+
+
+async def snapshot_ms(
+    nodes: int, workers: int = 8, ranks_per_job: int = 8_000
+) -> tuple[float, float]:
+    """CPU milliseconds of (the first snapshot, each next one of a burst)."""
+    settings = Settings(heartbeat_timeout_s=600, heartbeat_polling_period_s=300)
+    sensor = Sensor(settings.sensing, settings.workload, lambda _: None)
+    per_job = max(1, ranks_per_job // workers)
+    templates = [
+        heartbeat_template(
+            i, workers=workers, job=job_name(i // per_job), first_rank=(i % per_job) * workers
+        )
+        for i in range(nodes)
+    ]
+    try:
+        for step in (1, 2):
+            for template in templates:
+                body = template % ((step,) * workers)
+                sensor.ingest(parse_heartbeat(body), body)
+        started = _cpu_s()
+        sensor.snapshot()
+        first = _cpu_s() - started
+        rng = random.Random(1)
+        spent = 0.0
+        for step in range(3, 3 + BURST):
+            for template in rng.sample(templates, max(1, int(nodes * BEAT_BETWEEN))):
+                body = template % ((step,) * workers)
+                sensor.ingest(parse_heartbeat(body), body)
+            started = _cpu_s()
+            sensor.snapshot()
+            spent += _cpu_s() - started
+        return 1e3 * first, 1e3 * spent / BURST
+    finally:
+        sensor.close()
+
+
 def main() -> None:
     for nodes, workers, ranks in ((2_000, 8, 8_000), (25_000, 8, 8_000), (25_000, 1, 1_000)):
         us = run_loop(cost_us(nodes, workers, ranks))
         print(f"{nodes:,} nodes x {workers} workers, jobs of {ranks:,} ranks: {us:.1f} us")
+    for nodes in (2_000, 25_000):
+        first, next_ = run_loop(snapshot_ms(nodes))
+        print(
+            f"snapshot of {nodes:,} nodes x 8 workers: first {first:.1f} ms, then "
+            f"{next_:.1f} ms each ({BEAT_BETWEEN:.0%} of the nodes heard before each)"
+        )
 
 
 if __name__ == "__main__":

@@ -275,6 +275,7 @@ class Agent:
             on_delivered=node.delivered,
             ssl_context=self._ssl,
             mirrors=s.shadow_supervisor_urls,
+            relay_url=s.heartbeat_relay_url,
             on_stale_world=lambda stale: self._stale_world(node, stale),
             unreachable_peers=probes.unreachable if probes is not None else None,
         )

@@ -62,6 +62,12 @@ def _configure_logging(settings: HostMonitorSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:  # the rack's heartbeat relay, not a node's agent
+        from host_monitor.relay import main as relay
+
+        relay(argv[1:])
+        return
     parser = _parser()
     add_arguments(parser)  # --launch and its flags: not settings
     args = vars(parser.parse_args(argv))

@@ -63,6 +63,13 @@ class HostMonitorSettings(BaseSettings):
         pattern=r"^https?://[^\s/]+(/\S*)?$",
         description="Base URL of the supervisor. Unset: no heartbeats (local API only).",
     )
+    heartbeat_relay_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="Base URL of a heartbeat relay (`host-monitor relay`) that carries this "
+        "node's heartbeats to the supervisor in batches. Heartbeats go to supervisor_url "
+        "directly whenever the relay does not answer or cannot reach the supervisor.",
+    )
     shadow_supervisor_urls: Annotated[list[str], NoDecode] = Field(
         [],
         description="Supervisors in dry run that shadow the acting one (comma-separated "
@@ -273,6 +280,10 @@ class HostMonitorSettings(BaseSettings):
             raise ValueError(f"one of {', '.join(CREDENTIALS)} is required with supervisor_url")
         if self.shadow_supervisor_urls and self.supervisor_url is None:
             raise ValueError("shadow_supervisor_urls needs supervisor_url (they shadow it)")
+        if self.heartbeat_relay_url is not None and self.supervisor_url is None:
+            raise ValueError(
+                "heartbeat_relay_url needs supervisor_url (heartbeats fall back to it)"
+            )
         if len(credentials) > 1:
             raise ValueError(f"give one credential for the supervisor, not {credentials}")
         if self.node_credential is not None:

@@ -16,6 +16,10 @@ the process monitor run in their own tasks and only `trigger()` a send.
   `on_stale_world`, which stops them (resiliency_protocol/worlds.py).
 - Each accepted heartbeat's answer names the job's newest world (a header), as does a
   `stale_world` refusal: handed to `on_job_world`, the peer tier's fence between worlds.
+- Through a relay (`relay_url`, host_monitor/relay.py) when one is set: the same request,
+  answered as the supervisor answers it. When the relay does not answer, or answers that
+  it could not reach the supervisor (502), the same heartbeat goes directly to the
+  supervisor at once: a relay that is down costs a node no heartbeat.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from resiliency_protocol.worlds import (
 log = logging.getLogger(__name__)
 
 JITTER = 0.1
+#: A relay's answer when it could not get the supervisor's (host_monitor/relay.py).
+RELAY_UPSTREAM_FAILED = 502
 MAX_QUEUED_REPORTS = 256  # the supervisor's bound per heartbeat
 
 
@@ -84,13 +90,17 @@ class HeartbeatSender:
         mirrors: Sequence[str] = (),
         on_stale_world: Callable[[StaleWorld], None] | None = None,
         unreachable_peers: Callable[[], list[str]] | None = None,
+        relay_url: str | None = None,
     ) -> None:
         """`ssl_context`: how an https:// supervisor is verified (default: the system's
         trust store). `mirrors`: base URLs of dry-run supervisors shadowing this one,
         each sent a copy of every heartbeat (see `HeartbeatMirror`). `on_stale_world`:
         told when the supervisor refuses workers of an older world. `unreachable_peers`:
-        the peers this node's probes cannot reach (peer/probes.py)."""
+        the peers this node's probes cannot reach (peer/probes.py). `relay_url`: a
+        heartbeat relay's base URL, tried first."""
         self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
+        self.relay_url = None if relay_url is None else relay_url.rstrip("/") + "/api/v1/heartbeats"
+        self.relayed = 0  # heartbeats the relay answered for the supervisor (status, tests)
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
         self.node = node
@@ -109,6 +119,7 @@ class HeartbeatSender:
         self.last_answered: float | None = None
         self._failures = 0
         self._last_problem: str | None = None
+        self._relay_problem: str | None = None
         self.mirrors = [HeartbeatMirror(url, self._credential, self._ssl) for url in mirrors]
         self._on_stale_world = on_stale_world
         self.stale_worlds = 0  # refusals for an older world, for status and tests
@@ -139,7 +150,9 @@ class HeartbeatSender:
         # Short timeouts: a heartbeat stuck for longer than a period is worth less than
         # the next one.
         timeout = httpx.Timeout(min(max(self.period_s, 1.0), 5.0), connect=1.0)
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        # One connection to the supervisor, and one to the relay if any.
+        connections = 1 if self.relay_url is None else 2
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         mirroring = [
             asyncio.create_task(m.run(timeout), name=f"heartbeat-mirror:{m.url}")
             for m in self.mirrors
@@ -202,7 +215,7 @@ class HeartbeatSender:
                 "Authorization": self._credential.header(),
                 "Content-Type": "application/json",
             }
-            response = await client.post(self.url, content=content, headers=headers)
+            response = await self._post(client, content, headers)
         except CredentialError as exc:
             self._failed(str(exc))
             return False
@@ -251,6 +264,29 @@ class HeartbeatSender:
             log.error("supervisor rejected %d GPU report(s), dropped: %s", sent, detail)
         self._failed(f"HTTP {response.status_code}: {detail}")
         return False
+
+    async def _post(
+        self, client: httpx.AsyncClient, content: bytes, headers: dict[str, str]
+    ) -> httpx.Response:
+        """The supervisor's answer to the heartbeat: through the relay if one is set and
+        it answers for the supervisor, else directly."""
+        if self.relay_url is not None:
+            try:
+                response = await client.post(self.relay_url, content=content, headers=headers)
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                if response.status_code != RELAY_UPSTREAM_FAILED:
+                    self.relayed += 1
+                    self._relay_problem = None
+                    return response
+                problem = f"HTTP {response.status_code}: {error_message(response)}"
+            if problem != self._relay_problem:
+                log.warning(
+                    "heartbeat relay %s failed (%s); sending directly", self.relay_url, problem
+                )
+                self._relay_problem = problem
+        return await client.post(self.url, content=content, headers=headers)
 
     def heard_s(self) -> float | None:
         """Seconds since the supervisor last answered; None until it accepted a heartbeat

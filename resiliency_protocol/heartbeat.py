@@ -161,7 +161,7 @@ def parse_heartbeat(body: bytes) -> HostHeartbeat:
             # msgspec's do not. Rare, so decoded again only then, its errors as usual.
             return msgspec.convert(_integral_floats(msgspec.json.decode(body)), HostHeartbeat)
     except msgspec.ValidationError as exc:
-        raise HeartbeatError(*_split(str(exc))) from None
+        raise HeartbeatError(*split_error(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise HeartbeatError((), f"invalid JSON: {exc}") from None
     except UnicodeDecodeError as exc:  # msgspec decodes str fields as it meets them
@@ -216,7 +216,7 @@ def _check_name(field: str | tuple[str | int, ...], name: str) -> None:
     _valid_names.add(name)
 
 
-def _split(text: str) -> tuple[tuple[str | int, ...], str]:
+def split_error(text: str) -> tuple[tuple[str | int, ...], str]:
     """'Expected `int`, got `str` - at `$.workers[0].step`' -> (("workers", 0, "step"), ...)"""
     message, sep, where = text.rpartition(" - at `")
     if not sep:

@@ -202,6 +202,7 @@ FAST_MODULES = frozenset(
         "test_schedules",
         "test_sensor",
         "test_sensor_peer_cuts",
+        "test_sensor_snapshot",
         "test_spelled_names",
         "test_store",
         "test_torchrun_flags",

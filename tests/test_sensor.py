@@ -247,8 +247,10 @@ async def test_running_node_turning_spare_raises_spare_available(
 async def test_silent_node_is_lost_once_after_timeout(make_sensor: SensorFactory) -> None:
     sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
     before_wall = datetime.now(UTC)
-    sensor.ingest(hb("n1", "j1"))
+    # Read before the heartbeat is taken: its deadline runs from a clock read inside
+    # `ingest`, which a loaded machine may take milliseconds to return from.
     sent_at = now()
+    sensor.ingest(hb("n1", "j1"))
 
     await until(lambda: bool(emitted.events))
     lost_at = now()

@@ -16,6 +16,7 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from resiliency_protocol.heartbeat_batch import BATCH_PATH as HEARTBEAT_BATCHES
 from supervisor import dashboard
 from supervisor.api import openapi
 from supervisor.api.errors import database_unavailable, http_error, validation_error
@@ -36,6 +37,7 @@ from supervisor.api.routes import (
     peer_probes,
     stream,
 )
+from supervisor.api.routes.heartbeat_batch import HeartbeatBatchEndpoint
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
 from supervisor.api.routes.heartbeats import HeartbeatEndpoint
 from supervisor.config import Settings
@@ -66,11 +68,15 @@ class SupervisorApp(FastAPI):
     thousands of requests per second those cost more than the heartbeat itself."""
 
     heartbeats: HeartbeatEndpoint
+    heartbeat_batches: HeartbeatBatchEndpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if scope["path"] == HEARTBEATS:
                 await self.heartbeats(scope, receive, send)
+                return
+            if scope["path"] == HEARTBEAT_BATCHES:  # a relay's: many nodes' at once
+                await self.heartbeat_batches(scope, receive, send)
                 return
             supervisor = self.heartbeats.supervisor
             if not supervisor.ready and scope["path"].startswith("/api/"):
@@ -173,6 +179,7 @@ def create_app(
     app.include_router(peer_probes.router)
     dashboard.mount(app)
     app.heartbeats = HeartbeatEndpoint(runtime, agents)
+    app.heartbeat_batches = HeartbeatBatchEndpoint(app.heartbeats)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for unavailable in UNAVAILABLE:

@@ -38,7 +38,7 @@ class EndedOrNot(Protocol):
 
 
 #: Worker states that are still at work (or may be: lost from view).
-_ALIVE = frozenset(
+AT_WORK = frozenset(
     {WorkerState.STARTING, WorkerState.RUNNING, WorkerState.LOST, WorkerState.FINISHING}
 )
 #: Worker states out of the training loop.
@@ -62,7 +62,7 @@ def phase(finishing_since: float | None, workers: Iterable[EndedOrNot]) -> Sense
     """The job's phase from when it began to finish (None: it did not say so) and the
     workers its alive nodes report."""
     workers = list(workers)
-    if any(w.state in _ALIVE for w in workers):
+    if any(w.state in AT_WORK for w in workers):
         return "running" if finishing_since is None else "finishing"
     exited = [w.exit_code for w in workers if w.state is WorkerState.EXITED]
     succeeded = 0 in exited

@@ -27,6 +27,16 @@ class JobRecord:
     # moves to another node only once its holder stopped reporting it, or is not alive
     # (claims.py).
     claims: dict[int, str] = field(default_factory=dict)
+    # `nodes` sorted, and the set it was sorted from: a snapshot reads every job's view,
+    # and sorting thousands of names each time cost more than comparing the two sets.
+    _sorted: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    _sorted_of: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+
+    def sorted_nodes(self) -> tuple[str, ...]:
+        if self.nodes != self._sorted_of:
+            self._sorted_of = frozenset(self.nodes)
+            self._sorted = tuple(sorted(self._sorted_of))
+        return self._sorted
 
     def view(self) -> JobView:
         return JobView(
@@ -35,7 +45,7 @@ class JobRecord:
             min_num_dp_replicas=self.min_num_dp_replicas,
             max_num_dp_replicas=self.max_num_dp_replicas,
             num_nodes_per_dp=self.num_nodes_per_dp,
-            nodes=tuple(sorted(self.nodes)),
+            nodes=self.sorted_nodes(),
             last_step=self.progress.max_step if self.progress.max_step >= 0 else None,
             step_interval_s=self.progress.learned_interval_s,
         )

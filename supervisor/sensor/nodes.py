@@ -7,8 +7,10 @@ What the sensor needs of them is derived from that one list, by the record itsel
 - `ranks`, `states`, `all_running`: the shape the steady path of `Sensor.ingest`
   compares each heartbeat with, set with the workers by `heard`;
 - `workers`: the reports, parsed from the bytes when they are held as bytes;
-- the workers' views (`view`), built when read, and kept (as a cache) until the workers
-  change: a policy's snapshot of thousands of nodes rebuilds only those whose workers did.
+- the workers' views (`worker_views`), built when read, and kept (as a cache) until the
+  workers change, and the node's view (`view`), kept until any field it shows changes: a
+  policy's snapshot of thousands of nodes decodes and rebuilds only those heard from, or
+  changed, since the last one (a burst of losses takes one snapshot each).
 
 Reading never changes what the record holds.
 """
@@ -29,6 +31,11 @@ DeadlineKey = tuple[str, str]
 rank_of = operator.attrgetter("rank")
 state_of = operator.attrgetter("state")
 step_of = operator.attrgetter("step")
+# What a node's view is built from, read in one C call: the view is built again only when
+# one of these (or the wall offset) differs from what it was built from.
+_view_inputs = operator.attrgetter(
+    "_workers", "state", "job", "alive", "last_seen", "restored_wall", "cordoned", "flapping"
+)
 
 
 def ranks_of(workers: list[WorkerReport]) -> tuple[int, ...]:
@@ -74,6 +81,9 @@ class NodeRecord:
         "loss_recheck",
         "_views",
         "_views_of",
+        "_view",
+        "_view_of",
+        "_view_offset",
     )
 
     def __init__(
@@ -132,6 +142,10 @@ class NodeRecord:
         # The workers' views, and what they were built from (a cache, see the module).
         self._views: tuple[WorkerView, ...] = ()
         self._views_of: list[WorkerReport] | bytes | None = None
+        # The node's view, and what it was built from (`_view_inputs`, the wall offset).
+        self._view: NodeView | None = None
+        self._view_of: tuple[object, ...] = ()
+        self._view_offset = 0.0
         if from_heartbeat:
             self.ranks, self.states = ranks_of(workers), states_of(workers)
             self.all_running = _all_running(workers)
@@ -214,7 +228,12 @@ class NodeRecord:
         return self.last_seen + wall_offset
 
     def view(self, wall_offset: float) -> NodeView:
-        return NodeView(
+        """The node's view (cached until what it shows changes; views are immutable)."""
+        inputs = _view_inputs(self)
+        view = self._view
+        if view is not None and inputs == self._view_of and wall_offset == self._view_offset:
+            return view
+        view = NodeView(
             name=self.name,
             state=self.state,
             job=self.job,
@@ -224,6 +243,8 @@ class NodeRecord:
             cordoned=self.cordoned,
             flapping=self.flapping,
         )
+        self._view, self._view_of, self._view_offset = view, inputs, wall_offset
+        return view
 
     def worker_views(self) -> tuple[WorkerView, ...]:
         """The workers' views (cached until the workers change)."""
@@ -243,3 +264,19 @@ class NodeRecord:
             )
             self._views_of = held
         return self._views
+
+
+def node_views(records: dict[str, NodeRecord], wall_offset: float) -> dict[str, NodeView]:
+    """Each record's view (`NodeRecord.view`), its cache checked inline: a snapshot of
+    tens of thousands of nodes, most unchanged since the last, is mostly these checks."""
+    views = {}
+    for name, record in records.items():
+        view = record._view
+        if (
+            view is None
+            or record._view_offset != wall_offset
+            or _view_inputs(record) != record._view_of
+        ):
+            view = record.view(wall_offset)
+        views[name] = view
+    return views

@@ -12,9 +12,9 @@ from dataclasses import replace
 from supervisor.config_parts import SensingSettings
 from supervisor.domain import JobView, NodeState, NodeView, wall_time
 from supervisor.sensor.clock import SensorClock
-from supervisor.sensor.finishing import SensedPhase, phase
+from supervisor.sensor.finishing import AT_WORK, SensedPhase, phase
 from supervisor.sensor.jobs import JobRecord
-from supervisor.sensor.nodes import NodeRecord
+from supervisor.sensor.nodes import NodeRecord, node_views
 
 #: The probe ring (`probe_targets`) is this old at most.
 RING_REFRESH_S = 5.0
@@ -112,7 +112,7 @@ class SensorReads(SensorClock):
     def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
         offset = self._wall_offset()
         return (
-            {name: n.view(offset) for name, n in self._nodes.items()},
+            node_views(self._nodes, offset),
             {
                 name: replace(j.view(), phase=self.job_phase(name) or "running")
                 for name, j in self._jobs.items()
@@ -139,8 +139,19 @@ class SensorReads(SensorClock):
         job = self._jobs.get(job_name)
         if job is None:
             return None
-        nodes = [n for n in (self._nodes.get(n) for n in job.nodes) if n is not None]
-        # Their views, kept until the workers change: not decoded again on each read.
+        known = self._nodes
+        # The workers' views, kept until the workers change: not decoded again on each
+        # read. A job at work is known as such from its first alive node with a worker at
+        # work: the common case stops there rather than gathering every node's workers (a
+        # snapshot reads every job's phase).
+        for node in map(known.get, job.nodes):
+            if (
+                node is not None
+                and node.alive
+                and any(w.state in AT_WORK for w in node.worker_views())
+            ):
+                return "running" if job.finishing_since is None else "finishing"
+        nodes = [n for n in map(known.get, job.nodes) if n is not None]
         workers = [w for n in nodes if n.alive for w in n.worker_views()]
         if not any(n.alive for n in nodes):
             # Every node gone (the hosts of a job that ended exit, pods are deleted): what

@@ -10,13 +10,15 @@ between them; then a fixed reply is sent. Nothing is written to the database
 unless something changed; then the events are committed before the reply, which names the
 job's newest world in a header (resiliency_protocol/worlds.py: no body on the common
 204). Its schema is documented in /openapi.json like every other route (see app._openapi).
+What is done with a heartbeat once its credential is known (`take`, then `settle`) is
+shared with the batched route of relays (heartbeat_batch.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from starlette.types import Message, Receive, Scope, Send
@@ -24,10 +26,10 @@ from starlette.types import Message, Receive, Scope, Send
 from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
 from resiliency_protocol.worlds import JOB_WORLD_HEADER, job_world_header
 from supervisor.agent_time import AgentTimeError, agent_time
-from supervisor.identity.authenticator import AgentAuthenticator, ReviewUnavailable
+from supervisor.identity.authenticator import AgentAuthenticator, Principal, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
-from supervisor.sensor.sensor import UNCHANGED, RankClaimed
+from supervisor.sensor.sensor import UNCHANGED, Changes, RankClaimed
 from supervisor.sensor.worlds import StaleWorldReport
 
 PATH = "/api/v1/heartbeats"
@@ -62,11 +64,11 @@ class HeartbeatEndpoint:
         supervisor = self.supervisor
         if scope["method"] != "POST":
             self._rejected[HeartbeatRejection.WRONG_METHOD].inc()
-            await _reply(send, 405, _error("Method Not Allowed"), [(b"allow", b"POST")])
+            await reply(send, 405, error_payload("Method Not Allowed"), [(b"allow", b"POST")])
             return
         if not supervisor.ready:  # a standby, or starting: the sender retries
             self._rejected[HeartbeatRejection.NOT_READY].inc()
-            await _reply(send, 503, supervisor.readiness, RETRY_AFTER)
+            await reply(send, 503, supervisor.readiness, RETRY_AFTER)
             return
         token = None
         content_type = None
@@ -82,21 +84,23 @@ class HeartbeatEndpoint:
             try:
                 principal = await self.agents.authenticate(token)
             except ReviewUnavailable as exc:
-                await _reply(send, 503, _error(f"cannot check the token now: {exc}"), RETRY_AFTER)
+                await reply(
+                    send, 503, error_payload(f"cannot check the token now: {exc}"), RETRY_AFTER
+                )
                 return
         if principal is None:
             self._refused["invalid_credential"] += 1
             self._rejected[HeartbeatRejection.UNAUTHORIZED].inc()
-            await _reply(
+            await reply(
                 send,
                 401,
-                _error("missing or invalid bearer token"),
+                error_payload("missing or invalid bearer token"),
                 [(b"www-authenticate", b"Bearer")],
             )
             return
-        if content_type is not None and not _is_json(content_type):
+        if content_type is not None and not is_json(content_type):
             self._rejected[HeartbeatRejection.NOT_JSON].inc()
-            await _reply(send, 415, _error("content-type: a heartbeat is application/json"))
+            await reply(send, 415, error_payload("content-type: a heartbeat is application/json"))
             return
         message = await receive()
         body: bytes | None = message.get("body", b"")
@@ -104,77 +108,101 @@ class HeartbeatEndpoint:
             body = await _read_rest(receive, message)
         if body is None:
             self._rejected[HeartbeatRejection.TOO_LARGE].inc()
-            await _reply(send, 413, _error(f"body larger than {MAX_BODY} bytes"))
+            await reply(send, 413, error_payload(f"body larger than {MAX_BODY} bytes"))
             return
+        taken = self.take(principal, body)
+        if isinstance(taken, Refusal):
+            await reply(send, taken.status, taken.payload)
+            return
+        hb, changes = taken
+        # No coroutine in the common case (nothing changed): the sensor answers UNCHANGED.
+        answer = None if changes is UNCHANGED or not changes else await self.settle(hb, changes)
+        if answer is None:
+            # The common case has no body: the server writes a body apart from the headers,
+            # so this saves a socket write on every heartbeat. The messages are constants:
+            # servers read them and never change them.
+            await send(_no_content_start(None if hb.job is None else self._newest_world(hb.job)))
+            await send(_NO_CONTENT_BODY)
+        elif answer.status == 202:
+            named = None if answer.world is None else [job_world_header(answer.world)]
+            await send_json(send, 202, answer.body, named)
+        else:
+            await send_json(send, answer.status, answer.body, RETRY_AFTER)
+
+    def take(self, principal: Principal, body: bytes) -> tuple[HostHeartbeat, Changes] | Refusal:
+        """Decode the heartbeat in `body`, sent with `principal`'s credential, and apply it
+        to the sensor: the heartbeat and the changes to record, or why it was refused
+        (nothing changed then). Without an await: the single route and the batch's."""
         try:
             hb = parse_heartbeat(body)
         except HeartbeatError as exc:
             self._rejected[HeartbeatRejection.INVALID].inc()
-            await _invalid(send, exc)
-            return
+            return invalid(exc)
         if principal.node is not None and hb.node != principal.node:
             self._refused["other_node"] += 1
-            await _reply(send, 403, _error(other_node(hb.node, principal.node)))
-            return
+            return Refusal(403, error_payload(other_node(hb.node, principal.node)))
         if hb.gpu_reports:  # rare: the times an agent sends, by the one rule
             try:
                 _check_times(hb, self._max_skew_s)
             except AgentTimeError as exc:
                 self._rejected[HeartbeatRejection.INVALID].inc()
-                await _invalid(send, HeartbeatError(exc.loc, exc.message))
-                return
+                return invalid(HeartbeatError(exc.loc, exc.message))
         try:
             fenced = self._fence(hb)
         except StaleWorldReport as exc:
-            await _reply(send, 409, {**msgspec.structs.asdict(exc.reply), "detail": str(exc)})
-            return
+            return Refusal(409, {**msgspec.structs.asdict(exc.reply), "detail": str(exc)})
+        kept: bytes | None = body
         if fenced is not hb:  # ended workers of an older world left out: not the body's
-            hb, body = fenced, None
+            hb, kept = fenced, None
         try:
             # Inline, not deferred: queuing the heartbeats of one loop turn to parse and apply
             # them together (warmer caches) cost more in futures and wake-ups than it saved,
             # 3 to 4.5 points of the ceiling in paired rounds (bench/README.md).
-            changes = self._ingest(hb, body)
+            changes = self._ingest(hb, kept)
         except HeartbeatError as exc:
             self._rejected[HeartbeatRejection.INVALID].inc()
-            await _invalid(send, exc)
-            return
+            return invalid(exc)
         except RankClaimed as exc:
             self._refused["rank_claimed"] += 1
-            await _reply(send, 409, _error(str(exc)))
-            return
-        # No coroutine in the common case (nothing changed): the sensor answers UNCHANGED.
-        events = (
-            None
-            if changes is UNCHANGED or not changes
-            else await supervisor.record_or_hold(changes)
-        )
-        if events is not None:
-            self._answered(hb.node)  # its silence counts from this answer
-        if events is None and changes is not UNCHANGED and changes:
+            return Refusal(409, error_payload(str(exc)))
+        return hb, changes
+
+    async def settle(self, hb: HostHeartbeat, changes: Changes) -> Answer | None:
+        """Record what a taken heartbeat changed: None when nothing did (204); else the
+        answer (202 naming the events, or 503 while the database does not answer)."""
+        if changes is UNCHANGED or not changes:
+            return None
+        events = await self.supervisor.record_or_hold(changes)
+        if events is None:
             # Held until the database answers: not acknowledged. A retry changes nothing
             # more (the sensor took it in); the events are recorded in order once it is back.
-            await _reply(
-                send,
-                503,
-                _error(
-                    "database unavailable: this heartbeat's events are held in memory and "
-                    "recorded in order once it answers; send again"
-                ),
-                [(b"retry-after", b"1")],
-            )
-            return
+            return Answer(503, _error_body(_HELD), None)
+        self._answered(hb.node)  # its silence counts from this answer
+        if not events:
+            return None
         world = None if hb.job is None else self._newest_world(hb.job)
-        if events:
-            ids = [e.id for e in events]
-            named = None if world is None else [job_world_header(world)]
-            await _send(send, 202, json.dumps({"events": ids}).encode(), named)
-        else:
-            # The common case has no body: the server writes a body apart from the headers,
-            # so this saves a socket write on every heartbeat. The messages are constants:
-            # servers read them and never change them.
-            await send(_no_content_start(world))
-            await send(_NO_CONTENT_BODY)
+        return Answer(202, json.dumps({"events": [e.id for e in events]}).encode(), world)
+
+
+_HELD = (
+    "database unavailable: this heartbeat's events are held in memory and "
+    "recorded in order once it answers; send again"
+)
+
+
+class Refusal(NamedTuple):
+    """A heartbeat refused, with nothing changed: the status and the error's body."""
+
+    status: int
+    payload: dict[str, Any]
+
+
+class Answer(NamedTuple):
+    """A heartbeat taken that changed something: the status, JSON body, and world."""
+
+    status: int
+    body: bytes
+    world: int | None
 
 
 @functools.lru_cache(maxsize=4096)  # a job's worlds are few: made once per world
@@ -197,16 +225,15 @@ def other_node(node: str, own: str) -> str:
     return f"node: {node!r} is not the node of this credential ({own!r})"
 
 
-def _error(message: str) -> dict[str, Any]:
+def error_payload(message: str) -> dict[str, Any]:
     """The error shape of every other route: `message`, and `detail` as FastAPI's."""
     return {"message": message, "detail": message}
 
 
-async def _invalid(send: Send, exc: HeartbeatError) -> None:
+def invalid(exc: HeartbeatError) -> Refusal:
     """422 naming the field, in the shape of FastAPI's validation errors."""
     where = ".".join(str(p) for p in exc.loc) or "body"
-    await _reply(
-        send,
+    return Refusal(
         422,
         {
             "message": f"{where}: {exc.message}",
@@ -215,7 +242,11 @@ async def _invalid(send: Send, exc: HeartbeatError) -> None:
     )
 
 
-def _is_json(content_type: bytes) -> bool:
+def _error_body(message: str) -> bytes:
+    return json.dumps(error_payload(message)).encode()
+
+
+def is_json(content_type: bytes) -> bool:
     media = content_type.split(b";", 1)[0].strip().lower()
     return media == b"application/json" or media.endswith(b"+json")
 
@@ -235,7 +266,7 @@ async def _read_rest(receive: Receive, first: Message) -> bytes | None:
     return b"".join(chunks)
 
 
-async def _send(
+async def send_json(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     await send(
@@ -248,13 +279,13 @@ async def _send(
     await send({"type": "http.response.body", "body": body})
 
 
-async def _reply(
+async def reply(
     send: Send,
     status: int,
     payload: dict[str, Any],
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    await _send(send, status, json.dumps(payload).encode(), headers)
+    await send_json(send, status, json.dumps(payload).encode(), headers)
 
 
 _WORLD_HEADER_DOC = {

@@ -1,0 +1,20 @@
+"""The fleet bench's relayed rows (bench/fleet.py, `batch`) on a small fleet, with real
+processes: the supervisor answers every beat of a batch without an error or a loss, in
+fewer requests than beats, while the bare app gets each beat as a request of its own."""
+
+from __future__ import annotations
+
+from bench.fleet import Group, Phase, run_group
+
+
+def test_a_small_fleet_beats_through_batches_without_errors() -> None:
+    # 40 nodes of 2 workers every 0.5 s (about 80 beats a second), in batches of 16.
+    group = Group("sqlite", 2, 4, (Phase(40, 0.2, period_s=0.5, batch=16),))
+    (window,) = run_group(group, duration_s=2.0, settle_s=1.0)
+    assert window.errors == 0
+    expected = 40 / 0.5 * window.seconds
+    for answered in (window.heartbeats, window.bare_heartbeats):
+        assert 0.5 * expected <= answered <= 1.5 * expected
+    assert window.requests * 8 <= window.heartbeats  # batches, most of them full
+    # No node was lost (a loss is an event: a write), and beats write nothing.
+    assert window.statements <= 2 * window.seconds

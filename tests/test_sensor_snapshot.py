@@ -1,0 +1,72 @@
+"""A burst of losses: the controller's snapshot before each decision builds again only
+what changed since the one before.
+
+Each loss has the controller take the sensor's snapshot (`Sensor.snapshot`, every node's
+view). A steady node's workers are held as its last heartbeat's bytes; its view, and the
+decoding of those bytes, are kept until the node changes. On the sensor alone, on a real
+event loop, with the losses coming from the heartbeat deadlines themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+import supervisor.sensor.nodes as sensor_nodes
+from resiliency_protocol.heartbeat import HostHeartbeat, parse_heartbeat
+from supervisor.domain import EventType
+from tests.test_sensor import SensorFactory, make_sensor, stepping, until
+
+__all__ = ["make_sensor"]  # the fixture, used by name
+
+NODES = 60
+
+
+def _beat(sensor_ingest: Callable[..., object], hb: HostHeartbeat) -> None:
+    """Ingest `hb` as the route does: parsed from its bytes, the bytes kept."""
+    body = msgspec.json.encode(hb)
+    sensor_ingest(parse_heartbeat(body), body)
+
+
+async def test_a_loss_bursts_snapshots_build_and_decode_only_what_changed(
+    make_sensor: SensorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.5, heartbeat_polling_period_s=0.01)
+    names = [f"n{i:03d}" for i in range(NODES)]
+    for i, name in enumerate(names):
+        _beat(sensor.ingest, stepping(name, 1, ranks=(i,)))
+    for i, name in enumerate(names):  # steady beats: the workers held as bytes
+        _beat(sensor.ingest, stepping(name, 2, ranks=(i,)))
+    decoded: list[bytes] = []
+    parse = sensor_nodes.parse_heartbeat
+
+    def counting(body: bytes) -> HostHeartbeat:
+        decoded.append(body)
+        return parse(body)
+
+    monkeypatch.setattr(sensor_nodes, "parse_heartbeat", counting)
+    before, _ = sensor.snapshot()
+    assert len(decoded) == NODES  # each node's last heartbeat, once
+    again, _ = sensor.snapshot()
+    assert len(decoded) == NODES  # nothing changed: nothing decoded or built again
+    assert all(again[name] is before[name] for name in names)
+    decoded.clear()
+
+    # A third of the nodes beat once more; then every node falls silent: a burst of losses.
+    heard = names[::3]
+    for name in heard:
+        _beat(sensor.ingest, stepping(name, 3, ranks=(names.index(name),)))
+    await until(lambda: len(emitted.of(EventType.HOST_HEARTBEAT_LOST)) == NODES, patience=10)
+    snapshots = [sensor.snapshot()[0] for _ in emitted.of(EventType.HOST_HEARTBEAT_LOST)]
+    # Decoded, by the losses' events and the burst's snapshots together: only the
+    # heartbeats that came after the last snapshot, once each.
+    assert sorted(decoded) == sorted(set(decoded)) and len(decoded) == len(heard)
+    first = snapshots[0]
+    assert not any(first[name] is before[name] for name in names)  # each node lost since
+    assert all(not view.alive for view in first.values())
+    assert {name for name in names if first[name].workers[0].step == 3} == set(heard)
+    # The burst's next snapshots: every view the same object, nothing built again.
+    for later in snapshots[1:]:
+        assert all(later[name] is first[name] for name in names)
