@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 from supervisor.kube import objects as o
@@ -176,3 +177,41 @@ def unmanage(plane: ControlPlane, node: str) -> None:
     """kwok stops playing the node's kubelet: its pods are left as a gone kubelet leaves
     them."""
     merge_patch(plane, f"/api/v1/nodes/{node}", {"metadata": {"labels": {KWOK_NODE_LABEL: None}}})
+
+
+def set_ready(plane: ControlPlane, node: str, ready: bool) -> None:
+    """The node's Ready condition True or False, as its kubelet posts it."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {
+        "type": "Ready",
+        "status": "True" if ready else "False",
+        "reason": "KubeletReady" if ready else "KubeletNotReady",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+    with plane.client() as api:
+        r = api.patch(
+            f"/api/v1/nodes/{node}/status",
+            json={"status": {"conditions": [condition]}},
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+        )
+    assert r.status_code == 200, r.text
+
+
+def add_taint(plane: ControlPlane, name: str, taint: dict[str, Any]) -> None:
+    """Add `taint` to the node, as the admin: read, then write with the resourceVersion
+    read (the node lifecycle controller writes the node's taints too: a write on a stale
+    copy would drop its own, so a conflict reads again)."""
+    while True:
+        now = node(plane, name)
+        taints = [*(now["spec"].get("taints") or []), taint]
+        body = {"metadata": {"resourceVersion": now["metadata"]["resourceVersion"]}}
+        with plane.client() as api:
+            r = api.patch(
+                f"/api/v1/nodes/{name}",
+                json={**body, "spec": {"taints": taints}},
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+        if r.status_code != 409:
+            assert r.status_code == 200, r.text
+            return

@@ -1,6 +1,5 @@
 """A kubelet for the real control plane (tests/control_plane.py) that runs real processes:
-the container runtime of tests/test_kube_e2e_real.py, as tests/kube/kubelet_bridge.py is
-FakeKube's.
+the nodes of the end-to-end tests on the real plane (tests/kube_real_fixtures.py).
 
 For the nodes it is given (not kwok's: no `type=kwok` label), it plays the kubelet
 through the API server, as the admin:
@@ -10,7 +9,7 @@ through the API server, as the admin:
   and its Ready condition's heartbeat every `status_renew_s`, so that the real node
   lifecycle controller does not taint it.
 - **Start.** A pod bound to one of its nodes, Pending and not being deleted gets its
-  container's command run as a process (tests/kube/kubelet_bridge.py's
+  container's command run as a process (tests/kube_real_container.py's
   `container_process`: the env as the kubelet builds it, downward API and Secrets read
   from the API server), then the pod's status written as the kubelet writes it:
   Running, Ready, podIP and hostIP 127.0.0.1, its container running.
@@ -47,7 +46,7 @@ from typing import Any
 import httpx
 
 from tests.control_plane import ControlPlane
-from tests.kube.kubelet_bridge import Container, _kill_group, container_process, launch
+from tests.kube_real_container import Container, container_process, kill_group, launch
 
 NODE_LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 SMP = {"Content-Type": "application/strategic-merge-patch+json"}
@@ -137,7 +136,7 @@ class RealKubelet:
             self._nodes[name].alive = False
             for run in self._runs.values():
                 if run.c.node == name:
-                    _kill_group(run.c.proc.pid)
+                    kill_group(run.c.proc.pid)
         unknown = self._ready("Unknown")
         unknown.update(reason="NodeStatusUnknown", message="Kubelet stopped posting node status.")
         r = self._api.patch(
@@ -157,7 +156,7 @@ class RealKubelet:
         if self._thread.ident is not None:
             self._thread.join(30)
         for run in self._runs.values():
-            _kill_group(run.c.proc.pid)
+            kill_group(run.c.proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 run.c.proc.wait(5)
         self._api.close()
@@ -217,14 +216,14 @@ class RealKubelet:
         c = run.c
         code = c.proc.poll()
         if pod is None:  # removed without us (a forced delete): nothing left to report
-            _kill_group(c.proc.pid)
+            kill_group(c.proc.pid)
             run.done = True
             return
         deleting = bool(pod["metadata"].get("deletionTimestamp"))
         terminal = pod["status"].get("phase") in ("Succeeded", "Failed")
         if code is None:
             if terminal:  # ended by someone else (a forced delete marks it Failed first)
-                _kill_group(c.proc.pid)
+                kill_group(c.proc.pid)
             elif deleting and c.term_sent is None:
                 c.term_sent = mono
                 grace = pod["metadata"].get("deletionGracePeriodSeconds")
@@ -232,7 +231,7 @@ class RealKubelet:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGTERM)
             elif deleting and c.term_sent is not None and mono - c.term_sent >= c.grace_s:
-                _kill_group(c.proc.pid)
+                kill_group(c.proc.pid)
             return
         if c.exit_code is None:
             c.exit_code = code if code >= 0 else 128 - code

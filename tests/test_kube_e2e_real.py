@@ -1,5 +1,5 @@
 """The production mode end to end on the real Kubernetes control plane (tests/control_plane.py):
-the scenarios once run on the model (tests/kube_model_e2e.py), with the real API server,
+the scenarios once run on the model of the API server, with the real API server,
 scheduler, Job and JobSet controllers (the JobSet's failure policy deciding its own
 restarts) and node lifecycle controller in place of FakeKube's models; more of them in
 tests/test_kube_e2e_real_restarts.py.
@@ -17,201 +17,84 @@ name, so that they share the session's control plane.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import os
-import signal
+import re
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-import pytest
+import yaml
 
 from supervisor.kube import objects as o
 from tests.control_plane import ControlPlane, Identity
-from tests.kube_model_e2e import (
-    EMERGENCY_SAVED,
-    FAILURES,
+from tests.kube_real import JOBSETS
+from tests.kube_real_fixtures import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TIMEOUT_S,
-    RESUMED,
-    jobset,
+    REPO,
+    RealPlaneEnv,
+    as_applied,
+    env_fixture,
+    healing_env,
+    wait_for,
 )
-from tests.kube_real import JOBSETS, NS, get
-from tests.kube_real_kubelet import RealKubelet
-from tests.test_host_monitor import ACTUATOR_TOKEN, WORKER_TOKEN, Agent, Cluster, Supervisor
 from tests.timing import scaled
 
 SUPERVISED = "resiliency.supervisor.io/supervised"
-RELEASE = "e2e"
-SECRET = f"{RELEASE}-resiliency-supervisor-worker-token"
-POLL_S = 0.25
-_tags = itertools.count()
+EXAMPLE = REPO / "helm" / "resiliency-supervisor" / "examples" / "jobset.yaml"
+RESUMED = re.compile(r"resumed step=(\d+) tier=(\w+)")
+EMERGENCY_SAVED = re.compile(r"emergency checkpoint saved step=(\d+)")
+FAILURES = ("worker_exited", "worker_heartbeat_lost", "host_heartbeat_lost", "hang")
 
 
-def wait_for(predicate: Callable[[], Any], within: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + scaled(within)
-    while True:
-        try:
-            value = predicate()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what or predicate}")
-        time.sleep(POLL_S)
+def jobset(tmp: Path) -> dict[str, Any]:
+    """The chart's example JobSet (2 replicas x 2 nodes, the failure policy of "JobSet
+    requirements"), with host paths for its volumes (no container filesystem here: the
+    shared volume is a directory of the test, the local tier one directory per node) and
+    short steps."""
+    body: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    pod = body["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    overrides = {
+        "STEP_TIME_S": "0.1",
+        "RUN_DIR": str(tmp / "shared" / "run"),
+        "DURABLE_CKPT_DIR": str(tmp / "shared" / "durable"),
+        "OUTPUT_DIR": str(tmp / "shared" / "output"),
+        # A hostPath per node: the local tier survives a pod, not the node.
+        "LOCAL_CKPT_DIR": str(tmp / "nodes" / "$(NODE_NAME)" / "local"),
+        "LOG_EVERY_STEPS": "5",
+    }
+    for var in container["env"]:
+        if var["name"] in overrides:
+            var["value"] = overrides.pop(var["name"])
+    container["env"] += [{"name": k, "value": v} for k, v in overrides.items()]
+    return body
 
 
-class RealE2E:
+class RealE2E(RealPlaneEnv):
     """Six GPU nodes of the test's own pool, the supervisor, a host monitor per node, the
-    kubelet that runs their pods' processes."""
+    kubelet that runs their pods' processes, and the chart's example JobSet."""
 
     def __init__(self, plane: ControlPlane, who: Identity, tmp: Path, tag: str) -> None:
-        self.plane, self.who, self.tmp = plane, who, tmp
-        self.job = f"pretrain-{tag}"
-        self.pool = f"e2e-{tag}"
-        self.nodes = [f"{tag}-gpu-{i}" for i in range(6)]
-        self.supervisor = Supervisor(tmp)
-        self.cluster = Cluster(tmp)
-        self.agents: dict[str, Agent] = {}
-        self.bridge = RealKubelet(plane, tmp / "pods")
+        super().__init__(plane, who, tmp, tag, job=f"pretrain-{tag}", prefix="e2e", count=6)
 
     def supervisor_env(self) -> dict[str, str]:
         return {
-            "SUPERVISOR_BACKEND": "kubernetes",
-            "SUPERVISOR_KUBE_CONFIG": str(self.who.kubeconfig),
-            "SUPERVISOR_KUBE_NAMESPACE": NS,
-            "SUPERVISOR_KUBE_GPU_NODE_SELECTOR": f"pool={self.pool}",
+            **super().supervisor_env(),
             "SUPERVISOR_KUBE_JOBSET_SELECTOR": f"{SUPERVISED}=true",
-            "SUPERVISOR_HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
-            "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": str(HEARTBEAT_PERIOD_S),
-            "SUPERVISOR_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
-            "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
-            "SUPERVISOR_ACTION_TIMEOUT_S": "30",
-            "SUPERVISOR_ACTION_RETRY_BACKOFF_S": "0.2",
-            # Pods of a dead node stay terminating (its kubelet is gone): force-delete
-            # them soon; a pod ended by a live kubelet goes within it.
-            "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": str(scaled(5)),
-            # A node that dies here is really down (`node_dies` SIGKILLs all it runs).
-            "SUPERVISOR_KUBE_PLATFORM_FENCES_NODES": "true",
-            "SUPERVISOR_JOBSET_DOWNTIME_THRESHOLD_S": "120",
-            "SUPERVISOR_NODE_RECOVERY_HEALTHY_S": "3600",
-            "SUPERVISOR_NUM_DP_REPLICAS": "2",
-            "SUPERVISOR_NUM_NODES_PER_DP": "2",
-            "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
-            "SUPERVISOR_MAX_NUM_DP_REPLICAS": "2",
+            **healing_env(nodes_per_dp=2, action_timeout_s=30),
+        }
+
+    def agent_flags(self, node: str) -> dict[str, Any]:
+        return {
+            "heartbeat_polling_period_s": HEARTBEAT_PERIOD_S,
+            "worker_heartbeat_timeout_s": 5.0,
+            "idle_release_s": scaled(2.0),
         }
 
     def jobset(self) -> dict[str, Any]:
-        """The chart's example as a user applies it: RELEASE replaced, its shared claim a
-        directory of the test (no volume here), on the test's pool."""
-        body = jobset(self.tmp)
-        body["metadata"]["name"] = self.job
-        body["metadata"]["namespace"] = NS
-        pod = body["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-        pod["nodeSelector"] = {"pool": self.pool}
-        for volume in pod["volumes"]:
-            if volume["name"] == "shared":
-                volume.pop("persistentVolumeClaim")
-                volume["hostPath"] = {"path": str(self.tmp / "shared"), "type": "DirectoryOrCreate"}
-        for var in pod["containers"][0]["env"]:
-            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
-            if ref:
-                ref["name"] = ref["name"].replace("RELEASE", RELEASE)
-        return body
-
-    def start(self) -> None:
-        self.plane.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": {"name": SECRET, "namespace": NS},
-                "stringData": {"token": WORKER_TOKEN},
-            }
-        )
-        self.supervisor.env.update(self.supervisor_env())
-
-        def start_agent(name: str) -> Agent:
-            return self.cluster.start_agent(
-                self.supervisor.url,
-                node=name,
-                heartbeat_polling_period_s=HEARTBEAT_PERIOD_S,
-                worker_heartbeat_timeout_s=5.0,
-                idle_release_s=scaled(2.0),
-            )
-
-        # The supervisor and the host monitors start side by side (a host monitor waits
-        # for the supervisor to answer): each is seconds of imports on a loaded machine.
-        with ThreadPoolExecutor(len(self.nodes) + 1) as pool:
-            supervisor = pool.submit(self.supervisor.start)
-            for name, agent in zip(self.nodes, pool.map(start_agent, self.nodes), strict=True):
-                self.agents[name] = agent
-                self.bridge.add_node(name, agent.url, {"gpu": "true", "pool": self.pool})
-            supervisor.result()
-        self.bridge.start()
-        wait_for(
-            lambda: all((self.node(n) or {}).get("state") == "spare" for n in self.nodes),
-            30,
-            f"{len(self.nodes)} spares",
-        )
-        self.plane.apply(self.jobset())
-
-    def stop(self) -> None:
-        # The supervisor first: the rest going away is not a failure for it to remedy.
-        self.supervisor.stop()
-        self.bridge.stop()
-        for agent in self.agents.values():  # all at once: each takes its shutdown grace
-            with contextlib.suppress(ProcessLookupError):
-                agent.proc.send_signal(signal.SIGTERM)
-        self.cluster.teardown()
-        with self.plane.client() as api:
-            api.delete(f"{JOBSETS}/{self.job}", params={"propagationPolicy": "Background"})
-            for name in self.nodes:  # their pods go with them (the pod garbage collector)
-                api.delete(f"/api/v1/nodes/{name}")
-        assert not self.bridge.errors, self.bridge.errors
+        return as_applied(jobset(self.tmp), self.job, self.pool, self.tmp)
 
     # --- what a user looks at -------------------------------------------------------------
-
-    def api(self, path: str, **params: Any) -> Any:
-        r = self.supervisor.http.get(path, params=params)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def node(self, name: str) -> dict[str, Any] | None:
-        return self.supervisor.node(name)
-
-    def step(self) -> int:
-        step = self.api(f"/api/v1/jobs/{self.job}")["last_step"]
-        return -1 if step is None else int(step)
-
-    def actions(self, type_: str | None = None) -> list[dict[str, Any]]:
-        params = {"type": type_} if type_ else {}
-        return list(self.api("/api/v1/actions", limit=200, **params)["items"][::-1])
-
-    def events(self, type_: str | None = None) -> list[dict[str, Any]]:
-        params = {"type": type_} if type_ else {}
-        return list(self.api("/api/v1/events", limit=200, **params)["items"][::-1])
-
-    def settled(self) -> list[dict[str, Any]]:
-        items = self.actions()
-        return items if all(a["status"] in ("succeeded", "failed") for a in items) else []
-
-    def get(self, path: str) -> dict[str, Any]:
-        found = get(self.plane, path)
-        assert found is not None, path
-        return found
-
-    def pods(self) -> list[dict[str, Any]]:
-        found = self.get(f"/api/v1/namespaces/{NS}/pods?labelSelector={o.JOBSET_NAME}%3D{self.job}")
-        return [
-            p
-            for p in found["items"]
-            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
-        ]
 
     def placement(self) -> dict[str, str]:
         """The restart attempt of the pod running on each node."""
@@ -231,43 +114,11 @@ class RealE2E:
             for v in views.values()
         )
 
-    def logs(self) -> str:
-        return "".join(p.read_text(errors="replace") for p in (self.tmp / "pods").glob("*.log"))
-
-    def kube_events(self, name: str) -> dict[str, dict[str, Any]]:
-        found = self.get(
-            f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name%3D{name}"
-        )
-        return {e["reason"]: e for e in found["items"]}
-
     def jobset_status(self) -> dict[str, Any]:
         return dict(self.get(f"{JOBSETS}/{self.job}").get("status") or {})
 
-    def crash_worker(self, node: str) -> None:
-        """SIGKILL the training process of `node`'s pod (OOM kill, segfault)."""
-        (container,) = self.bridge.running(node)
-        os.kill(container.proc.pid, signal.SIGKILL)
 
-    def node_dies(self, node: str) -> None:
-        """The machine goes: its host monitor and workers are SIGKILLed, its kubelet falls
-        silent (Ready Unknown, as the node lifecycle controller writes it)."""
-        agent = self.agents[node]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.proc.pid, signal.SIGKILL)
-        agent.proc.wait(5)
-        self.bridge.node_down(node)
-
-
-@pytest.fixture
-def e2e(
-    control_plane: ControlPlane, kube_supervisor: Identity, tmp_path: Path
-) -> Iterator[RealE2E]:
-    env = RealE2E(control_plane, kube_supervisor, tmp_path, f"e{next(_tags)}")
-    try:
-        env.start()
-        yield env
-    finally:
-        env.stop()
+e2e = env_fixture(RealE2E, "e2e")
 
 
 def trains(

@@ -17,22 +17,18 @@ import pytest
 
 from tests.control_plane import ControlPlane, Identity
 from tests.http import http
-from tests.kube_model_e2e import FAILURES, HEARTBEAT_PERIOD_S, HEARTBEAT_TIMEOUT_S, RESUMED
+from tests.kube_real_fixtures import (
+    HEARTBEAT_PERIOD_S,
+    HEARTBEAT_TIMEOUT_S,
+    env_fixture,
+    tags,
+    wait_for,
+)
 from tests.test_host_monitor import OPERATOR
 from tests.test_host_monitor_lifecycle import Workers
-from tests.test_kube_e2e_real import RealE2E, _tags, trains, wait_for
+from tests.test_kube_e2e_real import FAILURES, RESUMED, RealE2E, trains
 
-
-@pytest.fixture
-def e2e(
-    control_plane: ControlPlane, kube_supervisor: Identity, tmp_path: Path
-) -> Iterator[RealE2E]:
-    env = RealE2E(control_plane, kube_supervisor, tmp_path, f"r{next(_tags)}")
-    try:
-        env.start()
-        yield env
-    finally:
-        env.stop()
+e2e = env_fixture(RealE2E, "e2e")
 
 
 def test_workers_crashing_together_restart_the_jobset_once(e2e: RealE2E) -> None:
@@ -130,7 +126,7 @@ def supervisor_only(
     control_plane: ControlPlane, kube_supervisor: Identity, tmp_path: Path
 ) -> Iterator[RealE2E]:
     """The supervisor on the real plane, with no node and no JobSet of its own."""
-    env = RealE2E(control_plane, kube_supervisor, tmp_path, f"r{next(_tags)}")
+    env = RealE2E(control_plane, kube_supervisor, tmp_path, f"r{next(tags)}")
     env.supervisor.env.update(env.supervisor_env())
     try:
         env.supervisor.start()

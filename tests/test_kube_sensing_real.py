@@ -22,29 +22,12 @@ from tests.kube_real import (
     merge_patch,
     pool_nodes,
     running,
+    set_ready,
     start_jobset,
     unmanage,
     wait_running,
 )
 from tests.timing import scaled
-
-
-def set_ready(plane: ControlPlane, node: str, ready: bool) -> None:
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    condition = {
-        "type": "Ready",
-        "status": "True" if ready else "False",
-        "reason": "KubeletReady" if ready else "KubeletNotReady",
-        "lastHeartbeatTime": now,
-        "lastTransitionTime": now,
-    }
-    with plane.client() as api:
-        r = api.patch(
-            f"/api/v1/nodes/{node}/status",
-            json={"status": {"conditions": [condition]}},
-            headers={"Content-Type": "application/strategic-merge-patch+json"},
-        )
-    assert r.status_code == 200, r.text
 
 
 def of(hooks: Hooks, kind: str, jobs: set[str | None]) -> list[Event]:

@@ -16,33 +16,21 @@ pods are taken too.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
 import signal
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from supervisor.kube import objects as o
 from tests.control_plane import ControlPlane, Identity
 from tests.kube.harness import jobset
-from tests.kube_real import JOBSETS, NS, get, running
-from tests.kube_real_kubelet import RealKubelet
-from tests.test_host_monitor import (
-    ACTUATOR_TOKEN,
-    AGENT_TOKEN,
-    WORKER_TOKEN,
-    Agent,
-    Cluster,
-    Supervisor,
-)
+from tests.kube_real import NS, running
+from tests.kube_real_fixtures import RealPlaneEnv, env_fixture
+from tests.test_host_monitor import AGENT_TOKEN, WORKER_TOKEN
 from tests.timing import scaled, wait_until
 
 #: Seconds the hung trainer's pod may take to stop: far past what the test waits.
@@ -50,27 +38,42 @@ HUNG_GRACE_S = 600
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 #: The label of the test's JobSet, which its supervisor selects (and no other test's).
 SELECTOR = "worlds-test"
-_tags = itertools.count()
 
 
 def label_env(name: str, label: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
 
 
-class Worlds:
+class Worlds(RealPlaneEnv):
     """Nodes of the test's own pool, the supervisor, a host monitor per node, the kubelet
     that runs their pods' processes, and a JobSet of two one-pod replicas."""
 
+    # The JobSet is created at once: its pods' trainers report to host monitors up by then.
+    wait_for_spares = False
+
     def __init__(self, plane: ControlPlane, who: Identity, tmp: Path, tag: str) -> None:
-        self.plane, self.who, self.tmp = plane, who, tmp
-        self.job = f"worlds-{tag}"
-        self.pool = f"worlds-{tag}"
         # The hung pod holds its node through the restart: its replacement needs a third.
-        self.nodes = [f"{tag}-gpu-{i}" for i in range(3)]
-        self.supervisor = Supervisor(tmp)
-        self.cluster = Cluster(tmp)
-        self.agents: dict[str, Agent] = {}
-        self.bridge = RealKubelet(plane, tmp / "pods")
+        super().__init__(plane, who, tmp, tag, job=f"worlds-{tag}", prefix="worlds", count=3)
+
+    def supervisor_env(self) -> dict[str, str]:
+        return {
+            **super().supervisor_env(),
+            "SUPERVISOR_KUBE_JOBSET_SELECTOR": f"{SELECTOR}={self.pool}",
+            "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": "0.2",
+            "SUPERVISOR_HEARTBEAT_TIMEOUT_S": "30",
+            "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "2",
+            "SUPERVISOR_NUM_DP_REPLICAS": "2",
+            "SUPERVISOR_NUM_NODES_PER_DP": "1",
+            "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
+            "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": str(scaled(30)),
+        }
+
+    def agent_flags(self, node: str) -> dict[str, Any]:
+        return {
+            "heartbeat_polling_period_s": 0.2,
+            "worker_heartbeat_timeout_s": 10.0,
+            "idle_release_s": scaled(2.0),
+        }
 
     def jobset(self) -> dict[str, Any]:
         """The JobSet of "JobSet requirements": each pod's trainer reports as its rank
@@ -96,59 +99,10 @@ class Worlds:
         ]
         return body
 
-    def start(self) -> None:
-        self.supervisor.env.update(
-            {
-                "SUPERVISOR_BACKEND": "kubernetes",
-                "SUPERVISOR_KUBE_CONFIG": str(self.who.kubeconfig),
-                "SUPERVISOR_KUBE_NAMESPACE": NS,
-                "SUPERVISOR_KUBE_GPU_NODE_SELECTOR": f"pool={self.pool}",
-                "SUPERVISOR_KUBE_JOBSET_SELECTOR": f"{SELECTOR}={self.pool}",
-                "SUPERVISOR_HOST_MONITOR_ACTUATOR_TOKEN": ACTUATOR_TOKEN,
-                "SUPERVISOR_HEARTBEAT_POLLING_PERIOD_S": "0.2",
-                "SUPERVISOR_HEARTBEAT_TIMEOUT_S": "30",
-                "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": "2",
-                "SUPERVISOR_NUM_DP_REPLICAS": "2",
-                "SUPERVISOR_NUM_NODES_PER_DP": "1",
-                "SUPERVISOR_MIN_NUM_DP_REPLICAS": "1",
-                "SUPERVISOR_POD_TERMINATION_THRESHOLD_S": str(scaled(30)),
-            }
-        )
-
-        def start_agent(name: str) -> Agent:
-            return self.cluster.start_agent(
-                self.supervisor.url,
-                node=name,
-                heartbeat_polling_period_s=0.2,
-                worker_heartbeat_timeout_s=10.0,
-                idle_release_s=scaled(2.0),
-            )
-
-        with ThreadPoolExecutor(len(self.nodes) + 1) as pool:
-            supervisor = pool.submit(self.supervisor.start)
-            for name, agent in zip(self.nodes, pool.map(start_agent, self.nodes), strict=True):
-                self.agents[name] = agent
-                self.bridge.add_node(name, agent.url, {"gpu": "true", "pool": self.pool})
-            supervisor.result()
-        self.bridge.start()
-        self.plane.apply(self.jobset())
-
-    def stop(self) -> None:
-        self.supervisor.stop()
-        self.bridge.stop()
-        for agent in self.agents.values():
-            with contextlib.suppress(ProcessLookupError):
-                agent.proc.send_signal(signal.SIGTERM)
-        self.cluster.teardown()
-        with self.plane.client() as api:
-            api.delete(f"{JOBSETS}/{self.job}", params={"propagationPolicy": "Background"})
-            for name in self.nodes:
-                api.delete(f"/api/v1/nodes/{name}")
-        assert not self.bridge.errors, self.bridge.errors
-
     # --- what a user looks at -------------------------------------------------------------
 
-    def pods(self, attempt: str, count: int = 2) -> list[dict[str, Any]] | None:
+    def of_attempt(self, attempt: str, count: int = 2) -> list[dict[str, Any]] | None:
+        """The JobSet's `count` running pods of restart attempt `attempt`, else None."""
         found: list[dict[str, Any]] | None = running(self.plane, self.job, count, attempt)
         return found
 
@@ -169,9 +123,6 @@ class Worlds:
         (value,) = [row.split()[-1] for row in text.splitlines() if row.startswith(line)]
         return float(value)
 
-    def jobset_now(self) -> dict[str, Any]:
-        return get(self.plane, f"{JOBSETS}/{self.job}") or {}
-
     def restarts(self) -> int:
         return int((self.jobset_now().get("status") or {}).get("restarts") or 0)
 
@@ -185,16 +136,7 @@ class Worlds:
         os.kill(self.process(pod).pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def worlds(
-    control_plane: ControlPlane, kube_supervisor: Identity, tmp_path: Path
-) -> Iterator[Worlds]:
-    env = Worlds(control_plane, kube_supervisor, tmp_path, f"w{next(_tags)}")
-    try:
-        env.start()
-        yield env
-    finally:
-        env.stop()
+worlds = env_fixture(Worlds, "worlds")
 
 
 def index(pod: dict[str, Any]) -> str:
@@ -213,7 +155,7 @@ def test_a_pod_of_an_older_jobset_restart_is_refused_until_the_jobset_is_made_ag
     JobSet is recreated, its restart count 0 again, and its pod of restart 0 is taken,
     not refused as an older world's: it trains on, and the new JobSet is never
     restarted."""
-    first = wait_until(lambda: worlds.pods("0"), "2 pods of restart 0 running", 60)
+    first = wait_until(lambda: worlds.of_attempt("0"), "2 pods of restart 0 running", 60)
     wait_until(lambda: all(worlds.trains(p) for p in first), "restart 0 trains", 30)
     assert worlds.refused("heartbeat") == 0
     crashed, hung = sorted(first, key=index)
@@ -229,7 +171,7 @@ def test_a_pod_of_an_older_jobset_restart_is_refused_until_the_jobset_is_made_ag
     assert old.returncode == -signal.SIGKILL, old.returncode
     assert worlds.refused("heartbeat") >= 1
 
-    second = wait_until(lambda: worlds.pods("1"), "2 pods of restart 1 running", 60)
+    second = wait_until(lambda: worlds.of_attempt("1"), "2 pods of restart 1 running", 60)
     wait_until(lambda: all(worlds.trains(p) for p in second), "restart 1 trains", 30)
 
     # Checkpoint reports, as the host monitor of each node forwards them: of the world
@@ -263,7 +205,7 @@ def test_a_pod_of_an_older_jobset_restart_is_refused_until_the_jobset_is_made_ag
     def recreated() -> list[dict[str, Any]] | None:
         if worlds.jobset_now().get("metadata", {}).get("uid") in (None, uid):
             return None
-        return worlds.pods("0", count=1)
+        return worlds.of_attempt("0", count=1)
 
     (pod,) = wait_until(recreated, "the JobSet recreated, its pod running", 60)
     wait_until(lambda: worlds.trains(pod), "the new JobSet's pod trains", 30)

@@ -191,14 +191,22 @@ def node_up(ctx: ActionContext, node: str) -> bool:
     return obj is not None and o.node_ready(obj) and heartbeating is not False
 
 
-async def delete_now(ctx: ActionContext, targets: Sequence[Target]) -> None:
+async def delete_now(ctx: ActionContext, action: ActionRecord, targets: Sequence[Target]) -> None:
     """Delete pods of a node that is down (grace 0): no kubelet will ever confirm their
-    graceful end. Only where node_fencing.may_force_delete allows it."""
+    graceful end. Each is marked Failed first (`mark_failed`): its Job, which stays,
+    replaces it only then. Only where node_fencing.may_force_delete allows it."""
     for name, uid in targets:
+        cached = ctx.discovery.informers["Pod"].items.get(f"{ctx.ns}/{name}")
         options = client.V1DeleteOptions(
             grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)
         )
         with contextlib.suppress(NotFound, Conflict):
+            if (
+                cached is not None
+                and o.uid_of(cached) == uid
+                and cached.get("status", {}).get("phase") not in TERMINAL_PHASES
+            ):
+                await mark_failed(ctx, name, ctx.ns, action)
             await ctx.calls.run(
                 f"delete pod {name}", ctx.core.delete_namespaced_pod, name, ctx.ns, body=options
             )

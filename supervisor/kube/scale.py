@@ -133,7 +133,7 @@ class Rescaling:
                 return False
             return not [p for p in ctx.discovery.pods_of(jobset) if not o.pod_finished(p)]
 
-        waiting = await release_pods_of_down_nodes(ctx, jobset)
+        waiting = await release_pods_of_down_nodes(ctx, action, jobset)
         limit = ctx.settings.pod_termination_threshold_s
         if not await ctx.discovery.wait_until(old_gone, limit):
             left = sorted(o.name_of(p) for p in ctx.discovery.pods_of(jobset))
@@ -231,7 +231,9 @@ def rescaled(ctx: ActionContext, js: Obj, to: int, action: ActionRecord) -> Obj:
     return body
 
 
-async def release_pods_of_down_nodes(ctx: ActionContext, jobset: str) -> dict[str, str]:
+async def release_pods_of_down_nodes(
+    ctx: ActionContext, action: ActionRecord, jobset: str
+) -> dict[str, str]:
     """The old JobSet's pods on a node that is down never end by themselves (no kubelet
     confirms it): deleted with grace 0 where node_fencing allows; node -> why not,
     for the others."""
@@ -244,7 +246,7 @@ async def release_pods_of_down_nodes(ctx: ActionContext, jobset: str) -> dict[st
     for node, targets in sorted(by_node.items()):
         verdict = may_force_delete(ctx.settings, node, ctx.discovery.node(node))
         if verdict.allowed:
-            await delete_now(ctx, targets)
+            await delete_now(ctx, action, targets)
         else:
             waiting[node] = verdict.why
     return waiting
