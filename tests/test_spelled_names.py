@@ -71,3 +71,35 @@ def test_the_manifests_file_name_is_spelled_once() -> None:
     ]
     assert not found, f"{MANIFEST} spelled outside {declared}: {found}"
     assert spelled((ROOT / declared).read_text(), frozenset({MANIFEST}))
+
+
+#: The checkpoint modules that loop over the tiers (training/checkpoint/tiers.py): none
+#: of them names a tier, so that a new tier is a class in tiers.py and a row of `Tier`.
+TIER_LOOPS = ("saver.py", "restorer.py", "world_fence.py", "emergency.py", "agreement.py")
+
+
+def named_tiers(source: str) -> list[tuple[int, str]]:
+    """(line, member) of every `Tier.<member>` of a tier that stores checkpoints."""
+    members = {t.name for t in TIERS}
+    return sorted(
+        (node.lineno, node.attr)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "Tier"
+        and node.attr in members
+    )
+
+
+def test_the_saver_and_the_restorer_name_no_tier() -> None:
+    found = [
+        f"training/checkpoint/{name}:{line}: Tier.{member}"
+        for name in TIER_LOOPS
+        for line, member in named_tiers((ROOT / "training" / "checkpoint" / name).read_text())
+    ]
+    assert not found, "a branch on one tier, loop over `Tiers` instead:\n" + "\n".join(found)
+
+
+def test_the_tier_scan_finds_a_member_wherever_it_is_named() -> None:
+    source = "if tier == Tier.RAM:\n    pass\nx = (Tier.PEER, None)\ny = Tier.EMERGENCY\n"
+    assert named_tiers(source) == [(1, "RAM"), (3, "PEER")]

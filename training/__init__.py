@@ -23,7 +23,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from training.checkpoint import Checkpointer, CheckpointSettings, Restored
+    from training.checkpoint import (
+        Checkpointer,
+        CheckpointerOptions,
+        CheckpointSettings,
+        Restored,
+        Tiers,
+    )
     from training.checkpoint.lightning import TieredCheckpointing
     from training.errors import TrainingError
     from training.healing import InProcessHealing
@@ -33,6 +39,8 @@ if TYPE_CHECKING:
 _HOMES = {
     "Checkpointer": "training.checkpoint",
     "CheckpointSettings": "training.checkpoint",
+    "CheckpointerOptions": "training.checkpoint",
+    "Tiers": "training.checkpoint",
     "Restored": "training.checkpoint",
     "WorkerClient": "training.worker_client",
     "InProcessHealing": "training.healing",
@@ -43,9 +51,11 @@ _HOMES = {
 __all__ = [
     "CheckpointSettings",
     "Checkpointer",
+    "CheckpointerOptions",
     "InProcessHealing",
     "Restored",
     "TieredCheckpointing",
+    "Tiers",
     "TrainingError",
     "WorkerClient",
 ]

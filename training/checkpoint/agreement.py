@@ -1,6 +1,6 @@
 """The ranks' agreement on the step to restore, and its load on every rank.
 
-A part of `Checkpointer` (a base class of it): the ranks first exchange the world starts
+The Checkpointer's collaborator for `restore()`: the ranks first exchange the world starts
 each sees (fencing.py), so that every rank leaves out the same shadowed commits; then the
 steps each can load (all_gather), load the newest common one, and drop it and agree again
 when some rank could not load it after all.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ class Restored:
     """What `restore()` did on this rank."""
 
     step: int  # 0: nothing to restore, start fresh
-    tier: Source | None  # "memory", "ram", "peer" or "durable"; None when starting fresh
+    tier: Source | None  # "memory" or the tier's kind; None when starting fresh
     size: int
     seconds: float
     #: A sharded state's restore: the tier each saving rank's directory was read from.
@@ -40,24 +41,43 @@ class Restored:
 
 
 class RestoreAgreement:
-    # Set by Checkpointer.__init__.
-    rank: int
-    world_size: int
-    state: TrainingState
-    client: WorkerClient | None
-    last_restore: Restored | None
-    _restorer: Restorer
-    _fence: WorldFence
-    _fresh_optimizer: bool
-    _state_loaded: bool
+    """Agrees on a step with the other ranks and loads it (`agree_and_load`)."""
 
-    def _step_completed(self, step: int) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        state: TrainingState,
+        restorer: Restorer,
+        fence: WorldFence,
+        client: WorkerClient | None,
+        on_step_completed: Callable[[int], None],
+    ) -> None:
+        """`state`: what is restored (`Checkpointer.rebind` replaces it);
+        `on_step_completed`: called with the step the ranks continue after."""
+        self.rank = rank
+        self.world_size = world_size
+        self.state = state
+        self._restorer = restorer
+        self._fence = fence
+        self.client = client
+        self._step_completed = on_step_completed
+        #: What the last `restore()` did.
+        self.last_restore: Restored | None = None
+        #: The optimizer had no state before the restore: it must have none if nothing
+        #: is loaded after all (reading a state dict makes one).
+        self.fresh_optimizer = False
+        #: The restore under way has loaded a step into the state.
+        self.state_loaded = False
 
-    def _agree_and_load(
+    def loading(self) -> None:
+        self.state_loaded = True  # from here the live tensors may change
+
+    def agree_and_load(
         self, candidates: dict[int, Any], held: Snapshot | None, started: float
     ) -> int:
-        self._state_loaded = False
+        self.state_loaded = False
         dropped: set[int] = set()
         loaded_before = False  # this rank's tensors hold a step the ranks then dropped
         for _ in range(MAX_RESTORE_ROUNDS):
@@ -81,7 +101,7 @@ class RestoreAgreement:
                     "the others could not load: start the job again (it starts fresh)"
                 )
             if not common:
-                if self._fresh_optimizer and self.state.optimizer is not None:
+                if self.fresh_optimizer and self.state.optimizer is not None:
                     self.state.optimizer.state.clear()
                 self.last_restore = Restored(0, None, 0, time.monotonic() - started)
                 log.info("checkpoint: no step every rank can load; starting from step 0")
@@ -118,7 +138,7 @@ class RestoreAgreement:
                 loaded_before = True
         raise RuntimeError(f"no checkpoint could be loaded after {MAX_RESTORE_ROUNDS} rounds")
 
-    def _agreed_starts(self) -> list[WorldStart]:
+    def agreed_starts(self) -> list[WorldStart]:
         """The starts every rank sees, together: a start recorded in one node's RAM tier
         fences the commits other nodes hold too."""
         mine = [(start.world, start.step) for start in self._fence.starts()]

@@ -7,9 +7,14 @@
         ckpt.step_done(step)               # saves when a tier is due; returns at once
     ckpt.close()                           # waits for the save in flight
 
-Tiers, fastest first: RAM (a tmpfs directory on the node, every
+Tiers, fastest first (tiers.py): RAM (a tmpfs directory on the node, every
 `in_memory_checkpointing_freq` steps), peer (the partner node's host monitor holds a copy
 of this node's newest RAM checkpoint), durable (every `s3_checkpointing_freq` steps).
+The Checkpointer is a façade over its collaborators: the `Saver` (saver.py), the
+`Restorer` and the ranks' `RestoreAgreement` (restorer.py, agreement.py), the
+`EmergencySaver` and its `StepGate` (emergency.py), and the `WorldFence` (world_fence.py).
+It takes a few objects: the settings, the tiers (`Tiers.open(settings, ...)` by default),
+the worker client, and `CheckpointerOptions` (or the same options one keyword each).
 
 `restore()` makes the ranks agree on the newest step for which every rank can load its
 shard from some tier, then each rank loads from the fastest source that has it (own RAM,
@@ -19,15 +24,8 @@ dropped and the agreement runs again. Each save and load is reported to the node
 monitor (step, tier, bytes, seconds blocking, seconds in all) when one is configured.
 
 Emergency checkpoints: given an online worker client, the Checkpointer serves the host
-monitor's requests from the client's own thread (`WorkerClient.serve_emergency_
-checkpoints`), so a rank saves while its main thread is blocked in a collective whose
-peer is gone or frozen, and after that collective raised. `emergency_save` writes the
-state at the end of the last completed step and needs no collective: the parameters and
-optimizer state are read live (only `optimizer.step()` changes them, and it waits while
-the save reads them), the rest (RNG, scheduler, the user's objects, model buffers) comes
-from a copy taken at that step's `step_done`. A request that arrives between an
-`optimizer.step()` and its `step_done` waits for the `step_done`, and fails after
-`emergency_checkpoint_timeout_s` rather than save half a step.
+monitor's requests from the client's own thread, and saves the state at the end of the
+last completed step without a collective (emergency.py says how).
 
 Replicated state (DDP: every rank holds the same model, optimizer and RNG): any rank's
 checkpoint restores any rank. Periodic durable saves are then written by rank 0 only,
@@ -53,25 +51,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import Unpack
 
 from resiliency_protocol.checkpoint_reports import Tier
-from training.checkpoint import durable as durable_tier
-from training.checkpoint import format as fmt
 from training.checkpoint.agreement import MAX_RESTORE_ROUNDS, RestoreAgreement, Restored
-from training.checkpoint.emergency import ACK_MARGIN_S, EmergencyCheckpointError, EmergencySaves
+from training.checkpoint.durable import DurableStore
+from training.checkpoint.emergency import (
+    ACK_MARGIN_S,
+    EmergencyCheckpointError,
+    EmergencySaver,
+    StepGate,
+)
+from training.checkpoint.options import CheckpointerOptions, OptionKeywords, from_keywords
 from training.checkpoint.peer import PeerTier
 from training.checkpoint.restorer import Restorer
 from training.checkpoint.saver import SaveJob, Saver, SaveResult
 from training.checkpoint.schedule import SaveSchedule
 from training.checkpoint.settings import CheckpointSettings
-from training.checkpoint.state import (
-    Snapshot,
-    StagingBuffers,
-    Stateful,
-    TrainingState,
-    local_data_ptr,
-)
+from training.checkpoint.state import StagingBuffers, Stateful, TrainingState, local_data_ptr
+from training.checkpoint.tiers import DurableTier, Tiers
 from training.checkpoint.world_fence import WorldFence
 from training.errors import TrainingError
 from training.worker_client import WorkerClient
@@ -82,6 +80,7 @@ __all__ = [
     "MAX_RESTORE_ROUNDS",
     "CheckpointSavesFailing",
     "Checkpointer",
+    "CheckpointerOptions",
     "EmergencyCheckpointError",
     "Restored",
 ]
@@ -92,7 +91,7 @@ class CheckpointSavesFailing(TrainingError, RuntimeError):
     protected by its checkpoints (the message names the last failure)."""
 
 
-class Checkpointer(EmergencySaves, RestoreAgreement):
+class Checkpointer:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -101,66 +100,40 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         lr_scheduler: Any | None = None,
         extra: Mapping[str, Stateful] | None = None,
         settings: CheckpointSettings | None = None,
+        tiers: Tiers | None = None,
         client: WorkerClient | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        peer: PeerTier | None = None,
-        replicated: bool | None = None,
-        emergency: bool | None = None,
-        hook_optimizer: bool = True,
+        options: CheckpointerOptions | None = None,
+        **keywords: Unpack[OptionKeywords],
     ) -> None:
-        """`replicated`: every rank holds the same state (default: the model is a DDP
-        model); `emergency`: serve the host monitor's emergency checkpoint requests
-        (default: when `client` is online; needs the optimizer, and the call from the
-        main thread, after `client.register()`); `hook_optimizer`: mark the start of each
-        parameter update with a pre-hook on `optimizer.step()`. Pass False where
-        `optimizer.step()` runs the forward and backward itself, in a closure (Lightning's
-        automatic optimization), and call `optimizer_step_starts()` right before the
-        update instead: the pre-hook would hold emergency saves during the backward."""
-        self.settings = settings if settings is not None else CheckpointSettings.from_env()
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
-        self.world_size = (
-            world_size if world_size is not None else (dist.get_world_size() if distributed else 1)
-        )
-        self.job = job if job is not None else (client.job if client is not None else None)
+        """Saves and restores `model`, `optimizer`, `lr_scheduler` and the user's `extra`
+        objects. `settings`: default `CheckpointSettings.from_env()`; `tiers`: default
+        those the settings turn on (`Tiers.open`); `client`: the worker client reports go
+        through; `options` (CheckpointerOptions), or the same one keyword each
+        (`rank=`, `job=`, `replicated=`, `emergency=`, `hook_optimizer=`...)."""
+        options, peer = from_keywords(options, keywords)
+        self.settings = s = settings if settings is not None else CheckpointSettings.from_env()
+        placed = options.resolve(model, client)
+        self.rank, self.world_size, self.job = placed.rank, placed.world_size, placed.job
+        self.replicated, self.emergency = placed.replicated, placed.emergency
         self.client = client
         self.state = TrainingState(model, optimizer, lr_scheduler=lr_scheduler, extra=extra)
-        self.replicated = (
-            replicated if replicated is not None else isinstance(model, DistributedDataParallel)
-        )
-        s = self.settings
-        self.ram_root: Path | None = (
-            s.ram_root(self.job) if s.in_memory_checkpointing_freq else None
-        )
-        #: The durable tier (a directory or a bucket: durable.py); its directory, if one.
-        self.durable: durable_tier.DurableStore | None = (
-            durable_tier.open_store(s, scratch=self._scratch())
-            if s.s3_checkpointing_freq or s.multi_tier_checkpointing_backup_interval_minutes
-            else None
-        )
+        if tiers is not None and peer is not None:
+            raise TypeError("Checkpointer(): `peer` is a part of `tiers`: give one of them")
+        if tiers is None:
+            tiers = Tiers.open(s, rank=self.rank, job=self.job, peer=peer)
+        self.tiers = tiers
         # One copy of a replicated model is enough in the durable tier: rank 0's.
         self._schedule = SaveSchedule(s, writes_durable=not (self.replicated and self.rank != 0))
-        self.durable_root: Path | None = self.durable.root if self.durable else None
-        if peer is None:
-            peer = PeerTier.from_env(self.rank)
-        self.peer = peer
         self._buffers = StagingBuffers()
         attempt = (lambda: client.attempt) if client is not None else None
-        self._fence = WorldFence(
-            rank=self.rank, ram_root=self.ram_root, durable=self.durable, attempt=attempt
-        )
+        self._fence = WorldFence(rank=self.rank, tiers=self.tiers, attempt=attempt)
         self._saver = Saver(
             fence=self._fence,
             rank=self.rank,
             world_size=self.world_size,
             job=self.job,
-            ram_root=self.ram_root,
-            durable=self.durable,
+            tiers=self.tiers,
             threads=s.ckpt_threads_per_rank,
-            ram_keep=s.ram_topk_ckpt,
-            durable_keep=s.topk_ckpt,
             sync_files=s.sync_files,
             on_committed=self._on_committed,
             on_failed=self._on_failed,
@@ -168,21 +141,25 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
             lease=client.check_lease if client is not None else None,
         )
         #: Saves failed per tier since that tier's last commit, and the newest failure.
-        self._failures: dict[str, int] = {}
+        self._failures: dict[Tier, int] = {}
         self.last_failure: SaveResult | None = None
         self._restorer = Restorer(
             self.state,
             s,
             rank=self.rank,
             replicated=self.replicated,
-            ram_root=self.ram_root,
-            durable=self.durable,
-            peer=self.peer,
+            tiers=self.tiers,
             on_state_changing=self._loading,
         )
-        self.last_restore: Restored | None = None
-        self._fresh_optimizer = False
-        self._state_loaded = False  # the restore under way has loaded a step into the state
+        self._agreement = RestoreAgreement(
+            rank=self.rank,
+            world_size=self.world_size,
+            state=self.state,
+            restorer=self._restorer,
+            fence=self._fence,
+            client=client,
+            on_step_completed=self._step_completed,
+        )
         #: Seconds the loop was blocked by each save, in order (for benchmarks and tests).
         self.blocking: list[float] = []
         # Staging during the next step: set once the deferred copy is done.
@@ -194,36 +171,58 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
             optimizer is not None and s.stage_during_next_step and s.enable_async_ckpt
         )
         # Emergency saves: the step gate between `optimizer.step()` and `step_done`.
-        self.emergency = (
-            emergency if emergency is not None else (client is not None and client.online)
-        )
         if self.emergency and optimizer is None:
             raise ValueError("emergency checkpoints need the optimizer (its steps are gated)")
-        self._gate = threading.Condition()
-        self._mid_step = False  # an optimizer.step() ran and its step_done has not
-        self._holder: int | None = None  # the thread of the emergency save reading the state
-        self._completed: Snapshot | None = None  # the last completed step
+        self._gate = StepGate()
+        self._emergency = EmergencySaver(
+            settings=s,
+            rank=self.rank,
+            state=self.state,
+            tiers=self.tiers,
+            saver=self._saver,
+            gate=self._gate,
+            client=client,
+            enabled=self.emergency,
+        )
         self._hook: Any = None
-        self._hook_optimizer = hook_optimizer
+        self._hook_optimizer = options.hook_optimizer
         self._hook_into(optimizer)
-        if self.ram_root is not None:
-            self.ram_root.mkdir(parents=True, exist_ok=True)
-            fmt.remove_temporaries(self.ram_root, self.rank)
-        if self.durable is not None:
-            try:
-                self.durable.remove_temporaries(self.rank)
-            except OSError as exc:  # a durable tier that is down fails its saves, reported
-                log.warning("checkpoint: durable tier %s: %r", self.durable.url, exc)
+        for tier in self.tiers.stored:
+            tier.prepare(self.rank)
         if self.emergency and client is not None:
             wait_s = s.emergency_checkpoint_timeout_s + ACK_MARGIN_S
             client.serve_emergency_checkpoints(
                 self.emergency_save, on_exit=self.training_ended, exit_wait_s=wait_s
             )
 
-    def _scratch(self) -> Path | None:
-        """Local space for a bucket's saves without a RAM tier and for restores from it:
-        beside the RAM tier when there is one (tmpfs), else the system's temporary one."""
-        return self.ram_root.parent / f".durable-{self.ram_root.name}" if self.ram_root else None
+    # --- the tiers, by their former names ----------------------------------------------
+
+    @property
+    def ram_root(self) -> Path | None:
+        """The RAM tier's directory; None when it is off."""
+        ram = self.tiers.stored_of(Tier.RAM)
+        return ram.root if ram is not None else None
+
+    @property
+    def durable(self) -> DurableStore | None:
+        """The durable tier's store (durable.py); None when it is off."""
+        tier = self.tiers.get(Tier.DURABLE)
+        return tier.store if isinstance(tier, DurableTier) else None
+
+    @property
+    def durable_root(self) -> Path | None:
+        """The durable tier's directory; None for a bucket, or when it is off."""
+        return self.durable.root if self.durable is not None else None
+
+    @property
+    def peer(self) -> PeerTier | None:
+        """The host monitor's client for the partner's copy."""
+        return self.tiers.peer
+
+    @property
+    def last_restore(self) -> Restored | None:
+        """What the last `restore()` did on this rank."""
+        return self._agreement.last_restore
 
     def _hook_into(self, optimizer: torch.optim.Optimizer | None) -> None:
         if self._hook is not None:
@@ -247,14 +246,11 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         which loads the agreed step into them (this process's RAM tier holds the step
         its emergency checkpoint saved). Waits for the save in flight first."""
         self._saver.wait()
-        with self._gate:
-            self._gate.wait_for(lambda: self._holder is None)
-            self.state = TrainingState(
-                model, optimizer, lr_scheduler=lr_scheduler, extra=self.state.extra
-            )
-            self._restorer.state = self.state
-            self._completed = None  # the old objects' step: nothing to rewind to
-            self._mid_step = False
+        self._gate.reset()  # the old objects' step: nothing to rewind to
+        self.state = TrainingState(
+            model, optimizer, lr_scheduler=lr_scheduler, extra=self.state.extra
+        )
+        self._restorer.state = self._agreement.state = self._emergency.state = self.state
         self._buffers = StagingBuffers()
         self._hook_into(optimizer)
 
@@ -299,11 +295,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
     def _step_completed(self, step: int) -> None:
         if not self.emergency:
             return
-        snapshot = self.state.snapshot(step)
-        with self._gate:
-            self._completed = snapshot
-            self._mid_step = False
-            self._gate.notify_all()
+        self._gate.step_completed(self.state.snapshot(step))
 
     def save(self, step: int, *, to_ram: bool = True, to_durable: bool = False) -> float:
         """Save the current state as `step`; returns the seconds the caller was blocked.
@@ -311,9 +303,9 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         Asynchronous unless `enable_async_ckpt` is off: this returns once the state is
         copied to host memory, and the write goes on in the background.
         """
-        to_ram = to_ram and self.ram_root is not None
-        to_durable = to_durable and self.durable is not None
-        if not (to_ram or to_durable):
+        wanted = {Tier.RAM: to_ram, Tier.DURABLE: to_durable}
+        kinds = tuple(tier.kind for tier in self.tiers.stored if wanted.get(tier.kind))
+        if not kinds:
             return 0.0
         started = time.monotonic()
         if self._saver.busy:
@@ -339,7 +331,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         else:
             staged = self._buffers.stage(state)
         blocking = time.monotonic() - started
-        job = SaveJob(step, staged, to_ram, to_durable, blocking, started, finish)
+        job = SaveJob(step, staged, kinds, blocking, started, finish)
         with self._staging_lock:
             self._staging_job = job if finish is not None else None
         self.blocking.append(blocking)
@@ -365,11 +357,9 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
 
     def _before_optimizer_step(self, *_: Any) -> None:
         if self.emergency:
-            if self._holder == threading.get_ident():
+            if self._gate.held_here():
                 return  # the emergency save's own state_dict (DCP's lazy optimizer init)
-            with self._gate:
-                self._gate.wait_for(lambda: self._holder is None)
-                self._mid_step = True
+            self._gate.update_starts()
         if self._staged.is_set():
             return
         started = time.monotonic()
@@ -394,36 +384,41 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
             self._failures[result.tier] = self._failures.get(result.tier, 0) + 1
             self.last_failure = result
         if self.client is not None:
-            tier = (
-                Tier.EMERGENCY
-                if result.emergency
-                else Tier.RAM
-                if result.tier == Tier.RAM
-                else Tier.DURABLE
-            )
             self.client.report_checkpoint_failed(
                 result.step,
-                tier,
+                Tier.EMERGENCY if result.emergency else result.tier,
                 result.error or "unknown error",
                 total_s=result.total_s,
             )
 
     def _on_committed(self, result: SaveResult) -> None:
         self._failures.pop(result.tier, None)
-        if result.tier == Tier.RAM and result.path is not None and self.settings.enable_peer_ckpt:
-            self.peer.replicate(result.step, result.path)
         if self.client is not None:
-            first = result.tier == Tier.RAM or self.ram_root is None
-            emergency = result.emergency and first
+            emergency = result.emergency and result.first
             self.client.report_checkpoint_saved(
                 result.step,
                 result.total_s if emergency else result.blocking_s,
-                Tier.EMERGENCY
-                if emergency
-                else (Tier.RAM if result.tier == Tier.RAM else Tier.DURABLE),
+                Tier.EMERGENCY if emergency else result.tier,
                 size_bytes=result.size,
                 total_s=result.total_s,
             )
+
+    # --- emergency saves --------------------------------------------------------------
+
+    def emergency_save(self) -> int:
+        """Save the last completed step now, to every tier; returns the step.
+
+        Callable from any thread, while the main thread trains, waits in a collective, or
+        after that collective raised; needs no collective. Raises EmergencyCheckpointError
+        when no step is complete yet, or when the step in flight does not reach its
+        `step_done` within `emergency_checkpoint_timeout_s`.
+        """
+        return self._emergency.save()
+
+    def training_ended(self) -> None:
+        """The training loop will take no more steps (the process is ending): a request
+        waiting for the step in flight's `step_done` fails now instead of at its timeout."""
+        self._gate.training_ended()
 
     # --- restoring --------------------------------------------------------------------
 
@@ -442,46 +437,47 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
                     f"this Checkpointer is rank {self.rank}'s; the process group says "
                     f"rank {dist.get_rank()}"
                 )
-            self.world_size = self._saver.world_size = dist.get_world_size()
+            self.world_size = dist.get_world_size()
+            self._saver.world_size = self._agreement.world_size = self.world_size
         # Reading a state dict makes a fresh optimizer's state (DCP's helper steps it
         # with no gradient), and listing a sharded state's candidates reads one: if
         # nothing is loaded after all, it must be fresh again (Adam's step count).
         optimizer = self.state.optimizer
-        self._fresh_optimizer = optimizer is not None and not optimizer.state
+        self._agreement.fresh_optimizer = optimizer is not None and not optimizer.state
         self._fence.entered()
-        self._restorer.starts = self._agreed_starts()
+        self._restorer.starts = self._agreement.agreed_starts()
         self._fence.adopt(self._restorer.starts)
         self._fence.fence(self.rank, self.world_size)  # before anything is listed
         self._restorer.begin()
         candidates = self._restorer.candidates()
         # Not when the failure came inside an optimizer step: half of it may be applied.
         # Nor for a gathered state (FSDP1), whose load every rank applies together.
-        held = self._completed if in_memory and not self._mid_step else None
+        held = self._gate.completed if in_memory and not self._gate.mid_step else None
         if self.state.gathered:
             held = None
         try:
-            step = self._agree_and_load(candidates, held, started)
+            step = self._agreement.agree_and_load(candidates, held, started)
             self._fence.record(step)  # before any commit of this world
             return step
         except RuntimeError:
             # A collective failed (another fault): what this rank holds may now be a
             # loaded step rather than its last completed one, so a later in-memory
             # restore must not offer the latter.
-            if self._state_loaded:
-                self._completed = None
+            if self._agreement.state_loaded:
+                self._gate.completed = None
             raise
         finally:
             self._restorer.end()
-            if self.durable is not None:
-                self.durable.clear_staged()  # what a bucket's restore downloaded
+            for tier in self.tiers.stored:
+                tier.clear_staged()  # what a bucket's restore downloaded
 
     def _loading(self) -> None:
-        self._state_loaded = True  # from here the live tensors may change
+        self._agreement.loading()
 
     # --- shutdown ---------------------------------------------------------------------
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Wait for the save in flight, then release the peer client and the optimizer
+        """Wait for the save in flight, then release the tiers' clients and the optimizer
         hook."""
         if self.client is not None:
             self.client.finishing()
@@ -489,7 +485,7 @@ class Checkpointer(EmergencySaves, RestoreAgreement):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.peer.close()
+        self.tiers.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,8 +1,8 @@
 """Where a rank's checkpoint of a step can be read from, and the load itself.
 
 `candidates()` lists, without reading any data, the steps this rank can load and their
-sources fastest first: this node's RAM, the partner's copy (the peer tier), durable
-storage. `load(step, sources)` loads one step into the live state from the first source
+sources fastest first, tier by tier (tiers.py: this node's RAM, the partner's copy,
+durable storage). `load(step, sources)` loads one step into the live state from the first source
 that verifies, checking every file against its manifest's checksums as it reads it.
 
 Two shapes of state:
@@ -26,37 +26,54 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from resiliency_protocol.checkpoint_manifest import MANIFEST, Manifest
+from resiliency_protocol.checkpoint_manifest import Manifest
 from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import ddp_order, fencing, global_view
 from training.checkpoint import format as fmt
-from training.checkpoint.durable import DurableStore
-from training.checkpoint.peer import PeerTier
 from training.checkpoint.reader import DirectReader
 from training.checkpoint.settings import CheckpointSettings
 from training.checkpoint.state import TrainingState
+from training.checkpoint.tiers import CheckpointTier, Opened, Tiers
 
 log = logging.getLogger(__name__)
 
 #: Where a restore read a state from: the tiers that serve loads, or this process's own
 #: memory (an in-process restart rewinds instead of loading).
-Source = Literal["memory", Tier.RAM, Tier.PEER, Tier.DURABLE]
-#: Sources from fastest to slowest: a sharded restore reports the slowest it read from.
-SPEED: dict[str, int] = {"memory": 0, Tier.RAM: 1, Tier.PEER: 2, Tier.DURABLE: 3}
+Source: TypeAlias = Tier | Literal["memory"]
 #: Files up to this size (DCP's metadata) are verified before a load reads them; larger
 #: ones (the shards) as the load reads them.
 VERIFY_FIRST_BYTES = 1 << 20
 _RANK_PATH = re.compile(r"rank-(\d+)/")
 
-#: A whole state's sources: (tier, directory; None for the partner's copy, fetched first).
-WholeSources = list[tuple[Source, Path | None]]
-#: A sharded state's sources: per saving rank, (tier, directory) fastest first.
-ShardSources = dict[int, list[tuple[Source, Path]]]
+
+@dataclass(frozen=True)
+class Copy:
+    """A saving rank's committed step in one tier: opened as it was listed, or (a lazy
+    tier's: the partner's copy) when it is loaded."""
+
+    tier: CheckpointTier
+    rank: int
+    listed: Opened | None = None
+
+    def open(self, step: int) -> Opened:
+        return self.listed if self.listed is not None else self.tier.load(step, self.rank)
+
+    @property
+    def directory(self) -> Path:
+        """The directory of a copy opened as listed (every copy of a sharded state)."""
+        assert self.listed is not None
+        return self.listed.directory
+
+
+#: A whole state's sources: its copies fastest first.
+WholeSources = list[Copy]
+#: A sharded state's sources: per saving rank, its copies (opened) fastest first.
+ShardSources = dict[int, list[Copy]]
 
 
 @dataclass(frozen=True)
@@ -75,9 +92,7 @@ class Restorer:
         *,
         rank: int,
         replicated: bool,
-        ram_root: Path | None,
-        durable: DurableStore | None,
-        peer: PeerTier,
+        tiers: Tiers,
         on_state_changing: Callable[[], None],
     ) -> None:
         """`on_state_changing`: called right before a load writes into the live tensors."""
@@ -85,9 +100,10 @@ class Restorer:
         self.settings = settings
         self.rank = rank
         self.replicated = replicated
-        self.ram_root = ram_root
-        self.durable = durable
-        self.peer = peer
+        self.tiers = tiers
+        #: Tiers from fastest to slowest: a sharded restore reports the slowest it read.
+        self.speed: dict[Source, int] = {"memory": -1}
+        self.speed.update({tier.kind: i for i, tier in enumerate(tiers)})
         self._changing = on_state_changing
         #: The worlds that started, and from which step: shadowed commits are left out
         #: (fencing.py). Set by the agreement before `candidates()`.
@@ -129,15 +145,6 @@ class Restorer:
     def sharded(self) -> bool:
         return self.state.sharded and not self.replicated
 
-    def _committed(self, root: Path, step: int, rank: int) -> Path | None:
-        directory = fmt.rank_dir(root, step, rank)
-        try:
-            manifest = fmt.read_manifest(directory, step=step, rank=rank)
-        except fmt.CheckpointCorrupt as exc:
-            log.warning("checkpoint: skipping %s", exc)
-            return None
-        return None if self._shadowed(directory, manifest.world, step) else directory
-
     def _shadowed(self, where: object, world: int | None, step: int) -> bool:
         """Whether a commit of `world` at `step` is on a branch a newer world left."""
         if not fencing.shadowed(world, step, self.starts):
@@ -151,62 +158,56 @@ class Restorer:
         )
         return True
 
-    def _peer_newest(self) -> int | None:
-        """The step of the partner's copy of this rank, unless shadowed."""
-        copy = self.peer.newest_copy()
-        if copy is None or self._shadowed("the partner's copy", copy[1], copy[0]):
-            return None
-        return copy[0]
-
     def _wanted(self, committed: Callable[[], list[int]], every: bool) -> list[int]:
         """This rank first, then (when `every`) the other ranks a tier holds."""
         if not every:
             return [self.rank]
         return [self.rank] + [r for r in committed() if r != self.rank]
 
-    def _listed(self, every: bool) -> Iterator[tuple[Source, int, int, Path]]:
-        """(tier, rank, step, directory) of the committed rank directories in RAM, then in
-        the durable tier: this rank's, and every rank's when `every`. A bucket's are
-        staged locally (manifest and DCP metadata only); a durable tier that cannot be
-        listed is skipped, and said in the log."""
-        if self.ram_root is not None:
-            root = self.ram_root
-            for rank in self._wanted(lambda: fmt.committed_ranks(root), every):
-                for step in fmt.committed_steps(root, rank):
-                    directory = self._committed(root, step, rank)
-                    if directory is not None:
-                        yield Tier.RAM, rank, step, directory
-        store = self.durable
-        if store is None:
-            return
+    def _listed(self, tier: CheckpointTier, every: bool) -> Iterator[tuple[int, Copy]]:
+        """(step, copy) of the committed rank directories in `tier`, opened: this rank's,
+        and every rank's when `every` (a bucket's are staged locally: manifest and DCP
+        metadata only). A tier that cannot be listed is skipped, and said in the log."""
         try:
             found = [
                 (rank, step)
-                for rank in self._wanted(store.committed_ranks, every)
-                for step in store.committed_steps(rank)
+                for rank in self._wanted(tier.ranks, every)
+                for step in tier.steps(rank)
             ]
-        except Exception as exc:  # a bucket down: RAM and the peer copy may still serve
-            log.warning("checkpoint: durable tier %s not listed: %r", store.url, exc)
+        except Exception as exc:  # a bucket down: the other tiers may still serve
+            log.warning("checkpoint: %s not listed: %r", tier.where, exc)
             return
         for rank, step in found:
             try:
-                directory = store.stage(step, rank)
-                manifest = Manifest.parse((directory / MANIFEST).read_bytes())
-                if store.fenced_out(manifest):
+                opened = tier.load(step, rank)
+                manifest = opened.manifest
+                if not tier.admits(manifest):
                     log.warning(
                         "checkpoint: skipping %s step %d rank %d: world %s committed it "
                         "after a newer world fenced that world out",
-                        store.url,
+                        tier.where,
                         step,
                         rank,
                         manifest.world,
                     )
-                elif not self._shadowed(f"{store.url} rank {rank}", manifest.world, step):
-                    yield Tier.DURABLE, rank, step, directory
+                elif not self._shadowed(f"{tier.where} rank {rank}", manifest.world, step):
+                    yield step, Copy(tier, rank, opened)
             except fmt.CheckpointCorrupt as exc:
                 log.warning("checkpoint: skipping %s", exc)
             except Exception as exc:
-                log.warning("checkpoint: %s step %d rank %d: %r", store.url, step, rank, exc)
+                log.warning("checkpoint: %s step %d rank %d: %r", tier.where, step, rank, exc)
+
+    def _lazy_steps(self, tier: CheckpointTier) -> list[int]:
+        """The steps of this rank a lazy tier holds, unless shadowed (nothing opened)."""
+        try:
+            return [
+                step
+                for step in tier.steps(self.rank)
+                if not self._shadowed(tier.where, tier.world(step, self.rank), step)
+            ]
+        except Exception as exc:
+            log.warning("checkpoint: %s not listed: %r", tier.where, exc)
+            return []
 
     # --- whole states -----------------------------------------------------------------
 
@@ -216,53 +217,52 @@ class Restorer:
 
     def _whole_candidates(self) -> dict[int, Any]:
         """Steps with their sources fastest first. With a replicated state, other ranks'
-        directories count too, after this rank's own."""
+        directories count too, after this rank's own in each tier."""
         out: dict[int, WholeSources] = {}
-        for tier, _, step, directory in self._listed(self.replicated):
-            out.setdefault(step, []).append((tier, directory))
-        if self.settings.enable_ckpt_load_replication and self.ram_root is not None:
-            peer_step = self._peer_newest()
-            if peer_step is not None:
-                sources = out.setdefault(peer_step, [])
-                mine_in_ram = bool(sources) and sources[0][0] == Tier.RAM
-                sources.insert(1 if mine_in_ram else 0, (Tier.PEER, None))
+        for tier in self.tiers:
+            if tier.lazy:
+                for step in self._lazy_steps(tier):
+                    out.setdefault(step, []).append(Copy(tier, self.rank))
+                continue
+            for step, copy in self._listed(tier, self.replicated):
+                out.setdefault(step, []).append(copy)
         return dict(out)
 
     def load(self, step: int, sources: Any) -> Loaded | None:
         """Load `step` from the first of its sources that verifies; None if none does."""
         if self.sharded:
             return self._load_sharded(step, sources)
-        for tier, where in sources:
-            verified = False
-            if where is None:  # the partner's copy
-                assert self.ram_root is not None
-                fetched = self.peer.fetch(step, self.ram_root)
-                if fetched is None:
-                    continue
-                # The host monitor checked sizes and checksums as it downloaded.
-                directory, verified = fetched
-            else:
-                directory = where
+        copy: Copy
+        for copy in sources:
             try:
-                if tier == Tier.DURABLE:
-                    self._fetch(directory)
-                manifest = fmt.read_manifest(directory, step=step)
-                self._read(step, directory, {"": (directory, manifest)}, verified=verified)
-            except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
-                log.warning("checkpoint: step %d from %s not loadable: %s", step, tier, exc)
-                if tier in (Tier.RAM, Tier.PEER):
-                    fmt.remove_step(self.ram_root or Path(), step, self.rank)
+                opened = copy.open(step)
+            except fmt.CheckpointCorrupt as exc:  # a lazy tier's copy not fetched
+                log.info("checkpoint: step %d: %s", step, exc)
                 continue
-            return Loaded(tier, manifest.total_bytes, {})
+            directory = opened.directory
+            try:
+                self._complete(copy, directory)
+                manifest = fmt.read_manifest(directory, step=step)
+                self._read(step, directory, {"": (directory, manifest)}, verified=opened.verified)
+            except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
+                log.warning(
+                    "checkpoint: step %d from %s not loadable: %s", step, copy.tier.kind, exc
+                )
+                copy.tier.discard(step, self.rank)
+                continue
+            return Loaded(copy.tier.kind, manifest.total_bytes, {})
         return None
 
     # --- sharded states ---------------------------------------------------------------
 
     def _sharded_candidates(self) -> dict[int, Any]:
         found: dict[int, ShardSources] = {}
-        for tier, rank, step, directory in self._listed(True):
-            found.setdefault(step, {}).setdefault(rank, []).append((tier, directory))
-        self._add_peer_copy(found)
+        for tier in self.tiers:
+            if tier.lazy:
+                self._add_lazy_copies(tier, found)
+                continue
+            for step, copy in self._listed(tier, True):
+                found.setdefault(step, {}).setdefault(copy.rank, []).append(copy)
         out: dict[int, ShardSources] = {}
         target = self._target(0) if found else {}  # shapes only: read once
         for step, sources in found.items():
@@ -273,30 +273,29 @@ class Restorer:
                 out[step] = sources
         return dict(out)
 
-    def _add_peer_copy(self, found: dict[int, ShardSources]) -> None:
-        """The partner's copy of this rank's newest RAM step, fetched now when this node's
-        RAM lacks it (a replacement node): only its metadata tells what it covers."""
-        if not (self.settings.enable_ckpt_load_replication and self.ram_root is not None):
-            return
-        step = self._peer_newest()
-        if step is None:
-            return
-        mine = found.get(step, {}).get(self.rank, [])
-        if any(tier == Tier.RAM for tier, _ in mine):
-            return
-        fetched = self.peer.fetch(step, self.ram_root)
-        if fetched is None:
-            return
-        directory = self._committed(self.ram_root, step, self.rank)
-        if directory is not None:
-            found.setdefault(step, {}).setdefault(self.rank, []).insert(0, (Tier.PEER, directory))
+    def _add_lazy_copies(self, tier: CheckpointTier, found: dict[int, ShardSources]) -> None:
+        """A lazy tier's copy of this rank's step (the partner's), opened now when no
+        faster tier holds it (a replacement node): only its metadata tells what it
+        covers."""
+        for step in self._lazy_steps(tier):
+            if found.get(step, {}).get(self.rank):
+                continue
+            try:
+                opened = tier.load(step, self.rank)
+                manifest = fmt.read_manifest(opened.directory, step=step, rank=self.rank)
+            except fmt.CheckpointCorrupt as exc:
+                log.warning("checkpoint: skipping %s", exc)
+                continue
+            if not self._shadowed(opened.directory, manifest.world, step):
+                copies = found.setdefault(step, {}).setdefault(self.rank, [])
+                copies.append(Copy(tier, self.rank, opened))
 
     def _gaps(self, sources: ShardSources, target: dict[str, Any]) -> list[str]:
         parts = []
         for rank in sorted(sources, key=lambda r: (r != self.rank, r)):
-            for _, directory in sources[rank]:
+            for copy in sources[rank]:
                 try:
-                    parts.append((f"rank-{rank}", global_view.rank_metadata(directory)))
+                    parts.append((f"rank-{rank}", global_view.rank_metadata(copy.directory)))
                     break
                 except fmt.CheckpointCorrupt as exc:
                     log.warning("checkpoint: skipping %s", exc)
@@ -313,17 +312,19 @@ class Restorer:
         while all(left.values()) and left:
             target = self._target(step)
             chosen = self._read_from({rank: found[0] for rank, found in left.items()}, target)
-            base = self.ram_root or (self.durable and self.durable.root) or tempfile.gettempdir()
+            base = self.tiers.local_root or tempfile.gettempdir()
             try:
-                for rank, (tier, directory) in chosen.items():
-                    if tier == Tier.DURABLE:
-                        self._fetch(directory, rank)
+                for rank, copy in chosen.items():
+                    self._complete(copy, copy.directory, rank)
                 with global_view.open_view(
-                    Path(base), {rank: d for rank, (_, d) in chosen.items()}, self.rank
+                    Path(base), {rank: c.directory for rank, c in chosen.items()}, self.rank
                 ) as view:
                     parts = {
-                        f"rank-{rank}": (d, fmt.read_manifest(d, step=step, rank=rank))
-                        for rank, (_, d) in chosen.items()
+                        f"rank-{rank}": (
+                            c.directory,
+                            fmt.read_manifest(c.directory, step=step, rank=rank),
+                        )
+                        for rank, c in chosen.items()
                     }
                     read = self._read(step, view, parts, verified=False, target=target)
             except (fmt.CheckpointCorrupt, OSError, RuntimeError, KeyError, ValueError) as exc:
@@ -332,46 +333,45 @@ class Restorer:
                 if not bad:
                     return None
                 for rank in bad:
-                    tier, _ = left[rank].pop(0)
-                    if tier in (Tier.RAM, Tier.PEER) and self.ram_root is not None:
-                        fmt.remove_step(self.ram_root, step, rank)
+                    left[rank].pop(0).tier.discard(step, rank)
                 if any(not left[rank] for rank in bad) and self._gaps(
                     {r: f for r, f in left.items() if f}, self._target(step)
                 ):
                     return None
                 left = {r: f for r, f in left.items() if f}
                 continue
-            used = {rank: chosen[rank][0] for rank in read if rank in chosen}
-            tier = max(used.values(), key=SPEED.__getitem__, default=Tier.RAM)
+            used: dict[int, Source] = {
+                rank: chosen[rank].tier.kind for rank in read if rank in chosen
+            }
+            fastest = next(iter(self.tiers)).kind
+            tier = max(used.values(), key=self.speed.__getitem__, default=fastest)
             size = sum(parts[f"rank-{rank}"][1].total_bytes for rank in used)
             return Loaded(tier, size, used)
         return None
 
-    def _read_from(
-        self, chosen: dict[int, tuple[Source, Path]], target: dict[str, Any]
-    ) -> dict[int, tuple[Source, Path]]:
+    def _read_from(self, chosen: dict[int, Copy], target: dict[str, Any]) -> dict[int, Copy]:
         """Of the saving ranks' chosen directories, those the load reads (in the layout
         it was saved with, this rank's own alone): a bucket's others are not
         downloaded. All of them when the plan cannot be made from their metadata (the
         load then says what is wrong)."""
         try:
             needed = global_view.ranks_read(
-                {rank: d for rank, (_, d) in chosen.items()}, self.rank, target
+                {rank: c.directory for rank, c in chosen.items()}, self.rank, target
             )
         except Exception as exc:  # a damaged metadata file: the load names the rank
             log.info("checkpoint: no read plan from the ranks' metadata: %r", exc)
             return chosen
         return {rank: chosen[rank] for rank in chosen if rank in needed} or chosen
 
-    def _fetch(self, directory: Path, rank: int | None = None) -> None:
-        """Download the rest of a bucket's rank directory staged by `_listed`; a failure
-        is a CheckpointCorrupt naming the rank (so that another source is tried)."""
-        assert self.durable is not None
+    def _complete(self, copy: Copy, directory: Path, rank: int | None = None) -> None:
+        """Make a listed directory whole (a bucket's files beyond its metadata); a
+        failure is a CheckpointCorrupt naming the rank (so that another source is
+        tried)."""
         try:
-            self.durable.fetch(directory)
+            copy.tier.complete(directory)
         except Exception as exc:
             where = f"rank-{rank}/" if rank is not None else ""
-            raise fmt.CheckpointCorrupt(f"{self.durable.url} {where}: {exc!r}") from None
+            raise fmt.CheckpointCorrupt(f"{copy.tier.where} {where}: {exc!r}") from None
 
     # --- the load ---------------------------------------------------------------------
 

@@ -1,25 +1,27 @@
 """Writes staged states to the tiers, in the background, one save at a time.
 
-A save job: `torch.distributed.checkpoint` writes the staged state into a temporary
-directory of the first tier due (RAM, else durable: a directory, or local scratch space
-uploaded to a bucket) with `ckpt_threads_per_rank` writer threads, each file checksummed
-as it is written (writer.py); the sums go into the manifest and the directory is
-committed (by rename; in a bucket, by the manifest uploaded last: durable.py); the host
-monitor is asked to copy it to the partner node (peer tier); a durable save then copies
-the committed RAM directory (the same files and manifest); retention keeps the newest
-checkpoints of each tier. A durable tier that fails (a bucket down past its bounded
-retries) fails that save only: it is reported, and the RAM tier keeps the step.
+A save job names the tiers it is due in (tiers.py), fastest first.
+`torch.distributed.checkpoint` writes the staged state into a temporary directory of the
+first (RAM, else durable: a directory, or local scratch space uploaded to a bucket) with
+`ckpt_threads_per_rank` writer threads, each file checksummed as it is written
+(writer.py); the sums go into the manifest and the directory is committed (by rename; in
+a bucket, by the manifest uploaded last: durable.py); the tiers that follow it are asked
+for their copy (the partner node's, through the host monitor); each later tier due then
+copies the committed directory (the same files and manifest); retention keeps the newest
+checkpoints of each tier. A later tier that fails (a bucket down past its bounded
+retries) fails that save only: it is reported, and the first tier keeps the step.
 
 A save due while the previous one is still being written waits for it: the staging
 buffers are the previous save's until it is on disk, and skipping a save would silently
 widen what a failure loses. The wait counts as blocking time, and is reported.
 
-The durable copy of a step the RAM tier committed is not part of that wait: it runs in
-a thread of its own, one upload at a time, so that a slow bucket never holds up the next
-save. A durable copy due while the previous one is still under way is skipped (the RAM
-tier, and the partner's copy, take that step): reported as a failed save that says so,
-and not counted towards `max_consecutive_save_failures` (the bucket works, slowly); the
-durable tier's checkpoint age shows it. The step being uploaded stays in RAM until then.
+The later tiers' copies of a step the first tier committed are not part of that wait:
+they run in a thread of their own, one upload at a time, so that a slow bucket never
+holds up the next save. A copy due while the previous one is still under way is skipped
+(the first tier, and the partner's copy, take that step): reported as a failed save that
+says so, and not counted towards `max_consecutive_save_failures` (the bucket works,
+slowly); the durable tier's checkpoint age shows it. The step being uploaded stays in
+the first tier until then.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from resiliency_protocol.checkpoint_manifest import Manifest
 from resiliency_protocol.checkpoint_reports import Tier
 from training.checkpoint import format as fmt
-from training.checkpoint import global_view
-from training.checkpoint.durable import DurableStore
+from training.checkpoint.tiers import StoredTier, Tiers
 from training.checkpoint.world_fence import WorldFence
 from training.checkpoint.writer import SummingFileSystemWriter
 
@@ -59,8 +60,8 @@ warnings.filterwarnings(
 class SaveJob:
     step: int
     state: dict[str, Any]
-    to_ram: bool
-    to_durable: bool
+    #: The stored tiers it is due in (fastest first: the first is written, the rest copy).
+    kinds: tuple[Tier, ...]
     blocking_s: float  # grows if the next optimizer step waits for `finish_staging`
     started: float  # monotonic, when the loop asked for it
     #: Copies what the loop left to copy during its next step (see Checkpointer.save);
@@ -68,7 +69,7 @@ class SaveJob:
     finish_staging: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     #: Asked for by the host monitor (reported as the `emergency` tier).
     emergency: bool = False
-    #: Written in a thread of its own (`Saver.submit`): its durable copy is too.
+    #: Written in a thread of its own (`Saver.submit`): its later tiers' copies are too.
     background: bool = False
 
 
@@ -77,7 +78,7 @@ class SaveResult:
     """One tier's outcome of one save (for reports and tests)."""
 
     step: int
-    tier: str
+    tier: Tier
     path: Path | None
     size: int
     blocking_s: float
@@ -87,11 +88,13 @@ class SaveResult:
     #: Of `total_s`, the seconds spent writing to this tier (after the copy to host
     #: memory): what the tier's throughput is measured on.
     write_s: float | None = None
-    #: Not attempted: the durable tier's previous upload was still under way.
+    #: Not attempted: the tier's previous upload was still under way.
     skipped: bool = False
-    #: A durable commit of a fenced world: how the tier fenced it ("conditional", or
+    #: A commit of a fenced world: how the tier fenced it ("conditional", or
     #: "read-then-write" where the store lacks conditional writes: commit_fence.py).
     fence: str | None = None
+    #: The tier the save was written to first (not a copy).
+    first: bool = False
 
 
 class Saver:
@@ -101,11 +104,8 @@ class Saver:
         rank: int,
         world_size: int,
         job: str | None,
-        ram_root: Path | None,
-        durable: DurableStore | None,
+        tiers: Tiers,
         threads: int,
-        ram_keep: int,
-        durable_keep: int,
         sync_files: bool,
         on_committed: Callable[[SaveResult], None],
         on_failed: Callable[[SaveResult], None] | None = None,
@@ -117,50 +117,48 @@ class Saver:
         step is whole once every rank's directory is committed. `fence`: each commit
         records its world and is refused once a newer world has started (fencing.py).
         `lease`: raises once the rank's lease ran out (the worker client's `check_lease`,
-        training/monitor_link/lease.py): no durable commit after it."""
+        training/monitor_link/lease.py): no commit to a shared tier after it."""
         self.rank = rank
         self.replicated = replicated
         self.world_size = world_size
         self.job = job
-        self.ram_root = ram_root
-        self.durable = durable
+        self.tiers = tiers
         self.threads = threads
-        self.ram_keep = ram_keep
-        self.durable_keep = durable_keep
         self.sync_files = sync_files
         self.on_committed = on_committed
         self.on_failed = on_failed
         self.fence = fence
         self.lease = lease
-        if lease is not None and durable is not None:
-            # Checked before each durable write and again at its commit point: an upload
-            # may outlast the lease.
-            durable.fence.gate = lease
+        for tier in tiers.stored:
+            if lease is not None and tier.fence is not None:
+                # Checked before each shared write and again at its commit point: an
+                # upload may outlast the lease.
+                tier.fence.gate = lease
         #: Every tier's outcome of every save, in order.
         self.results: list[SaveResult] = []
         #: Per tier, the steps emergency saves committed: retention does not count them.
-        self.emergency_steps: dict[str, set[int]] = {Tier.RAM: set(), Tier.DURABLE: set()}
+        self.emergency_steps: dict[Tier, set[int]] = {t.kind: set() for t in tiers.stored}
         self._idle = threading.Event()
         self._idle.set()
-        #: The step whose durable copy is under way (its own thread), if any.
+        #: The step whose later tiers' copies are under way (their own thread), if any.
         self._uploading: int | None = None
         self._uploaded = threading.Event()
         self._uploaded.set()
-        self._durable_lock = threading.Lock()  # durable retention and its emergency steps
+        self._retention_lock = threading.Lock()  # retention and its emergency steps
         self._lock = threading.Lock()
 
-    def emergency_step(self, tier: str, step: int) -> None:
-        """Record that an emergency save committed `step` in `tier` (not counted by
-        retention, see `format.beyond_retention`)."""
-        with self._durable_lock:
-            self.emergency_steps[tier].add(step)
+    def emergency_step(self, kind: Tier, step: int) -> None:
+        """Record that an emergency save committed `step` in the tier of `kind` (not
+        counted by retention, see `format.beyond_retention`)."""
+        with self._retention_lock:
+            self.emergency_steps[kind].add(step)
 
     @property
     def busy(self) -> bool:
         return not self._idle.is_set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Until the save in flight (if any) and its durable copy are committed or
+        """Until the save in flight (if any) and its later tiers' copies are committed or
         failed; False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._idle.wait(timeout_s):
@@ -169,7 +167,7 @@ class Saver:
 
     def wait_for_save(self, timeout_s: float | None = None) -> bool:
         """Until the save in flight is written to its first tier (the staging buffers are
-        free again); its durable copy may still be under way. False on timeout."""
+        free again); its later copies may still be under way. False on timeout."""
         return self._idle.wait(timeout_s)
 
     def submit(self, job: SaveJob, *, background: bool) -> None:
@@ -187,22 +185,26 @@ class Saver:
             target=self._run, args=(job,), name=f"checkpoint-save-{job.step}", daemon=True
         ).start()
 
+    def _due(self, job: SaveJob) -> list[StoredTier]:
+        """The stored tiers `job` writes: those due, and those that copy one that is."""
+        return [t for t in self.tiers.stored if t.kind in job.kinds or t.follows in job.kinds]
+
     def _run(self, job: SaveJob) -> None:
         try:
             self._save(job)
         except Exception as exc:  # never kill the training loop for a failed save
-            self._failed(job, Tier.RAM if job.to_ram else Tier.DURABLE, exc)
+            self._failed(job, job.kinds[0], exc)
         finally:
             self._idle.set()
 
-    def _failed(self, job: SaveJob, tier: str, exc: BaseException) -> None:
-        log.error("checkpoint save of step %d to %s failed: %r", job.step, tier, exc)
-        self._report_failed(job, tier, repr(exc))
+    def _failed(self, job: SaveJob, kind: Tier, exc: BaseException) -> None:
+        log.error("checkpoint save of step %d to %s failed: %r", job.step, kind, exc)
+        self._report_failed(job, kind, repr(exc))
 
-    def _report_failed(self, job: SaveJob, tier: str, error: str, skipped: bool = False) -> None:
+    def _report_failed(self, job: SaveJob, kind: Tier, error: str, skipped: bool = False) -> None:
         result = SaveResult(
             job.step,
-            tier,
+            kind,
             None,
             0,
             job.blocking_s,
@@ -210,7 +212,7 @@ class Saver:
             error,
             job.emergency,
             skipped=skipped,
-            fence=self._fence_mode(tier),
+            fence=self._fence_mode(kind),
         )
         self.results.append(result)
         if self.on_failed is not None:
@@ -223,13 +225,8 @@ class Saver:
         if job.finish_staging is not None:
             job.state = job.finish_staging(job.state)
         writing = time.monotonic()
-        first_tier = Tier.RAM if job.to_ram else Tier.DURABLE
-        if job.to_ram:
-            assert self.ram_root is not None
-            temp = fmt.new_temp_dir(self.ram_root, job.step, self.rank)
-        else:
-            assert self.durable is not None
-            temp = self.durable.write_dir(job.step, self.rank)
+        first, *rest = self._due(job)
+        temp = first.write_dir(job.step, self.rank)
         try:
             writer = SummingFileSystemWriter(
                 temp, thread_count=self.threads, sync_files=self.sync_files
@@ -246,125 +243,124 @@ class Saver:
                 world=self.fence.world if self.fence is not None else None,
             )
             if self.fence is not None:
-                self.fence.check(first_tier)
-            if self.lease is not None and not job.to_ram:
-                self.lease(f"the durable commit of step {job.step}")
-            final: Path | None
-            if job.to_ram:
-                assert self.ram_root is not None
-                final = fmt.rank_dir(self.ram_root, job.step, self.rank)
-                fmt.commit(temp, manifest, final, sync=self.sync_files)
-            else:
-                assert self.durable is not None
-                final = self.durable.commit(temp, manifest)
+                self.fence.check(first.kind)
+            if self.lease is not None and first.shared:
+                self.lease(f"the {first.kind} commit of step {job.step}")
+            final = first.commit(temp, manifest)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
         self._committed(
             SaveResult(
                 job.step,
-                first_tier,
+                first.kind,
                 final,
                 manifest.total_bytes,
                 job.blocking_s,
                 time.monotonic() - job.started,
                 emergency=job.emergency,
                 write_s=time.monotonic() - writing,
+                first=True,
             )
         )
-        copy = job.to_ram and job.to_durable and self.durable is not None
+        if final is not None:
+            for follower in self.tiers.followers(first.kind):
+                try:
+                    follower.save(final, manifest)
+                except Exception as exc:  # the first tier holds the step
+                    log.warning("checkpoint: %s of step %d: %r", follower.where, job.step, exc)
         if job.emergency:
             # An emergency save adds to the tiers and evicts nothing, nor counts in a later
             # retention: with a sharded state a rank that could not save it (the dead one)
-            # needs the periodic step the others still hold. Its durable copy is made
+            # needs the periodic step the others still hold. Its later copies are made
             # here: the process may not live to see a thread's.
-            self.emergency_step(Tier.RAM if job.to_ram else Tier.DURABLE, job.step)
-            if copy and self._to_durable(job, final, manifest):
-                self.emergency_step(Tier.DURABLE, job.step)
+            self.emergency_step(first.kind, job.step)
+            for tier in rest:
+                if self._copy(tier, job, final, manifest):
+                    self.emergency_step(tier.kind, job.step)
             return
-        self.emergency_steps[Tier.RAM if job.to_ram else Tier.DURABLE].discard(job.step)
-        if copy and not job.background:
-            if self._to_durable(job, final, manifest):
-                self._after_durable(job.step)
-        elif copy:
-            self._upload(job, final, manifest)
-        elif job.to_durable and self.durable is not None:  # written there first
-            self._after_durable(job.step)
-        if job.to_ram and self.ram_root is not None:
-            # Several ranks keep one step more: a rank killed while writing the newest
-            # step, or a node lost while its newest step was still on its way to the
-            # partner (whose copy its ranks then restore from), shares only the step
-            # before it with the ranks that committed.
-            keep = max(self.ram_keep, 2) if self.world_size > 1 else self.ram_keep
-            if self.fence is not None:
-                self.fence.drop_shadowed(Tier.RAM, self.rank)
-            aside = self.emergency_steps[Tier.RAM]
-            uploading = self._uploading
-            protect = () if uploading is None else (uploading,)
-            aside -= set(fmt.retain(self.ram_root, self.rank, keep, protect=protect, aside=aside))
+        self.emergency_steps[first.kind].discard(job.step)
+        if rest and job.background:
+            self._upload(job, rest, final, manifest)
+        else:
+            for tier in rest:
+                if self._copy(tier, job, final, manifest):
+                    self._retain(tier, job.step)
+        self._retain(first, job.step)
 
-    def _to_durable(self, job: SaveJob, final: Path | None, manifest: Manifest) -> bool:
-        """Copy the step committed in RAM to the durable tier; whether it committed."""
-        assert final is not None and self.durable is not None
+    def _copy(self, tier: StoredTier, job: SaveJob, final: Path | None, manifest: Manifest) -> bool:
+        """Copy the step committed in the first tier to `tier`; whether it committed."""
+        assert final is not None
         copied_at = time.monotonic()
         try:
             if self.fence is not None:
-                self.fence.check(Tier.DURABLE)
-            if self.lease is not None:
-                self.lease(f"the durable copy of step {job.step}")
-            path = self.durable.copy_committed(final, manifest)
-        except Exception as exc:  # the RAM tier holds the step: only durable failed
+                self.fence.check(tier.kind)
+            if self.lease is not None and tier.shared:
+                self.lease(f"the {tier.kind} copy of step {job.step}")
+            path = tier.save(final, manifest)
+        except Exception as exc:  # the first tier holds the step: only this one failed
             # Nor is retention run there: a rank refused as an older world's must not
             # evict what a newer world keeps.
-            self._failed(job, Tier.DURABLE, exc)
+            self._failed(job, tier.kind, exc)
             return False
-        # The loop blocked once, for the RAM save: the durable copy adds no blocking.
+        # The loop blocked once, for the first tier's save: a copy adds no blocking.
         seconds = time.monotonic() - copied_at
         self._committed(
             SaveResult(
-                job.step, Tier.DURABLE, path, manifest.total_bytes, 0.0, seconds, write_s=seconds
+                job.step, tier.kind, path, manifest.total_bytes, 0.0, seconds, write_s=seconds
             )
         )
         return True
 
-    def _after_durable(self, step: int) -> None:
-        """The durable tier committed periodic step `step`: its retention."""
-        assert self.durable is not None
-        aside = self.emergency_steps[Tier.DURABLE]
-        with self._durable_lock:  # an emergency save may add to it meanwhile
+    def _retain(self, tier: StoredTier, step: int) -> None:
+        """`tier` committed periodic step `step`: its retention, after its shadowed
+        commits are gone (fencing.py); emergency steps are set aside, and the step being
+        copied out of it stays."""
+        aside = self.emergency_steps[tier.kind]
+        with self._retention_lock:  # an emergency save may add to it meanwhile
             aside.discard(step)  # saved again as a periodic step
             emergency = set(aside)
+        uploading = self._uploading
         try:
             if self.fence is not None:
-                self.fence.drop_shadowed(Tier.DURABLE, self.rank)
-            removed = self.durable.retain(self.rank, self.durable_keep, aside=emergency)
+                self.fence.drop_shadowed(tier.kind, self.rank)
+            removed = tier.retain(
+                self.rank,
+                tier.keep(self.world_size),
+                aside=emergency,
+                protect=() if uploading is None else (uploading,),
+            )
         except Exception as exc:  # the step is committed: retention runs again next time
-            log.warning("checkpoint: durable retention failed: %r", exc)
+            log.warning("checkpoint: %s retention failed: %r", tier.where, exc)
             return
-        with self._durable_lock:
+        with self._retention_lock:
             aside -= set(removed)
 
-    def _upload(self, job: SaveJob, final: Path | None, manifest: Manifest) -> None:
-        """The durable copy in a thread of its own; skipped, and reported, while the
-        previous one is still under way (see the module)."""
+    def _upload(
+        self, job: SaveJob, tiers: list[StoredTier], final: Path | None, manifest: Manifest
+    ) -> None:
+        """The later tiers' copies in a thread of their own; skipped, and reported, while
+        the previous ones are still under way (see the module)."""
         with self._lock:
             busy = self._uploading
             if busy is None:
                 self._uploading = job.step
                 self._uploaded.clear()
         if busy is not None:
-            error = (
-                f"skipped: the durable copy of step {busy} is still under way (a slow "
-                f"bucket); the RAM tier keeps step {job.step}"
-            )
-            log.warning("checkpoint: durable save of step %d %s", job.step, error)
-            self._report_failed(job, Tier.DURABLE, error, skipped=True)
+            for tier in tiers:
+                error = (
+                    f"skipped: the {tier.kind} copy of step {busy} is still under way (a "
+                    f"slow bucket); the {job.kinds[0].name} tier keeps step {job.step}"
+                )
+                log.warning("checkpoint: %s save of step %d %s", tier.kind, job.step, error)
+                self._report_failed(job, tier.kind, error, skipped=True)
             return
 
         def upload() -> None:
             try:
-                if self._to_durable(job, final, manifest):
-                    self._after_durable(job.step)
+                for tier in tiers:
+                    if self._copy(tier, job, final, manifest):
+                        self._retain(tier, job.step)
             finally:
                 with self._lock:
                     self._uploading = None
@@ -372,42 +368,42 @@ class Saver:
 
         threading.Thread(target=upload, name=f"checkpoint-upload-{job.step}", daemon=True).start()
 
-    def publish(self, tier: str, step: int) -> None:
-        """Write `step`'s global metadata in `tier` if every rank has committed."""
+    def publish(self, kind: Tier, step: int) -> None:
+        """Write `step`'s global metadata in the tier of `kind` if every rank committed."""
         ranks = [0] if self.replicated else list(range(self.world_size))
+        tier = self.tiers.stored_of(kind)
         try:
-            if tier == Tier.DURABLE and self.durable is not None:
-                self.durable.publish(step, ranks, sync=self.sync_files)
-            elif tier == Tier.RAM and self.ram_root is not None:
-                global_view.publish(self.ram_root, step, ranks, sync=self.sync_files)
+            if tier is not None:
+                tier.publish(step, ranks, sync=self.sync_files)
         except Exception as exc:
             # The step still restores here (the restore merges the ranks' metadata itself).
             log.warning("checkpoint: global metadata of step %d not written: %r", step, exc)
 
-    def _fence_mode(self, tier: str) -> str | None:
-        return self.durable.fence.known_mode if tier == Tier.DURABLE and self.durable else None
+    def _fence_mode(self, kind: Tier) -> str | None:
+        tier = self.tiers.stored_of(kind)
+        return tier.fence.known_mode if tier is not None and tier.fence is not None else None
 
-    def copy_emergency(self, step: int, source: Path, manifest: Manifest) -> str | None:
-        """An emergency save's copy of its RAM step to the durable tier, fenced as every
-        durable commit; the error, reported as a failed save, or None when committed."""
-        assert self.durable is not None
+    def copy_emergency(
+        self, tier: StoredTier, step: int, source: Path, manifest: Manifest
+    ) -> str | None:
+        """An emergency save's copy of its committed step to `tier`, fenced as every
+        commit; the error, reported as a failed save, or None when committed."""
         started = time.monotonic()
         try:
             if self.fence is not None:
-                self.fence.check(Tier.DURABLE)
-            if self.lease is not None:
-                self.lease(f"the durable copy of emergency step {step}")
-            self.durable.copy_committed(source, manifest)
+                self.fence.check(tier.kind)
+            if self.lease is not None and tier.shared:
+                self.lease(f"the {tier.kind} copy of emergency step {step}")
+            tier.save(source, manifest)
         except Exception as exc:
-            job = SaveJob(step, {}, False, True, 0.0, started, emergency=True)
-            self._failed(job, Tier.DURABLE, exc)
+            job = SaveJob(step, {}, (tier.kind,), 0.0, started, emergency=True)
+            self._failed(job, tier.kind, exc)
             return repr(exc)
-        self.emergency_step(Tier.DURABLE, step)
+        self.emergency_step(tier.kind, step)
         return None
 
     def _committed(self, result: SaveResult) -> None:
-        if result.tier == Tier.DURABLE:
-            result.fence = self._fence_mode(Tier.DURABLE)
+        result.fence = self._fence_mode(result.tier)
         self.publish(result.tier, result.step)
         self.results.append(result)
         try:
