@@ -85,7 +85,7 @@ $(ZSH):
 # (`-m heavy`, HEAVY_MODULES in tests/conftest.py) one after another, and all the others
 # on two xdist workers, each module whole on one worker (`--dist loadgroup`; the modules
 # on the control plane share one worker and its plane, the small torch modules share
-# another, one at a time: tests/conftest.py). The suite is bound by the machine's two
+# another, one at a time: tests/session_groups.py). The suite is bound by the machine's two
 # cores (docs/testing.md): three workers, each taking any module, pushed two heavy
 # modules together and broke their margins. The heavy session's output follows the
 # other's. Both sessions keep both cores busy: the tests' margins (tests/timing.py) are

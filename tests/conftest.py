@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 from supervisor.config import Settings
 from tests.control_plane import ControlPlane, Identity
 from tests.postgres import running_postgres
+from tests.session_groups import PLANE_MODULES, order_of
 from tests.timing import scaled
 
 PG_URL = os.environ.get("SUPERVISOR_TEST_DATABASE_URL")
@@ -217,7 +218,6 @@ FAST_MODULES = frozenset(
 HEAVY_MODULES = frozenset(
     {
         "test_checkpoint_tiers",
-        "test_fsdp1_checkpoint",
         "test_fsdp2_example",
         "test_in_process_restart",
         "test_kube_in_process",
@@ -226,21 +226,6 @@ HEAVY_MODULES = frozenset(
         "test_run_user_job",
         "test_sharded_checkpoint",
         "test_sharded_local_cluster",
-        "test_torch_workload",
-    }
-)
-
-
-#: Modules that train too, but with two or three small ranks that mostly wait (for a
-#: lease, a step's pace, a fault): the second session runs them one after another (one
-#: xdist group), beside the heavy session, so at most two training modules run at once.
-SIDE_TORCH_MODULES = frozenset(
-    {
-        "test_auto_progress_run",
-        "test_ddp_resume_order",
-        "test_lightning_checkpoint",
-        "test_partitions_lease",
-        "test_torch_emergency",
     }
 )
 
@@ -267,30 +252,26 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.solo)
 
 
-#: Groups a session split among xdist workers (`--dist loadgroup`) runs whole on one
-#: worker: the modules on the control plane (one plane per worker would start the
-#: session's plane twice), the side torch modules (one at a time). Every other module is
-#: a group of its own, so its module-scoped fixtures are set up once.
-PLANE_GROUP = "control-plane"
-SIDE_TORCH_GROUP = "side-torch"
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup`: the modules grouped as tests/session_groups.py says."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from tests.session_groups import GroupScheduling  # xdist: only where it schedules
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test's xdist group, and the two long groups first, so that a worker is not
-    left with one of them at the end while the other idles; each module's tests stay
-    together, in their order."""
+    """The long groups first (tests/session_groups.py), each module's tests together and in
+    their order; a module on the control plane must be listed as one."""
     on_plane = {_module(i) for i in items if "control_plane" in getattr(i, "fixturenames", ())}
-
-    def group(module: str) -> str:
-        if module in on_plane:
-            return PLANE_GROUP
-        return SIDE_TORCH_GROUP if module in SIDE_TORCH_MODULES else module
-
-    first = (SIDE_TORCH_GROUP, PLANE_GROUP)
-    groups = {id(item): group(_module(item)) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    items.sort(key=lambda i: first.index(groups[id(i)]) if groups[id(i)] in first else 2)
+    if on_plane - PLANE_MODULES:
+        raise pytest.UsageError(
+            f"modules on the control plane missing from PLANE_MODULES in "
+            f"tests/session_groups.py: {sorted(on_plane - PLANE_MODULES)}"
+        )
+    items.sort(key=lambda item: order_of(_module(item)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,0 +1,77 @@
+"""Which test modules share one xdist worker in `make test`'s second session (`--dist
+loadgroup`), run whole and one after another: the modules on the real control plane (one
+plane per worker would start the session's plane twice), and the small torch modules (so
+that at most two training modules run at once, the heavy session's and one of these).
+Every other module is a group of its own, whole on one worker, in its order.
+
+xdist's own `loadgroup` reads `xdist_group` marks into the tests' node ids, which pytest 9
+no longer lets a plugin change: every test went out on its own, and a module's tests that
+share a module-scoped fixture landed on both workers (a peer's newest world, set by the
+module's first test, was unknown to its third). `GroupScheduling` groups by module name
+instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+from xdist.scheduler import LoadScopeScheduling
+
+PLANE_GROUP = "control-plane"
+SIDE_TORCH_GROUP = "side-torch"
+
+#: The modules whose tests use the `control_plane` fixture (tests/conftest.py checks it).
+PLANE_MODULES = frozenset(
+    {
+        "test_control_plane",
+        "test_helm_install_real",
+        "test_kube_backend_real",
+        "test_kube_e2e_real",
+        "test_kube_e2e_real_restarts",
+        "test_kube_in_process",
+        "test_kube_informer_real",
+        "test_kube_sensing_real",
+        "test_kube_without_jobset_real",
+        "test_kube_worlds_real",
+        "test_leader_election_real",
+        "test_partitions_kube",
+        "test_remedy_state_failover",
+    }
+)
+
+#: Modules that train too, with small ranks that mostly wait (for a lease, a step's pace,
+#: a fault), or that only train and compare weights (no timing margin to break): they run
+#: in the second session, one at a time, beside the heavy session.
+SIDE_TORCH_MODULES = frozenset(
+    {
+        "test_auto_progress_run",
+        "test_ddp_resume_order",
+        "test_fsdp1_checkpoint",
+        "test_lightning_checkpoint",
+        "test_partitions_lease",
+        "test_torch_emergency",
+        "test_torch_workload",
+    }
+)
+
+#: The groups sent out first, so that a worker is not left with one of them at the end
+#: while the other idles.
+FIRST = (SIDE_TORCH_GROUP, PLANE_GROUP)
+
+
+def group_of(module: str) -> str:
+    if module in PLANE_MODULES:
+        return PLANE_GROUP
+    return SIDE_TORCH_GROUP if module in SIDE_TORCH_MODULES else module
+
+
+def order_of(module: str) -> int:
+    group = group_of(module)
+    return FIRST.index(group) if group in FIRST else len(FIRST)
+
+
+class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
+    """xdist's scheduling by scope, a scope being a module's group."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(PurePosixPath(nodeid.split("::", 1)[0]).stem)
