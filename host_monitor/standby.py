@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from host_monitor.processes import proc_stat
+from host_monitor.processes import pid_alive, proc_start_time
 from resiliency_protocol.standby_orders import Exited, Forked, Ready, WorkerOrder, parse_reply
 
 log = logging.getLogger(__name__)
@@ -140,20 +140,20 @@ class ForkedWorker:
         self.pid = pid
         self.returncode: int | None = None
         self._standby = standby
+        self._started = proc_start_time(pid)  # a reused pid is not this worker
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._standby.exit_code(self.pid)
-        if self.returncode is None and self._standby.closed and not _running(self.pid):
+        if (
+            self.returncode is None
+            and self._standby.closed
+            and not pid_alive(self.pid, self._started)
+        ):
             # The standby was killed before its worker ended: the worker became init's
             # child, and its exit code is nobody's to know. Gone is all we can tell.
             self.returncode = -signal.SIGKILL
         return self.returncode
-
-
-def _running(pid: int) -> bool:
-    stat = proc_stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X")
 
 
 class Standbys:
