@@ -42,6 +42,11 @@ $(DEPLOY_STAMP): $(STAMP)
 	$(UV_INSTALL) -e '.[server,host-monitor,training,demo,dev,deploy,lightning]' 'torch==$(TORCH_VERSION)'
 	touch $(DEPLOY_STAMP)
 
+# mypy's cache lives beside the control plane's, outside the clone: a fresh clone (CI's)
+# checks only what changed (about 2 s) instead of reading torch's types again (about 22 s).
+# mypy keys it by each file's hash, so a cache from another clone or commit is safe.
+export MYPY_CACHE_DIR ?= $(HOME)/.cache/resiliency-supervisor/mypy
+
 lint: $(DEPLOY_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

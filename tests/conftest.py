@@ -224,7 +224,6 @@ HEAVY_MODULES = frozenset(
         "test_local_cluster",
         "test_partitions",
         "test_run_user_job",
-        "test_sharded_checkpoint",
         "test_sharded_local_cluster",
     }
 )

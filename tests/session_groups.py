@@ -49,6 +49,7 @@ SIDE_TORCH_MODULES = frozenset(
         "test_fsdp1_checkpoint",
         "test_lightning_checkpoint",
         "test_partitions_lease",
+        "test_sharded_checkpoint",
         "test_torch_emergency",
         "test_torch_workload",
     }
