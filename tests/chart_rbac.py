@@ -4,6 +4,8 @@ supervisor's pod does."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.control_plane import ControlPlane, Identity
 from tests.test_helm_chart import FULLNAME, NAMESPACE, POSTGRES, merged, render
 
@@ -29,11 +31,13 @@ def chart_identity_without(
     verb: str,
     workload_namespace: str = "default",
     name: str | None = None,
+    values: dict[str, Any] | None = None,
 ) -> Identity:
-    """A ServiceAccount of its own (`name`) holding the chart's RBAC less `verb` on
-    `resource` (as a cluster admin might trim it); an identity with its token."""
+    """A ServiceAccount of its own (`name`) holding the chart's RBAC (rendered with
+    `values`, a PostgreSQL install by default) less `verb` on `resource` (as a cluster
+    admin might trim it); an identity with its token."""
     name = name or f"{FULLNAME}-without-{resource.replace('/', '-')}-{verb}"
-    docs = render(merged(POSTGRES, {"workloadNamespace": workload_namespace}))
+    docs = render(merged(values or POSTGRES, {"workloadNamespace": workload_namespace}))
     plane.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     subject = {"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}
     plane.apply(

@@ -41,11 +41,14 @@ def pool_nodes(plane: ControlPlane, pool: str, count: int) -> list[str]:
     return names
 
 
-def start_jobset(plane: ControlPlane, name: str, pool: str, **js: Any) -> dict[str, Any]:
+def start_jobset(
+    plane: ControlPlane, name: str, pool: str, labels: dict[str, str] | None = None, **js: Any
+) -> dict[str, Any]:
     """The JobSet of "JobSet requirements" (tests/kube/harness.py), one pod of 8 GPUs per
-    node of `pool`, created on the real API server."""
+    node of `pool`, created on the real API server (with `labels` besides its own)."""
     body = jobset(name, **js)
     body["metadata"]["namespace"] = NS
+    body["metadata"]["labels"].update(labels or {})
     pod = body["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pod["nodeSelector"] = {"pool": pool}
     plane.apply(body)
@@ -121,6 +124,7 @@ async def backend_on(
         # Pods end through three processes here (kwok, the Job controller, the API
         # server): on a loaded machine, more than the fake server's 10 s.
         "pod_termination_threshold_s": scaled(60),
+        "controller_patience_s": scaled(60),
         **overrides,
     }
     settings = kube_settings(make_settings, **values)
@@ -131,7 +135,6 @@ async def backend_on(
         watch_timeout_s=30,
         api_backoff_s=(0.05, 0.5),
         eviction_patience_s=2.0,
-        controller_patience_s=scaled(60),
     )
     await backend.start((hooks or Hooks()).hooks())
     try:

@@ -23,13 +23,16 @@ SIDE_TORCH_GROUP = "side-torch"
 #: The modules whose tests use the `control_plane` fixture (tests/conftest.py checks it).
 PLANE_MODULES = frozenset(
     {
+        "test_agent_identity_real",
         "test_control_plane",
+        "test_dry_run_real",
         "test_helm_install_real",
         "test_kube_backend_real",
         "test_kube_e2e_real",
         "test_kube_e2e_real_restarts",
         "test_kube_in_process",
         "test_kube_informer_real",
+        "test_kube_lifecycle",
         "test_kube_sensing_real",
         "test_kube_without_jobset_real",
         "test_kube_worlds_real",

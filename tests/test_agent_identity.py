@@ -1,7 +1,6 @@
-"""A host monitor speaks only for its own node: node credentials, Kubernetes service
-account tokens (against the fake API server of tests/kube), refusals (403, 401, 409) and
-their counter, and the ranks two alive nodes cannot run at once, over HTTP against the
-real app."""
+"""A host monitor speaks only for its own node: node credentials, refusals (403, 401, 409)
+and their counter, and the ranks two alive nodes cannot run at once, over HTTP against
+the real app. Kubernetes service account tokens: tests/test_agent_identity_real.py."""
 
 from __future__ import annotations
 
@@ -10,28 +9,18 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.failover import write_kubeconfig
-from supervisor.config import Settings
 from supervisor.identity.node_keys import node_credential
 from tests.conftest import SettingsFactory
-from tests.kube import FakeKube
 from tests.test_api import AGENT, Api, heartbeat, running
-from tests.test_host_monitor import Cluster, wait_for
-from tests.test_host_monitor import Supervisor as SupervisorProcess
 
 NODE_KEY = "node-key-for-tests-0123456789abcdef"
-KUBE_TOKEN = "supervisor-kube-token"
-NS = "training"
-HOST_MONITOR_SA = f"system:serviceaccount:{NS}:rs-host-monitor"
-AUDIENCE = "resiliency-supervisor"
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -257,186 +246,3 @@ async def test_a_rank_another_alive_node_runs_is_refused_but_a_hot_swap_takes_it
         assert (await api.beat(running_on("n2", 2, 3, state="stopped"))).status_code == 202
         assert api.supervisor.sensor.node_view("n2").alive
         assert (await refused(api))["rank_claimed"] == 3
-
-
-# --- Kubernetes service account tokens -----------------------------------------------------------
-
-
-@pytest.fixture
-def kube() -> Iterator[FakeKube]:
-    with FakeKube(token=KUBE_TOKEN, run_controllers=False) as k:
-        k.add_node("gpu-0")
-        k.add_node("gpu-1")
-        for pod, node in (("hm-a", "gpu-0"), ("hm-b", "gpu-1")):
-            k.create(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {"name": pod, "namespace": NS},
-                    "spec": {"nodeName": node, "containers": [{"name": "c", "image": "i"}]},
-                }
-            )
-        yield k
-
-
-def kube_settings(
-    make_settings: SettingsFactory, kube: FakeKube, tmp_path: Path, **overrides: Any
-) -> Settings:
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", kube.url, KUBE_TOKEN)
-    values: dict[str, Any] = {
-        "agent_auth": ["kubernetes"],
-        "kube_config": str(kubeconfig),
-        "agent_kube_service_account": HOST_MONITOR_SA,
-        "heartbeat_timeout_s": 30,
-        "heartbeat_polling_period_s": 5,
-        **overrides,
-    }
-    return make_settings(**values)
-
-
-def reviews(kube: FakeKube) -> int:
-    return sum(1 for r in kube.requests if r.path.endswith("/tokenreviews"))
-
-
-async def test_a_service_account_token_speaks_for_the_node_of_its_pod(
-    make_settings: SettingsFactory, kube: FakeKube, tmp_path: Path
-) -> None:
-    async with running(kube_settings(make_settings, kube, tmp_path)) as api:
-        token = kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-a")
-        for _ in range(3):
-            r = await api.beat(heartbeat("gpu-0", job=None), headers=bearer(token))
-            assert r.status_code in (202, 204), r.text
-        assert reviews(kube) == 1  # reviewed once, then taken from the cache
-        # The node comes from the review, not from what the body says.
-        r = await api.beat(heartbeat("gpu-1", job=None), headers=bearer(token))
-        assert r.status_code == 403
-        assert r.json()["message"] == "node: 'gpu-1' is not the node of this credential ('gpu-0')"
-        assert not api.supervisor.sensor.has_node("gpu-1")
-        r = await api.client.post(
-            "/api/v1/checkpoints",
-            json={"reports": [checkpoint("gpu-1", "c")]},
-            headers=bearer(token),
-        )
-        assert r.status_code == 403
-
-        wrong = {
-            "another audience": kube.service_account_token(
-                NS, "rs-host-monitor", audiences=["https://kubernetes.default.svc"], pod="hm-b"
-            ),
-            "another service account": kube.service_account_token(
-                NS, "default", audiences=[AUDIENCE], pod="hm-b"
-            ),
-            "no pod, so no node": kube.service_account_token(
-                NS, "rs-host-monitor", audiences=[AUDIENCE]
-            ),
-            "not a token at all": "a.b.c",
-        }
-        for why, bad in wrong.items():
-            r = await api.beat(heartbeat("gpu-1", job=None), headers=bearer(bad))
-            assert r.status_code == 401, why
-        assert not api.supervisor.sensor.has_node("gpu-1")
-        assert (await refused(api)) == {
-            "invalid_credential": len(wrong),
-            "other_node": 2,
-            "rank_claimed": 0,
-        }
-
-
-async def test_reviews_expire_and_an_api_server_outage_spares_known_tokens(
-    make_settings: SettingsFactory, kube: FakeKube, tmp_path: Path
-) -> None:
-    settings = kube_settings(make_settings, kube, tmp_path, agent_kube_review_ttl_s=0.2)
-    async with running(settings) as api:
-        a = kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-a")
-        b = kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-b")
-        assert (await api.beat(heartbeat("gpu-0", job=None), headers=bearer(a))).status_code == 202
-        await asyncio.sleep(0.3)  # past the TTL: reviewed again
-        assert (await api.beat(heartbeat("gpu-0", job=None), headers=bearer(a))).status_code == 204
-        assert reviews(kube) == 2
-
-        # The API server cannot answer: a token it accepted before stays accepted; a new
-        # one gets 503 (send it again), not 401.
-        await asyncio.sleep(0.3)
-        outage = kube.fail_next("create", "tokenreviews", 503, times=100)
-        assert (await api.beat(heartbeat("gpu-0", job=None), headers=bearer(a))).status_code == 204
-        r = await api.beat(heartbeat("gpu-1", job=None), headers=bearer(b))
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert "cannot check the token now" in r.json()["message"]
-        outage.times = outage.hits  # the API server answers again
-
-        # A token whose pod is gone is refused at its next review.
-        kube.delete("Pod", "hm-a", namespace=NS, gracePeriodSeconds=0)
-        await asyncio.sleep(0.3)
-        assert (await api.beat(heartbeat("gpu-0", job=None), headers=bearer(a))).status_code == 401
-        assert (await api.beat(heartbeat("gpu-1", job=None), headers=bearer(b))).status_code == 202
-
-
-async def test_concurrent_first_requests_share_one_review_that_stalls_no_one(
-    make_settings: SettingsFactory, kube: FakeKube, tmp_path: Path
-) -> None:
-    async with running(kube_settings(make_settings, kube, tmp_path)) as api:
-        a = kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-a")
-        b = kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-b")
-        assert (await api.beat(heartbeat("gpu-1", job=None), headers=bearer(b))).status_code == 202
-        kube.fail_next("create", "tokenreviews", None, delay=0.5)  # a slow API server
-        first = asyncio.gather(
-            *(api.beat(heartbeat("gpu-0", job=None), headers=bearer(a)) for _ in range(5))
-        )
-        await asyncio.sleep(0.05)
-        # Meanwhile the node whose token is already verified is not held up.
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        known = await api.beat(heartbeat("gpu-1", job=None), headers=bearer(b))
-        assert known.status_code == 204 and loop.time() - started < 0.2
-        assert not first.done()
-        assert {r.status_code for r in await first} <= {202, 204}
-        assert reviews(kube) == 2  # b's, then one for the five requests with a
-
-
-def test_a_host_monitor_heartbeats_with_its_rotating_service_account_token(
-    kube: FakeKube, tmp_path: Path
-) -> None:
-    """A real supervisor (agent_auth kubernetes, the fake API server through a kubeconfig)
-    and a real host monitor reading its projected token from a file, which the kubelet
-    rewrites: the new token is sent, reviewed, and the node stays in service."""
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", kube.url, KUBE_TOKEN)
-    server = SupervisorProcess(
-        tmp_path,
-        env={
-            "SUPERVISOR_AGENT_AUTH": "kubernetes",
-            "SUPERVISOR_KUBE_CONFIG": str(kubeconfig),
-            "SUPERVISOR_AGENT_KUBE_SERVICE_ACCOUNT": HOST_MONITOR_SA,
-        },
-    )
-    cluster = Cluster(tmp_path)
-    token_file = tmp_path / "token"
-    token_file.write_text(
-        kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-a")
-    )
-    try:
-        server.start()
-        cluster.start_agent(
-            server.url,
-            node="gpu-0",
-            env={
-                "HOST_MONITOR_AGENT_TOKEN": "",
-                "HOST_MONITOR_SERVICE_ACCOUNT_TOKEN_FILE": str(token_file),
-            },
-        )
-        wait_for(lambda: server.node("gpu-0"), 10, "gpu-0 at the supervisor")
-        assert reviews(kube) == 1
-        # The kubelet writes the next token before the first expires (atomically).
-        rotated = tmp_path / "token.new"
-        rotated.write_text(
-            kube.service_account_token(NS, "rs-host-monitor", audiences=[AUDIENCE], pod="hm-a")
-        )
-        rotated.replace(token_file)
-        wait_for(lambda: reviews(kube) == 2, 5, "the new token reviewed")
-        time.sleep(0.5)  # a few more heartbeats, from the cache
-        assert reviews(kube) == 2
-        node = server.node("gpu-0")
-        assert node is not None and node["alive"]
-        assert server.events("gpu-0", "host_heartbeat_lost") == []
-    finally:
-        cluster.teardown()
-        server.stop()

@@ -6,7 +6,6 @@ thread. It answers the REST paths the official ``kubernetes`` Python client uses
     /api/v1/namespaces/{ns}/{pods|events}[/{name}[/status|/eviction]]
     /api/v1/{nodes|pods|events}[/{name}[/status]]          (cluster-scoped / all namespaces)
     /apis/{group}/{version}/namespaces/{ns}/{plural}[/{name}[/status]]
-    /apis/authentication.k8s.io/v1/tokenreviews                  (POST only: tokens.py)
 
 with GET (get, list, ``?watch=true``), POST (create, eviction), PUT (replace), PATCH
 (merge, strategic merge, JSON patch) and DELETE. Errors are ``meta/v1 Status`` bodies.
@@ -56,12 +55,10 @@ from .resources import (
 )
 from .selectors import matcher, parse_field_selector, parse_label_selector
 from .store import Store
-from .tokens import TokenIssuer
 
 T = TypeVar("T")
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 
 
 @dataclass
@@ -211,7 +208,6 @@ class FakeKube:
         self.store = Store()
         self.api = ApiServer(self.store, time_scale=time_scale)
         self.cluster = Cluster(self.api, tick=tick)
-        self.tokens = TokenIssuer()
         self.requests: list[RequestRecord] = []
         self._run_controllers = run_controllers
         self._faults: list[Fault] = []
@@ -333,33 +329,6 @@ class FakeKube:
 
     def delete(self, kind: str, name: str, namespace: str = "default", **options: Any) -> Obj:
         return self.api.delete(resolve(kind), namespace, name, options)[1]
-
-    def service_account_token(
-        self,
-        namespace: str,
-        service_account: str,
-        *,
-        audiences: list[str],
-        pod: str | None = None,
-        expiration_seconds: int = 3600,
-    ) -> str:
-        """A token of the service account, as the kubelet requests one for a pod's projected
-        volume (TokenRequest): bound to `pod` and to its node when given."""
-        pod_obj = node_obj = None
-        if pod is not None:
-            pod_obj = self.get("Pod", pod, namespace)
-            if pod_obj is None:
-                raise KeyError(pod)
-            node_name = (pod_obj.get("spec") or {}).get("nodeName")
-            node_obj = self.get("Node", node_name) if node_name else None
-        return self.tokens.issue(
-            namespace,
-            service_account,
-            audiences=audiences,
-            pod=pod_obj,
-            node=node_obj,
-            expiration_seconds=expiration_seconds,
-        )
 
     def compact(self) -> int:
         """Compact history at the current resourceVersion: older watches/continues get 410."""
@@ -529,8 +498,6 @@ class FakeKube:
             )
         if path in ("/healthz", "/livez", "/readyz"):
             return Response("ok", media_type="text/plain")
-        if path.rstrip("/") == TOKEN_REVIEWS:
-            return await self._token_review(request, method, path, record)
         target = _parse_path(path)
         if target is None:
             return _error(_not_found_path())
@@ -573,32 +540,6 @@ class FakeKube:
         end = time.monotonic() + fault.delay
         while not self._closing and time.monotonic() < end:  # noqa: ASYNC110 (ends on stop())
             await asyncio.sleep(min(0.02, end - time.monotonic()))
-
-    async def _token_review(
-        self, request: Request, method: str, path: str, record: RequestRecord
-    ) -> Response:
-        """A virtual resource: only create, answered and never stored."""
-        if method != "POST":
-            return _error(
-                ApiError(
-                    405,
-                    "MethodNotAllowed",
-                    "the server does not allow this method on the requested resource",
-                )
-            )
-        record.verb = "create"
-        fault = self._take_fault("create", method, path)
-        if fault is not None:
-            await self._slow(fault)
-            if fault.status is not None:
-                return _error(injected_error(fault.status))
-        try:
-            review = self.tokens.review(
-                await self._body(request), lambda ns, name: self.get("Pod", name, ns)
-            )
-        except ApiError as e:
-            return _error(e)
-        return JSONResponse(review, status_code=201)
 
     async def _body(self, request: Request) -> Any:
         raw = await request.body()
