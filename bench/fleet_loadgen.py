@@ -36,13 +36,19 @@ import resource
 import sys
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from bench.loadgen import read_response
 from bench.loops import run as run_loop
 from bench.payload import heartbeat_template
 from bench.stats import summary_ms
 from resiliency_protocol.heartbeat_batch import BATCH_PATH, encode_batch, parse_answer
+
+HEARTBEATS_PATH = "/api/v1/heartbeats"
+#: What a response is read as: its status, or its status and body.
+Answer = TypeVar("Answer")
 
 #: A job's step time: every node of a job reports the step its job is at (as one job's
 #: ranks do), so most beats repeat the job's newest step.
@@ -61,6 +67,17 @@ def job_name(index: int) -> str:
     return f"fleet-{index:03d}"
 
 
+def node_template(node: int, workers: int, nodes_per_job: int) -> bytes:
+    """Node `node`'s heartbeat template (bench/payload.py): its job's ranks are the nodes'
+    in order, `workers` each."""
+    return heartbeat_template(
+        node,
+        workers=workers,
+        job=job_name(node // nodes_per_job),
+        first_rank=(node % nodes_per_job) * workers,
+    )
+
+
 class Stream:
     """A keep-alive connection that reconnects when the server closed it (uvicorn closes
     one idle for 5 s),
@@ -72,30 +89,23 @@ class Stream:
         self._pair: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def exchange(self, request: bytes) -> int:
-        for attempt in range(3):
-            if self._pair is None:
-                self._pair = await asyncio.open_connection("127.0.0.1", self.port)
-            reader, writer = self._pair
-            try:
-                writer.write(request)
-                return await read_response(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                writer.close()
-                self._pair = None
-                self.reconnects += 1
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        """One heartbeat's request: its status."""
+        return await self._exchange(request, read_response)
 
     async def exchange_batch(self, request: bytes) -> tuple[int, bytes]:
-        """One batch's request: its status and body (sent again as `exchange` does)."""
+        """One batch's request: its status and body."""
+        return await self._exchange(request, _read_with_body)
+
+    async def _exchange(
+        self, request: bytes, read: Callable[[asyncio.StreamReader], Awaitable[Answer]]
+    ) -> Answer:
         for attempt in range(3):
             if self._pair is None:
                 self._pair = await asyncio.open_connection("127.0.0.1", self.port)
             reader, writer = self._pair
             try:
                 writer.write(request)
-                return await _read_with_body(reader)
+                return await read(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 writer.close()
                 self._pair = None
@@ -107,6 +117,17 @@ class Stream:
     def close(self) -> None:
         if self._pair is not None:
             self._pair[1].close()
+
+
+def _request_head(path: str, port: int, token: str) -> bytes:
+    """A POST's head up to its body, `%d` standing for the body's length."""
+    return (
+        f"POST {path} HTTP/1.1\r\n"
+        f"Host: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {token}\r\n"
+        "Content-Type: application/json\r\n"
+        "Content-Length: %d\r\n\r\n"
+    ).encode()
 
 
 async def _read_with_body(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -158,21 +179,9 @@ class Fleet:
         self.servers = [
             Server(
                 port=port,
-                head=(
-                    f"POST /api/v1/heartbeats HTTP/1.1\r\n"
-                    f"Host: 127.0.0.1:{port}\r\n"
-                    f"Authorization: Bearer {args.token}\r\n"
-                    "Content-Type: application/json\r\n"
-                    "Content-Length: %d\r\n\r\n"
-                ).encode(),
+                head=_request_head(HEARTBEATS_PATH, port, args.token),
                 connections=[Connection(port) for _ in range(args.pool)],
-                batch_head=(
-                    f"POST {BATCH_PATH} HTTP/1.1\r\n"
-                    f"Host: 127.0.0.1:{port}\r\n"
-                    f"Authorization: Bearer {args.token}\r\n"
-                    "Content-Type: application/json\r\n"
-                    "Content-Length: %d\r\n\r\n"
-                ).encode(),
+                batch_head=_request_head(BATCH_PATH, port, args.token),
             )
             for port in args.ports
         ]
@@ -215,11 +224,7 @@ class Fleet:
     def build(self, count: int) -> None:
         """The nodes' heartbeat templates, up to `count` nodes."""
         for i in range(len(self.templates), count):
-            job = i // self.nodes_per_job
-            first = (i % self.nodes_per_job) * self.workers
-            self.templates.append(
-                heartbeat_template(i, workers=self.workers, job=job_name(job), first_rank=first)
-            )
+            self.templates.append(node_template(i, self.workers, self.nodes_per_job))
 
     def body(self, node: int, now: float) -> bytes:
         step = int((now - self.t0) / STEP_S) + 1

@@ -18,9 +18,8 @@ from __future__ import annotations
 import random
 import resource
 
-from bench.fleet_loadgen import job_name
+from bench.fleet_loadgen import node_template
 from bench.loops import run as run_loop
-from bench.payload import heartbeat_template
 from resiliency_protocol.heartbeat import parse_heartbeat
 from supervisor.config import Settings
 from supervisor.sensor import Sensor
@@ -33,24 +32,32 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _sensor() -> Sensor:
+    settings = Settings(heartbeat_timeout_s=600, heartbeat_polling_period_s=300)
+    return Sensor(settings.sensing, settings.workload, lambda _: None)
+
+
+def _templates(nodes: int, workers: int, ranks_per_job: int) -> list[bytes]:
+    per_job = max(1, ranks_per_job // workers)
+    return [node_template(i, workers, per_job) for i in range(nodes)]
+
+
+def _beat(sensor: Sensor, templates: list[bytes], step: int, workers: int) -> None:
+    """Each template's node beats at `step`: its heartbeat decoded and ingested."""
+    for template in templates:
+        body = template % ((step,) * workers)
+        sensor.ingest(parse_heartbeat(body), body)
+
+
 async def cost_us(nodes: int, workers: int, ranks_per_job: int) -> float:
     """CPU microseconds per steady heartbeat (formatting its body included)."""
-    settings = Settings(heartbeat_timeout_s=600, heartbeat_polling_period_s=300)
-    sensor = Sensor(settings.sensing, settings.workload, lambda _: None)
-    per_job = max(1, ranks_per_job // workers)
-    templates = [
-        heartbeat_template(
-            i, workers=workers, job=job_name(i // per_job), first_rank=(i % per_job) * workers
-        )
-        for i in range(nodes)
-    ]
+    sensor = _sensor()
+    templates = _templates(nodes, workers, ranks_per_job)
     try:
-        for step in range(1, ROUNDS + 2):
-            if step == 2:
-                started = _cpu_s()
-            for template in templates:
-                body = template % ((step,) * workers)
-                sensor.ingest(parse_heartbeat(body), body)
+        _beat(sensor, templates, 1, workers)  # registers them
+        started = _cpu_s()
+        for step in range(2, ROUNDS + 2):
+            _beat(sensor, templates, step, workers)
         return 1e6 * (_cpu_s() - started) / (nodes * ROUNDS)
     finally:
         sensor.close()
@@ -65,29 +72,18 @@ async def snapshot_ms(
     nodes: int, workers: int = 8, ranks_per_job: int = 8_000
 ) -> tuple[float, float]:
     """CPU milliseconds of (the first snapshot, each next one of a burst)."""
-    settings = Settings(heartbeat_timeout_s=600, heartbeat_polling_period_s=300)
-    sensor = Sensor(settings.sensing, settings.workload, lambda _: None)
-    per_job = max(1, ranks_per_job // workers)
-    templates = [
-        heartbeat_template(
-            i, workers=workers, job=job_name(i // per_job), first_rank=(i % per_job) * workers
-        )
-        for i in range(nodes)
-    ]
+    sensor = _sensor()
+    templates = _templates(nodes, workers, ranks_per_job)
     try:
         for step in (1, 2):
-            for template in templates:
-                body = template % ((step,) * workers)
-                sensor.ingest(parse_heartbeat(body), body)
+            _beat(sensor, templates, step, workers)
         started = _cpu_s()
         sensor.snapshot()
         first = _cpu_s() - started
         rng = random.Random(1)
         spent = 0.0
         for step in range(3, 3 + BURST):
-            for template in rng.sample(templates, max(1, int(nodes * BEAT_BETWEEN))):
-                body = template % ((step,) * workers)
-                sensor.ingest(parse_heartbeat(body), body)
+            _beat(sensor, rng.sample(templates, max(1, int(nodes * BEAT_BETWEEN))), step, workers)
             started = _cpu_s()
             sensor.snapshot()
             spent += _cpu_s() - started

@@ -25,7 +25,7 @@ from resiliency_protocol.shared_settings import (
     DEFAULT_HOST_MONITOR_PORT,
     HOST_MONITOR_ENV_PREFIX,
 )
-from resiliency_protocol.tls import client_context, server_context
+from resiliency_protocol.tls import client_context, half_key_pair, server_context
 
 DEV_KMSG = "/dev/kmsg"
 # `kernel_log` values that turn the XID watchdog off explicitly.
@@ -302,13 +302,8 @@ class HostMonitorSettings(BaseSettings):
             raise ValueError(
                 "agent_token (or node_credential), actuator_token and worker_token must differ"
             )
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            given, missing = (
-                ("tls_cert_file", "tls_key_file")
-                if self.tls_key_file is None
-                else ("tls_key_file", "tls_cert_file")
-            )
-            raise ValueError(f"{given} is set without {missing}: HTTPS needs both")
+        if half := half_key_pair(self.tls_cert_file, self.tls_key_file):
+            raise ValueError(half)
         if self.peer_token is not None and self.peer_token.get_secret_value() in tokens:
             # Other host monitors hold the peer token: it must open nothing else.
             raise ValueError(

@@ -13,6 +13,10 @@ When the supervisor cannot be reached, or refuses the relay itself, each request
 answered 502: the host monitor then sends that heartbeat directly (host_monitor/
 heartbeat.py), as it does when the relay is down, so a relay is never why a node is
 declared lost.
+
+With `--tls-cert-file` and `--tls-key-file` (the host monitor's TLS settings, by the same
+names) it serves HTTPS: host monitors verify it with their `tls_ca_file`, and one that
+cannot sends its heartbeats directly, as above.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from host_monitor.credentials import BearerCredential, CredentialError
+from resiliency_protocol.bare_asgi import (
+    bearer_and_type,
+    body_within,
+    refuse_credential,
+    send_error,
+    send_json,
+)
 from resiliency_protocol.error_reading import error_message
+from resiliency_protocol.errors import error_body
 from resiliency_protocol.heartbeat_batch import (
     BATCH_PATH,
     MAX_BATCH,
@@ -41,10 +53,11 @@ from resiliency_protocol.heartbeat_batch import (
     HeartbeatResult,
     encode_batch,
     parse_answer,
+    refused,
 )
 from resiliency_protocol.logs import configure_logging
-from resiliency_protocol.tls import TLSError, client_context
-from resiliency_protocol.worlds import JOB_WORLD_HEADER
+from resiliency_protocol.tls import TLSError, client_context, half_key_pair, server_context
+from resiliency_protocol.worlds import job_world_header
 
 log = logging.getLogger(__name__)
 
@@ -95,37 +108,33 @@ class HeartbeatRelay:
             return
         if scope["path"] == "/healthz":
             counts = {"status": "ok", "batches": self.batches, "heartbeats": self.heartbeats}
-            await _answer(send, 200, json.dumps(counts).encode())
+            await send_json(send, 200, json.dumps(counts).encode())
             return
         if scope["path"] != HEARTBEATS_PATH or scope["method"] != "POST":
-            await _answer(send, 404, _error("the relay takes POST /api/v1/heartbeats only"))
+            await send_error(send, 404, "the relay takes POST /api/v1/heartbeats only")
             return
-        token = None
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                token = value[7:].decode("latin-1")
+        bearer, _ = bearer_and_type(scope["headers"])
+        token = None if bearer is None else bearer.decode("latin-1")
         if not token or len(token) > MAX_CREDENTIAL:
-            await _answer(send, 401, _error("missing or invalid bearer token"))
+            await refuse_credential(send, "missing or invalid bearer token")
             return
-        body = await _read_body(receive)
+        body = await body_within(receive, send, MAX_BODY)
         if body is None:
-            await _answer(send, 413, _error(f"body larger than {MAX_BODY} bytes"))
             return
         try:
             # What is not JSON would spoil the whole batch: refused here, alone. The rest
             # of the checks are the supervisor's.
             body = bytes(_raw_json.decode(body))
         except msgspec.DecodeError as exc:
-            await _answer(send, 422, _error(f"body: invalid JSON: {exc}"))
+            await send_error(send, 422, f"body: invalid JSON: {exc}")
             return
         held = _Held(token, body, asyncio.get_running_loop().create_future())
         self._held.append(held)
         self._ready.set()
         result = await held.answer
-        headers = (
-            [] if result.world is None else [(JOB_WORLD_HEADER.encode(), b"%d" % result.world)]
-        )
-        await _answer(send, result.status, bytes(result.body) or None, headers)
+        headers = [] if result.world is None else [job_world_header(result.world)]
+        body = None if result.body is msgspec.UNSET else bytes(result.body)
+        await send_json(send, result.status, body, headers)
 
     # --- the supervisor's side ------------------------------------------------------------
 
@@ -145,11 +154,8 @@ class HeartbeatRelay:
         results = await self._results(client, batch)
         if isinstance(results, str):
             log.warning("batch of %d heartbeats not delivered (%s)", len(batch), results)
-            failed = HeartbeatResult(
-                UPSTREAM_FAILED,
-                body=msgspec.Raw(_error(f"relay: supervisor not reached: {results}")),
-            )
-            results = [failed] * len(batch)
+            message = f"relay: supervisor not reached: {results}"
+            results = [refused(UPSTREAM_FAILED, error_body(message, message))] * len(batch)
         else:
             self.batches += 1
             self.heartbeats += len(batch)
@@ -185,35 +191,6 @@ class HeartbeatRelay:
         return results
 
 
-def _error(message: str) -> bytes:
-    return json.dumps({"message": message, "detail": message}).encode()
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    more = True
-    while more:
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            return None
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
-
-
-async def _answer(
-    send: Send, status: int, body: bytes | None, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    head = list(headers or [])
-    if body is not None:
-        head += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body or b""})
-
-
 # --- the command --------------------------------------------------------------------------
 
 
@@ -234,23 +211,49 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--interval-ms", type=float, default=100.0, help="Longest a heartbeat is held."
     )
-    parser.add_argument(
+    # The host monitor's TLS settings, as flags of the same names (docs/security.md, "TLS").
+    tls = parser.add_argument_group("TLS")
+    tls.add_argument(
+        "--tls-cert-file",
+        help="Certificate (PEM, its chain after it) the relay presents: with --tls-key-file, "
+        "it serves HTTPS, and host monitors verify it with their tls_ca_file. Unset: HTTP.",
+    )
+    tls.add_argument("--tls-key-file", help="Private key (PEM) of --tls-cert-file.")
+    tls.add_argument(
+        "--tls-ca-file",
         "--ca-file",
-        default=None,
-        help="CA (PEM) an https supervisor's certificate is checked with.",
+        dest="tls_ca_file",
+        help="CA bundle (PEM) that verifies an https supervisor. Unset: the system's trust store.",
     )
     return parser
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def _supervisor_tls(args: argparse.Namespace) -> ssl.SSLContext:
+    """Reads the TLS files now (start-up): how the supervisor is verified. Raises TLSError
+    naming the flag."""
+    flags = {"cert_name": "--tls-cert-file", "key_name": "--tls-key-file"}
+    if half := half_key_pair(args.tls_cert_file, args.tls_key_file, **flags):
+        raise TLSError(half)
+    if args.tls_cert_file is not None:
+        server_context(args.tls_cert_file, args.tls_key_file, **flags)
+    return client_context(args.tls_ca_file, ca_name="--tls-ca-file")
+
+
+async def _serve(args: argparse.Namespace, supervisor_tls: ssl.SSLContext) -> None:
     relay = HeartbeatRelay(
         args.supervisor_url,
         BearerCredential(path=Path(args.credential_file)),
         interval_s=args.interval_ms / 1000,
-        ssl_context=client_context(args.ca_file),
+        ssl_context=supervisor_tls,
     )
     config = uvicorn.Config(
-        relay, host=args.host, port=args.port, lifespan="off", log_level="warning"
+        relay,
+        host=args.host,
+        port=args.port,
+        lifespan="off",
+        log_level="warning",
+        ssl_certfile=args.tls_cert_file,
+        ssl_keyfile=args.tls_key_file,
     )
     server = uvicorn.Server(config)
     sender = asyncio.create_task(relay.run(), name="heartbeat-relay")
@@ -264,15 +267,15 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.interval_ms <= 0 or args.interval_ms > 1000:
-        print("host-monitor relay: --interval-ms: between 0 and 1000", file=sys.stderr)
-        raise SystemExit(2)
-    configure_logging("info", "text", fixed={"role": "heartbeat-relay"})
     try:
-        asyncio.run(_serve(args))
-    except TLSError as exc:
+        if args.interval_ms <= 0 or args.interval_ms > 1000:
+            raise ValueError("--interval-ms: between 0 and 1000")
+        supervisor_tls = _supervisor_tls(args)
+    except (ValueError, TLSError) as exc:
         print(f"host-monitor relay: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    configure_logging("info", "text", fixed={"role": "heartbeat-relay"})
+    asyncio.run(_serve(args, supervisor_tls))
 
 
 if __name__ == "__main__":

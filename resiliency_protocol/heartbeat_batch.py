@@ -20,7 +20,7 @@ Imports nothing from supervisor, host_monitor or training.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -36,27 +36,40 @@ MAX_BATCH_BODY = 8 << 20
 
 
 class RelayedHeartbeat(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
-    """One node's heartbeat (a HostHeartbeat's JSON) and that node's own credential."""
+    """One node's heartbeat and that node's own credential."""
 
-    credential: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CREDENTIAL)]
-    heartbeat: msgspec.Raw
+    credential: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_CREDENTIAL,
+            description="The bearer token the node's host monitor would send the single route.",
+        ),
+    ]
+    heartbeat: Annotated[
+        msgspec.Raw,
+        msgspec.Meta(
+            description="A `HostHeartbeat`, the single route's body: decoded on its own, so "
+            "one that is not valid is refused alone (its result 422 naming the field).",
+        ),
+    ]
 
 
 class HeartbeatBatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
+    """A relay's request: the heartbeats it carries, each with its node's credential."""
+
     heartbeats: Annotated[list[RelayedHeartbeat], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
-
-
-#: A result's body when the single route would have sent none (204).
-NO_BODY = msgspec.Raw()
 
 
 class HeartbeatResult(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """What the single route would have answered the entry: `status`, the job's newest
-    world (its `x-job-world` header; None: none), and its JSON body (empty: no body)."""
+    world (its `x-job-world` header; none: absent), and its JSON body (absent: none, as
+    a 204's)."""
 
     status: int
     world: int | None = None
-    body: msgspec.Raw = NO_BODY
+    # UNSET, not an empty Raw: a schema (/openapi.json) cannot state a Raw default.
+    body: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 class BatchAnswer(msgspec.Struct, frozen=True, gc=False):
@@ -88,6 +101,11 @@ def encode_batch(entries: list[tuple[str, bytes]]) -> bytes:
     return _encoder.encode(
         HeartbeatBatch([RelayedHeartbeat(c, msgspec.Raw(hb)) for c, hb in entries])
     )
+
+
+def refused(status: int, error: dict[str, Any]) -> HeartbeatResult:
+    """The result of an entry refused with `status` and the JSON body `error`."""
+    return HeartbeatResult(status, body=msgspec.Raw(_encoder.encode(error)))
 
 
 def encode_answer(results: list[HeartbeatResult]) -> bytes:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from resiliency_protocol.exceptions import ProtocolError
 
-__all__ = ["TLSError", "client_context", "server_context"]
+__all__ = ["TLSError", "client_context", "half_key_pair", "server_context"]
 
 
 class TLSError(ProtocolError):
@@ -87,6 +87,21 @@ def client_context(
     except OSError as exc:
         raise TLSError(f"{ca_name} {ca_file}: cannot read it ({_reason(exc)})") from None
     return context
+
+
+def half_key_pair(
+    cert_file: object,
+    key_file: object,
+    *,
+    cert_name: str = "tls_cert_file",
+    key_name: str = "tls_key_file",
+) -> str | None:
+    """Why a server cannot serve HTTPS with `cert_file` and `key_file` when one is given
+    without the other (None: both, or neither), naming the settings."""
+    if (cert_file is None) == (key_file is None):
+        return None
+    given, missing = (cert_name, key_name) if key_file is None else (key_name, cert_name)
+    return f"{given} is set without {missing}: HTTPS needs both"
 
 
 def server_context(

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import requests
 import schemathesis
@@ -25,6 +26,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import APIOperation, Case, GenerationMode
 from schemathesis.core.result import Ok
 
+from resiliency_protocol.heartbeat_batch import BATCH_PATH
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
 from tests.test_api import heartbeat
 from tests.test_stream import running
@@ -32,6 +34,7 @@ from tests.test_stream import running
 #: Operations that take the agent token; every other one takes the operator's.
 AGENT_OPERATIONS = {
     ("POST", "/api/v1/heartbeats"),
+    ("POST", "/api/v1/heartbeats/batch"),
     ("POST", "/api/v1/checkpoints"),
     ("POST", "/api/v1/local/hosts"),
     ("GET", "/api/v1/nodes/{node}/probe-targets"),
@@ -216,3 +219,56 @@ def test_every_operation_answers_as_documented(served: tuple[str, int]) -> None:
     # A wrong token would pass every check with 401s: each operation must get past it.
     refused = sorted(op for op, codes in statuses.items() if codes <= {401})
     assert not refused, f"only 401 for {refused}"
+
+
+def _request_body(schema: dict[str, Any], path: str) -> tuple[dict[str, Any], Any]:
+    """The JSON request body's schema of POST `path`, resolved, and its example, which the
+    schema must take."""
+    media = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    name = media["schema"]["$ref"].rsplit("/", 1)[1]
+    body = schema["components"]["schemas"][name]
+    # Against the whole document, where its `$ref`s point.
+    jsonschema.validate(media["example"], {**schema, **media["schema"]})
+    return body, media["example"]
+
+
+def test_both_heartbeat_routes_are_documented_and_take_their_examples(
+    sqlite_url: str, make_settings: SettingsFactory
+) -> None:
+    """The heartbeat routes bypass FastAPI: /openapi.json states them all the same, their
+    bodies as the protocol's types, with examples that the routes take."""
+    with running(make_settings(database_url=sqlite_url)) as (url, _):
+        schema = httpx.get(f"{url}/openapi.json", timeout=10).json()
+        single, beat = _request_body(schema, "/api/v1/heartbeats")
+        batch, carried = _request_body(schema, BATCH_PATH)
+        assert {"node", "state"} <= set(single["required"])
+        assert batch["required"] == ["heartbeats"]
+        entry = schema["components"]["schemas"]["RelayedHeartbeat"]
+        assert set(entry["required"]) == {"credential", "heartbeat"}
+        assert entry["properties"]["credential"]["maxLength"] == 8192
+        answers = {
+            path: schema["paths"][path]["post"]["responses"]
+            for path in ("/api/v1/heartbeats", BATCH_PATH)
+        }
+        assert set(answers["/api/v1/heartbeats"]) >= {"202", "204", "401", "413", "415", "422"}
+        assert set(answers[BATCH_PATH]) >= {"200", "401", "413", "415", "422", "503"}
+        results = answers[BATCH_PATH]["200"]["content"]["application/json"]["schema"]
+        assert results == {"$ref": "#/components/schemas/BatchAnswer"}
+        result = schema["components"]["schemas"]["HeartbeatResult"]
+        assert result["required"] == ["status"] and "body" in result["properties"]
+
+        # The batch's example, its entry with a real credential: the node registers.
+        agent = _bearer(AGENT_TOKEN)
+        (example,) = carried["heartbeats"]
+        relayed = {"heartbeats": [{**example, "credential": AGENT_TOKEN}]}
+        r = httpx.post(f"{url}{BATCH_PATH}", json=relayed, headers=agent, timeout=10)
+        assert r.status_code == 200, r.text
+        (answer,) = r.json()["results"]
+        assert answer["status"] == 202 and set(answer["body"]) == {"events"}, answer
+        # The single route's example, the same node's heartbeat: taken, nothing new.
+        r = httpx.post(f"{url}/api/v1/heartbeats", json=beat, headers=agent, timeout=10)
+        assert r.status_code == 204, r.text
+        node = httpx.get(
+            f"{url}/api/v1/nodes/{beat['node']}", headers=_bearer(OPERATOR_TOKEN), timeout=10
+        )
+        assert node.status_code == 200 and node.json()["state"] == beat["state"], node.text

@@ -5,7 +5,9 @@ node_key`), so each node speaks only for itself: the relay carries heartbeats wi
 own credential, and each heartbeat with its node's. A relay cannot speak for a node
 whose credential it does not hold (that entry refused alone, the others taken); a batch
 past its bound is refused naming the field; and when the relay dies, the host monitors
-send directly, so no node is declared lost.
+send directly, so no node is declared lost. Given a certificate (from a CA made here,
+trustme) the relay serves HTTPS: a host monitor whose CA did not issue it sends directly
+too, and TLS flags it cannot serve with stop it at start.
 """
 
 from __future__ import annotations
@@ -19,117 +21,163 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trustme
 
 from resiliency_protocol.heartbeat_batch import MAX_BATCH, encode_batch
+from resiliency_protocol.tls import client_context
 from supervisor.identity.node_keys import node_credential
 from supervisor.local.cluster_state import free_port
 from tests.http import http
-from tests.test_host_monitor import NODE_KEY, Cluster, Supervisor, wait_for
+from tests.test_host_monitor import NODE_KEY, Agent, Cluster, Supervisor, wait_for
 from tests.timing import scaled
 
 BATCH = "/api/v1/heartbeats/batch"
+VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"
+
+
+@dataclass(frozen=True)
+class Rack:
+    """The supervisor, taking node credentials only (each node speaks only for itself),
+    and the host monitors started beside it."""
+
+    supervisor: Supervisor
+    cluster: Cluster
 
 
 @pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    server = Supervisor(tmp_path, env={"SUPERVISOR_AGENT_AUTH": "node_key"})
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def rack(tmp_path: Path) -> Iterator[Rack]:
+    with contextlib.ExitStack() as stack:
+        supervisor = Supervisor(tmp_path, env={"SUPERVISOR_AGENT_AUTH": "node_key"})
+        stack.callback(supervisor.stop)
+        supervisor.start()
+        cluster = Cluster(tmp_path)
+        stack.callback(cluster.teardown)
+        yield Rack(supervisor, cluster)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.teardown()
+@dataclass(frozen=True)
+class Certificate:
+    """A certificate for 127.0.0.1, its key, and the CA that issued it (PEM files)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def issued(tmp: Path, name: str) -> Certificate:
+    """A certificate for 127.0.0.1 from a CA of its own, made here (trustme)."""
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1")
+    paths = Certificate(tmp / f"{name}.crt", tmp / f"{name}.key", tmp / f"{name}-ca.crt")
+    issued.cert_chain_pems[0].write_to_path(str(paths.cert))
+    issued.private_key_pem.write_to_path(str(paths.key))
+    ca.cert_pem.write_to_path(str(paths.ca))
+    return paths
+
+
+def relay_command(supervisor_url: str, *flags: str) -> list[str]:
+    return [
+        *(sys.executable, "-m", "host_monitor.cli", "relay", "--host", "127.0.0.1"),
+        *("--supervisor-url", supervisor_url, *flags),
+    ]
 
 
 class Relay:
     """`host-monitor relay` as a process, with its own credential (a node credential of
-    the host it runs on)."""
+    the host it runs on); over HTTPS with `certificate`. Killed on leaving `with`."""
 
-    def __init__(self, tmp: Path, supervisor_url: str) -> None:
+    def __init__(self, tmp: Path, supervisor_url: str, certificate: Certificate | None = None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.credential = node_credential(NODE_KEY, "relay-host")
-        path = tmp / "relay.credential"
+        path = tmp / f"relay-{self.port}.credential"
         path.write_text(self.credential)
-        self.log = tmp / "relay.log"
+        flags = ["--port", str(self.port), "--credential-file", str(path)]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = http
+        if certificate is not None:
+            flags += ["--tls-cert-file", str(certificate.cert)]
+            flags += ["--tls-key-file", str(certificate.key)]
+            self.url = f"https://127.0.0.1:{self.port}"
+            self.http = httpx.Client(timeout=5, verify=client_context(certificate.ca))
+        self.log = tmp / f"relay-{self.port}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")}
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "host_monitor.cli", "relay"),
-                    *("--supervisor-url", supervisor_url, "--host", "127.0.0.1"),
-                    *("--port", str(self.port), "--credential-file", str(path)),
-                ],
+                relay_command(supervisor_url, *flags),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        wait_for(self._up, 15, "relay listening")
+
+    def __enter__(self) -> Relay:
+        try:
+            wait_for(self._up, 15, "relay listening")
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
 
     def _up(self) -> bool:
         assert self.proc.poll() is None, self.log.read_text()
         try:
-            return http.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            return self.http.get(f"{self.url}/healthz", timeout=1).status_code == 200
         except httpx.TransportError:
             return False
 
     def counts(self) -> dict[str, Any]:
-        return http.get(f"{self.url}/healthz", timeout=2).json()  # type: ignore[no-any-return]
+        return self.http.get(f"{self.url}/healthz", timeout=2).json()  # type: ignore[no-any-return]
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(5)
+        if self.http is not http:
+            self.http.close()
 
 
 @pytest.fixture
-def relay(tmp_path: Path, supervisor: Supervisor) -> Iterator[Relay]:
-    started = Relay(tmp_path, supervisor.url)
-    try:
+def relay(tmp_path: Path, rack: Rack) -> Iterator[Relay]:
+    with Relay(tmp_path, rack.supervisor.url) as started:
         yield started
-    finally:
-        started.kill()
 
 
-def _agents(cluster: Cluster, supervisor: Supervisor, relay: Relay, count: int) -> list[str]:
+def _agents(rack: Rack, relay: Relay, count: int, **flags: Any) -> list[Agent]:
     """`count` host monitors, each with only its own credential, beating through `relay`."""
-    nodes = [f"hm-{uuid.uuid4().hex[:8]}" for _ in range(count)]
-    for node in nodes:
-        cluster.start_agent(
-            supervisor.url,
-            node=node,
+    return [
+        rack.cluster.start_agent(
+            rack.supervisor.url,
+            node=(node := f"hm-{uuid.uuid4().hex[:8]}"),
             heartbeat_relay_url=relay.url,
             env={
                 "HOST_MONITOR_AGENT_TOKEN": "",
                 "HOST_MONITOR_NODE_CREDENTIAL": node_credential(NODE_KEY, node),
             },
+            **flags,
         )
-    return nodes
+        for _ in range(count)
+    ]
 
 
-def _alive(supervisor: Supervisor, nodes: list[str]) -> bool:
-    return all((n := supervisor.node(node)) is not None and n["alive"] for node in nodes)
+def _alive(supervisor: Supervisor, agents: list[Agent]) -> bool:
+    return all((n := supervisor.node(a.node)) is not None and n["alive"] for a in agents)
 
 
 def test_host_monitors_beat_through_a_relay_and_beat_directly_once_it_is_gone(
-    supervisor: Supervisor, relay: Relay, cluster: Cluster
+    rack: Rack, relay: Relay
 ) -> None:
-    nodes = _agents(cluster, supervisor, relay, 3)
-    wait_for(lambda: _alive(supervisor, nodes), 15, "the nodes alive at the supervisor")
+    supervisor = rack.supervisor
+    agents = _agents(rack, relay, 3)
+    wait_for(lambda: _alive(supervisor, agents), 15, "the nodes alive at the supervisor")
     # Several periods: every heartbeat through the relay, in batches.
     wait_for(lambda: relay.counts()["heartbeats"] >= 3 * 5, 15, "heartbeats relayed")
     counts = relay.counts()
@@ -138,14 +186,15 @@ def test_host_monitors_beat_through_a_relay_and_beat_directly_once_it_is_gone(
     relay.kill()
     # Three heartbeat timeouts (1 s each) with the relay gone: no node lost.
     time.sleep(scaled(3.0))
-    assert _alive(supervisor, nodes)
-    for node in nodes:
-        assert supervisor.events(node, "host_heartbeat_lost") == []
+    assert _alive(supervisor, agents)
+    for agent in agents:
+        assert supervisor.events(agent.node, "host_heartbeat_lost") == []
 
 
 def test_a_relay_speaks_for_no_node_whose_credential_it_does_not_hold(
-    supervisor: Supervisor, relay: Relay
+    rack: Rack, relay: Relay
 ) -> None:
+    supervisor = rack.supervisor
     own = f"hm-{uuid.uuid4().hex[:8]}"
     body = encode_batch(
         [
@@ -184,9 +233,7 @@ def test_a_relay_speaks_for_no_node_whose_credential_it_does_not_hold(
     assert r.json()["message"] == f"heartbeats: at most {MAX_BATCH} heartbeats in a batch"
 
 
-async def test_the_relay_answers_each_heartbeat_as_the_supervisor_would(
-    supervisor: Supervisor, relay: Relay
-) -> None:
+async def test_the_relay_answers_each_heartbeat_as_the_supervisor_would(relay: Relay) -> None:
     """Heartbeats sent to the relay at once travel in one batch; each sender gets the
     supervisor's answer to its own: taken, refused for another node's credential, or
     refused by the relay itself for a body that is not JSON (which would spoil the batch)."""
@@ -210,3 +257,79 @@ async def test_the_relay_answers_each_heartbeat_as_the_supervisor_would(
     assert broken.status_code == 422 and "invalid JSON" in broken.json()["message"]
     assert again.status_code == 204  # nothing changed: the single route's 204
     assert relay.counts()["heartbeats"] == 3
+
+
+def test_a_relay_serves_https_and_a_host_monitor_that_cannot_verify_it_beats_directly(
+    rack: Rack, tmp_path: Path
+) -> None:
+    """With a certificate and key the relay serves HTTPS; a host monitor whose tls_ca_file
+    issued the certificate beats through it, one with another CA refuses it (said once)
+    and sends its heartbeats to the supervisor directly: no node is lost."""
+    certificate = issued(tmp_path, "relay")
+    other_ca = issued(tmp_path, "other").ca
+    with Relay(tmp_path, rack.supervisor.url, certificate) as relay:
+        with pytest.raises(httpx.ConnectError, match=VERIFY_FAILED):
+            httpx.get(f"{relay.url}/healthz", verify=client_context(other_ca), timeout=5)
+        with pytest.raises(httpx.TransportError):  # plain HTTP gets no HTTP answer
+            http.get(f"http://127.0.0.1:{relay.port}/healthz", timeout=5)
+        (verifies,) = _agents(rack, relay, 1, tls_ca_file=certificate.ca)
+        (refuses,) = _agents(rack, relay, 1, tls_ca_file=other_ca)
+        agents = [verifies, refuses]
+        wait_for(lambda: _alive(rack.supervisor, agents), 15, "both nodes alive")
+        wait_for(lambda: relay.counts()["heartbeats"] >= 5, 15, "heartbeats relayed over https")
+        time.sleep(scaled(1.0))  # five heartbeat periods more, each refusing the relay
+        assert _alive(rack.supervisor, agents)
+        relay_failures = [
+            line for line in refuses.log.read_text().splitlines() if "heartbeat relay" in line
+        ]
+        # Said once, however many heartbeats went around it.
+        assert len(relay_failures) == 1, relay_failures
+        assert VERIFY_FAILED in relay_failures[0] and "sending directly" in relay_failures[0]
+        assert VERIFY_FAILED not in verifies.log.read_text()
+        for agent in agents:
+            assert rack.supervisor.events(agent.node, "host_heartbeat_lost") == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--tls-cert-file", "{cert}"],
+            "--tls-cert-file is set without --tls-key-file: HTTPS needs both",
+        ),
+        (
+            ["--tls-cert-file", "{cert}", "--tls-key-file", "{missing}"],
+            "--tls-key-file {missing}: cannot read it (No such file or directory)",
+        ),
+        (
+            ["--tls-cert-file", "{cert}", "--tls-key-file", "{other_key}"],
+            "--tls-cert-file {cert} and --tls-key-file {other_key}: not a PEM certificate "
+            "and its key",
+        ),
+    ],
+    ids=["half", "unreadable key", "another key"],
+)
+def test_the_relay_refuses_tls_settings_it_cannot_serve_with_at_start(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    certificate = issued(tmp_path, "relay")
+    names = {
+        "cert": certificate.cert,
+        "missing": tmp_path / "no-such.key",
+        "other_key": issued(tmp_path, "other").key,
+    }
+    credential = tmp_path / "relay.credential"
+    credential.write_text(node_credential(NODE_KEY, "relay-host"))
+    done = subprocess.run(
+        relay_command(
+            "http://127.0.0.1:9",
+            *("--credential-file", str(credential), "--port", str(free_port())),
+            *(flag.format(**names) for flag in flags),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"host-monitor relay: {message.format(**names)}"), line

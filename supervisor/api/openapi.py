@@ -1,12 +1,13 @@
 """The OpenAPI document: FastAPI's, plus what FastAPI cannot see.
 
-The heartbeat route is served ahead of the router (it is the hot path), so it and its
-msgspec types are added here. So are the error answers that come from dependencies and
-from the app itself rather than from a route's signature: 400 and 413 where there is a
-body, 401 where a token is checked, 403 where fault injection may be off or a report may
-name another node than the agent's, 404 where a path, a filter or a body names a
-record, 503 while the replica is not ready. All of them, and 422, have the body
-`ErrorOut`. And the fields of an event's `details` and an action's `params` per type.
+The heartbeat routes are served ahead of the router (they are the hot path), so they and
+their msgspec types are added here (heartbeat_openapi.py). So are the error answers that
+come from dependencies and from the app itself rather than from a route's signature: 400
+and 413 where there is a body, 401 where a token is checked, 403 where fault injection
+may be off or a report may name another node than the agent's, 404 where a path, a
+filter or a body names a record, 503 while the replica is not ready. All of them, and
+422, have the body `ErrorOut`. And the fields of an event's `details` and an action's
+`params` per type.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from resiliency_protocol.errors import ErrorOut
-from resiliency_protocol.heartbeat import heartbeat_json_schema
 from supervisor.action_params import ACTION_PARAMS
-from supervisor.api.routes.heartbeats import MAX_BODY, openapi_operation
-from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
+from supervisor.api.heartbeat_openapi import heartbeat_paths
+from supervisor.api.routes.heartbeats import MAX_BODY
 from supervisor.event_details import EVENT_DETAILS
 
 #: Bodies the API takes, at most: the heartbeat's limit, for every route.
@@ -49,13 +49,11 @@ def build(app: FastAPI) -> dict[str, Any]:
         title=app.title, version=app.version, summary=app.summary, routes=app.routes
     )
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    ref, definitions = heartbeat_json_schema()
-    components.update(definitions)
     components["ErrorOut"] = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
             _document_errors(path, method, operation)
-    schema["paths"] = {HEARTBEATS: openapi_operation(ref["$ref"]), **schema["paths"]}
+    schema["paths"] = {**heartbeat_paths(components), **schema["paths"]}
     _fields_by_type(components)
     _exact_integer_bounds(schema)
     app.openapi_schema = schema

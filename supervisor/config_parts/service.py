@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from resiliency_protocol.tls import client_context
+from resiliency_protocol.tls import client_context, half_key_pair
 from supervisor.config_parts.group import SettingsGroup
 from supervisor.config_parts.notification_routes import Routes
 
@@ -230,13 +230,8 @@ class TlsSettings(SettingsGroup):
 
     @model_validator(mode="after")
     def _check_key_pair(self) -> Self:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            given, missing = (
-                ("tls_cert_file", "tls_key_file")
-                if self.tls_key_file is None
-                else ("tls_key_file", "tls_cert_file")
-            )
-            raise ValueError(f"{given} is set without {missing}: HTTPS needs both")
+        if half := half_key_pair(self.tls_cert_file, self.tls_key_file):
+            raise ValueError(half)
         return self
 
     def host_monitor_ssl_context(self) -> ssl.SSLContext:

@@ -15,12 +15,16 @@ it is not one (401 for the relay's credential, 413, 415, 422 naming the field).
 from __future__ import annotations
 
 import functools
-import json
-from typing import Any
 
 import msgspec
 from starlette.types import Receive, Scope, Send
 
+from resiliency_protocol.bare_asgi import (
+    bearer_and_type,
+    body_within,
+    refuse_credential,
+    send_json,
+)
 from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat
 from resiliency_protocol.heartbeat_batch import (
     MAX_BATCH,
@@ -28,6 +32,7 @@ from resiliency_protocol.heartbeat_batch import (
     HeartbeatResult,
     encode_answer,
     parse_batch,
+    refused,
 )
 from supervisor.api.routes.heartbeats import (
     RETRY_AFTER,
@@ -37,19 +42,13 @@ from supervisor.api.routes.heartbeats import (
     invalid,
     is_json,
     reply,
-    send_json,
 )
 from supervisor.identity.authenticator import ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
 from supervisor.sensor.sensor import UNCHANGED, Changes
 
-_UNAUTHORIZED = HeartbeatResult(
-    401,
-    body=msgspec.Raw(
-        json.dumps(
-            error_payload("missing or invalid credential for this heartbeat's node")
-        ).encode()
-    ),
+_UNAUTHORIZED = refused(
+    401, error_payload("missing or invalid credential for this heartbeat's node")
 )
 
 
@@ -74,13 +73,7 @@ class HeartbeatBatchEndpoint:
         if not self.supervisor.ready:
             await reply(send, 503, self.supervisor.readiness, RETRY_AFTER)
             return
-        token = content_type = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                if value[:7].lower() == b"bearer ":
-                    token = value[7:]
-            elif name == b"content-type":
-                content_type = value
+        token, content_type = bearer_and_type(scope["headers"])
         try:
             relay = None if not token else await self.agents.authenticate(token)
         except ReviewUnavailable as exc:
@@ -88,19 +81,15 @@ class HeartbeatBatchEndpoint:
             return
         if relay is None:
             self._refused["invalid_credential"] += 1
-            await reply(
-                send,
-                401,
-                error_payload("missing or invalid bearer token (the relay's own credential)"),
-                [(b"www-authenticate", b"Bearer")],
+            await refuse_credential(
+                send, "missing or invalid bearer token (the relay's own credential)"
             )
             return
         if content_type is not None and not is_json(content_type):
             await reply(send, 415, error_payload("content-type: a batch is application/json"))
             return
-        body = await _read_body(receive)
+        body = await body_within(receive, send, MAX_BATCH_BODY)
         if body is None:
-            await reply(send, 413, error_payload(f"body larger than {MAX_BATCH_BODY} bytes"))
             return
         try:
             batch = parse_batch(body)
@@ -123,7 +112,7 @@ class HeartbeatBatchEndpoint:
                 continue
             taken = self._take(principal, bytes(entry.heartbeat))
             if isinstance(taken, Refusal):
-                results.append(_result(taken.status, taken.payload))
+                results.append(refused(taken.status, taken.payload))
                 continue
             hb, changes = taken
             if changes is UNCHANGED or not changes:
@@ -137,14 +126,14 @@ class HeartbeatBatchEndpoint:
         try:
             principal = await self.agents.authenticate(token)
         except ReviewUnavailable as exc:
-            return _result(503, error_payload(f"cannot check the token now: {exc}"))
+            return refused(503, error_payload(f"cannot check the token now: {exc}"))
         if principal is None:
             self._refused["invalid_credential"] += 1
             self._rejected[HeartbeatRejection.UNAUTHORIZED].inc()
             return _UNAUTHORIZED
         taken = self._take(principal, body)
         if isinstance(taken, Refusal):
-            return _result(taken.status, taken.payload)
+            return refused(taken.status, taken.payload)
         return await self._settled(*taken)
 
     async def _settled(self, hb: HostHeartbeat, changes: Changes) -> HeartbeatResult:
@@ -157,56 +146,3 @@ class HeartbeatBatchEndpoint:
 @functools.lru_cache(maxsize=4096)  # a job's worlds are few: made once per world
 def _no_content(world: int | None) -> HeartbeatResult:
     return HeartbeatResult(204, world)
-
-
-def _result(status: int, payload: dict[str, Any]) -> HeartbeatResult:
-    return HeartbeatResult(status, body=msgspec.Raw(json.dumps(payload).encode()))
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole body; None when it exceeds MAX_BATCH_BODY."""
-    chunks: list[bytes] = []
-    size = 0
-    more = True
-    while more:
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BATCH_BODY:
-            return None
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def openapi_operation(schema_ref: str) -> dict[str, Any]:
-    """The OpenAPI description of the route (it bypasses FastAPI, so is added by hand)."""
-    error = {"description": "", "content": {"application/json": {"schema": {"type": "object"}}}}
-    return {
-        "post": {
-            "tags": ["sensor"],
-            "summary": "Report many nodes' heartbeats at once (a relay)",
-            "operationId": "post_heartbeat_batch",
-            "security": [{"HTTPBearer": []}],
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": schema_ref}}},
-            },
-            "responses": {
-                "200": {
-                    "description": "One result per entry, in order: the status, world and "
-                    "body the single route would have answered that heartbeat with.",
-                    "content": {"application/json": {"schema": {"type": "object"}}},
-                },
-                "401": {**error, "description": "Missing or invalid relay credential."},
-                "413": {**error, "description": "Body too large."},
-                "415": {**error, "description": "A Content-Type other than JSON."},
-                "422": {
-                    **error,
-                    "description": f"Not a batch (at most {MAX_BATCH} entries); `message` "
-                    "names the field. Nothing was recorded.",
-                },
-                "503": {**error, "description": "Not ready; send it again."},
-            },
-        }
-    }

@@ -9,7 +9,8 @@ another alive node runs: 409), all within the request's first step, with no awai
 between them; then a fixed reply is sent. Nothing is written to the database
 unless something changed; then the events are committed before the reply, which names the
 job's newest world in a header (resiliency_protocol/worlds.py: no body on the common
-204). Its schema is documented in /openapi.json like every other route (see app._openapi).
+204). It is documented in /openapi.json like every other route (supervisor/api/
+heartbeat_openapi.py).
 What is done with a heartbeat once its credential is known (`take`, then `settle`) is
 shared with the batched route of relays (heartbeat_batch.py).
 """
@@ -23,8 +24,14 @@ from typing import Any, NamedTuple
 import msgspec
 from starlette.types import Message, Receive, Scope, Send
 
+from resiliency_protocol.bare_asgi import (
+    bearer_and_type,
+    body_within,
+    refuse_credential,
+    send_json,
+)
 from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
-from resiliency_protocol.worlds import JOB_WORLD_HEADER, job_world_header
+from resiliency_protocol.worlds import job_world_header
 from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.identity.authenticator import AgentAuthenticator, Principal, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
@@ -35,7 +42,6 @@ from supervisor.sensor.worlds import StaleWorldReport
 PATH = "/api/v1/heartbeats"
 MAX_BODY = 1 << 20
 
-_JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER = [(b"retry-after", b"1")]
 _NO_CONTENT_START: Message = {"type": "http.response.start", "status": 204, "headers": ()}
 _NO_CONTENT_BODY: Message = {"type": "http.response.body", "body": b""}
@@ -70,15 +76,7 @@ class HeartbeatEndpoint:
             self._rejected[HeartbeatRejection.NOT_READY].inc()
             await reply(send, 503, supervisor.readiness, RETRY_AFTER)
             return
-        token = None
-        content_type = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                # The scheme is case-insensitive (RFC 9110): "bearer" as other routes take.
-                if value[:7].lower() == b"bearer ":
-                    token = value[7:]
-            elif name == b"content-type":
-                content_type = value
+        token, content_type = bearer_and_type(scope["headers"])
         principal = None if token is None else self._cached(token)
         if principal is None and token:
             try:
@@ -91,12 +89,7 @@ class HeartbeatEndpoint:
         if principal is None:
             self._refused["invalid_credential"] += 1
             self._rejected[HeartbeatRejection.UNAUTHORIZED].inc()
-            await reply(
-                send,
-                401,
-                error_payload("missing or invalid bearer token"),
-                [(b"www-authenticate", b"Bearer")],
-            )
+            await refuse_credential(send, "missing or invalid bearer token")
             return
         if content_type is not None and not is_json(content_type):
             self._rejected[HeartbeatRejection.NOT_JSON].inc()
@@ -105,10 +98,9 @@ class HeartbeatEndpoint:
         message = await receive()
         body: bytes | None = message.get("body", b"")
         if message.get("more_body", False):  # rare: heartbeats fit in one read
-            body = await _read_rest(receive, message)
+            body = await body_within(receive, send, MAX_BODY, message)
         if body is None:
             self._rejected[HeartbeatRejection.TOO_LARGE].inc()
-            await reply(send, 413, error_payload(f"body larger than {MAX_BODY} bytes"))
             return
         taken = self.take(principal, body)
         if isinstance(taken, Refusal):
@@ -251,34 +243,6 @@ def is_json(content_type: bytes) -> bool:
     return media == b"application/json" or media.endswith(b"+json")
 
 
-async def _read_rest(receive: Receive, first: Message) -> bytes | None:
-    """The whole body, `first` being its first part; None when it exceeds MAX_BODY."""
-    chunks = [first.get("body", b"")]
-    size = len(chunks[0])
-    message = first
-    while message.get("more_body", False):
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def send_json(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
 async def reply(
     send: Send,
     status: int,
@@ -286,73 +250,3 @@ async def reply(
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     await send_json(send, status, json.dumps(payload).encode(), headers)
-
-
-_WORLD_HEADER_DOC = {
-    JOB_WORLD_HEADER: {
-        "description": "The newest world the supervisor started for the heartbeat's job; "
-        "absent while it knows none. Peer copies of an older world are refused from then on.",
-        "schema": {"type": "integer", "minimum": 0},
-    }
-}
-
-
-def openapi_operation(schema_ref: str) -> dict[str, Any]:
-    """The OpenAPI description of the route (it bypasses FastAPI, so is added by hand)."""
-    error = {"description": "", "content": {"application/json": {"schema": {"type": "object"}}}}
-    return {
-        "post": {
-            "tags": ["sensor"],
-            "summary": "Report a host heartbeat (its workers and GPU errors)",
-            "operationId": "post_heartbeat",
-            "security": [{"HTTPBearer": []}],
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": schema_ref}}},
-            },
-            "responses": {
-                "204": {
-                    "description": "Accepted; nothing changed, so no event was raised.",
-                    "headers": _WORLD_HEADER_DOC,
-                },
-                "202": {
-                    "description": "Accepted; it raised events, already stored: their ids.",
-                    "headers": _WORLD_HEADER_DOC,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "events": {"type": "array", "items": {"type": "integer"}}
-                                },
-                                "required": ["events"],
-                            }
-                        }
-                    },
-                },
-                "401": {**error, "description": "Missing or invalid agent credential."},
-                "403": {
-                    **error,
-                    "description": "The credential is another node's: `message` names the "
-                    "field `node` and the credential's node. Nothing was recorded.",
-                },
-                "409": {
-                    **error,
-                    "description": "A worker claims a rank of its job that another alive node "
-                    "reports running: `message` names the rank and that node; or (`code` "
-                    "`stale_world`) live workers of an older world than the job's newest "
-                    "(`world`): the host monitor stops `ranks` and reports again. Nothing "
-                    "was recorded.",
-                },
-                "413": {**error, "description": "Body too large."},
-                "415": {**error, "description": "A Content-Type other than JSON."},
-                "503": {
-                    **error,
-                    "description": "Not ready: a standby replica (`detail` names the leader), "
-                    "or starting; or a service account token that cannot be reviewed now. "
-                    "Nothing was recorded; send it again.",
-                },
-                "422": {**error, "description": "Invalid heartbeat; `message` names the field."},
-            },
-        }
-    }
