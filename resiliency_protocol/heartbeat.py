@@ -101,9 +101,9 @@ class GpuReport(
     time: datetime | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == "xid" and self.code is None:
+        if self.kind == GPU_XID and self.code is None:
             raise ValueError("code is required for an xid report")
-        if self.kind == "ecc" and self.count is None:
+        if self.kind == GPU_ECC and self.count is None:
             raise ValueError("count is required for an ecc report")
 
 

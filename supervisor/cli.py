@@ -204,7 +204,7 @@ def _serve(settings: Settings) -> None:
         ssl_certfile=settings.tls_cert_file,
         ssl_keyfile=settings.tls_key_file,
     )
-    StreamEndingServer(config, app.state.supervisor).run()
+    StreamEndingServer(config, app.state.supervisor.hub).run()
 
 
 def _check_tls(settings: Settings) -> None:

@@ -34,7 +34,7 @@ from supervisor.errors import FaultNotSupported, UnknownTarget
 from supervisor.schedules import Scheduler
 from supervisor.schedules.drills import RUN_DRILL, Drill, job_id
 from supervisor.sensor import Changes, GpuReport, Sensor
-from supervisor.store import Store
+from supervisor.store.roles import FaultLedger
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class FaultHost(Protocol):
     scheduler: Scheduler | None
 
     @property
-    def store(self) -> Store: ...
+    def store(self) -> FaultLedger: ...
 
     async def record(self, changes: Changes) -> list[Event]: ...
 
@@ -118,7 +118,7 @@ class FaultInjector:
         return self._host.backend
 
     @property
-    def store(self) -> Store:
+    def store(self) -> FaultLedger:
         return self._host.store
 
     async def record(self, changes: Changes) -> list[Event]:

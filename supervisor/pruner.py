@@ -18,7 +18,8 @@ from datetime import datetime, timedelta
 from supervisor.config_parts import HistorySettings
 from supervisor.domain import utcnow
 from supervisor.metrics import Metrics
-from supervisor.store import PRUNE_ORDER, HistoryTable, Store
+from supervisor.store import PRUNE_ORDER, HistoryTable
+from supervisor.store.roles import Prunable
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def retention_ages(
 class HistoryPruner:
     def __init__(
         self,
-        store: Store,
+        store: Prunable,
         ages: Mapping[HistoryTable, timedelta],
         metrics: Metrics,
         *,

@@ -16,7 +16,7 @@ from supervisor.actuator.backend import ActionError, Backend, Fence, Fenced, no_
 from supervisor.config_parts import ActuatorSettings
 from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.metrics import Metrics
-from supervisor.store import Store
+from supervisor.store.roles import AttemptLog
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ OnChange = Callable[[ActionRecord], None]
 class Actuator:
     def __init__(
         self,
-        store: Store,
+        store: AttemptLog,
         backend: Backend,
         settings: ActuatorSettings,
         metrics: Metrics,

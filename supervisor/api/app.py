@@ -20,7 +20,7 @@ from resiliency_protocol.heartbeat_batch import BATCH_PATH as HEARTBEAT_BATCHES
 from supervisor import dashboard
 from supervisor.api import openapi
 from supervisor.api.errors import database_unavailable, http_error, validation_error
-from supervisor.api.job_metrics import JobMetrics
+from supervisor.api.job_metrics import JobMetrics, Sources
 from supervisor.api.routes import (
     actions,
     budget,
@@ -123,6 +123,20 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def job_metric_sources(runtime: Supervisor) -> Sources:
+    """The parts the per-job series read, handed over here where the runtime is wired
+    (the store and the controller exist once it has started)."""
+    return Sources(
+        ready=lambda: runtime.ready,
+        sensor=runtime.sensor,
+        settings=runtime.settings,
+        metrics=runtime.metrics,
+        backend=runtime.backend,
+        store=lambda: runtime.store,
+        budgets=lambda: runtime.controller.budgets,
+    )
+
+
 def create_app(
     settings: Settings,
     supervisor: Supervisor | None = None,
@@ -166,7 +180,7 @@ def create_app(
     )
     app.state.supervisor = runtime
     # Per-job series beside the supervisor's own; /metrics brings them up to date.
-    app.state.job_metrics = JobMetrics(runtime)
+    app.state.job_metrics = JobMetrics(job_metric_sources(runtime))
     runtime.metrics.registry.register(app.state.job_metrics)
     app.state.settings = settings
     app.state.agents = agents

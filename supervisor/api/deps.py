@@ -1,4 +1,5 @@
-"""Shared request dependencies: the running supervisor and bearer-token checks."""
+"""Shared request dependencies: bearer-token checks (the parts they read come from
+supervisor/api/parts.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from fastapi import Depends, HTTPException, Request, Security, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
+from supervisor.api.parts import Refusals, SettingsDep
 from supervisor.identity.authenticator import AgentAuthenticator, Principal, ReviewUnavailable
-from supervisor.runtime import Supervisor
 
 # Dependencies are `async def`: FastAPI runs plain `def` ones in a thread pool, which
 # costs more than the checks themselves.
@@ -20,14 +21,6 @@ bearer = HTTPBearer(
     "for heartbeats and checkpoint reports; operator token for everything else.",
 )
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
-
-
-async def get_supervisor(request: Request) -> Supervisor:
-    supervisor: Supervisor = request.app.state.supervisor
-    return supervisor
-
-
-SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 
 
 def _check(credentials: HTTPAuthorizationCredentials | None, expected: SecretStr | None) -> None:
@@ -48,7 +41,7 @@ def _check(credentials: HTTPAuthorizationCredentials | None, expected: SecretStr
 
 
 async def require_agent(
-    request: Request, supervisor: SupervisorDep, credentials: Credentials
+    request: Request, refusals: Refusals, credentials: Credentials
 ) -> Principal:
     """Who the host monitor is (supervisor/identity): the node it may speak for. A route
     that takes reports for a node checks it with `check_node`."""
@@ -63,7 +56,7 @@ async def require_agent(
             headers={"Retry-After": "1"},
         ) from None
     if principal is None:
-        supervisor.metrics.agent_requests_refused["invalid_credential"] += 1
+        refusals["invalid_credential"] += 1
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "missing or invalid bearer token",
@@ -72,27 +65,28 @@ async def require_agent(
     return principal
 
 
-def check_node(supervisor: Supervisor, principal: Principal, node: str, field: str) -> None:
-    """403 (counted) unless `principal` may speak for `node`, which came in `field`."""
+def check_node(refusals: dict[str, int], principal: Principal, node: str, field: str) -> None:
+    """403 (counted in `refusals`) unless `principal` may speak for `node`, which came in
+    `field`."""
     if principal.node is not None and node != principal.node:
-        supervisor.metrics.agent_requests_refused["other_node"] += 1
+        refusals["other_node"] += 1
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,
             f"{field}: {node!r} is not the node of this credential ({principal.node!r})",
         )
 
 
-async def require_operator(supervisor: SupervisorDep, credentials: Credentials) -> None:
-    _check(credentials, supervisor.settings.operator_token)
+async def require_operator(settings: SettingsDep, credentials: Credentials) -> None:
+    _check(credentials, settings.operator_token)
 
 
-async def require_reader(supervisor: SupervisorDep, credentials: Credentials) -> None:
-    if supervisor.settings.read_requires_token:
-        _check(credentials, supervisor.settings.operator_token)
+async def require_reader(settings: SettingsDep, credentials: Credentials) -> None:
+    if settings.read_requires_token:
+        _check(credentials, settings.operator_token)
 
 
-async def require_fault_injection(supervisor: SupervisorDep) -> None:
-    if not supervisor.settings.enable_fault_injection:
+async def require_fault_injection(settings: SettingsDep) -> None:
+    if not settings.enable_fault_injection:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,
             "fault injection is disabled (set enable_fault_injection to turn it on)",

@@ -27,7 +27,7 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -39,12 +39,16 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from supervisor.actuator import Backend
+from supervisor.config import Settings
+from supervisor.controller.budget import Budgets
 from supervisor.domain import ActionStatus, NodeState, ProgressSample, utcnow
 from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.model import Timeline
 from supervisor.goodput.service import GoodputService
-from supervisor.metrics import RestartKind
-from supervisor.runtime import Supervisor
+from supervisor.metrics import Metrics, RestartKind
+from supervisor.sensor import Sensor
+from supervisor.store.roles import CountedHistory
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,20 @@ STEP_TIME_WINDOW_S = 300.0
 #: A computation of the history figures is reused for at least this many times its cost.
 COST_FACTOR = 20.0
 EMERGENCY_OUTCOMES = (ActionStatus.SUCCEEDED, ActionStatus.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """What the series are read from: the parts that live as long as the runtime, and
+    (as functions, called only once `ready` says so) those it makes when it starts."""
+
+    ready: Callable[[], bool]
+    sensor: Sensor
+    settings: Settings
+    metrics: Metrics
+    backend: Backend
+    store: Callable[[], CountedHistory]
+    budgets: Callable[[], Budgets]
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +294,14 @@ class JobMetrics(Collector):
     """The per-job series (see the module docstring). Register it with the supervisor's
     registry, and await `refresh` before each scrape."""
 
-    def __init__(self, supervisor: Supervisor, cost_factor: float = COST_FACTOR) -> None:
-        self.supervisor = supervisor
+    def __init__(self, sources: Sources, cost_factor: float = COST_FACTOR) -> None:
+        self._ready = sources.ready
+        self._sensor = sources.sensor
+        self._settings = sources.settings
+        self._metrics = sources.metrics
+        self._backend = sources.backend
+        self._store = sources.store
+        self._budgets = sources.budgets
         self.cost_factor = cost_factor
         self._figures: dict[str, HistoryFigures] = {}
         self._recovery: dict[str, RecoveryHistogram] = {}
@@ -290,16 +314,16 @@ class JobMetrics(Collector):
     async def refresh(self) -> None:
         """Compute the history figures again if they are stale (never raises: a database
         that does not answer leaves the previous figures in place)."""
-        if not self.supervisor.ready:
+        if not self._ready():
             return
         async with self._lock:
             if time.monotonic() < self._fresh_until:
                 return
-            jobs = self.supervisor.sensor.job_names()
+            jobs = self._sensor.job_names()
             # Each job's step as the sensor holds it now, newer than its last sample.
             live = {
                 job: [ProgressSample(job, step, datetime.fromtimestamp(at, UTC))]
-                for job, step, at in self.supervisor.sensor.job_steps()
+                for job, step, at in self._sensor.job_steps()
             }
             started = time.monotonic()
             try:
@@ -309,7 +333,7 @@ class JobMetrics(Collector):
                 return
             finally:
                 cost = time.monotonic() - started
-                period = self.supervisor.settings.goodput_sample_period_s
+                period = self._settings.goodput_sample_period_s
                 self._fresh_until = time.monotonic() + max(period, self.cost_factor * cost)
             self._figures = figures
             self._restarts_in_window = restarts
@@ -320,13 +344,14 @@ class JobMetrics(Collector):
         self, jobs: Sequence[str], live: dict[str, list[ProgressSample]]
     ) -> tuple[dict[str, HistoryFigures], dict[str, int]]:
         figures = {}
-        goodput = GoodputService(self.supervisor.store, self.supervisor.sensor)
+        store = self._store()
+        goodput = GoodputService(store, self._sensor)
         for job in jobs:
             timeline, _ = goodput.timeline(job, live=live.get(job, ()))
             figures[job] = history_figures(timeline)
         # The restart budget as the policy counts it (controller.context).
-        window = timedelta(seconds=self.supervisor.settings.restart_window_s)
-        counts = self.supervisor.store.policy_counts(utcnow() - window)
+        window = timedelta(seconds=self._settings.restart_window_s)
+        counts = store.policy_counts(utcnow() - window)
         return figures, dict(counts.restarts_in_window)
 
     # --- scraping ------------------------------------------------------------------------
@@ -337,17 +362,18 @@ class JobMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families = _Families()
-        if self.supervisor.ready:
+        if self._ready():
             self._fill(families)
         return iter(families.all())
 
     def _fill(self, f: _Families) -> None:
-        supervisor = self.supervisor
-        sensor = supervisor.sensor
+        sensor = self._sensor
         jobs = sensor.job_names()
         self._forget_all_but(jobs)
-        counts = supervisor.metrics.job_actions
-        budget = supervisor.settings.max_restarts_in_window
+        counts = self._metrics.job_actions
+        checkpoints = self._metrics.job_checkpoints
+        budget = self._settings.max_restarts_in_window
+        budgets = self._budgets()
         steps = {job: (step, at) for job, step, at in sensor.job_steps()}
         running = sensor.running_jobs()
         for name in jobs:
@@ -363,7 +389,6 @@ class JobMetrics(Collector):
             by_outcome = counts.emergency_checkpoints.get(name, {})
             for outcome in EMERGENCY_OUTCOMES:
                 f.emergency.add_metric([name, outcome.value], by_outcome.get(outcome, 0))
-            checkpoints = supervisor.metrics.job_checkpoints
             for tier, failed in sorted(checkpoints.failures.get(name, {}).items()):
                 f.checkpoint_failures.add_metric([name, tier], failed)
             for tier, (step, at) in sorted(checkpoints.newest(name).items()):
@@ -376,30 +401,30 @@ class JobMetrics(Collector):
             if figures.step_seconds is not None:
                 f.step_seconds.add_metric(labels, figures.step_seconds)
             left = budget - self._restarts_in_window.get(name, 0)
-            if supervisor.controller.budgets.given_up(name) is not None:
+            if budgets.given_up(name) is not None:
                 left = 0  # given up (no progress): nothing more until a reset
             f.restarts_left.add_metric(labels, max(0, left))
             histogram = self._recovery.get(name) or RecoveryHistogram()
             f.recovery.add_metric(labels, histogram.buckets(), histogram.sum_s)
-        f.spares.add_metric([], usable_spares(supervisor))
+        f.spares.add_metric([], usable_spares(self._backend, sensor))
 
     def _forget_all_but(self, jobs: Iterable[str]) -> None:
         known = set(jobs)
-        self.supervisor.metrics.job_actions.keep_only(known)
-        self.supervisor.metrics.job_checkpoints.keep_only(known)
+        self._metrics.job_actions.keep_only(known)
+        self._metrics.job_checkpoints.keep_only(known)
         for cache in (self._figures, self._recovery):
             for job in [j for j in cache if j not in known]:
                 del cache[job]
 
 
-def usable_spares(supervisor: Supervisor) -> int:
+def usable_spares(backend: Backend, sensor: Sensor) -> int:
     """Spare nodes as the policy sees them (`Supervisor._snapshot`, `NodeView.is_usable_spare`):
     alive, not flapping, spare by their own report or, when the backend watches the
     cluster, because no workload runs on them; not cordoned. Counted from the sensor's
     records, without building every node's view."""
-    cluster = supervisor.backend.cluster_nodes()
+    cluster = backend.cluster_nodes()
     count = 0
-    for name, state, own_cordoned in supervisor.sensor.healthy_nodes():
+    for name, state, own_cordoned in sensor.healthy_nodes():
         seen = cluster.get(name)
         spare = state is NodeState.SPARE or (seen is not None and seen.spare)
         cordoned = seen.cordoned if seen is not None else own_cordoned

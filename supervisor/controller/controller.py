@@ -29,7 +29,8 @@ from supervisor.domain import (
 )
 from supervisor.metrics import Metrics
 from supervisor.policy import Policy, PolicyContext
-from supervisor.store import UNAVAILABLE, BudgetRecord, Store
+from supervisor.store import UNAVAILABLE, BudgetRecord
+from supervisor.store.roles import ControllerRecords
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Controller:
         self,
         settings: RemediationSettings,
         policy: Policy,
-        store: Store,
+        store: ControllerRecords,
         actuator: Actuator,
         snapshot: Snapshot,
         metrics: Metrics | None = None,

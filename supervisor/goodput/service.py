@@ -22,7 +22,7 @@ from supervisor.goodput.breakdown import compute_goodput
 from supervisor.goodput.history import HistorySources, timeline_from_history
 from supervisor.goodput.model import GoodputReport, Timeline
 from supervisor.sensor import Sensor
-from supervisor.store import Store
+from supervisor.store.roles import HistorySource
 
 T = TypeVar("T")
 
@@ -66,7 +66,9 @@ class ResultCache:
 class GoodputService:
     """Each job's goodput report, from `store` and `sensor`, computations shared."""
 
-    def __init__(self, store: Store, sensor: Sensor, cache: ResultCache | None = None) -> None:
+    def __init__(
+        self, store: HistorySource, sensor: Sensor, cache: ResultCache | None = None
+    ) -> None:
         self.store = store
         self.sensor = sensor
         self.cache = cache or ResultCache()

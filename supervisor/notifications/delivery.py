@@ -43,7 +43,7 @@ from supervisor.notices import (
 )
 from supervisor.notifications.routing import routes_for
 from supervisor.notifications.sinks import Request, request_for
-from supervisor.store import Store
+from supervisor.store.roles import DeliveryQueue
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Notifier:
     def __init__(
         self,
         settings: NotificationSettings,
-        store: Store,
+        store: DeliveryQueue,
         hub: Hub,
         metrics: Metrics,
         *,

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 
-from supervisor.api.deps import Operator, Reader, SupervisorDep
-from supervisor.api.parts import ActionLog, Known
+from supervisor.api.deps import Operator, Reader
+from supervisor.api.parts import ActionLog, Known, SupervisorDep
 from supervisor.api.routes.common import RecordId, RecordIdFilter, as_utc, check_known, page_of
 from supervisor.api.schemas import ActionIn, ActionOut, Page, UtcTime
 from supervisor.domain import ActionRequest, ActionStatus, ActionType

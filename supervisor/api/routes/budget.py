@@ -7,7 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
-from supervisor.api.deps import Operator, SupervisorDep
+from supervisor.api.deps import Operator
+from supervisor.api.parts import ControllerDep, Picture, Remedies, SupervisorDep
 from supervisor.api.routes.cluster import job_out
 from supervisor.api.schemas import EventOut, JobOut
 from supervisor.sensor import Changes
@@ -25,9 +26,16 @@ class BudgetReset(BaseModel):
     response_model=BudgetReset,
     summary="Start a job's restart budget over (recorded as a job_budget_reset event)",
 )
-async def reset_budget(supervisor: SupervisorDep, name: str) -> BudgetReset:
-    if supervisor.sensor.job_view(name) is None:
+async def reset_budget(
+    supervisor: SupervisorDep,
+    controller: ControllerDep,
+    sensor: Picture,
+    remedies: Remedies,
+    name: str,
+) -> BudgetReset:
+    if sensor.job_view(name) is None:
         raise HTTPException(404, f"name: job {name!r} not found")
-    event = await supervisor.controller.reset_budget(name)  # kept before it is said
+    event = await controller.reset_budget(name)  # kept before it is said
     (recorded,) = await supervisor.record(Changes(events=[event]))
-    return BudgetReset(job=job_out(supervisor, name), event=EventOut.of(recorded))
+    job = job_out(sensor, remedies, controller.budgets, name)
+    return BudgetReset(job=job, event=EventOut.of(recorded))

@@ -27,8 +27,16 @@ from resiliency_protocol.checkpoint_reports import (
     Tier,
 )
 from supervisor.agent_time import AgentTimeError, agent_time
-from supervisor.api.deps import AgentDep, Reader, SupervisorDep, check_node
-from supervisor.api.parts import Known, ProgressLog
+from supervisor.api.deps import AgentDep, Reader, check_node
+from supervisor.api.parts import (
+    Known,
+    MetricsDep,
+    ProgressLog,
+    Refusals,
+    SettingsDep,
+    SupervisorDep,
+    Worlds,
+)
 from supervisor.api.routes.common import check_known
 from supervisor.domain import CheckpointReport, Event, EventType, utcnow
 from supervisor.event_details import CheckpointFailedDetails
@@ -93,11 +101,18 @@ class CheckpointReportOut(BaseModel):
     summary="Report checkpoints saved or loaded by workers (host monitors; idempotent by id)",
 )
 async def report_checkpoints(
-    supervisor: SupervisorDep, agent: AgentDep, body: CheckpointBatchIn
+    supervisor: SupervisorDep,
+    progress: ProgressLog,
+    worlds: Worlds,
+    metrics: MetricsDep,
+    settings: SettingsDep,
+    refusals: Refusals,
+    agent: AgentDep,
+    body: CheckpointBatchIn,
 ) -> CheckpointBatchAck:
     for i, report in enumerate(body.reports):
-        check_node(supervisor, agent, report.node, f"reports.{i}.node")
-    skew = supervisor.settings.agent_clock_skew_s
+        check_node(refusals, agent, report.node, f"reports.{i}.node")
+    skew = settings.agent_clock_skew_s
     try:
         if body.sent_at is None:  # a host monitor that does not say: each time as it is
             for i, report in enumerate(body.reports):
@@ -117,13 +132,11 @@ async def report_checkpoints(
     except AgentTimeError as exc:
         error = {"loc": ("body", *exc.loc), "msg": exc.message, "type": "value_error"}
         raise RequestValidationError([error]) from None
-    fresh = [r for r in body.reports if supervisor.worlds.checkpoint(r.job, r.world)]
+    fresh = [r for r in body.reports if worlds.checkpoint(r.job, r.world)]
     reports = [to_domain(r) for r in fresh]
-    new, duplicates = await asyncio.to_thread(
-        supervisor.store.record_new_checkpoint_reports, reports
-    )
+    new, duplicates = await asyncio.to_thread(progress.record_new_checkpoint_reports, reports)
     for stored in new:
-        supervisor.metrics.job_checkpoints.count(stored)
+        metrics.job_checkpoints.count(stored)
     failed = [failed_event(r) for r in new if r.event == "failed"]
     if failed:  # stored with the reports above: a retried batch raises nothing twice
         supervisor.raise_events(failed)

@@ -6,12 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 
-from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.deps import Reader
 from supervisor.api.node_status import NodeStatus
+from supervisor.api.parts import BudgetsDep, Picture, Remedies, SettingsDep, SupervisorDep
 from supervisor.api.schemas import JobOut, NodeOut
+from supervisor.config import Settings
+from supervisor.controller.budget import Budgets
 from supervisor.domain import NodeState, NodeView
 from supervisor.job_state import job_state
-from supervisor.runtime import Supervisor
+from supervisor.remedies import RemediesInFlight
+from supervisor.sensor import Sensor
 
 router = APIRouter(prefix="/api/v1", tags=["cluster"], dependencies=[Reader])
 
@@ -19,6 +23,8 @@ router = APIRouter(prefix="/api/v1", tags=["cluster"], dependencies=[Reader])
 @router.get("/nodes", response_model=list[NodeOut], summary="All nodes")
 async def list_nodes(
     supervisor: SupervisorDep,
+    sensor: Picture,
+    settings: SettingsDep,
     state: Annotated[
         NodeState | None, Query(description="As its host monitor reported it.")
     ] = None,
@@ -29,7 +35,6 @@ async def list_nodes(
     job: str | None = None,
     alive: bool | None = None,
 ) -> list[NodeOut]:
-    sensor = supervisor.sensor
     out = []
     for name in sensor.node_names():
         view = sensor.node_view(name)
@@ -40,7 +45,7 @@ async def list_nodes(
             continue
         if alive is not None and view.alive is not alive:
             continue
-        node = node_out(supervisor, view)
+        node = node_out(sensor, settings, supervisor.dry_run, view)
         if status and node.status not in status:
             continue
         out.append(node)
@@ -48,48 +53,46 @@ async def list_nodes(
 
 
 @router.get("/nodes/{name}", response_model=NodeOut, summary="One node")
-async def get_node(supervisor: SupervisorDep, name: str) -> NodeOut:
-    view = supervisor.sensor.node_view(name)
+async def get_node(
+    supervisor: SupervisorDep, sensor: Picture, settings: SettingsDep, name: str
+) -> NodeOut:
+    view = sensor.node_view(name)
     if view is None:
         raise HTTPException(404, f"node {name!r} not found")
-    return node_out(supervisor, view)
+    return node_out(sensor, settings, supervisor.dry_run, view)
 
 
-def node_out(supervisor: Supervisor, view: NodeView) -> NodeOut:
-    sensor, settings = supervisor.sensor, supervisor.settings
+def node_out(sensor: Sensor, settings: Settings, dry_run: bool, view: NodeView) -> NodeOut:
     return NodeOut.of(
         view,
         sensor.heartbeat_age_s(view.name),
         timeout_s=settings.heartbeat_timeout_s,
-        dry_run=supervisor.dry_run,
+        dry_run=dry_run,
         flapping_clears_in_s=sensor.flapping_clears_in_s(view.name),
     )
 
 
 @router.get("/jobs", response_model=list[JobOut], summary="All jobs")
-async def list_jobs(supervisor: SupervisorDep) -> list[JobOut]:
-    sensor = supervisor.sensor
+async def list_jobs(sensor: Picture, remedies: Remedies, budgets: BudgetsDep) -> list[JobOut]:
     out = []
     for name in sensor.job_names():
-        out.append(job_out(supervisor, name))
+        out.append(job_out(sensor, remedies, budgets, name))
     return out
 
 
 @router.get("/jobs/{name}", response_model=JobOut, summary="One job")
-async def get_job(supervisor: SupervisorDep, name: str) -> JobOut:
-    if supervisor.sensor.job_view(name) is None:
+async def get_job(sensor: Picture, remedies: Remedies, budgets: BudgetsDep, name: str) -> JobOut:
+    if sensor.job_view(name) is None:
         raise HTTPException(404, f"job {name!r} not found")
-    return job_out(supervisor, name)
+    return job_out(sensor, remedies, budgets, name)
 
 
-def job_out(supervisor: Supervisor, name: str) -> JobOut:
-    sensor = supervisor.sensor
+def job_out(sensor: Sensor, remedies: RemediesInFlight, budgets: Budgets, name: str) -> JobOut:
     view = sensor.job_view(name)
     assert view is not None
-    budgets = supervisor.controller.budgets
     nodes = {n: v for n in view.nodes if (v := sensor.node_view(n)) is not None}
     budgets.observe(name, nodes, {name: view})  # progress since its last remedy, if any
-    state = job_state(sensor, supervisor.remedies, budgets, name)
+    state = job_state(sensor, remedies, budgets, name)
     return JobOut.of(
         view,
         sensor.hang_timeout_s(name),

@@ -7,9 +7,9 @@ import asyncio
 from fastapi import APIRouter, HTTPException, status
 
 from resiliency_protocol.faults import FaultKind
-from supervisor.api.deps import FaultInjection, Operator, SupervisorDep
+from supervisor.api.deps import FaultInjection, Operator
 from supervisor.api.drill_schemas import DrillIn
-from supervisor.api.parts import FaultLog
+from supervisor.api.parts import FaultLog, Picture, SupervisorDep
 from supervisor.api.routes.common import RecordId
 from supervisor.api.schemas import FaultIn, FaultOut
 from supervisor.errors import FaultNotSupported, UnknownTarget
@@ -23,10 +23,10 @@ router = APIRouter(
 @router.post(
     "", response_model=FaultOut, status_code=status.HTTP_201_CREATED, summary="Inject a fault"
 )
-async def inject_fault(supervisor: SupervisorDep, body: FaultIn) -> FaultOut:
+async def inject_fault(supervisor: SupervisorDep, sensor: Picture, body: FaultIn) -> FaultOut:
     job = body.target_job()
     if body.node is not None:
-        view = supervisor.sensor.node_view(body.node)
+        view = sensor.node_view(body.node)
         if view is None:
             raise HTTPException(404, f"node {body.node!r} not found")
         job = view.job

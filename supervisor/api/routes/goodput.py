@@ -14,7 +14,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
-from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.deps import Reader
+from supervisor.api.parts import History, Picture
 from supervisor.api.routes.common import check_known
 from supervisor.goodput.advice import (
     CheckpointAdvice,
@@ -267,12 +268,12 @@ def advice_out(
     )
 
 
-def get_goodput_service(request: Request, supervisor: SupervisorDep) -> GoodputService:
+def get_goodput_service(request: Request, store: History, sensor: Picture) -> GoodputService:
     """The app's goodput service (made on first use: the store exists once started)."""
     state = request.app.state
     service: GoodputService | None = getattr(state, "goodput", None)
     if service is None:
-        service = state.goodput = GoodputService(supervisor.store, supervisor.sensor)
+        service = state.goodput = GoodputService(store, sensor)
     return service
 
 
@@ -284,7 +285,7 @@ Goodput = Annotated[GoodputService, Depends(get_goodput_service)]
 
 @router.get("/{job}/goodput", response_model=GoodputOut, summary="Goodput and badput of a job")
 async def get_goodput(
-    supervisor: SupervisorDep,
+    sensor: Picture,
     goodput: Goodput,
     job: str,
     points: Annotated[
@@ -295,7 +296,7 @@ async def get_goodput(
         Query(gt=0, description="Step time to assume after a restart; measured if unset."),
     ] = None,
 ) -> GoodputOut:
-    check_known(supervisor.sensor, job=job)
+    check_known(sensor, job=job)
     report, sources = await goodput.report(
         job, points=points, reference_step_time_s=reference_step_time_s
     )
@@ -304,7 +305,7 @@ async def get_goodput(
 
 @router.get("/{job}/advice", response_model=AdviceOut, summary="Checkpoint advice for a job")
 async def get_advice(
-    supervisor: SupervisorDep,
+    sensor: Picture,
     goodput: Goodput,
     job: str,
     mtbf_s: Annotated[
@@ -331,11 +332,11 @@ async def get_advice(
         Query(ge=0, le=1, description="Ramdisk headroom (GKE advises 0.10-0.15)."),
     ] = 0.15,
 ) -> AdviceOut:
-    check_known(supervisor.sensor, job=job)
+    check_known(sensor, job=job)
     ramdisk: RamdiskOut | None = None
     if parameters is not None:
         if hosts is None:
-            view = supervisor.sensor.job_view(job)
+            view = sensor.job_view(job)
             hosts = len(view.nodes) if view is not None else 0
             if hosts < 1:
                 raise HTTPException(422, "hosts: the job has no nodes now; give hosts")

@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field
 
 from resiliency_protocol.fault_params import params_model
 from resiliency_protocol.faults import SENSOR_FAULT_KINDS, FaultKind
-from supervisor.api.deps import Credentials, Reader, SupervisorDep
+from supervisor.api.deps import Credentials, Reader
+from supervisor.api.parts import BackendDep, SettingsDep, SupervisorDep
 
 router = APIRouter(prefix="/api/v1", tags=["info"], dependencies=[Reader])
 
@@ -30,8 +31,13 @@ class InfoOut(BaseModel):
 
 
 @router.get("/info", response_model=InfoOut, summary="Features and the caller's rights")
-async def info(supervisor: SupervisorDep, credentials: Credentials, request: Request) -> InfoOut:
-    settings = supervisor.settings
+async def info(
+    supervisor: SupervisorDep,
+    settings: SettingsDep,
+    backend: BackendDep,
+    credentials: Credentials,
+    request: Request,
+) -> InfoOut:
     expected = settings.operator_token
     operator = (
         credentials is not None
@@ -40,10 +46,10 @@ async def info(supervisor: SupervisorDep, credentials: Credentials, request: Req
             credentials.credentials.encode(), expected.get_secret_value().encode()
         )
     )
-    kinds = sorted(SENSOR_FAULT_KINDS | supervisor.backend.process_faults)
+    kinds = sorted(SENSOR_FAULT_KINDS | backend.process_faults)
     return InfoOut(
         version=request.app.version,
-        backend=supervisor.backend.name,
+        backend=backend.name,
         dry_run=supervisor.dry_run,
         read_requires_token=settings.read_requires_token,
         enable_fault_injection=settings.enable_fault_injection,

@@ -13,7 +13,8 @@ from fastapi import APIRouter, HTTPException
 
 from resiliency_protocol.errors import ErrorOut
 from resiliency_protocol.launch import HostJoin, HostJoined
-from supervisor.api.deps import AgentDep, SupervisorDep, check_node
+from supervisor.api.deps import AgentDep, check_node
+from supervisor.api.parts import BackendDep, Picture, Refusals
 
 router = APIRouter(prefix="/api/v1/local", tags=["cluster"])
 
@@ -35,17 +36,18 @@ router = APIRouter(prefix="/api/v1/local", tags=["cluster"])
         },
     },
 )
-async def join_host(supervisor: SupervisorDep, agent: AgentDep, body: HostJoin) -> HostJoined:
-    check_node(supervisor, agent, body.node, "node")
+async def join_host(
+    backend: BackendDep, sensor: Picture, refusals: Refusals, agent: AgentDep, body: HostJoin
+) -> HostJoined:
+    check_node(refusals, agent, body.node, "node")
     from supervisor.local.backend import LocalBackend  # only local mode has hosts to join
     from supervisor.local.hosts import JoinConflict
 
-    backend = supervisor.backend
     if not isinstance(backend, LocalBackend):
         raise HTTPException(409, f"backend: {backend.name!r} has no local cluster to join")
     try:
         joined = await backend.join_host(body)
     except JoinConflict as exc:
         raise HTTPException(409, str(exc)) from None
-    finished = supervisor.sensor.job_phase(body.job) == "finished"
+    finished = sensor.job_phase(body.job) == "finished"
     return HostJoined(**joined, finished=finished)

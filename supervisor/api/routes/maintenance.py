@@ -10,8 +10,9 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Path, Response, status
 
 from resiliency_protocol.errors import ErrorOut
-from supervisor.api.deps import Operator, Reader, SupervisorDep
+from supervisor.api.deps import Operator, Reader
 from supervisor.api.maintenance_schemas import MaintenanceIn, MaintenanceOut
+from supervisor.api.parts import Known, SchedulerDep, SupervisorDep
 from supervisor.runtime import Supervisor
 from supervisor.schedules import Scheduler
 from supervisor.schedules.maintenance import PREFIX, RUN_WINDOW, Window, end_steps
@@ -21,10 +22,10 @@ router = APIRouter(prefix="/api/v1/maintenance", tags=["maintenance"])
 WindowId = Annotated[str, Path(pattern=r"^[0-9a-f]{12}$", description="The window's id.")]
 
 
-def _scheduler(supervisor: Supervisor) -> Scheduler:
-    if supervisor.scheduler is None:
+def _scheduler(scheduler: Scheduler | None) -> Scheduler:
+    if scheduler is None:
         raise HTTPException(503, "the scheduler is not running (this replica is not acting)")
-    return supervisor.scheduler
+    return scheduler
 
 
 async def _windows(supervisor: Supervisor, scheduler: Scheduler) -> list[MaintenanceOut]:
@@ -48,19 +49,21 @@ async def _windows(supervisor: Supervisor, scheduler: Scheduler) -> list[Mainten
 )
 async def create_window(
     supervisor: SupervisorDep,
+    acting: SchedulerDep,
+    known: Known,
     body: MaintenanceIn,
     response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> MaintenanceOut:
-    scheduler = _scheduler(supervisor)
-    if not supervisor.sensor.has_node(body.node):
+    scheduler = _scheduler(acting)
+    if not known.has_node(body.node):
         raise HTTPException(404, f"node {body.node!r} not found")
     window_id = None
     if idempotency_key is not None:
         window_id = hashlib.sha256(idempotency_key.encode()).hexdigest()[:12]
-        known = await asyncio.to_thread(scheduler.get, PREFIX + window_id)
-        if known is not None:
-            same = Window.of(dict(known.kwargs))
+        seen = await asyncio.to_thread(scheduler.get, PREFIX + window_id)
+        if seen is not None:
+            same = Window.of(dict(seen.kwargs))
             if (same.node, same.start, same.end, same.reason) != (
                 body.node,
                 body.start,
@@ -69,7 +72,7 @@ async def create_window(
             ):
                 raise HTTPException(409, "Idempotency-Key: already used for another window")
             response.status_code = status.HTTP_200_OK
-            return MaintenanceOut.of(same, known.next_run_time, supervisor.node_job(same.node))
+            return MaintenanceOut.of(same, seen.next_run_time, supervisor.node_job(same.node))
     window = body.window(window_id)
     job = await asyncio.to_thread(
         scheduler.add,
@@ -88,15 +91,17 @@ async def create_window(
     dependencies=[Reader],
     summary="Maintenance windows to come and open, by start",
 )
-async def list_windows(supervisor: SupervisorDep) -> list[MaintenanceOut]:
-    return await _windows(supervisor, _scheduler(supervisor))
+async def list_windows(supervisor: SupervisorDep, acting: SchedulerDep) -> list[MaintenanceOut]:
+    return await _windows(supervisor, _scheduler(acting))
 
 
 @router.get(
     "/{window_id}", response_model=MaintenanceOut, dependencies=[Reader], summary="A window"
 )
-async def get_window(supervisor: SupervisorDep, window_id: WindowId) -> MaintenanceOut:
-    job = await asyncio.to_thread(_scheduler(supervisor).get, PREFIX + window_id)
+async def get_window(
+    supervisor: SupervisorDep, acting: SchedulerDep, window_id: WindowId
+) -> MaintenanceOut:
+    job = await asyncio.to_thread(_scheduler(acting).get, PREFIX + window_id)
     if job is None:
         raise HTTPException(404, f"maintenance window {window_id} not found")
     return MaintenanceOut.of_job(dict(job.kwargs), job.next_run_time, supervisor.node_job)
@@ -108,8 +113,10 @@ async def get_window(supervisor: SupervisorDep, window_id: WindowId) -> Maintena
     dependencies=[Operator],
     summary="Cancel a window; an open one ends now (the node is uncordoned)",
 )
-async def delete_window(supervisor: SupervisorDep, window_id: WindowId) -> MaintenanceOut:
-    scheduler = _scheduler(supervisor)
+async def delete_window(
+    supervisor: SupervisorDep, acting: SchedulerDep, window_id: WindowId
+) -> MaintenanceOut:
+    scheduler = _scheduler(acting)
     job = await asyncio.to_thread(scheduler.get, PREFIX + window_id)
     if job is None:
         raise HTTPException(404, f"maintenance window {window_id} not found")

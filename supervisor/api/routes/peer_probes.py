@@ -7,7 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, status
 
 from resiliency_protocol.peer_probes import RING_NEIGHBOURS, ProbeTarget, ProbeTargets
-from supervisor.api.deps import AgentDep, SupervisorDep, check_node
+from supervisor.api.deps import AgentDep, check_node
+from supervisor.api.parts import Picture, Refusals
 
 router = APIRouter(prefix="/api/v1/nodes", tags=["cluster"])
 
@@ -17,9 +18,11 @@ router = APIRouter(prefix="/api/v1/nodes", tags=["cluster"])
     response_model=ProbeTargets,
     summary="The peers a node's host monitor probes (its neighbours on a ring of live nodes)",
 )
-async def probe_targets(supervisor: SupervisorDep, agent: AgentDep, node: str) -> ProbeTargets:
-    check_node(supervisor, agent, node, "node")
-    if not supervisor.sensor.has_node(node):
+async def probe_targets(
+    sensor: Picture, refusals: Refusals, agent: AgentDep, node: str
+) -> ProbeTargets:
+    check_node(refusals, agent, node, "node")
+    if not sensor.has_node(node):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"node: {node!r} has sent no heartbeat")
-    peers = supervisor.sensor.probe_targets(node, RING_NEIGHBOURS)
+    peers = sensor.probe_targets(node, RING_NEIGHBOURS)
     return ProbeTargets(peers=[ProbeTarget(node=name, url=url) for name, url in peers])

@@ -21,7 +21,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header
 from fastapi.responses import StreamingResponse
 
-from supervisor.api.deps import Reader, SupervisorDep
+from supervisor.api.deps import Reader
+from supervisor.api.parts import LiveHub
 from supervisor.api.schemas import ActionOut, EventOut
 from supervisor.domain import ActionRecord, Event
 from supervisor.live_hub import Hub, Item, Message
@@ -68,14 +69,14 @@ async def frames(hub: Hub, last_event_id: str | None) -> AsyncIterator[str]:
     responses={200: {"content": {"text/event-stream": {}}}},
 )
 async def stream(
-    supervisor: SupervisorDep,
+    hub: LiveHub,
     last_event_id: Annotated[
         str | None,
         Header(max_length=64, description="Last message id seen: replay what came after."),
     ] = None,
 ) -> StreamingResponse:
     return StreamingResponse(
-        frames(supervisor.hub, last_event_id),
+        frames(hub, last_event_id),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
