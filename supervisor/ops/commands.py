@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from resiliency_protocol.faults import FAULTS
-from supervisor.ops import completion, drills, listing, maintenance, output
+from supervisor.ops import completion, drills, follow, listing, maintenance, output
 from supervisor.ops.args import connect as connect  # the online goodput commands use them
 from supervisor.ops.args import connection_options as connection_options
 from supervisor.ops.args import param
@@ -264,24 +264,11 @@ def _watch(client: Client, args: argparse.Namespace) -> None:
     def opened() -> None:
         print(f"watching {client.server} (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
-    first = True
-    try:
-        for message in client.stream(api_path("stream"), on_open=opened):
-            if message.kind == "resync":
-                # The first one only says "nothing to replay"; a later one that this
-                # reader fell behind and the server dropped what it had not read.
-                if not first:
-                    print(
-                        "(some messages were dropped: this reader fell behind; "
-                        "`supervisor get events` has them all)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            elif message.kind in ("event", "action"):
-                print(_watch_line(message, args.output), flush=True)
-            first = False
-    except KeyboardInterrupt:
-        pass  # what the user asked for: stop watching
+    def on_message(message: StreamMessage) -> None:
+        if message.kind in ("event", "action"):
+            print(_watch_line(message, args.output), flush=True)
+
+    follow.stream(client, opened, on_message, on_resync=lambda: None)
 
 
 def _watch_line(message: StreamMessage, fmt: output.Format) -> str:

@@ -8,7 +8,9 @@ differs from the one printed last, as kubectl prints an object each time it chan
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -66,14 +68,19 @@ class Printer:
         print(self.line(row), flush=True)
 
 
-def _stream(
+def stream(
     client: Client,
     on_open: Callable[[], None],
     on_message: Callable[[StreamMessage], None],
     on_resync: Callable[[], None],
 ) -> None:
     """Open the live stream, then `on_open` (the list: read once the stream is open, so
-    that nothing happening between the two is missed), then each message."""
+    that nothing happening between the two is missed), then each message, until Ctrl-C."""
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C (SIGINT) stops a watch, as kubectl's, even where the process was started
+        # with SIGINT ignored (a background job of a script: Python then leaves it
+        # ignored, and the SIGINT sent to stop the watch did nothing).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     first = True
     try:
         for message in client.stream(api_path("stream"), on_open):
@@ -130,7 +137,7 @@ def follow_records(
             listed_status[key] = status
         printer.print(message.data)
 
-    _stream(client, opened, on_message, lambda: None)
+    stream(client, opened, on_message, lambda: None)
 
 
 #: How far along an action is, by status: a stream message older than the list's row is
@@ -191,4 +198,4 @@ def follow_nodes(
         for node in client.get(api_path("nodes")):
             changed(node)
 
-    _stream(client, opened, on_message, on_resync)
+    stream(client, opened, on_message, on_resync)
