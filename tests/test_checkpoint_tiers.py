@@ -74,12 +74,17 @@ def start_job(
     return procs
 
 
+#: Each rank's output of the last `run_job`, for a failed assertion to show.
+logs: dict[int, str] = {}
+
+
 def run_job(
     tmp: Path, name: str, *, timeout_s: float = 180, **options: Any
 ) -> dict[int, dict[str, Any]]:
     """Run the job to its end; {rank: its result}."""
     procs = start_job(tmp, name, **options)
     results: dict[int, dict[str, Any]] = {}
+    logs.clear()
     for rank, proc in procs.items():
         try:
             output, _ = proc.communicate(timeout=timeout_s)
@@ -89,6 +94,7 @@ def run_job(
             raise
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{output}"
         results[rank] = json.loads((tmp / name / f"rank-{rank}.json").read_text())
+        logs[rank] = output
     return results
 
 
@@ -454,8 +460,8 @@ def test_lost_ram_of_one_node_restores_from_its_partner(
     wait_pushed(monitors, "node-a", 0, 15)
     shutil.rmtree(tmp_path / "node-b" / "ram" / PEER_JOB)
     second = run_job(tmp_path, "second", **placed)
-    assert (second[0]["restored"], second[0]["tier"]) == (15, "ram")
-    assert (second[1]["restored"], second[1]["tier"]) == (15, "peer")  # not durable's 10
+    assert (second[0]["restored"], second[0]["tier"]) == (15, "ram"), logs
+    assert (second[1]["restored"], second[1]["tier"]) == (15, "peer"), logs  # not durable's
     assert final_digest(second) == reference
     # Every save and load was reported with its tier and size, the peer copies too.
     from tests.test_host_monitor import wait_for

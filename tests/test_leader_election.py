@@ -274,6 +274,9 @@ async def test_only_the_lease_holder_runs_the_supervisor(
 
 
 TIMING = Timing(lease_duration_s=2.0, renew_deadline_s=1.5, retry_period_s=0.25)
+#: A replica's start (its imports) and the first election: under two CPU burners beside
+#: the suite a replica printed nothing within the bench's unscaled 30 s.
+START_S = scaled(30)
 
 
 #: A policy that takes a while over each decision, as a real one may: with 8 events, some
@@ -296,8 +299,8 @@ async def test_failover_after_sigkill_does_every_action_exactly_once(tmp_path: P
     policy = tmp_path / "slow_policy.py"
     policy.write_text(SLOW_POLICY)
     env = {"SUPERVISOR_POLICY": f"{policy}:SlowPolicy"}
-    with pair(tmp_path, TIMING, env=env) as cluster:
-        leader, standby = cluster.wait_leader()
+    with pair(tmp_path, TIMING, env=env, start_timeout_s=START_S) as cluster:
+        leader, standby = cluster.wait_leader(START_S)
         status, body = standby.readyz()
         assert status == 503
         assert body["status"] == "standby" and body["leader"] == leader.identity
@@ -415,8 +418,8 @@ async def test_a_leader_frozen_past_its_lease_steps_down_without_acting(tmp_path
     policy = tmp_path / "freezing_policy.py"
     policy.write_text(FREEZING_POLICY.replace("FREEZE_S", str(freeze_s)))
     env = {"SUPERVISOR_POLICY": f"{policy}:FreezingPolicy"}
-    with pair(tmp_path, TIMING, env=env) as cluster:
-        leader, standby = cluster.wait_leader()
+    with pair(tmp_path, TIMING, env=env, start_timeout_s=START_S) as cluster:
+        leader, standby = cluster.wait_leader(START_S)
         await register(leader, {"n1": "j1"})
         (tmp_path / "freeze-next-decision").touch()
         (event,) = await inject_xids(leader, ["n1"], [79])
@@ -447,8 +450,8 @@ async def test_a_leader_frozen_past_its_lease_steps_down_without_acting(tmp_path
 
 
 def test_a_stopped_leader_hands_over_by_releasing_the_lease(tmp_path: Path) -> None:
-    with pair(tmp_path, TIMING) as cluster:
-        leader, standby = cluster.wait_leader()
+    with pair(tmp_path, TIMING, start_timeout_s=START_S) as cluster:
+        leader, standby = cluster.wait_leader(START_S)
         leader.stop()  # SIGTERM, as in a rolling update
         # uvicorn re-raises the signal after its graceful shutdown
         assert leader.wait_exit(5) in (0, -signal.SIGTERM)
@@ -464,7 +467,7 @@ def test_a_stopped_leader_hands_over_by_releasing_the_lease(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("how", ["stolen", "deleted", "unreachable"])
 def test_a_leader_that_loses_the_lease_exits(tmp_path: Path, how: str) -> None:
-    with pair(tmp_path, TIMING, ("a",)) as cluster:
+    with pair(tmp_path, TIMING, ("a",), start_timeout_s=START_S) as cluster:
         (leader,) = cluster.replicas
         deadline = time.monotonic() + 30
         while leader.readyz()[0] != 200:
@@ -490,7 +493,7 @@ def test_leader_election_without_kubernetes_config_stops_with_one_line(
 ) -> None:
     replica = Replica("a", tmp_path, tmp_path / "missing-kubeconfig", TIMING)
     with pytest.raises(RuntimeError, match="exited"):
-        replica.start()
+        replica.start(START_S)
     lines = replica.log_text().strip().splitlines()
     assert lines[-1].startswith("supervisor: leader election: cannot load Kubernetes")
     assert replica.wait_exit(5) != 0
