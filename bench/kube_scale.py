@@ -15,8 +15,10 @@ backend as the chart's ServiceAccount. Measured:
 - its memory (RSS, and its peak) at the end of the window;
 - a node of the job turned NotReady (kwok lets go of it, its Ready condition written
   False) until the supervisor's first request after it, and its first write: the
-  hot-swap's journal entry on the Node (the policy without emergency checkpoints: there
-  are no host monitors to ask).
+  hot-swap onto the spare (the policy without emergency checkpoints: no host monitor
+  runs on the job's nodes to ask). The spare heartbeats as its host monitor would (the
+  bench posts its heartbeat every second): a node no host monitor speaks for is no spare
+  to the supervisor, which then restarts the whole JobSet as a last resort.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +67,8 @@ WINDOW_S = 30.0
 NOT_READY_DEADLINE_S = 0.0
 POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"
 NODE_OR_POD_LISTS = {("list", "nodes"), ("list", "pods")}
+AGENT_TOKEN = "kube-scale-agent-token"
+SPARE_BEAT_S = 1.0
 
 
 @dataclass
@@ -97,7 +102,7 @@ def _serve(run_dir: Path, kubeconfig: Path, port: int) -> subprocess.Popen[bytes
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")},
         "SUPERVISOR_DATABASE_URL": f"sqlite:///{run_dir}/supervisor.db",
-        "SUPERVISOR_AGENT_TOKEN": "kube-scale-agent-token",
+        "SUPERVISOR_AGENT_TOKEN": AGENT_TOKEN,
         "SUPERVISOR_OPERATOR_TOKEN": "kube-scale-operator-token",
         "SUPERVISOR_BACKEND": "kubernetes",
         "SUPERVISOR_POLICY": POLICY,
@@ -114,6 +119,19 @@ def _serve(run_dir: Path, kubeconfig: Path, port: int) -> subprocess.Popen[bytes
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+def _beat_as_spare(port: int, node: str, stop: threading.Event) -> None:
+    """The spare's host monitor, as far as the supervisor can tell: a spare's heartbeat
+    every `SPARE_BEAT_S`, until `stop`."""
+    body = {"node": node, "state": "spare"}
+    headers = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+        while not stop.is_set():
+            r = http.post("/api/v1/heartbeats", json=body, headers=headers)
+            if r.status_code not in (202, 204):
+                raise RuntimeError(f"the spare's heartbeat: {r.status_code} {r.text}")
+            stop.wait(SPARE_BEAT_S)
 
 
 def _metrics(plane: AuditedPlane) -> dict[tuple[str, str], float]:
@@ -141,10 +159,11 @@ def run(nodes: int, window_s: float = WINDOW_S, keep: Path | None = None) -> Kub
     began = time.monotonic()
     proc: subprocess.Popen[bytes] | None = None
     user = supervisor_user()
+    stop_beats = threading.Event()
     try:
         plane.start(within=300)
         who = supervisor_identity(plane)
-        create_nodes(plane, POOL, nodes + 1)  # and a spare, as a hot-swap needs
+        names = create_nodes(plane, POOL, nodes + 1)  # and a spare, as a hot-swap needs
         wait_for(f"{nodes + 1} nodes Ready", lambda: ready_nodes(plane, POOL) > nodes, 600)
         start_workload(plane, JOBSET, POOL, nodes)
         wait_for(
@@ -166,6 +185,9 @@ def run(nodes: int, window_s: float = WINDOW_S, keep: Path | None = None) -> Kub
 
             wait_for("the supervisor ready", ready, 300, 0.05)
         start_s, ready_at = time.monotonic() - spawned, time.time()
+        busy = {p["spec"]["nodeName"] for p in running_pods(plane, JOBSET)}
+        spare = next(n for n in names if n not in busy)
+        threading.Thread(target=_beat_as_spare, args=(port, spare, stop_beats), daemon=True).start()
         time.sleep(5.0)  # its first events and writes, if any, before the window
         before, since = _metrics(plane), time.time()
         time.sleep(window_s)
@@ -204,6 +226,7 @@ def run(nodes: int, window_s: float = WINDOW_S, keep: Path | None = None) -> Kub
         print(f"kube-scale: the run's logs are in {work}", file=sys.stderr)
         raise
     finally:
+        stop_beats.set()
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
