@@ -30,6 +30,7 @@ from resiliency_protocol.bare_asgi import (
     refuse_credential,
     send_json,
 )
+from resiliency_protocol.errors import error_body
 from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
 from resiliency_protocol.worlds import job_world_header
 from supervisor.agent_time import AgentTimeError, agent_time
@@ -219,7 +220,7 @@ def other_node(node: str, own: str) -> str:
 
 def error_payload(message: str) -> dict[str, Any]:
     """The error shape of every other route: `message`, and `detail` as FastAPI's."""
-    return {"message": message, "detail": message}
+    return error_body(message, message)
 
 
 def invalid(exc: HeartbeatError) -> Refusal:
