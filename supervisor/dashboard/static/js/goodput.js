@@ -9,6 +9,7 @@ import { clock, duration, percent } from "./format.js";
 // actions, from the live stream) refreshes it within a moment. Reading it every few
 // seconds from each open tab cost a large job's supervisor more than all its nodes' views.
 const REFRESH_MS = 30000;
+const RETRY_MS = 2000;
 const POINTS = 24;
 
 /** Badput causes, in the order they are stacked, with their labels and colours. */
@@ -80,7 +81,13 @@ export class Goodput {
     this.state = view.status === "fulfilled" ? view.value.state + (reason ? `: ${reason}` : "") : null;
     const open = new Set([...document.querySelectorAll("#goodput-section details[open]")].map((d) => d.dataset.key));
     if (goodput.status === "fulfilled") this.renderGoodput(goodput.value);
-    else this.panel.replaceChildren(h("p", { class: "error" }, `Could not compute goodput: ${goodput.reason.message}`));
+    else {
+      this.panel.replaceChildren(h("p", { class: "error" }, `Could not compute goodput: ${goodput.reason.message}`));
+      // A failed request (the server busy, a connection dropped) is asked again soon, not
+      // left on screen until the next refresh.
+      clearTimeout(this.timer);
+      this.timer = setTimeout(() => this.load(), RETRY_MS);
+    }
     if (advice.status === "fulfilled") this.renderAdvice(advice.value);
     else this.renderAdviceError(advice.reason.message);
     for (const details of document.querySelectorAll("#goodput-section details")) {
