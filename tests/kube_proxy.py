@@ -190,8 +190,10 @@ class KubeProxy:
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 handler.wfile.flush()
             handler.wfile.write(b"0\r\n\r\n")
-        except OSError:
-            handler.close_connection = True  # either side went away: so does the other
+        except (OSError, http.client.HTTPException):
+            # Either side went away (the API server's answer cut mid-chunk when the proxy
+            # stops under a watch): so does the other.
+            handler.close_connection = True
         finally:
             with self._lock:
                 self._open.discard(conn)
