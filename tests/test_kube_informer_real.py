@@ -1,11 +1,14 @@
-"""The informer (supervisor/kube/informer.py) against the real API server when its watch
-expires: etcd compacted past the version the informer would resume from, its next watch
-answered 410 Gone as the real server words it, a new list, and nothing missed.
+"""The informer (supervisor/kube/informer.py) against the real API server: when its watch
+expires (etcd compacted past the version the informer would resume from, its next watch
+answered 410 Gone as the real server words it, a new list, and nothing missed), and while
+its watch is quiet (the server's bookmarks carry it forward, so it resumes without
+listing again).
 
 The API server of tests/control_plane.py serves ConfigMaps' watches from etcd itself
 (`--watch-cache-sizes=configmaps#0`), so compacting etcd expires them at once, as a watch
-cache's window running out does on a busy cluster. The informer is the same for every
-kind; the backend's (Pods, Jobs, Nodes, JobSets) differ only in their list call.
+cache's window running out does on a busy cluster. Secrets are served from the watch cache,
+as the backend's Pods, Jobs, Nodes and JobSets are: the cache is what sends bookmarks. The
+informer is the same for every kind; the backend's differ only in their list call.
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ from tests.kube_real import NS
 from tests.timing import scaled
 
 
-def configmap(name: str, label: str, **data: str) -> dict[str, Any]:
+def configmap(name: str, label: str, kind: str = "ConfigMap") -> dict[str, Any]:
     return {
         "apiVersion": "v1",
-        "kind": "ConfigMap",
+        "kind": kind,
         "metadata": {"name": name, "namespace": NS, "labels": {"informer-test": label}},
-        "data": data,
     }
 
 
@@ -53,17 +55,20 @@ def compact(plane: ControlPlane) -> int:
 
 
 @asynccontextmanager
-async def informing(plane: ControlPlane, label: str) -> AsyncIterator[tuple[Informer, list[str]]]:
-    """An informer of the ConfigMaps labelled `label`, as the admin, reopening its watch
-    every second; and the changes it told, as "TYPE name" lines."""
+async def informing(
+    plane: ControlPlane, label: str, kind: str = "ConfigMap", watch_timeout_s: int = 1
+) -> AsyncIterator[tuple[Informer, list[str]]]:
+    """An informer of the ConfigMaps (or Secrets) labelled `label`, as the admin, reopening
+    its watch every `watch_timeout_s`; and the changes it told, as "TYPE name" lines."""
     api = config.new_client_from_config(config_file=str(plane.admin.kubeconfig))
     core = client.CoreV1Api(api)
+    lister = core.list_namespaced_secret if kind == "Secret" else core.list_namespaced_config_map
     informer = Informer(
-        "ConfigMap",
-        functools.partial(core.list_namespaced_config_map, NS),
+        kind,
+        functools.partial(lister, NS),
         asyncio.get_running_loop(),
         label_selector=f"informer-test={label}",
-        watch_timeout_s=1,
+        watch_timeout_s=watch_timeout_s,
         backoff_s=(0.05, 0.5),
         request_timeout_s=10.0,
     )
@@ -118,3 +123,41 @@ async def test_a_watch_expired_by_a_compaction_lists_again_and_misses_nothing(
             assert told.count(f"DELETED kept-{label}") == 1, told
             assert told.count(f"ADDED new-{label}") == 1, told
             assert informer.stats["errors"] == 0, informer.stats
+
+
+async def test_bookmarks_carry_a_quiet_watch_forward_and_it_resumes_without_listing(
+    control_plane: ControlPlane,
+) -> None:
+    """Nothing the informer watches changes while other Secrets do. The server's BOOKMARK
+    events (sent 2 s before each watch's deadline) move the informer's resourceVersion past
+    its list's to where the cluster is, and each reconnect resumes from there: one list,
+    no 410, no change told but the first."""
+    label = uuid.uuid4().hex[:8]
+    path = f"/api/v1/namespaces/{NS}/secrets"
+    with control_plane.client() as api:
+        assert api.post(path, json=configmap(f"kept-{label}", label, "Secret")).status_code == 201
+        async with informing(control_plane, label, "Secret", watch_timeout_s=4) as (
+            informer,
+            told,
+        ):
+            listed = int(informer.resource_version or 0)
+            for round_ in range(2):
+                moved = api.post(
+                    path, json=configmap(f"other-{label}-{round_}", f"not-{label}", "Secret")
+                )
+                assert moved.status_code == 201, moved.text
+                now = int(moved.json()["metadata"]["resourceVersion"])
+                assert now > listed
+                watches = informer.stats["watches"]
+                # Only a bookmark carries the version to a change the selector leaves out.
+                await until(
+                    lambda: int(informer.resource_version or 0) >= now,  # noqa: B023
+                    f"a bookmark at or past {now} (the informer at {informer.resource_version})",
+                )
+                await until(
+                    lambda: informer.stats["watches"] > watches,  # noqa: B023
+                    "the watch reopened from the bookmark's version",
+                )
+            assert informer.stats["lists"] == 1, informer.stats
+            assert informer.stats["gone"] == 0 and informer.stats["errors"] == 0, informer.stats
+            assert told == [f"ADDED kept-{label}"], told
