@@ -26,7 +26,7 @@ from supervisor.metrics import Metrics
 from supervisor.pruner import FIRST_PASS_DELAY_S, HistoryPruner, retention_ages
 from supervisor.schedules.registry import host_key
 from supervisor.schedules.scheduler import DRY_RUN_JOBS_TABLE, JOBS_TABLE, Scheduler
-from supervisor.store import Store
+from supervisor.store.roles import PeriodicRecords
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class PeriodicWork:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: PeriodicRecords,
         metrics: Metrics,
         job_steps: Callable[[], list[tuple[str, int, float]]],
         *,

@@ -28,7 +28,8 @@ from supervisor.simulate.cluster import Counters, SimulatedCluster
 from supervisor.simulate.fault_sources import Fault, map_nodes, read_trace, sample_mix
 from supervisor.simulate.scenario import Scenario, ScenarioError
 from supervisor.simulate.sensor import SimulatedSensor
-from supervisor.store import ActionFilter, EventFilter, Store
+from supervisor.store import ActionFilter, EventFilter
+from supervisor.store.roles import HistoryPages
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ async def _run(
     )
 
 
-def _all(store: Store, what: str) -> Iterator[Any]:
+def _all(store: HistoryPages, what: str) -> Iterator[Any]:
     cursor: str | None = None
     while True:
         if what == "events":

@@ -11,10 +11,20 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
-from supervisor.domain import ActionRecord, ActionRequest, ActionStatus, Fault
+from sqlalchemy import Engine
+
+from supervisor.domain import (
+    ActionRecord,
+    ActionRequest,
+    ActionStatus,
+    Event,
+    Fault,
+    ProgressSample,
+)
 from supervisor.notices import Delivery, DeliveryStatus, NewDelivery
 from supervisor.store.counters import PolicyCounts
 from supervisor.store.goodput_history import JobHistory
+from supervisor.store.queries import ActionFilter, EventFilter, Page
 from supervisor.store.remedy_state import BudgetRecord, IncidentRecord
 from supervisor.store.retention import HistoryTable, PrunedBatch
 
@@ -109,6 +119,28 @@ class CountedHistory(HistorySource, Protocol):
     def policy_counts(self, window_start: datetime) -> PolicyCounts: ...
 
 
+class PeriodicRecords(Prunable, Protocol):
+    """What the periodic work writes: goodput's step samples, the scheduler's job table
+    (in the store's database, so that replicas share one schedule), and retention's
+    deletions."""
+
+    engine: Engine
+
+    def record_progress_samples(self, samples: Sequence[ProgressSample]) -> None: ...
+
+
+class HistoryPages(Protocol):
+    """Events and actions, a page at a time, newest first."""
+
+    def list_events(
+        self, filters: EventFilter, cursor: str | None = None, limit: int = 100
+    ) -> Page[Event]: ...
+
+    def list_actions(
+        self, filters: ActionFilter, cursor: str | None = None, limit: int = 100
+    ) -> Page[ActionRecord]: ...
+
+
 class FaultLedger(Protocol):
     """The faults injected, active until ended."""
 
@@ -127,5 +159,13 @@ if TYPE_CHECKING:  # mypy proves the store plays every role
 
     def _plays_every_role(
         store: Store,
-    ) -> tuple[ControllerRecords, AttemptLog, DeliveryQueue, Prunable, CountedHistory, FaultLedger]:
-        return store, store, store, store, store, store
+    ) -> tuple[
+        ControllerRecords,
+        AttemptLog,
+        DeliveryQueue,
+        PeriodicRecords,
+        HistoryPages,
+        CountedHistory,
+        FaultLedger,
+    ]:
+        return store, store, store, store, store, store, store
