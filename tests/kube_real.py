@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+from supervisor.config import Settings
 from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
 from supervisor.kube.client import api_client
@@ -106,6 +107,35 @@ def node(plane: ControlPlane, name: str) -> dict[str, Any]:
     return found
 
 
+def real_settings(
+    who: Identity, make_settings: SettingsFactory, pool: str, **overrides: Any
+) -> Settings:
+    """Settings of the backend as `who`, seeing the nodes of `pool` as its GPU nodes."""
+    values: dict[str, Any] = {
+        "kube_config": str(who.kubeconfig),
+        "kube_namespace": NS,
+        "kube_gpu_node_selector": f"pool={pool}",
+        # Pods end through three processes here (kwok, the Job controller, the API
+        # server): on a loaded machine, more than the fake server's 10 s.
+        "pod_termination_threshold_s": scaled(60),
+        "controller_patience_s": scaled(60),
+        **overrides,
+    }
+    return kube_settings(make_settings, **values)
+
+
+def real_backend(settings: Settings) -> KubeBackend:
+    """The backend with the short watches, backoffs and patience of a test."""
+    return KubeBackend(
+        settings,
+        api_client(settings),
+        request_timeout_s=10.0,
+        watch_timeout_s=30,
+        api_backoff_s=(0.05, 0.5),
+        eviction_patience_s=2.0,
+    )
+
+
 @asynccontextmanager
 async def backend_on(
     plane: ControlPlane,
@@ -117,25 +147,7 @@ async def backend_on(
 ) -> AsyncIterator[KubeBackend]:
     """The backend as the chart's ServiceAccount, seeing the nodes of `pool` as its GPU
     nodes; started, then closed."""
-    values: dict[str, Any] = {
-        "kube_config": str(who.kubeconfig),
-        "kube_namespace": NS,
-        "kube_gpu_node_selector": f"pool={pool}",
-        # Pods end through three processes here (kwok, the Job controller, the API
-        # server): on a loaded machine, more than the fake server's 10 s.
-        "pod_termination_threshold_s": scaled(60),
-        "controller_patience_s": scaled(60),
-        **overrides,
-    }
-    settings = kube_settings(make_settings, **values)
-    backend = KubeBackend(
-        settings,
-        api_client(settings),
-        request_timeout_s=10.0,
-        watch_timeout_s=30,
-        api_backoff_s=(0.05, 0.5),
-        eviction_patience_s=2.0,
-    )
+    backend = real_backend(real_settings(who, make_settings, pool, **overrides))
     await backend.start((hooks or Hooks()).hooks())
     try:
         yield backend

@@ -19,13 +19,20 @@ import httpx
 
 from supervisor.api import create_app
 from supervisor.domain import Event, EventType, utcnow
+from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
-from supervisor.kube.client import api_client
 from supervisor.runtime import Supervisor
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
 from tests.control_plane import KWOK_NODE_LABEL, KWOK_NODE_VALUE, ControlPlane, Identity
-from tests.kube.harness import Hooks, kube_settings
-from tests.kube_real import NS, merge_patch
+from tests.kube.harness import Hooks
+from tests.kube_real import (
+    merge_patch,
+    pool_nodes,
+    real_backend,
+    real_settings,
+    start_jobset,
+    wait_running,
+)
 from tests.timing import scaled
 
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
@@ -150,25 +157,10 @@ async def supervising(
     """The supervisor's app with the Kubernetes backend as `who`, seeing the nodes of
     `pool` as its GPU nodes and the JobSet `pool` (labelled SUPERVISED) as its job; host
     monitors heartbeat for the nodes `Beats.says` names."""
-    settings = kube_settings(
-        make_settings,
-        kube_config=str(who.kubeconfig),
-        kube_namespace=NS,
-        kube_gpu_node_selector=f"pool={pool}",
-        kube_jobset_selector=f"{SUPERVISED}={pool}",
-        # Pods end through three processes here (kwok, the Job controller, the API server).
-        pod_termination_threshold_s=scaled(60),
-        controller_patience_s=scaled(60),
-        **overrides,
+    settings = real_settings(
+        who, make_settings, pool, kube_jobset_selector=f"{SUPERVISED}={pool}", **overrides
     )
-    backend = KubeBackend(
-        settings,
-        api_client(settings),
-        request_timeout_s=10.0,
-        watch_timeout_s=30,
-        api_backoff_s=(0.05, 0.5),
-        eviction_patience_s=2.0,
-    )
+    backend = real_backend(settings)
     sent = Sent(backend)
     supervisor = Supervisor(settings, backend=backend)
     app = create_app(settings, supervisor)
@@ -183,6 +175,28 @@ async def supervising(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+
+#: A hot-swap's settings: a node silent for 1.5 s is lost, no workload restart is left
+#: to try first, and an emergency checkpoint that cannot be taken gives up within 1 s.
+SWAP_SETTINGS: dict[str, Any] = {
+    "heartbeat_timeout_s": 1.5,
+    "heartbeat_polling_period_s": 0.2,
+    "max_workload_restarts": 0,
+    "emergency_checkpoint_timeout_s": 1.0,
+}
+
+
+def swap_scene(plane: ControlPlane, name: str) -> tuple[list[dict[str, Any]], list[str], str]:
+    """Three nodes in the pool `name` and the JobSet `name` (labelled SUPERVISED, at least
+    one replica) running on two of them: its pods, their nodes sorted, and the spare."""
+    nodes = pool_nodes(plane, name, 3)
+    labels = {SUPERVISED: name}
+    start_jobset(plane, name, name, labels, annotations={o.MIN_REPLICAS: "1"})
+    pods = wait_running(plane, name, 2, "0")
+    used = sorted(p["spec"]["nodeName"] for p in pods)
+    (spare,) = set(nodes) - set(used)
+    return pods, used, spare
 
 
 async def listed(http: httpx.AsyncClient, path: str, **params: Any) -> list[dict[str, Any]]:

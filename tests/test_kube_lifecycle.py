@@ -47,12 +47,14 @@ from tests.kube_real import (
 from tests.kube_real_supervising import (
     OPERATOR,
     SUPERVISED,
+    SWAP_SETTINGS,
     Sent,
     crash,
     finished_action,
     jobset_controller_paused,
     manage,
     supervising,
+    swap_scene,
     wait,
 )
 from tests.timing import scaled
@@ -457,22 +459,14 @@ async def test_the_policy_hot_swaps_onto_a_spare_only_kubernetes_knows(
     the sensor alone knows no spare and the default policy would restart the workload;
     Kubernetes says the node is schedulable and idle: the policy hot-swaps onto it."""
     name = "lc-swap"
-    nodes = pool_nodes(control_plane, name, 3)
-    labels = {SUPERVISED: name}
-    start_jobset(control_plane, name, name, labels, annotations={o.MIN_REPLICAS: "1"})
-    pods = wait_running(control_plane, name, 2, "0")
-    used = sorted(p["spec"]["nodeName"] for p in pods)
-    (spare,) = set(nodes) - set(used)
+    pods, used, spare = swap_scene(control_plane, name)
     bad = used[0]
     async with supervising(
         control_plane,
         kube_supervisor,
         make_settings,
         name,
-        heartbeat_timeout_s=1.5,
-        heartbeat_polling_period_s=0.2,
-        max_workload_restarts=0,
-        emergency_checkpoint_timeout_s=1.0,
+        **SWAP_SETTINGS,
     ) as (supervisor, http, beats, _sent):
         for rank, each in enumerate(used):
             beats.running(each, rank)

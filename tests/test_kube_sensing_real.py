@@ -36,10 +36,11 @@ from tests.kube_real import (
 )
 from tests.kube_real_supervising import (
     OPERATOR,
-    SUPERVISED,
+    SWAP_SETTINGS,
     finished_action,
     listed,
     supervising,
+    swap_scene,
     wait,
 )
 from tests.timing import scaled
@@ -194,23 +195,15 @@ async def test_lost_heartbeat_leads_to_a_hot_swap_on_the_cluster(
     the node is given back (cordon and taint lifted); a node NotReady reaches the
     supervisor's events. The JobSet's bounds seen by the API come from its annotations."""
     name = "sn-swap"
-    nodes = pool_nodes(control_plane, name, 3)
-    labels = {SUPERVISED: name}
-    start_jobset(control_plane, name, name, labels, annotations={o.MIN_REPLICAS: "1"})
-    pods = wait_running(control_plane, name, 2, "0")
-    used = sorted(p["spec"]["nodeName"] for p in pods)
-    (spare,) = set(nodes) - set(used)
+    pods, used, spare = swap_scene(control_plane, name)
     bad = used[0]
     async with supervising(
         control_plane,
         kube_supervisor,
         make_settings,
         name,
-        heartbeat_timeout_s=1.5,
         node_recovery_healthy_s=0.5,
-        heartbeat_polling_period_s=0.2,
-        max_workload_restarts=0,
-        emergency_checkpoint_timeout_s=1.0,
+        **SWAP_SETTINGS,
     ) as (supervisor, http, beats, _sent):
         for rank, each in enumerate(used):
             # Port 9 (discard) is closed here: the emergency checkpoint fails fast, and
