@@ -12,7 +12,11 @@ restarted), its workers waiting for their world (WORLD_WAIT_S). Then:
    again.
 2. For `hot_swap`, the node is cordoned and tainted, as a plain hot swap does.
 3. Those pods are evicted (on a node that is down they are then deleted at once: its
-   kubelet would never confirm); their Jobs create replacements.
+   kubelet would never confirm). A Job of that one pod is then deleted, and the JobSet
+   controller creates it again once the pod is gone: a Job replaces a failed pod only
+   after its pod-failure backoff (10 s, doubled at each failure of the Job and reset only
+   by a success: minutes after a few heals), a new Job at once. A Job of several pods
+   replaces the pod itself.
 4. `pod_links.PodLinks` tells every pod the new world through its node's host monitor:
    the survivors at once, each replacement when it is scheduled.
 5. Done when every rank trains in the new world. When that takes longer than
@@ -33,6 +37,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -42,11 +47,13 @@ from supervisor.domain import ActionRecord, ActionType
 from supervisor.kube import objects as o
 from supervisor.kube import rmw
 from supervisor.kube.action_context import ActionContext, node_name
+from supervisor.kube.discovery import Discovery
 from supervisor.kube.errors import KubeError, NotFound
 from supervisor.kube.eviction import delete_now, evict_targets, node_up
 from supervisor.kube.failure_policy import in_process_refusal
 from supervisor.kube.journal import (
     JournalEntry,
+    Target,
     entry_of,
     journal_of,
     set_journal,
@@ -56,7 +63,7 @@ from supervisor.kube.node_fencing import may_force_delete
 from supervisor.kube.nodes import swap_out_node
 from supervisor.kube.objects import Obj
 from supervisor.kube.pod_links import PodLinks, live_pods
-from supervisor.kube.restart import restart_workload, skip
+from supervisor.kube.restart import delete_jobs, restart_workload, skip
 from supervisor.kube.worlds import World, current_world, healed, healed_since, next_world, set_world
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,32 @@ def choose_path(action: ActionRecord, js: Obj) -> tuple[Path, str]:
     if refusal is not None:
         return "full_restart", refusal
     return "in_process", ""
+
+
+def sole_pod_jobs(discovery: Discovery, js: Obj, targets: Sequence[Target]) -> tuple[Target, ...]:
+    """The JobSet's child Jobs whose every pod is being replaced (`targets`) and which run
+    one pod at a time (parallelism and completions 1): deleted, the JobSet controller
+    creates them again, and their new pod waits no pod-failure backoff."""
+    replaced = {uid for _, uid in targets}
+    pods_by_job: dict[str, list[str]] = {}
+    for pod in discovery.pods_of(o.name_of(js)):
+        pods_by_job.setdefault(o.owner_uid(pod) or "", []).append(o.uid_of(pod))
+    return tuple(
+        sorted(
+            target_of(job)
+            for job in discovery.child_jobs(o.name_of(js))
+            if o.owner_uid(job) == o.uid_of(js)
+            and one_pod_at_a_time(job)
+            and not o.terminating(job)
+            and (pods := pods_by_job.get(o.uid_of(job)))
+            and set(pods) <= replaced
+        )
+    )
+
+
+def one_pod_at_a_time(job: Obj) -> bool:
+    spec = job.get("spec") or {}
+    return spec.get("parallelism", 1) == 1 and spec.get("completions", 1) in (1, None)
 
 
 class InProcessHealing:
@@ -125,8 +158,20 @@ class InProcessHealing:
                 skipped = f"healed in-process since the event (world {now})"
                 return dataclasses.replace(entry, skipped=skipped)
             world = next_world(js, pods, [uid for _, uid in targets])
+            # Pods of the node that ended by themselves (a crash) are replaced too.
+            ended = [
+                target_of(p)
+                for p in ctx.discovery.pods_of(jobset)
+                if o.node_of(p) == node
+                and o.pod_finished(p)
+                and not ctx.discovery.created_after(p, when)
+            ]
             return dataclasses.replace(
-                entry, path="in_process", targets=tuple(targets), world=dataclasses.asdict(world)
+                entry,
+                path="in_process",
+                targets=tuple(targets),
+                jobs=sole_pod_jobs(ctx.discovery, js, [*targets, *ended]),
+                world=dataclasses.asdict(world),
             )
 
         js, entry = await rmw.plan(ctx, "JobSet", jobset, key, plan)
@@ -156,6 +201,7 @@ class InProcessHealing:
                 await delete_now(ctx, action, targets)
             else:
                 log.warning("%s: pods of %s not force-deleted: %s", key, node, verdict.why)
+        await delete_jobs(ctx, entry.jobs or ())
         timeout = ctx.settings.in_process_wait_s
         deadline = time.monotonic() + timeout
         while waiting := await self.links.joined(jobset, world.attempt):
@@ -188,6 +234,8 @@ class InProcessHealing:
         }
         if fencing is not None:
             result["old_pods"] = fencing
+        if entry.jobs:
+            result["recreated_jobs"] = [name for name, _ in entry.jobs]
         if swap:
             result.update(node=node, spare=params_for(action, HotSwapParams).spare)
         what = (

@@ -53,6 +53,9 @@ class JournalEntry:
     skipped: str | None = None
     #: The pods or Jobs chosen to act on.
     targets: tuple[Target, ...] | None = None
+    #: In-process heal: the Jobs of one pod each, among the targets', that are recreated
+    #: (deleted for the JobSet controller to create again), not left to replace the pod.
+    jobs: tuple[Target, ...] | None = None
     #: restart_workload: "evict" (a JobSet restart) or "delete_jobs", and why not evict.
     method: str | None = None
     why: str | None = None
@@ -75,7 +78,7 @@ class JournalEntry:
             item = getattr(self, f.name)
             if f.name == "extra" or (item is None and f.name != "done"):
                 continue
-            if f.name == "targets":
+            if f.name in TARGET_LISTS:
                 item = [list(t) for t in item]
             elif isinstance(item, Mapping):
                 item = dict(item)
@@ -87,10 +90,15 @@ class JournalEntry:
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         fields: dict[str, Any] = {k: v for k, v in value.items() if k in known}
         fields["done"] = bool(fields.get("done"))
-        if (targets := fields.get("targets")) is not None:
-            fields["targets"] = tuple(Target(str(name), str(uid)) for name, uid in targets)
+        for name in TARGET_LISTS:
+            if (targets := fields.get(name)) is not None:
+                fields[name] = tuple(Target(str(n), str(uid)) for n, uid in targets)
         extra = {k: v for k, v in value.items() if k not in known}
         return cls(**fields, extra=extra)
+
+
+#: The fields that hold targets, written as [name, uid] pairs.
+TARGET_LISTS = ("targets", "jobs")
 
 
 def journal_of(obj: Obj) -> dict[str, JournalEntry]:
