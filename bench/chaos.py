@@ -53,6 +53,7 @@ from bench.chaos_judge import judge
 from bench.chaos_network import NetworkChaos, NetworkFault
 from bench.stall import Stalled, StallWatch
 from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo, leftover_processes
 from supervisor.local.demo_options import DemoOptions
@@ -147,7 +148,7 @@ def reference_weights(run: Path, config: ChaosConfig) -> Output:
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("HOST_MONITOR_", "SUPERVISOR_", "CHECKPOINT_"))
+            if not k.startswith((HOST_MONITOR_ENV_PREFIX, "SUPERVISOR_", "CHECKPOINT_"))
         }
         env.update(
             RANK=str(rank),

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX, host_monitor_env
 from training.checkpoint import Checkpointer, CheckpointSettings
 from training.checkpoint import format as fmt
 from training.checkpoint.peer import PeerTier
@@ -78,8 +79,8 @@ class HostMonitor:
             "--run-dir", str(directory / node / "run"),
         ]  # fmt: skip
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")},
-            **{f"HOST_MONITOR_{role.upper()}_TOKEN": token for role, token in tokens.items()},
+            **{k: v for k, v in os.environ.items() if not k.startswith(HOST_MONITOR_ENV_PREFIX)},
+            **{host_monitor_env(f"{role}_token"): token for role, token in tokens.items()},
         }
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

@@ -29,6 +29,7 @@ import httpx
 
 from bench.table import Row, verdict
 from resiliency_protocol import worker_env
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
 
 HANG_TIMEOUT_S = 4.0
 STEP_TIME_S = 0.05
@@ -80,7 +81,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SUPERVISOR_", "HOST_MONITOR_", "CHECKPOINT_"))
+        if not k.startswith(("SUPERVISOR_", HOST_MONITOR_ENV_PREFIX, "CHECKPOINT_"))
     }
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])

@@ -38,6 +38,7 @@ import httpx
 from bench.bucket_restore import BucketRestore
 from resiliency_protocol.checkpoint_manifest import MANIFEST, FileEntry, Manifest
 from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX, host_monitor_env
 from training.checkpoint.peer import PeerTier as WorkerPeerTier
 
 MiB = 1024 * 1024
@@ -98,8 +99,8 @@ class Monitor:
                 "--tls-ca-file", str(tls.ca), "--tls-server-name", SERVER_NAME,
             ]  # fmt: skip
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")},
-            **{f"HOST_MONITOR_{role.upper()}_TOKEN": token for role, token in tokens.items()},
+            **{k: v for k, v in os.environ.items() if not k.startswith(HOST_MONITOR_ENV_PREFIX)},
+            **{host_monitor_env(f"{role}_token"): token for role, token in tokens.items()},
         }
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

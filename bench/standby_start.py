@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench.table import Row, verdict
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
 
 ROUNDS = 5
 ACTUATOR_TOKEN = "bench-actuator-token"
@@ -45,7 +46,7 @@ def _host_monitor(tmp: Path) -> Iterator[httpx.Client]:
     argv = [sys.executable, "-m", "host_monitor.cli", "--node", "bench-standby", "--port", "0"]
     argv += ["--run-dir", str(tmp / "run"), "--kernel-log", str(tmp / "kern.log")]
     argv += ["--nvidia-smi", str(tmp / "no-nvidia-smi"), "--shutdown-grace-s", "2"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOST_MONITOR_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(HOST_MONITOR_ENV_PREFIX)}
     env["HOST_MONITOR_ACTUATOR_TOKEN"] = ACTUATOR_TOKEN
     with (tmp / "host-monitor.log").open("ab") as log:
         proc = subprocess.Popen(

@@ -48,6 +48,7 @@ from bench.mttr_progress import read_lines
 from resiliency_protocol import worker_env
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.faults import RESTART_KINDS, FaultKind
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
 from supervisor.local.cluster_state import free_port
 
 START = re.compile(
@@ -161,7 +162,7 @@ class TorchrunJob:
         base = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("HOST_MONITOR_", "CHECKPOINT_", "SUPERVISOR_"))
+            if not k.startswith((HOST_MONITOR_ENV_PREFIX, "CHECKPOINT_", "SUPERVISOR_"))
         }
         return {
             **base,

@@ -306,19 +306,12 @@ class Agent:
         )
 
         def forward(record: CheckpointRecord, job: str | None) -> None:
-            r = record.report
             worker = node.registry.workers.get(record.rank)
             forwarder.add(
+                record.report,
                 rank=record.rank,
                 job=job,
-                event=r.event,
-                step=r.step,
-                duration_s=r.duration_s,
-                tier=r.tier,
-                size_bytes=r.bytes,
-                total_s=r.total_s,
                 time=record.time,
-                error=r.error,
                 world=node.world_of(worker) if worker is not None else None,
             )
 

@@ -30,7 +30,6 @@ import ssl
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -51,6 +50,10 @@ BATCH = 500  # reports per request (the supervisor takes up to 1000)
 MAX_OUTBOX = 100_000  # reports kept while the supervisor is unreachable
 PATH = SUPERVISOR_PATH
 
+#: A report as kept in the outbox and sent: a CheckpointReportIn's JSON when this host
+#: monitor added it; a line an older one left is sent as it is (the supervisor judges it).
+OutboxLine = dict[str, object]
+
 
 class CheckpointForwarder:
     def __init__(
@@ -70,7 +73,7 @@ class CheckpointForwarder:
         self.node = node
         self.outbox = outbox
         self.max_backoff_s = max(max_backoff_s, 0.05)
-        self._pending: deque[dict[str, Any]] = deque()
+        self._pending: deque[OutboxLine] = deque()
         self._wake = asyncio.Event()
         self._failures = 0
         self._last_problem: str | None = None
@@ -86,69 +89,42 @@ class CheckpointForwarder:
 
     def add(
         self,
+        report: CheckpointReport,
         *,
         rank: int,
         job: str | None,
-        event: str,
-        step: int,
-        duration_s: float,
-        tier: str,
-        size_bytes: int | None = None,
-        total_s: float | None = None,
         time: str | None = None,
-        error: str | None = None,
         world: int | None = None,
     ) -> str:
-        """Keep a report (durably) for sending; returns its id. Call before acking it.
-
-        ``duration_s``: seconds the training loop was blocked; ``size_bytes``: the rank's
-        checkpoint size; ``total_s``: seconds from start to commit; ``time``: when it
-        finished (ISO, with a zone; default now). Raises ValueError (pydantic's
-        ValidationError) for a report the supervisor would refuse.
+        """Keep `report`, of worker `rank` (in `world`), (durably) for sending; returns its
+        id. Call before acking it. ``time``: when it finished (ISO, with a zone; default
+        now). Raises ValueError (pydantic's ValidationError) for a report the supervisor
+        would refuse.
         """
-        checked = CheckpointReport.model_validate(
-            {
-                "event": event,
-                "step": step,
-                "duration_s": duration_s,
-                "tier": tier,
-                "bytes": size_bytes,
-                "total_s": total_s,
-                "error": error,
-            }
-        )
-        fields: dict[str, Any] = {
+        fields: dict[str, object] = {
             "id": f"{self.node}-{uuid.uuid4().hex}",
             "node": self.node,
             "job": job,
             "rank": rank,
-            "event": checked.event,
-            "step": checked.step,
-            "duration_s": checked.duration_s,
-            "tier": checked.tier,
+            # Its `bytes`, `total_s` and `error` left out when unknown: a report without
+            # them is what a supervisor that predates them accepts, and old outbox lines
+            # look the same.
+            **report.model_dump(exclude_none=True),
             "time": time if time is not None else utcnow().isoformat(),
         }
-        # Left out when unknown: a report without them is what a supervisor that predates
-        # them accepts, and old outbox lines look the same.
-        if checked.bytes is not None:
-            fields["bytes"] = checked.bytes
-        if checked.total_s is not None:
-            fields["total_s"] = checked.total_s
-        if checked.error is not None:
-            fields["error"] = checked.error
         if world is not None:  # the worker's world: an older one's is not recorded
             fields["world"] = world
-        report = CheckpointReportIn.model_validate(fields).model_dump(
+        line: OutboxLine = CheckpointReportIn.model_validate(fields).model_dump(
             mode="json", exclude_unset=True
         )
         if len(self._pending) >= MAX_OUTBOX:
             dropped = self._pending.popleft()
             log.error("checkpoint outbox full: dropping the oldest report (%s)", dropped["id"])
             self._rewrite()
-        self._pending.append(report)
-        self._append(report)
+        self._pending.append(line)
+        self._append(line)
         self._wake.set()
-        return str(report["id"])
+        return str(line["id"])
 
     # --- the task -------------------------------------------------------------------------
 
@@ -253,7 +229,7 @@ class CheckpointForwarder:
                 "checkpoint outbox: %d report(s) from a previous run to send", len(self._pending)
             )
 
-    def _append(self, report: dict[str, Any]) -> None:
+    def _append(self, report: OutboxLine) -> None:
         self.outbox.parent.mkdir(parents=True, exist_ok=True)
         with self.outbox.open("a") as f:
             f.write(json.dumps(report, separators=(",", ":")) + "\n")

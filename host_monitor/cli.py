@@ -28,6 +28,7 @@ from host_monitor.launch import (
     spare_launch,
 )
 from resiliency_protocol.logs import configure_logging
+from resiliency_protocol.shared_settings import host_monitor_env
 from resiliency_protocol.tls import TLSError
 
 PROG = "host-monitor"
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     for name, field in HostMonitorSettings.model_fields.items():
         flags = [f"--{name.replace('_', '-')}", *ALIASES.get(name, [])]
-        env = f"HOST_MONITOR_{name.upper()}"
+        env = host_monitor_env(name)
         # Values stay strings here: the settings model validates them, so a bad flag
         # and a bad environment variable get the same one-line message.
         parser.add_argument(*flags, dest=name, metavar="VALUE", help=f"{field.description} [{env}]")

@@ -19,18 +19,23 @@ from host_monitor.credentials import BearerCredential
 from host_monitor.errors import HostMonitorError
 from host_monitor.wire import Name  # the supervisor's rule for node and job names
 from resiliency_protocol import worker_env
+from resiliency_protocol.logs import LogFormat
 from resiliency_protocol.shared_settings import (
+    DEFAULT_CHECKPOINT_ROOT,
     DEFAULT_GPU_REPORT_COOLDOWN_S,
     DEFAULT_HEARTBEAT_POLLING_PERIOD_S,
     DEFAULT_HOST_MONITOR_PORT,
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
     HOST_MONITOR_ENV_PREFIX,
+    LogLevel,
+    host_monitor_env,
 )
 from resiliency_protocol.tls import client_context, half_key_pair, server_context
 
 DEV_KMSG = "/dev/kmsg"
 # `kernel_log` values that turn the XID watchdog off explicitly.
 KERNEL_LOG_OFF = ("none", "off")
-DEFAULT_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
 DEFAULT_PEER_STORE_PARENT = "/dev/shm/resiliency-peer"
 DEFAULT_PEER_MAX_FILE_BYTES = 2**40  # 1 TiB: no shard is that big; RAM runs out first
 #: What launched workers are told of our certificate (training/worker_client.py reads them).
@@ -173,16 +178,14 @@ class HostMonitorSettings(BaseSettings):
         le=600,
         description="On SIGTERM/SIGINT, time launched workers get between SIGTERM and SIGKILL.",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
-    )
+    log_level: LogLevel = Field(DEFAULT_LOG_LEVEL, description="Log level.")
     metrics_token: SecretStr | None = Field(
         None,
         description="Bearer token Prometheus presents for GET /metrics (the actuator token "
         "works too); unset: only the actuator token.",
     )
-    log_format: Literal["text", "json"] = Field(
-        "text",
+    log_format: LogFormat = Field(
+        DEFAULT_LOG_FORMAT,
         description="Log lines for people (text) or one JSON object per line (json); "
         "also given to the workers it launches (RESILIENCY_LOG_FORMAT).",
     )
@@ -392,7 +395,7 @@ def describe_validation_error(exc: ValidationError) -> str:
         if err["type"] == "missing":
             parts.append(
                 f"missing setting '{name}' (flag --{name.replace('_', '-')} or env "
-                f"HOST_MONITOR_{name.upper()})"
+                f"{host_monitor_env(name)})"
             )
         elif err["loc"]:
             parts.append(f"invalid setting '{name}': {msg} (got {err.get('input')!r})")
@@ -403,4 +406,4 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 def env_without_secrets(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
     """The environment minus our own settings: workers must not see the agent's tokens."""
-    return {k: v for k, v in environ.items() if not k.startswith("HOST_MONITOR_")}
+    return {k: v for k, v in environ.items() if not k.startswith(HOST_MONITOR_ENV_PREFIX)}

@@ -40,6 +40,7 @@ from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.error_reading import error_message
+from resiliency_protocol.heartbeat import HEARTBEAT_PATH
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
 from resiliency_protocol.worlds import (
@@ -98,8 +99,8 @@ class HeartbeatSender:
         told when the supervisor refuses workers of an older world. `unreachable_peers`:
         the peers this node's probes cannot reach (peer/probes.py). `relay_url`: a
         heartbeat relay's base URL, tried first."""
-        self.url = supervisor_url.rstrip("/") + "/api/v1/heartbeats"
-        self.relay_url = None if relay_url is None else relay_url.rstrip("/") + "/api/v1/heartbeats"
+        self.url = supervisor_url.rstrip("/") + HEARTBEAT_PATH
+        self.relay_url = None if relay_url is None else relay_url.rstrip("/") + HEARTBEAT_PATH
         self.relayed = 0  # heartbeats the relay answered for the supervisor (status, tests)
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._credential = BearerCredential.of(credential)
@@ -336,7 +337,7 @@ class HeartbeatMirror:
     def __init__(
         self, base_url: str, credential: BearerCredential, ssl_context: ssl.SSLContext
     ) -> None:
-        self.url = base_url.rstrip("/") + "/api/v1/heartbeats"
+        self.url = base_url.rstrip("/") + HEARTBEAT_PATH
         self._credential = credential
         self._ssl = ssl_context
         self._latest: bytes | None = None

@@ -49,6 +49,7 @@ from resiliency_protocol.launch import (
     resolve_command,
 )
 from resiliency_protocol.node_commands import StartWorkersRequest, WorkerSpec
+from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
 from resiliency_protocol.states import WorkerState
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ def launch_defaults(
     short name, Slurm's), the job's, and `running` it from the start (`spare` for a
     spare host)."""
     given = {name for name, value in args.items() if value is not None}
-    given |= {name.removeprefix("HOST_MONITOR_").lower() for name in env}
+    given |= {name.removeprefix(HOST_MONITOR_ENV_PREFIX).lower() for name in env}
     host = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     defaults = {"node": host, "job": DEFAULT_JOB, "initial_state": "running"}
     if spare:

@@ -46,6 +46,7 @@ from resiliency_protocol.bare_asgi import (
 )
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.errors import error_body
+from resiliency_protocol.heartbeat import HEARTBEAT_PATH, MAX_HEARTBEAT_BODY_BYTES
 from resiliency_protocol.heartbeat_batch import (
     BATCH_PATH,
     MAX_BATCH,
@@ -61,9 +62,6 @@ from resiliency_protocol.worlds import job_world_header
 
 log = logging.getLogger(__name__)
 
-HEARTBEATS_PATH = "/api/v1/heartbeats"
-#: The single route's bound on a heartbeat's body (supervisor/api/routes/heartbeats.py).
-MAX_BODY = 1 << 20
 #: Answered to each held heartbeat when its batch did not get an answer: send it directly.
 UPSTREAM_FAILED = 502
 
@@ -110,7 +108,7 @@ class HeartbeatRelay:
             counts = {"status": "ok", "batches": self.batches, "heartbeats": self.heartbeats}
             await send_json(send, 200, json.dumps(counts).encode())
             return
-        if scope["path"] != HEARTBEATS_PATH or scope["method"] != "POST":
+        if scope["path"] != HEARTBEAT_PATH or scope["method"] != "POST":
             await send_error(send, 404, "the relay takes POST /api/v1/heartbeats only")
             return
         bearer, _ = bearer_and_type(scope["headers"])
@@ -118,7 +116,7 @@ class HeartbeatRelay:
         if not token or len(token) > MAX_CREDENTIAL:
             await refuse_credential(send, "missing or invalid bearer token")
             return
-        body = await body_within(receive, send, MAX_BODY)
+        body = await body_within(receive, send, MAX_HEARTBEAT_BODY_BYTES)
         if body is None:
             return
         try:

@@ -36,6 +36,11 @@ from resiliency_protocol.peer_probes import MAX_UNREACHABLE
 from resiliency_protocol.states import NAME_PATTERN, NodeState, WorkerState
 from resiliency_protocol.worlds import World
 
+#: The supervisor's route a host monitor (or its relay) posts a heartbeat to, relative to
+#: its base URL, and its bound on a heartbeat's body: the relay takes no larger one.
+HEARTBEAT_PATH: Final = "/api/v1/heartbeats"
+MAX_HEARTBEAT_BODY_BYTES: Final = 1 << 20
+
 # Node and job names follow NAME_PATTERN. The pattern is checked in `check_heartbeat`
 # rather than by msgspec: a regex match on every heartbeat cost more than the rest of the
 # validation together, and the same few thousand names come back every period.
@@ -81,6 +86,10 @@ GpuReportKind = Literal["xid", "ecc", "row_remap", "nvlink", "throttle"]
 #: The two kinds a fault can inject, named as the fault kinds that inject them (faults.py).
 GPU_XID: Final = "xid"
 GPU_ECC: Final = "ecc"
+#: The largest XID code a report may carry, and the longest message: a host monitor's
+#: watchdogs drop a larger code and cut a longer message rather than have it refused.
+MAX_GPU_CODE: Final = 1000
+MAX_GPU_MESSAGE_CHARS: Final = 2000
 
 
 class GpuReport(
@@ -95,9 +104,9 @@ class GpuReport(
 
     kind: GpuReportKind
     gpu: NonNegative | None = None
-    code: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None
+    code: Annotated[int, msgspec.Meta(ge=0, le=MAX_GPU_CODE)] | None = None
     count: NonNegative | None = None
-    message: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
+    message: Annotated[str, msgspec.Meta(max_length=MAX_GPU_MESSAGE_CHARS)] | None = None
     time: datetime | None = None
 
     def __post_init__(self) -> None:

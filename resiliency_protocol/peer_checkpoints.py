@@ -45,6 +45,13 @@ class CommitResult(BaseModel):
     bytes: int
 
 
+class UploadedFile(BaseModel):
+    """PUT /v1/peer/checkpoints/{job}/{rank}/{step}/files/{name}: the file is in."""
+
+    name: str
+    size: int
+
+
 class ChannelInfo(BaseModel):
     """GET /v1/peer/channel: where this host monitor's data channel listens."""
 

@@ -16,6 +16,11 @@ from resiliency_protocol.node_commands import HostMonitorAddress
 RING_NEIGHBOURS = 2
 #: Peers named unreachable in one heartbeat, at most (the targets are fewer).
 MAX_UNREACHABLE = 64
+#: A host monitor probes once a heartbeat period, this often at most; a peer that did not
+#: answer PROBE_MISSES rounds in a row is named unreachable (one lost packet, or a peer
+#: busy for a moment, is no cut). The supervisor confirms a cut from both.
+PROBE_PERIOD_MIN_S = 1.0
+PROBE_MISSES = 2
 
 
 class ProbeTarget(HostMonitorAddress):

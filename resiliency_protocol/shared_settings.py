@@ -6,6 +6,10 @@ host_monitor or training. The worker's environment variables are in worker_env.p
 
 from __future__ import annotations
 
+from typing import Literal
+
+from resiliency_protocol.logs import LogFormat
+
 #: The prefix of the host monitor's settings in its environment (`HOST_MONITOR_NODE`...):
 #: read by the host monitor, written by whatever starts one (the local cluster, the demo).
 HOST_MONITOR_ENV_PREFIX = "HOST_MONITOR_"
@@ -25,6 +29,17 @@ DEFAULT_GPU_REPORT_COOLDOWN_S = 60.0
 #: Seconds a rank trains on after the supervisor last answered its host monitor
 #: (`host_lease_s`, worker_env.HOST_LEASE_S): three default heartbeat periods.
 DEFAULT_HOST_LEASE_S = 3 * DEFAULT_HEARTBEAT_POLLING_PERIOD_S
+
+#: The tree (a tmpfs) the workers' RAM checkpoints live under: the host monitor's
+#: `checkpoint_root` (the only tree it replicates from or fetches into), the training
+#: side's RAM tier (`<root>/<job>`), and what the local cluster tells its workers.
+DEFAULT_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
+
+#: `log_level` and `log_format` of every process (a host monitor gives its format to the
+#: workers it launches, logs.ENV_LOG_FORMAT).
+LogLevel = Literal["debug", "info", "warning", "error"]
+DEFAULT_LOG_LEVEL: LogLevel = "info"
+DEFAULT_LOG_FORMAT: LogFormat = "text"
 
 
 def host_monitor_env(setting: str) -> str:

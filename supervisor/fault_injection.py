@@ -29,6 +29,7 @@ from resiliency_protocol.faults import FAULTS, SENSOR_FAULT_KINDS, FaultKind
 from resiliency_protocol.heartbeat import GPU_ECC, GPU_XID, GpuReportKind
 from supervisor.actuator import ActionError, Backend
 from supervisor.config import Settings
+from supervisor.config_parts import SensingSettings
 from supervisor.domain import Event, Fault
 from supervisor.errors import FaultNotSupported, UnknownTarget
 from supervisor.schedules import Scheduler
@@ -106,8 +107,9 @@ class FaultInjector:
         self._injecting: dict[int, asyncio.Future[bool]] = {}
 
     @property
-    def settings(self) -> Settings:
-        return self._host.settings
+    def sensing(self) -> SensingSettings:
+        """What the fault's window is judged by."""
+        return self._host.settings.sensing
 
     @property
     def sensor(self) -> Sensor:
@@ -167,10 +169,10 @@ class FaultInjector:
         """Act the fault out on the node's processes; its consequences, expected within a
         window, carry its id."""
         # Expect the consequences within a detection period or two, plus slack.
-        window = 2 * self.settings.heartbeat_timeout_s + 30
+        window = 2 * self.sensing.heartbeat_timeout_s + 30
         one_shot = FAULTS[kind].one_shot
         if not one_shot:  # a straggler: seen once it stayed slow for a window or so,
-            window += 2 * self.settings.straggler_window_s
+            window += 2 * self.sensing.straggler_window_s
             # and what it causes while it lasts (a hang, a restart) is its doing too
             window += float(params.get("duration_s") or 0)
         self.sensor.fault_marks.expect(node, fault.id, window)

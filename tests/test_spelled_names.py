@@ -13,6 +13,7 @@ from pathlib import Path
 from resiliency_protocol.checkpoint_manifest import MANIFEST
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.faults import FaultKind
+from resiliency_protocol.shared_settings import DEFAULT_CHECKPOINT_ROOT, HOST_MONITOR_ENV_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("supervisor", "host_monitor", "training", "policies", "bench")
@@ -71,6 +72,27 @@ def test_the_manifests_file_name_is_spelled_once() -> None:
     ]
     assert not found, f"{MANIFEST} spelled outside {declared}: {found}"
     assert spelled((ROOT / declared).read_text(), frozenset({MANIFEST}))
+
+
+def test_the_shared_settings_strings_are_spelled_once() -> None:
+    """The checkpoint root and the host monitor's environment prefix, which the supervisor,
+    the host monitor and the workers must agree on, are spelled only where declared."""
+    declared = "resiliency_protocol/shared_settings.py"
+    words = frozenset({DEFAULT_CHECKPOINT_ROOT, HOST_MONITOR_ENV_PREFIX})
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}: {word!r}"
+        for package in (*PACKAGES, "resiliency_protocol")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != declared
+        for line, word in spelled(path.read_text(), words)
+    ]
+    assert not found, f"spelled outside {declared}:\n" + "\n".join(found)
+    assert len(spelled((ROOT / declared).read_text(), words)) == len(words)
+
+
+def test_the_scan_finds_a_prefix_inside_a_formatted_string() -> None:
+    words = frozenset({HOST_MONITOR_ENV_PREFIX})
+    assert spelled('env = f"HOST_MONITOR_{name.upper()}"', words) == [(1, "HOST_MONITOR_")]
 
 
 #: The checkpoint modules that loop over the tiers (training/checkpoint/tiers.py): none

@@ -376,7 +376,12 @@ class WorkerClient:
         if self._finishing_reported or registered is None or self._closed:
             return
         self._finishing_reported = True
-        body = self._connection.body(WorkerFinishing, "finishing", **registered)
+        body = self._connection.body(
+            WorkerFinishing,
+            "finishing",
+            pid=registered.pid,
+            pid_namespace=registered.pid_namespace,
+        )
         if body is not None:
             self._connection.post(worker_path(self.rank, "finishing"), body, "finishing")
 

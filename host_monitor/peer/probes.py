@@ -19,14 +19,18 @@ import ssl
 import httpx
 
 from host_monitor.credentials import BearerCredential, CredentialError
-from resiliency_protocol.peer_probes import ProbeTarget, ProbeTargets
+from resiliency_protocol.peer_probes import (
+    PROBE_MISSES,
+    PROBE_PERIOD_MIN_S,
+    ProbeTarget,
+    ProbeTargets,
+)
 from resiliency_protocol.tls import client_context
 
 log = logging.getLogger(__name__)
 
-#: Rounds in a row a peer did not answer before it is named unreachable: one lost
-#: packet, or a peer busy for a moment, is no cut.
-PROBE_MISSES = 2
+__all__ = ["PROBE_MISSES", "PeerProbes"]
+
 PROBE_TIMEOUT_S = 1.0
 TARGETS_REFRESH_MAX_S = 60.0
 
@@ -46,7 +50,7 @@ class PeerProbes:
         off."""
         self._targets_url = f"{supervisor_url.rstrip('/')}/api/v1/nodes/{node}/probe-targets"
         self._credential = credential
-        self._period_s = max(period_s, PROBE_TIMEOUT_S)
+        self._period_s = max(period_s, PROBE_PERIOD_MIN_S)
         self._ssl = ssl_context if ssl_context is not None else client_context()
         self._peer_ssl = peer_ssl_context if peer_ssl_context is not None else self._ssl
         self._targets: list[ProbeTarget] = []

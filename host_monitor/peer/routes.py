@@ -17,7 +17,7 @@ import asyncio
 import os
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, BinaryIO
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi import Path as PathParam
@@ -43,6 +43,7 @@ from resiliency_protocol.peer_checkpoints import (
     ChannelInfo,
     CommitResult,
     PeerCopy,
+    UploadedFile,
 )
 
 Job = Annotated[
@@ -96,11 +97,12 @@ def peer_router(tier: PeerTier) -> APIRouter:
 
     @router.put(
         "/checkpoints/{job}/{rank}/{step}/files/{name}",
+        response_model=UploadedFile,
         summary="Upload one file of a copy (raw body)",
     )
     async def put_file(
         job: Job, rank: Rank, step: Step, name: FileName, request: Request, store: Store
-    ) -> dict[str, Any]:
+    ) -> UploadedFile:
         name = checked_name(name)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > store.max_file_bytes:
@@ -115,7 +117,7 @@ def peer_router(tier: PeerTier) -> APIRouter:
             raise _error(507, exc) from None
         except Superseded as exc:
             raise _error(409, exc) from None
-        return {"name": name, "size": size}
+        return UploadedFile(name=name, size=size)
 
     @router.post(
         "/checkpoints/{job}/{rank}/{step}/commit",

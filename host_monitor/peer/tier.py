@@ -45,7 +45,7 @@ from host_monitor.peer.paths import (
 from host_monitor.peer.store import PeerStore
 from host_monitor.peer.worlds import PeerWorlds
 from resiliency_protocol.checkpoint_manifest import MANIFEST, Manifest
-from resiliency_protocol.checkpoint_reports import Tier
+from resiliency_protocol.checkpoint_reports import CheckpointReport, Tier
 from resiliency_protocol.clock import utcnow
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.node_commands import CheckpointPeer
@@ -352,15 +352,18 @@ class PeerTier:
         if self.forwarder is None:
             return
         try:
-            self.forwarder.add(
-                rank=push.rank,
-                job=None if push.job == NO_JOB else push.job,
+            report = CheckpointReport(
                 event="saved",
                 step=push.step,
                 duration_s=0.0,  # the training loop did not wait for it
                 tier=Tier.PEER,
-                size_bytes=push.manifest.total_bytes,
+                bytes=push.manifest.total_bytes,
                 total_s=seconds,
+            )
+            self.forwarder.add(
+                report,
+                rank=push.rank,
+                job=None if push.job == NO_JOB else push.job,
                 time=utcnow().isoformat(),
             )
         except (ValueError, OSError) as exc:

@@ -30,7 +30,7 @@ from host_monitor.watchdogs import GpuReporter, Watchdog
 from host_monitor.watchdogs.nvidia_smi import GpuTopology, normalize_pci
 from host_monitor.wire import GpuReport
 from resiliency_protocol.clock import utcnow
-from resiliency_protocol.heartbeat import GPU_XID
+from resiliency_protocol.heartbeat import GPU_XID, MAX_GPU_CODE, MAX_GPU_MESSAGE_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,6 @@ _XID_RE = re.compile(
 )
 # What precedes the message on current drivers; either may be absent on older ones.
 _PID_NAME_RE = re.compile(r"^(?:pid=[^,]*,\s*)?(?:name=[^,]*,\s*)?")
-MAX_CODE = 1000  # the supervisor's bound on an XID code
-MAX_MESSAGE = 2000
 MAX_READ = 1 << 20  # bytes of a kernel log file read per check; the rest waits
 MAX_PARTIAL = 1 << 16  # a "line" longer than this without a newline is dropped
 
@@ -246,7 +244,7 @@ class XidWatchdog(Watchdog):
                 self.report(xid)
 
     def report(self, xid: XidLine) -> bool:
-        if xid.code > MAX_CODE:
+        if xid.code > MAX_GPU_CODE:
             log.warning("ignoring XID with out-of-range code %d: %s", xid.code, xid.message)
             return False
         message = f"{xid.message} (PCI {xid.pci})" if xid.message else f"PCI {xid.pci}"
@@ -254,7 +252,7 @@ class XidWatchdog(Watchdog):
             kind=GPU_XID,
             gpu=self.topology.gpu_for(xid.pci),
             code=xid.code,
-            message=message[:MAX_MESSAGE],
+            message=message[:MAX_GPU_MESSAGE_CHARS],
             time=utcnow(),
         )
         return self.reporter.offer(report)

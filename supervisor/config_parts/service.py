@@ -9,6 +9,12 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from resiliency_protocol.logs import LogFormat
+from resiliency_protocol.shared_settings import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    LogLevel,
+)
 from resiliency_protocol.tls import client_context, half_key_pair
 from supervisor.config_parts.group import SettingsGroup
 from supervisor.config_parts.notification_routes import Routes
@@ -104,11 +110,9 @@ class ServiceSettings(SettingsGroup):
 
     host: str = Field("127.0.0.1", description="Address `supervisor serve` binds.")
     port: int = Field(8080, ge=0, le=65535, description="Port `supervisor serve` binds.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
-    )
-    log_format: Literal["text", "json"] = Field(
-        "text",
+    log_level: LogLevel = Field(DEFAULT_LOG_LEVEL, description="Log level.")
+    log_format: LogFormat = Field(
+        DEFAULT_LOG_FORMAT,
         description="Log lines for people (text) or one JSON object per line for a log "
         "pipeline (json), with the event, action, job, node and rank as fields.",
     )

@@ -6,11 +6,11 @@ from __future__ import annotations
 from kubernetes import client, config
 from kubernetes.config.config_exception import ConfigException
 
-from supervisor.config import Settings
+from supervisor.config_parts import KubernetesSettings
 from supervisor.kube.errors import KubeConfigError
 
 
-def api_client(settings: Settings) -> client.ApiClient:
+def api_client(settings: KubernetesSettings) -> client.ApiClient:
     """A new ApiClient; the caller closes it.
 
     `kube_config` set: that kubeconfig (and `kube_context`). Unset: the pod's service

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from supervisor.config import Settings
+from supervisor.config_parts import KubernetesSettings
 from supervisor.kube import objects as o
 from supervisor.kube.objects import Obj
 
@@ -36,7 +36,7 @@ class Verdict:
         return {"status": "force_deleted" if self.allowed else "waiting", "why": self.why}
 
 
-def may_force_delete(settings: Settings, name: str | None, node: Obj | None) -> Verdict:
+def may_force_delete(settings: KubernetesSettings, name: str | None, node: Obj | None) -> Verdict:
     """Whether the pods of node `name` (its object `node`, None when gone) may be deleted
     with grace 0."""
     if name is None:

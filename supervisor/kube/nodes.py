@@ -13,7 +13,7 @@ from typing import Any
 
 from supervisor.action_params import HotSwapParams
 from supervisor.actuator.backend import params_for
-from supervisor.config import Settings
+from supervisor.config_parts import KubernetesSettings
 from supervisor.domain import ActionRecord
 from supervisor.kube import objects as o
 from supervisor.kube import rmw
@@ -106,7 +106,7 @@ async def hot_swap(ctx: ActionContext, action: ActionRecord, *, heal: Heal) -> d
     return result
 
 
-def cordon_node(settings: Settings, node: Obj) -> bool:
+def cordon_node(settings: KubernetesSettings, node: Obj) -> bool:
     """Unschedulable, health label Unschedulable (a node pending replacement keeps its
     label)."""
     spec = node.setdefault("spec", {})
@@ -118,7 +118,7 @@ def cordon_node(settings: Settings, node: Obj) -> bool:
     return changed
 
 
-def swap_out_node(settings: Settings, node: Obj) -> bool:
+def swap_out_node(settings: KubernetesSettings, node: Obj) -> bool:
     """Cordon, our NoExecute taint, health label UnschedulablePendingReplacement."""
     spec = node.setdefault("spec", {})
     changed = not spec.get("unschedulable")
@@ -136,7 +136,7 @@ def swap_out_node(settings: Settings, node: Obj) -> bool:
     return _set_health(settings, node, o.PENDING_REPLACEMENT) or changed
 
 
-def restore_node(settings: Settings, node: Obj) -> bool:
+def restore_node(settings: KubernetesSettings, node: Obj) -> bool:
     """Schedulable, our taint gone, health label Schedulable."""
     spec = node.setdefault("spec", {})
     changed = bool(spec.pop("unschedulable", False))
@@ -148,7 +148,7 @@ def restore_node(settings: Settings, node: Obj) -> bool:
     return _set_health(settings, node, o.SCHEDULABLE) or changed
 
 
-def _set_health(settings: Settings, node: Obj, value: str) -> bool:
+def _set_health(settings: KubernetesSettings, node: Obj, value: str) -> bool:
     labels = o.meta(node).setdefault("labels", {})
     if labels.get(settings.kube_node_health_label) == value:
         return False

@@ -32,6 +32,7 @@ from resiliency_protocol.node_commands import (
     StopWorkersRequest,
     WorkerSpec,
 )
+from resiliency_protocol.shared_settings import DEFAULT_CHECKPOINT_ROOT
 from resiliency_protocol.states import WorkerState
 from resiliency_protocol.tls import client_context
 from supervisor.actuator.backend import Fenced
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 
 # The host monitor's default `checkpoint_root` (host_monitor/config.py): where its workers'
 # RAM checkpoint tier must live for the peer tier to copy it.
-HOST_MONITOR_CHECKPOINT_ROOT = "/dev/shm/resiliency-checkpoints"
 #: A worker in one of these states has no process left to join a world.
 ENDED = frozenset({WorkerState.EXITED.value, WorkerState.STOPPED.value})
 
@@ -188,7 +188,7 @@ class LocalCluster:
             return {**job.env, **world, **self.rendezvous_env(job)}
         run = self.run_dir
         info = self.state.nodes.get(node)
-        root = (info.checkpoint_root if info else None) or HOST_MONITOR_CHECKPOINT_ROOT
+        root = (info.checkpoint_root if info else None) or DEFAULT_CHECKPOINT_ROOT
         return {
             **job.env,
             worker_env.WORKLOAD_ATTEMPT: str(job.attempt),

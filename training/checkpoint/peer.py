@@ -40,6 +40,7 @@ from resiliency_protocol.checkpoint_manifest import (
 )
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.peer_checkpoints import (
+    ChannelReply,
     FetchPeerRequest,
     FetchPeerResult,
     PeerCopy,
@@ -232,10 +233,10 @@ class PeerTier:
             with sock:
                 sock.sendall(_MAGIC + _LENGTH.pack(len(data)) + data)
                 reply, handed = _reply(sock)
-                if reply.get("status") != 200 or reply.get("size") != entry.size:
+                if reply.status != 200 or reply.size != entry.size:
                     if handed is not None:
                         handed.close()
-                    raise _RelayFailed(f"{name}: {reply.get('status')} {reply.get('detail')}")
+                    raise _RelayFailed(f"{name}: {reply.status} {reply.detail}")
                 source = handed or sock
                 try:
                     source.settimeout(self.fetch_timeout_s)
@@ -293,7 +294,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def _reply(sock: socket.socket) -> tuple[dict[str, Any], socket.socket | None]:
+def _reply(sock: socket.socket) -> tuple[ChannelReply, socket.socket | None]:
     """The host monitor's answer, and the connection it handed over with it (a Unix
     socket's answer may carry the partner's connection: the file's bytes come on it)."""
     prefix = len(_MAGIC) + _LENGTH.size
@@ -310,10 +311,15 @@ def _reply(sock: socket.socket) -> tuple[dict[str, Any], socket.socket | None]:
     if head[: len(_MAGIC)] != _MAGIC:
         raise _RelayFailed("the host monitor's answer is not a frame")
     (length,) = _LENGTH.unpack(head[len(_MAGIC) :])
-    body = json.loads(_recv_exact(sock, min(length, 65536)))
-    if not isinstance(body, dict):
-        raise _RelayFailed("the host monitor's answer is not an object")
-    return body, handed
+    try:
+        body = json.loads(_recv_exact(sock, min(length, 65536)))
+        if not isinstance(body, dict):
+            raise _RelayFailed("the host monitor's answer is not an object")
+        return ChannelReply.model_validate(body), handed
+    except BaseException:
+        if handed is not None:
+            handed.close()
+        raise
 
 
 def _receive(sock: socket.socket, path: Path, size: int, checksum: Checksum) -> int:

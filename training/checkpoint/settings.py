@@ -26,8 +26,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from resiliency_protocol import worker_env
+from resiliency_protocol.shared_settings import DEFAULT_CHECKPOINT_ROOT
 
-DEFAULT_RAM_ROOT = Path("/dev/shm/resiliency-checkpoints")
+#: The host monitor's `checkpoint_root` by default: it replicates only from under it.
+DEFAULT_RAM_ROOT = Path(DEFAULT_CHECKPOINT_ROOT)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import ssl
 import urllib.parse
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -19,6 +19,8 @@ log = logging.getLogger("training.worker_client")
 
 _REQUEST_TIMEOUT_S = 2.0
 MAX_ERROR_CHARS = 2000
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class MonitorConnection:
@@ -62,12 +64,12 @@ class MonitorConnection:
         self._failing.discard(kind)
         return True
 
-    def body(self, model: type[BaseModel], kind: str, **fields: Any) -> dict[str, Any] | None:
-        """`model`'s body of `fields` as JSON, with only the fields given (the others are
-        left out, as older host monitors take them); None, logged once per kind, when the
-        host monitor would refuse it."""
+    def body(self, model: type[Body], kind: str, **fields: object) -> Body | None:
+        """`model`'s body of `fields`, sent with only the fields given (the others are left
+        out, as older host monitors take them, `wire`); None, logged once per kind, when
+        the host monitor would refuse it."""
         try:
-            return model(**fields).model_dump(mode="json", exclude_unset=True)
+            return model.model_validate(fields)
         except ValidationError as exc:
             if self.first_failure(kind):
                 log.warning(
@@ -75,12 +77,12 @@ class MonitorConnection:
                 )
             return None
 
-    def post(self, path: str, body: dict[str, Any], kind: str) -> Any | None:
+    def post(self, path: str, body: BaseModel, kind: str) -> Any | None:
         """POST; the decoded reply (or {}), or None on any failure (logged once)."""
         if self.http is None:
             return None
         try:
-            response = self.http.post(path, json=body)
+            response = self.http.post(path, json=wire(body))
             response.raise_for_status()
         except httpx.HTTPError as exc:
             if (
@@ -109,6 +111,11 @@ class MonitorConnection:
     def close(self) -> None:
         if self.http is not None:
             self.http.close()
+
+
+def wire(body: BaseModel) -> object:
+    """`body` as JSON, with only the fields it was given."""
+    return body.model_dump(mode="json", exclude_unset=True)
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.worker_wire import (
@@ -22,6 +22,19 @@ from training.process_identity import self_identity
 # restarted, e.g. a DaemonSet rollout, or was not up at `register()`): register again,
 # at most this often.
 _REREGISTER_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The process the host monitor took the registration of: what the reports that
+    must come from that process (stopping, finishing) name."""
+
+    pid: int
+    pid_namespace: int | None
+
+    @classmethod
+    def of(cls, body: WorkerRegistration) -> Registered:
+        return cls(pid=body.pid, pid_namespace=body.pid_namespace)
 
 
 class Registration:
@@ -41,8 +54,8 @@ class Registration:
         self._job = job
         self._instance = instance
         #: pid and pid_namespace, once the host monitor took the registration.
-        self.registered: dict[str, Any] | None = None
-        self._body: dict[str, Any] | None = None
+        self.registered: Registered | None = None
+        self._body: WorkerRegistration | None = None
         self._next_register = 0.0  # monotonic
         #: Whether a SIGUSR1 handler of the client is installed (`take_emergency_checkpoints`).
         self.emergency_checkpoints = False
@@ -77,7 +90,7 @@ class Registration:
                 break  # the host monitor would refuse it (logged): asking again changes nothing
             with self._lock:
                 if self._connection.post(REGISTER_PATH, body, kind="register") is not None:
-                    self.registered = {"pid": me.pid, "pid_namespace": me.pid_namespace}
+                    self.registered = Registered(pid=me.pid, pid_namespace=me.pid_namespace)
                     return True
             if attempt + 1 < attempts:
                 time.sleep(attempt_delay(retry_delay_s, attempt + 1))
@@ -97,7 +110,7 @@ class Registration:
                 return
             if self._connection.post(REGISTER_PATH, body, kind="register") is not None:
                 self._connection.unknown_to_monitor = False
-                self.registered = {"pid": body["pid"], "pid_namespace": body.get("pid_namespace")}
+                self.registered = Registered.of(body)
                 log.info("worker client: registered with the host monitor again")
 
     def take_emergency_checkpoints(self, enabled: bool) -> None:
@@ -108,9 +121,8 @@ class Registration:
         self.emergency_checkpoints = enabled
         with self._lock:
             if self._body is not None:
-                # A new dict, not a change in place: the reporting thread may be sending it.
-                body = {k: v for k, v in self._body.items() if k != "emergency_checkpoints"}
-                self._body = {**body, "emergency_checkpoints": True} if enabled else body
+                # A new body, not a change in place: the reporting thread may be sending it.
+                self._body = _saying_emergency_checkpoints(self._body, enabled)
             registered = self.registered
             if registered is None:
                 return  # the registration will say it
@@ -118,7 +130,8 @@ class Registration:
                 WorkerEmergencyCheckpoints,
                 "emergency-checkpoints",
                 emergency_checkpoints=enabled,
-                **registered,
+                pid=registered.pid,
+                pid_namespace=registered.pid_namespace,
             )
             path = worker_path(self._rank, "emergency-checkpoints")
             for _ in range(2):
@@ -126,3 +139,13 @@ class Registration:
                     break  # the host monitor would refuse it (logged)
                 if self._connection.post(path, update, "emergency-checkpoints") is not None:
                     break
+
+
+def _saying_emergency_checkpoints(body: WorkerRegistration, enabled: bool) -> WorkerRegistration:
+    """`body` that says the process takes emergency checkpoints (`enabled`), or, left out
+    (the default, False, as older host monitors take it), that it does not."""
+    fields = body.model_dump(exclude_unset=True)
+    fields.pop("emergency_checkpoints", None)
+    if enabled:
+        fields["emergency_checkpoints"] = True
+    return WorkerRegistration.model_validate(fields)

@@ -7,7 +7,6 @@ import math
 import queue
 import threading
 import time
-from typing import Any
 
 from resiliency_protocol.checkpoint_reports import (
     MAX_CHECKPOINT_BYTES,
@@ -47,7 +46,7 @@ class Reporter:
         self._compute_lock = threading.Lock()
         self._compute_sum = 0.0
         self._compute_count = 0
-        self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(_MAX_QUEUED_REPORTS)
+        self._queue: queue.Queue[tuple[str, CheckpointReport]] = queue.Queue(_MAX_QUEUED_REPORTS)
         # Reports queued and not yet sent (or given up on): what `flush` waits for.
         self._unsent = 0
         self._sent = threading.Condition()
@@ -196,7 +195,7 @@ class Reporter:
 
     def send_progress(self) -> None:
         """POST the newest step, with the mean compute time since the last report."""
-        fields: dict[str, Any] = {"step": self._step}  # null before the first step
+        fields: dict[str, object] = {"step": self._step}  # null before the first step
         if self.attempt is not None:
             fields["attempt"] = self.attempt
         with self._compute_lock:

@@ -18,7 +18,7 @@ from types import FrameType
 from typing import Any
 
 from resiliency_protocol.worker_wire import WorkerStopping, worker_path
-from training.monitor_link.connection import MAX_ERROR_CHARS, MonitorConnection, log
+from training.monitor_link.connection import MAX_ERROR_CHARS, MonitorConnection, log, wire
 from training.monitor_link.registration import Registration
 
 # The stopping report is sent from the SIGTERM handler, before the process goes on
@@ -125,11 +125,17 @@ class TermHandler:
             if url.scheme == "https"
             else http.client.HTTPConnection(host, port or 80, timeout=_STOPPING_TIMEOUT_S)
         )
-        fields = {**registered, **({"signal": signum} if signum is not None else {})}
-        stopping = self._connection.body(WorkerStopping, "stopping", **fields)
+        signal = {"signal": signum} if signum is not None else {}
+        stopping = self._connection.body(
+            WorkerStopping,
+            "stopping",
+            pid=registered.pid,
+            pid_namespace=registered.pid_namespace,
+            **signal,
+        )
         if stopping is None:
             return
-        body = json.dumps(stopping)
+        body = json.dumps(wire(stopping))
         headers = {
             **self._connection.headers,
             "Host": url.netloc,

@@ -10,7 +10,7 @@ from supervisor.api.deps import Reader
 from supervisor.api.node_status import NodeStatus
 from supervisor.api.parts import BudgetsDep, Picture, Remedies, SettingsDep, SupervisorDep
 from supervisor.api.schemas import JobOut, NodeOut
-from supervisor.config import Settings
+from supervisor.config_parts import SensingSettings
 from supervisor.controller.budget import Budgets
 from supervisor.domain import NodeState, NodeView
 from supervisor.job_state import job_state
@@ -62,7 +62,7 @@ async def get_node(
     return node_out(sensor, settings, supervisor.dry_run, view)
 
 
-def node_out(sensor: Sensor, settings: Settings, dry_run: bool, view: NodeView) -> NodeOut:
+def node_out(sensor: Sensor, settings: SensingSettings, dry_run: bool, view: NodeView) -> NodeOut:
     return NodeOut.of(
         view,
         sensor.heartbeat_age_s(view.name),

@@ -31,7 +31,13 @@ from resiliency_protocol.bare_asgi import (
     send_json,
 )
 from resiliency_protocol.errors import error_body
-from resiliency_protocol.heartbeat import HeartbeatError, HostHeartbeat, parse_heartbeat
+from resiliency_protocol.heartbeat import (
+    HEARTBEAT_PATH,
+    MAX_HEARTBEAT_BODY_BYTES,
+    HeartbeatError,
+    HostHeartbeat,
+    parse_heartbeat,
+)
 from resiliency_protocol.worlds import job_world_header
 from supervisor.agent_time import AgentTimeError, agent_time
 from supervisor.identity.authenticator import AgentAuthenticator, Principal, ReviewUnavailable
@@ -40,8 +46,8 @@ from supervisor.runtime import Supervisor
 from supervisor.sensor.sensor import UNCHANGED, Changes, RankClaimed
 from supervisor.sensor.worlds import StaleWorldReport
 
-PATH = "/api/v1/heartbeats"
-MAX_BODY = 1 << 20
+PATH = HEARTBEAT_PATH
+MAX_BODY = MAX_HEARTBEAT_BODY_BYTES
 
 RETRY_AFTER = [(b"retry-after", b"1")]
 _NO_CONTENT_START: Message = {"type": "http.response.start", "status": 204, "headers": ()}
