@@ -8,17 +8,13 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor.actuator.backend import ActionError, Fenced
+from supervisor.actuator.backend import ActionError
 from supervisor.domain import ActionType
 from supervisor.kube import objects as o
-from supervisor.kube.backend import KubeBackend
-from supervisor.local.cluster_state import free_port
-from supervisor.runtime import make_backend
 from tests.conftest import SettingsFactory
 from tests.kube import FakeKube
 from tests.kube.harness import (
@@ -33,7 +29,6 @@ from tests.kube.harness import (
     setup_cluster,
     started,
 )
-from tests.test_host_monitor import ACTUATOR_TOKEN, Cluster
 
 
 @pytest.fixture
@@ -55,36 +50,6 @@ async def until(backend: Any, predicate: Any, timeout: float = 10.0) -> None:
 
 
 # --- discovery ----------------------------------------------------------------------------
-
-
-async def test_discovery_maps_pods_nodes_spares_and_bounds(
-    kube: FakeKube, make_settings: SettingsFactory
-) -> None:
-    """Pods of the JobSet by node, spares (schedulable GPU nodes with no JobSet pod), and
-    replicas with bounds from the JobSet's annotations, falling back to the settings."""
-    pods = setup_cluster(kube, annotations={o.MIN_REPLICAS: "1", o.MAX_REPLICAS: "3"}, replicas=2)
-    kube.add_node("cpu-0", labels={"gpu": "false"})  # not a GPU node: never a spare
-    kube.add_node("gpu-9", gpus=8, labels={"gpu": "true"}, unschedulable=True)
-    async with started(kube, kube_settings(make_settings)) as backend:
-        used = sorted(p["spec"]["nodeName"] for p in pods)
-        await until(backend, lambda: backend.discovery.nodes_of("train") == used)
-        assert backend.discovery.spares() == sorted(
-            {"gpu-0", "gpu-1", "gpu-2", "gpu-3"} - set(used)
-        )
-        view = backend.job_views()["train"]
-        assert (view.num_dp_replicas, view.min_num_dp_replicas, view.max_num_dp_replicas) == (
-            2,
-            1,
-            3,
-        )
-        assert view.num_nodes_per_dp == 1 and list(view.nodes) == used
-        assert backend.discovery.jobset_on(used[0]) == "train"
-
-        # A change reaches the cache by the watch: annotations removed -> settings' bounds.
-        kube.patch("JobSet", "train", {"metadata": {"annotations": {o.MIN_REPLICAS: None}}})
-        await until(backend, lambda: backend.job_views()["train"].min_num_dp_replicas == 1)
-    # close() ended every watch thread.
-    assert not [i for i in backend.discovery.informers.values() if i._thread.is_alive()]
 
 
 async def test_watch_relists_after_410_and_reconnects_after_errors(
@@ -252,57 +217,6 @@ async def test_restart_workload_without_the_policy_recreates_the_child_jobs(
         assert "gets RestartJobSet, not RestartJobSetAndIgnoreMaxRestarts" in event["message"]
 
 
-async def test_restart_workload_resumed_after_a_crash_restarts_nothing_new(
-    kube: FakeKube, make_settings: SettingsFactory
-) -> None:
-    """A crash after the pods were evicted: the repeat finds its journal entry (the old
-    Jobs' UIDs) and the restart done, so the new Jobs and pods are left alone."""
-    setup_cluster(kube)
-    async with started(kube, kube_settings(make_settings)) as backend:
-        await until(backend, lambda: len(backend.discovery.child_jobs("train")) == 2)
-        a = action(ActionType.RESTART_WORKLOAD, key="crashy")
-        await backend.execute(a)
-        running = kube.wait_for(lambda: pods_running(kube, 2), 10)
-        # Forget that it finished, as if the supervisor died before recording it.
-        js = kube.get("JobSet", "train")
-        journal = json.loads(js["metadata"]["annotations"][o.JOURNAL])
-        journal["crashy"]["done"] = False
-        kube.patch(
-            "JobSet", "train", {"metadata": {"annotations": {o.JOURNAL: json.dumps(journal)}}}
-        )
-        jobs = {j["metadata"]["uid"] for j in kube.objects("Job")}
-        before = len(kube.requests)
-        result = await backend.execute(a)
-        assert result == {"method": "evict", "pods": {}, "restart_attempt": 1}, result
-        assert {j["metadata"]["uid"] for j in kube.objects("Job")} == jobs
-        assert {p["metadata"]["uid"] for p in running_pods(kube)} == {
-            p["metadata"]["uid"] for p in running
-        }
-        writes = [w for w in mutations(kube, before) if "/events" not in w[1]]
-        assert [path.rsplit("/", 1)[-1] for _, path in writes] == ["train"], writes
-
-
-async def test_a_fenced_replica_sends_nothing(
-    kube: FakeKube, make_settings: SettingsFactory
-) -> None:
-    """Once the fence says this replica may no longer act (its leadership lapsed), an
-    action raises Fenced before sending any request: not even its journal entry."""
-    setup_cluster(kube)
-    hooks = Hooks()
-    async with started(kube, kube_settings(make_settings), hooks) as backend:
-        await until(backend, lambda: len(backend.discovery.child_jobs("train")) == 2)
-        hooks.fenced = "the Lease may be someone else's"
-        before = len(kube.requests)
-        with pytest.raises(Fenced, match="someone else's"):
-            await backend.execute(action(ActionType.RESTART_WORKLOAD))
-        with pytest.raises(Fenced):
-            await backend.execute(action(ActionType.CORDON, node="gpu-0", job=None, key="k2"))
-        assert mutations(kube, before) == []
-        assert "resiliency.supervisor.io/actions" not in kube.get("JobSet", "train")[
-            "metadata"
-        ].get("annotations", {})
-
-
 # --- hot-swap and the node's way back -------------------------------------------------------
 
 
@@ -450,29 +364,6 @@ async def test_scale_down_then_up_recreates_the_jobset_and_restores_it_exactly(
         kube.wait_for(lambda: pods_running(kube, 2), 10)
 
 
-async def test_scale_resumed_after_a_crash_between_delete_and_create(
-    kube: FakeKube, make_settings: SettingsFactory
-) -> None:
-    """The old JobSet is gone and the supervisor that deleted it died before creating the
-    new one: a new supervisor finds the new body on the Event recorded before the delete."""
-    setup_cluster(kube, annotations={o.MIN_REPLICAS: "1"})
-    settings = kube_settings(make_settings)
-    a = action(ActionType.SCALE_DOWN, to_replicas=1, reason="no spare")
-    down = kube.fail_next("create", r"/jobsets$", status=503, times=1000)
-    async with started(kube, settings) as backend:
-        await until(backend, lambda: len(backend.discovery.nodes_of("train")) == 2)
-        with pytest.raises(ActionError, match="create jobset train: HTTP 503") as e:
-            await backend.execute(a)
-        assert e.value.retryable
-    assert kube.get("JobSet", "train") is None
-    down.times = down.hits
-    async with started(kube, settings) as fresh:
-        assert await fresh.execute(a) == {"num_dp_replicas": 1, "from_replicas": 2}
-    assert kube.get("JobSet", "train")["spec"]["replicatedJobs"][0]["replicas"] == 1
-    kube.wait_for(lambda: pods_running(kube, 1), 10)
-    assert len(events_about(kube, "train", "Rescaling")) == 1
-
-
 # --- force delete -------------------------------------------------------------------------------
 
 
@@ -573,84 +464,3 @@ async def test_eviction_blocked_by_a_pdb_falls_back_to_delete(
         assert len(deletes) == 1
         pod = kube.get("Pod", pods[0]["metadata"]["name"])
         assert pod is None or pod["metadata"]["deletionGracePeriodSeconds"] == 7
-
-
-# --- emergency checkpoint through real host monitors ------------------------------------------
-
-
-async def test_emergency_checkpoint_goes_through_the_host_monitors(
-    kube: FakeKube, make_settings: SettingsFactory, tmp_path: Path
-) -> None:
-    """Two real host monitor processes, one per node of the JobSet, with real workers:
-    the node found by the heartbeat's address, the other by its InternalIP and
-    host_monitor_port; the actuator token is presented; every rank acks. A rank that
-    never acks makes the action fail and say which."""
-    pods = setup_cluster(kube)
-    nodes = sorted(p["spec"]["nodeName"] for p in pods)
-    cluster = Cluster(tmp_path)
-    try:
-        by_heartbeat = cluster.start_agent(None, node=nodes[0])
-        port = free_port()
-        by_ip = cluster.start_agent(None, node=nodes[1], port=port, host="127.0.0.1")
-        cluster.start_workers(by_heartbeat, [0])
-        cluster.start_workers(by_ip, [1], env={"NO_ACK_RANKS": ""})
-        cluster.wait_running(by_heartbeat, [0])
-        cluster.wait_running(by_ip, [1])
-        node = kube.get("Node", nodes[1])
-        node["status"]["addresses"] = [{"type": "InternalIP", "address": "127.0.0.1"}]
-        kube.patch("Node", nodes[1], {"status": node["status"]}, subresource="status")
-        hooks = Hooks(addresses={nodes[0]: by_heartbeat.url})
-        settings = kube_settings(
-            make_settings,
-            host_monitor_port=port,
-            host_monitor_actuator_token=ACTUATOR_TOKEN,
-            emergency_checkpoint_timeout_s=1.5,
-        )
-        async with started(kube, settings, hooks) as backend:
-            await until(backend, lambda: backend.discovery.nodes_of("train") == nodes)
-            result = await backend.execute(action(ActionType.EMERGENCY_CHECKPOINT))
-            assert result["nodes"] == nodes and result["acked_ranks"] == ["0", "1"]
-            assert events_about(kube, "train", "EmergencyCheckpoint")
-
-            # Excluding the failed node: only the other one is asked.
-            only = await backend.execute(
-                action(ActionType.EMERGENCY_CHECKPOINT, key="k2", exclude_nodes=[nodes[0]])
-            )
-            assert only["nodes"] == [nodes[1]] and only["acked_ranks"] == ["1"]
-
-            cluster.start_workers(by_ip, [2], env={"NO_ACK_RANKS": "2"})
-            cluster.wait_running(by_ip, [2])
-            with pytest.raises(ActionError, match=rf"{nodes[1]}: no answer from ranks \[2\]"):
-                await backend.execute(action(ActionType.EMERGENCY_CHECKPOINT, key="k3"))
-            assert events_about(kube, "train", "EmergencyCheckpointFailed")
-    finally:
-        cluster.teardown()
-
-
-async def test_make_backend_builds_it_from_a_kubeconfig(
-    kube: FakeKube, make_settings: SettingsFactory, tmp_path: Path
-) -> None:
-    """`backend: kubernetes` with `kube_config`: the supervisor's own factory builds the
-    backend (the client from the kubeconfig and its context), which then acts."""
-    kube.add_node("gpu-0", gpus=8, labels={"gpu": "true"})
-    config = tmp_path / "kubeconfig"
-    config.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "ctx", "context": {"cluster": "fake", "user": "u"}}],
-                "current-context": "other",
-            }
-        )
-    )
-    settings = kube_settings(make_settings, kube_config=str(config), kube_context="ctx")
-    backend = make_backend(settings)
-    assert isinstance(backend, KubeBackend)
-    try:
-        await backend.execute(action(ActionType.CORDON, node="gpu-0", job=None))
-    finally:
-        await backend.close()
-    assert kube.get("Node", "gpu-0")["spec"]["unschedulable"] is True

@@ -14,27 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from supervisor.actuator.backend import ActionError
-from supervisor.domain import ActionType, Event, EventType, utcnow
+from supervisor.domain import ActionType
 from supervisor.kube import objects as o
+from supervisor.kube.backend import KubeBackend
+from supervisor.runtime import make_backend
 from tests.chart_rbac import chart_identity_without
 from tests.conftest import SettingsFactory
 from tests.control_plane import ControlPlane, Identity
-from tests.kube.harness import Hooks, action
+from tests.kube.harness import action, kube_settings
 from tests.kube_real import (
     JOBSETS,
     NS,
     backend_on,
     events_about,
-    fail_pod,
     get,
     merge_patch,
     node,
     pool_nodes,
-    running,
     start_jobset,
     unmanage,
     until,
@@ -182,54 +184,98 @@ async def test_restart_workload_without_the_policy_deletes_the_jobs_for_the_cont
         assert status.get("restarts", 0) == 0, status
 
 
-async def test_a_restart_for_a_crash_the_jobset_controller_answered_itself_is_skipped(
+# --- discovery and the backend's factory ---------------------------------------------------
+
+
+async def test_discovery_maps_pods_nodes_spares_and_bounds(
     control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
 ) -> None:
-    """A worker crashes (its pod ends Failed, exit code 1, as its kubelet reports it): its
-    Job fails (backoffLimit 0) and the real JobSet controller restarts the JobSet by its
-    own failure policy. The restarts the policy asked for that crash, in place and of the
-    workload, find it done since the event: skipped with their reason, the new pods
-    untouched."""
-    pool_nodes(control_plane, "sk", 2)
-    start_jobset(control_plane, "sk", "sk")
-    pods = wait_running(control_plane, "sk", 2, "0")
-    crashed = pods[0]
-    hooks = Hooks()
-    async with backend_on(control_plane, kube_supervisor, make_settings, "sk", hooks) as backend:
-        where = crashed["spec"]["nodeName"]
-        await until(backend, lambda: where in backend.discovery.nodes_of("sk"), "the pods seen")
-        hooks.recorded[7] = Event(
-            EventType.WORKER_EXITED,
-            utcnow(),
-            node=where,
-            job="sk",
-            rank=0,
-            details={"exit_code": 1},
-            id=7,
+    """Pods of the JobSet by node, spares (schedulable nodes of the GPU node selector with
+    no JobSet pod), and replicas with bounds from the JobSet's annotations, falling back
+    to the settings once the annotations go (a change the watches bring)."""
+    nodes = pool_nodes(control_plane, "disc", 4)
+    (cordoned,) = pool_nodes(control_plane, "disc-off", 1)
+    merge_patch(
+        control_plane,
+        f"/api/v1/nodes/{cordoned}",
+        {"metadata": {"labels": {"pool": "disc"}}, "spec": {"unschedulable": True}},
+    )
+    pool_nodes(control_plane, "disc-cpu", 1)  # not of the selector: never a spare
+    start_jobset(
+        control_plane, "disc", "disc", annotations={o.MIN_REPLICAS: "1", o.MAX_REPLICAS: "3"}
+    )
+    used = sorted(p["spec"]["nodeName"] for p in wait_running(control_plane, "disc", 2, "0"))
+    async with backend_on(control_plane, kube_supervisor, make_settings, "disc") as backend:
+        await until(backend, lambda: backend.discovery.nodes_of("disc") == used, "the pods")
+        await until(
+            backend, lambda: cordoned in backend.discovery.nodes(), "the cordoned node seen"
         )
-        fail_pod(control_plane, crashed)
-        fresh = wait_running(control_plane, "sk", 2, "1")
+        assert backend.discovery.spares() == sorted(set(nodes) - set(used))
+        view = backend.job_views()["disc"]
+        shape = (view.num_dp_replicas, view.min_num_dp_replicas, view.max_num_dp_replicas)
+        assert shape == (2, 1, 3), shape
+        assert view.num_nodes_per_dp == 1 and list(view.nodes) == used
+        assert backend.discovery.jobset_on(used[0]) == "disc"
+
+        # A change reaches the cache by the watch: annotations removed -> settings' bounds.
+        gone = {"metadata": {"annotations": {o.MIN_REPLICAS: None, o.MAX_REPLICAS: None}}}
+        merge_patch(control_plane, f"{JOBSETS}/disc", gone)
+        settings = backend.settings
         await until(
             backend,
             lambda: (
-                {p["metadata"]["uid"] for p in backend.discovery.pods_of("sk")}
-                >= {p["metadata"]["uid"] for p in fresh}
+                (
+                    (v := backend.job_views()["disc"]).min_num_dp_replicas,
+                    v.max_num_dp_replicas,
+                )
+                == (settings.min_num_dp_replicas, settings.max_num_dp_replicas)
             ),
-            "the new pods seen",
+            "the settings' bounds",
         )
-        skipped = "already restarted by the JobSet controller (restart-attempt 1)"
-        in_place = action(
-            ActionType.RESTART_IN_PLACE, job="sk", node=where, event_id=7, reason="exited"
-        )
-        assert await backend.execute(in_place) == {"skipped": skipped}
-        workload = action(ActionType.RESTART_WORKLOAD, job="sk", key="k2", id_=2, event_id=7)
-        assert await backend.execute(workload) == {"skipped": skipped}
-        assert len(events_about(control_plane, "sk", "AlreadyRestarted")) == 2
-        status = (get(control_plane, f"{JOBSETS}/sk") or {})["status"]
-        assert status["restarts"] == 1, status  # one restart: the controller's own
-        still = running(control_plane, "sk", 2, "1")
-        assert still is not None
-        assert {p["metadata"]["uid"] for p in still} == {p["metadata"]["uid"] for p in fresh}
+        assert settings.max_num_dp_replicas != 3  # the change seen, not a coincidence
+    # close() ended every watch thread.
+    assert not [i for i in backend.discovery.informers.values() if i._thread.is_alive()]
+
+
+async def test_make_backend_builds_it_from_a_kubeconfig(
+    control_plane: ControlPlane,
+    kube_supervisor: Identity,
+    make_settings: SettingsFactory,
+    tmp_path: Path,
+) -> None:
+    """`backend: kubernetes` with `kube_config` and `kube_context`: the supervisor's own
+    factory builds the backend (the client from the kubeconfig and that context, not its
+    current one, which names a server where nothing listens), which then acts."""
+    (name,) = pool_nodes(control_plane, "mb", 1)
+    config = yaml.safe_load(kube_supervisor.kubeconfig.read_text())
+    (context,) = config["contexts"]
+    (cluster,) = config["clusters"]
+    context["name"] = "ctx"
+    nowhere = {
+        "name": "nowhere",
+        "cluster": {**cluster["cluster"], "server": "https://127.0.0.1:9"},
+    }
+    config["clusters"].append(nowhere)
+    config["contexts"].append(
+        {"name": "other", "context": {**context["context"], "cluster": "nowhere"}}
+    )
+    config["current-context"] = "other"
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    settings = kube_settings(
+        make_settings,
+        kube_config=str(path),
+        kube_context="ctx",
+        kube_namespace=NS,
+        kube_gpu_node_selector="pool=mb",
+    )
+    backend = make_backend(settings)
+    assert isinstance(backend, KubeBackend)
+    try:
+        await backend.execute(action(ActionType.CORDON, node=name, job=None))
+    finally:
+        await backend.close()
+    assert node(control_plane, name)["spec"]["unschedulable"] is True
 
 
 # --- nodes ---------------------------------------------------------------------------------

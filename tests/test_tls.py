@@ -30,15 +30,11 @@ import yaml
 from host_monitor.config import ConfigError as HostMonitorConfigError
 from host_monitor.config import load_settings as load_host_monitor_settings
 from resiliency_protocol.tls import client_context
-from supervisor.actuator.backend import ActionError
-from supervisor.config import ConfigError, Settings, load_settings
-from supervisor.domain import ActionType
+from supervisor.config import ConfigError, load_settings
 from supervisor.local.backend import LocalBackend
 from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
 from supervisor.ops.errors import ExitCode
 from tests.conftest import SettingsFactory
-from tests.kube import FakeKube
-from tests.kube.harness import Hooks, action, kube_settings, setup_cluster, started
 from tests.test_host_monitor import (
     ACTUATOR,
     ACTUATOR_TOKEN,
@@ -101,9 +97,9 @@ class Pki:
     monitor_key: Path
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    out = tmp_path_factory.mktemp("pki")
+def make_pki(out: Path) -> Pki:
+    """A CA and its certificates for the supervisor and the host monitors, and another CA,
+    written into `out`."""
     ca, wrong = trustme.CA(), trustme.CA()
     supervisor = ca.issue_cert("127.0.0.1", SUPERVISOR_NAME)
     monitor = ca.issue_cert(MONITOR_NAME)  # not the address: reached at 127.0.0.1
@@ -121,6 +117,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         out / "monitor.crt",
         out / "monitor.key",
     )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 # --- the supervisor over HTTPS ----------------------------------------------------------------
@@ -442,61 +443,6 @@ async def test_the_local_backend_verifies_host_monitors(
             assert not await backend.cluster.reachable(agent.node)
         finally:
             await backend.close()
-
-
-@pytest.fixture
-def kube() -> Iterator[FakeKube]:
-    with FakeKube(time_scale=0.01, bookmark_interval=0.1, tick=0.02) as k:
-        yield k
-
-
-async def test_the_kube_backend_checkpoints_through_https_host_monitors(
-    kube: FakeKube, make_settings: SettingsFactory, cluster: Cluster, pki: Pki, tmp_path: Path
-) -> None:
-    """One node found by its heartbeat's https:// address, the other by its InternalIP
-    (https with tls_ca_file set): both verified against the CA and the name."""
-    pods = setup_cluster(kube)
-    nodes = sorted(p["spec"]["nodeName"] for p in pods)
-    by_heartbeat = start_tls_agent(cluster, pki, node=nodes[0])
-    port = free_port()
-    by_ip = start_tls_agent(cluster, pki, node=nodes[1], port=port, host="127.0.0.1")
-    out = tmp_path / "workers"
-    out.mkdir()
-    start_tls_workers(by_heartbeat, [0], out, job="train")
-    start_tls_workers(by_ip, [1], out, job="train")
-    wait_steps(by_heartbeat, [0])
-    wait_steps(by_ip, [1])
-    node = kube.get("Node", nodes[1])
-    assert node is not None
-    node["status"]["addresses"] = [{"type": "InternalIP", "address": "127.0.0.1"}]
-    kube.patch("Node", nodes[1], {"status": node["status"]}, subresource="status")
-    hooks = Hooks(addresses={nodes[0]: by_heartbeat.url})
-
-    def settings(**tls: Any) -> Settings:
-        return kube_settings(
-            make_settings,
-            host_monitor_port=port,
-            host_monitor_actuator_token=ACTUATOR_TOKEN,
-            emergency_checkpoint_timeout_s=3.0,
-            **tls,
-        )
-
-    verified = settings(tls_ca_file=str(pki.ca), tls_host_monitor_server_name=MONITOR_NAME)
-    assert verified.host_monitor_scheme == "https"
-    async with started(kube, verified, hooks) as backend:
-        assert await backend.discovery.wait_until(
-            lambda: backend.discovery.nodes_of("train") == nodes, 10
-        )
-        result = await backend.execute(action(ActionType.EMERGENCY_CHECKPOINT))
-        assert result["nodes"] == nodes and result["acked_ranks"] == ["0", "1"]
-    wrong = settings(tls_ca_file=str(pki.wrong_ca), tls_host_monitor_server_name=MONITOR_NAME)
-    async with started(kube, wrong, hooks) as backend:
-        assert await backend.discovery.wait_until(
-            lambda: backend.discovery.nodes_of("train") == nodes, 10
-        )
-        with pytest.raises(ActionError, match=VERIFY_FAILED):
-            await backend.execute(action(ActionType.EMERGENCY_CHECKPOINT, key="k2"))
-    (out / "stop").touch()
 
 
 # --- the operator CLI -------------------------------------------------------------------------

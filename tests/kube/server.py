@@ -313,18 +313,11 @@ class FakeKube:
         name: str,
         patch: Obj,
         namespace: str = "default",
-        subresource: str | None = None,
     ) -> Obj:
         """JSON merge patch, unconditional (no resourceVersion check unless the patch has one)."""
         res = resolve(kind)
         return self.api.patch(
-            res,
-            namespace,
-            name,
-            "application/merge-patch+json",
-            patch,
-            subresource=subresource,
-            trusted=True,
+            res, namespace, name, "application/merge-patch+json", patch, trusted=True
         )
 
     def delete(self, kind: str, name: str, namespace: str = "default", **options: Any) -> Obj:
