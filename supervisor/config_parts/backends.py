@@ -91,6 +91,13 @@ class KubernetesSettings(SettingsGroup):
         "be deleted with grace 0. Off: only a node carrying the "
         "node.kubernetes.io/out-of-service taint, or gone, has its pods force-deleted.",
     )
+    kube_recreate_replaced_jobs: bool = Field(
+        True,
+        description="An in-process heal recreates the child Job of each pod it replaces "
+        "(a Job of one pod), so that the new pod starts at once; off: the Job replaces the "
+        "pod itself, after its pod-failure backoff (10 s, doubling at each failure of the "
+        "Job, reset only by a pod that succeeds).",
+    )
     eviction_patience_s: float = Field(
         30.0,
         gt=0,

@@ -166,11 +166,16 @@ class InProcessHealing:
                 and o.pod_finished(p)
                 and not ctx.discovery.created_after(p, when)
             ]
+            recreated = (
+                sole_pod_jobs(ctx.discovery, js, [*targets, *ended])
+                if ctx.settings.kube_recreate_replaced_jobs
+                else ()
+            )
             return dataclasses.replace(
                 entry,
                 path="in_process",
                 targets=tuple(targets),
-                jobs=sole_pod_jobs(ctx.discovery, js, [*targets, *ended]),
+                jobs=recreated,
                 world=dataclasses.asdict(world),
             )
 
