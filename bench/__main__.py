@@ -186,8 +186,9 @@ SECTIONS = (
     "hang-run",  # a frozen rank of an unchanged script, of an instrumented one, torchrun's
     "standby-start",  # a rank started again on its node: forked by its standby, or anew
 )
-#: Run only when named with --only: a real Kubernetes control plane of 2,000 kwok nodes.
-ASKED_ONLY = ("kube-scale",)
+#: Run only when named with --only: a real Kubernetes control plane (2,000 kwok nodes; a
+#: PyTorch JobSet crashed and healed again and again).
+ASKED_ONLY = ("kube-scale", "kube-heal")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import kube_scale  # starts the tests' control plane: only when asked
 
         rows += kube_scale.rows(args.nodes)
+    if "kube-heal" in only:
+        from bench import kube_heal  # starts the tests' control plane: only when asked
+
+        rows += kube_heal.rows()
     print(render(rows))
     print(f"{header}; took {time.monotonic() - started:.0f} s")
     return 0
