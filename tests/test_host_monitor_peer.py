@@ -14,7 +14,9 @@ import asyncio
 import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -312,6 +314,31 @@ def test_no_copy_at_the_partner_is_404_and_no_partner_is_503(peers: Peers) -> No
     status = spare.agent.api.get("/v1/checkpoint-peer").json()
     assert status["enabled"] is True and status["peer"]["node"] == "node-b"
     assert status["checkpoint_root"] == str(spare.root)
+
+
+def test_a_partner_slow_to_answer_is_waited_for_and_one_gone_is_not(peers: Peers) -> None:
+    """The partner's process stopped (SIGSTOP) for 6 s: its kernel still takes the
+    connection, as a loaded node's does, and the lookup waits for its answer (two attempts
+    of 2 s each would have given up, and the rank restored an older step). A partner that
+    takes no connection is gone: 503 at once (the test above)."""
+    a, b = peers.a, peers.b
+    files = {".metadata": shard(100, 7), "__0_0.distcp": shard(50_000, 8)}
+    saved = make_checkpoint(a.root / "tier", 140, 3, files)
+    a.replicate(3, 140, saved)
+    assert a.wait_pushed(3, 140)["state"] == "done"
+    stopped = 6.0
+    os.kill(b.agent.proc.pid, signal.SIGSTOP)
+    resume = threading.Timer(stopped, os.kill, (b.agent.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        began = time.monotonic()
+        r = a.agent.worker_api.get("/v1/workers/3/checkpoints/peer", timeout=60)
+        waited = time.monotonic() - began
+    finally:
+        resume.cancel()
+        os.kill(b.agent.proc.pid, signal.SIGCONT)
+    assert r.status_code == 200, r.text
+    assert r.json()["step"] == 140 and waited >= stopped - 1, (r.json(), waited)
 
 
 # --- refusals -------------------------------------------------------------------------------

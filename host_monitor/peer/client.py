@@ -51,10 +51,14 @@ log = logging.getLogger(__name__)
 
 ATTEMPTS = 4  # per request to the partner
 BACKOFF_S = 0.5  # doubled each time, with jitter
-# A lookup answers a worker that waits (its client gives up after 5 s): fail fast, it can
-# ask again.
+# A lookup answers a worker that waits for it (training/checkpoint/peer.py gives it
+# LOOKUP_WAIT_S). A partner that does not take the connection is gone, or its node is:
+# fail fast, the worker restores from another tier. One that took it is alive, if busy (a
+# loaded node answers in seconds): wait for its answer, or the restore falls back to an
+# older step than the partner holds.
 LOOKUP_ATTEMPTS = 2
-LOOKUP_TIMEOUT_S = 2.0
+LOOKUP_CONNECT_TIMEOUT_S = 2.0
+LOOKUP_READ_TIMEOUT_S = 10.0
 TRANSFERS = 8  # files moving at once (threads)
 T = TypeVar("T")
 Transfer = tuple[int, int, int, str]  # (status, bytes, checksum, error detail)
@@ -142,7 +146,10 @@ class PartnerClient:
         self, peer: CheckpointPeer, client: httpx.AsyncClient, job: str, rank: int
     ) -> PeerCopy:
         url = self.base(peer, job, rank)
-        timeout = min(self.timeout_s, LOOKUP_TIMEOUT_S)
+        timeout = httpx.Timeout(
+            min(self.timeout_s, LOOKUP_READ_TIMEOUT_S),
+            connect=min(self.timeout_s, LOOKUP_CONNECT_TIMEOUT_S),
+        )
         response = await self.request(
             peer, "lookup", lambda: client.get(url, timeout=timeout), LOOKUP_ATTEMPTS
         )

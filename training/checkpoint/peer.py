@@ -59,6 +59,9 @@ from training.worker_client import (
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 5.0
+#: What the host monitor may take to answer what the partner holds: two attempts of a
+#: partner that is slow to answer (host_monitor/peer/client.py's lookup), and a margin.
+LOOKUP_WAIT_S = 30.0
 
 
 class PeerTier:
@@ -131,7 +134,7 @@ class PeerTier:
 
     def _partner_copy(self) -> PeerCopy | None:
         """The partner's newest copy of this rank, as the host monitor answers it."""
-        body = self._call("GET", Tier.PEER)
+        body = self._call("GET", Tier.PEER, timeout=LOOKUP_WAIT_S)
         if body is None:
             return None
         try:
