@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from resiliency_protocol.logs import LogFormat
     from supervisor.api.app import SupervisorApp
     from supervisor.config import Settings
+    from supervisor.config_parts import TlsSettings
     from supervisor.local.demo import LocalDemo
     from supervisor.local.demo_options import DemoOptions
     from supervisor.policy import Policy
@@ -189,7 +190,7 @@ def _serve(settings: Settings) -> None:
         policy = load_policy(settings.policy)
     except PolicyLoadError as exc:
         raise SystemExit(f"supervisor: {exc}") from None
-    _check_tls(settings)
+    _check_tls(settings.tls)
     settings = with_tokens(settings)
     app = _app(settings, policy)
     config = uvicorn.Config(
@@ -207,7 +208,7 @@ def _serve(settings: Settings) -> None:
     StreamEndingServer(config, app.state.supervisor.hub).run()
 
 
-def _check_tls(settings: Settings) -> None:
+def _check_tls(settings: TlsSettings) -> None:
     """The TLS files, read now: one line naming the setting, not a traceback later."""
     from resiliency_protocol.tls import TLSError, server_context
     from supervisor.config import ConfigError

@@ -28,7 +28,6 @@ from typing import Any, ClassVar, Protocol
 from resiliency_protocol.faults import FAULTS, SENSOR_FAULT_KINDS, FaultKind
 from resiliency_protocol.heartbeat import GPU_ECC, GPU_XID, GpuReportKind
 from supervisor.actuator import ActionError, Backend
-from supervisor.config import Settings
 from supervisor.config_parts import SensingSettings
 from supervisor.domain import Event, Fault
 from supervisor.errors import FaultNotSupported, UnknownTarget
@@ -86,11 +85,14 @@ SensorAct = Callable[
 class FaultHost(Protocol):
     """What fault injection needs of the supervisor it runs in."""
 
-    settings: Settings
     sensor: Sensor
     backend: Backend
     #: The acting supervisor's scheduler; None until it starts.
     scheduler: Scheduler | None
+
+    #: Its sensing settings (the whole settings hold them): a fault's window.
+    @property
+    def settings(self) -> SensingSettings: ...
 
     @property
     def store(self) -> FaultLedger: ...
@@ -109,7 +111,7 @@ class FaultInjector:
     @property
     def sensing(self) -> SensingSettings:
         """What the fault's window is judged by."""
-        return self._host.settings.sensing
+        return SensingSettings.of(self._host.settings)
 
     @property
     def sensor(self) -> Sensor:

@@ -7,7 +7,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -41,14 +41,18 @@ from supervisor.api.routes.heartbeat_batch import HeartbeatBatchEndpoint
 from supervisor.api.routes.heartbeats import PATH as HEARTBEATS
 from supervisor.api.routes.heartbeats import HeartbeatEndpoint
 from supervisor.config import Settings
+from supervisor.config_parts import AccessSettings
 from supervisor.identity.authenticator import AgentAuthenticator, TokenReviewer
 from supervisor.runtime import Supervisor
 from supervisor.store import UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
+#: The access settings, alone or within the whole `Settings` (given back as they came).
+Access = TypeVar("Access", bound=AccessSettings)
 
-def with_tokens(settings: Settings) -> Settings:
+
+def with_tokens(settings: Access) -> Access:
     """Never serve without tokens: generate the missing ones and say so once (the agent
     token only where `agent_auth` takes it)."""
     update: dict[str, Any] = {}

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -40,7 +41,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from supervisor.actuator import Backend
-from supervisor.config import Settings
 from supervisor.controller.budget import Budgets
 from supervisor.domain import ActionStatus, NodeState, ProgressSample, utcnow
 from supervisor.goodput.breakdown import compute_goodput
@@ -64,6 +64,18 @@ COST_FACTOR = 20.0
 EMERGENCY_OUTCOMES = (ActionStatus.SUCCEEDED, ActionStatus.FAILED)
 
 
+class JobMetricsSettings(Protocol):
+    """The settings the series read: the sampling period (history) and the restart
+    budget (remediation)."""
+
+    @property
+    def goodput_sample_period_s(self) -> float: ...
+    @property
+    def restart_window_s(self) -> float: ...
+    @property
+    def max_restarts_in_window(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Sources:
     """What the series are read from: the parts that live as long as the runtime, and
@@ -71,7 +83,7 @@ class Sources:
 
     ready: Callable[[], bool]
     sensor: Sensor
-    settings: Settings
+    settings: JobMetricsSettings
     metrics: Metrics
     backend: Backend
     store: Callable[[], CountedHistory]

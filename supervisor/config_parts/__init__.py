@@ -3,10 +3,12 @@
 Users set them flat, as `SUPERVISOR_<NAME>` or a YAML key: `Settings`
 (supervisor/config.py) inherits every group's fields, so those names are the fields'
 names. A part of the supervisor takes only its group, `settings.<group>`, so a reader
-knows what it can be tuned by and a test can build it from a few values (the backends
-and the runtime, which span several groups, take all). A group checks the relations
-among its own settings; `Settings` checks those across groups. docs/configuration.md
-lists the settings under the groups' headings.
+knows what it can be tuned by and a test can build it from a few values; a part that
+reads a few settings of several groups takes a Protocol of exactly those, declared
+beside it. Only the assembly (the runtime, what builds it, the Kubernetes backend and
+its actions' context) takes all. A group checks the relations among its own settings;
+`Settings` checks those across groups. docs/configuration.md lists the settings under
+the groups' headings.
 """
 
 from __future__ import annotations

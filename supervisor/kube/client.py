@@ -3,14 +3,24 @@ in-cluster service account."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kubernetes import client, config
 from kubernetes.config.config_exception import ConfigException
 
-from supervisor.config_parts import KubernetesSettings
 from supervisor.kube.errors import KubeConfigError
 
 
-def api_client(settings: KubernetesSettings) -> client.ApiClient:
+class ClientSettings(Protocol):
+    """Where the API server is: the Kubernetes settings' kubeconfig and context."""
+
+    @property
+    def kube_config(self) -> str | None: ...
+    @property
+    def kube_context(self) -> str | None: ...
+
+
+def api_client(settings: ClientSettings) -> client.ApiClient:
     """A new ApiClient; the caller closes it.
 
     `kube_config` set: that kubeconfig (and `kube_context`). Unset: the pod's service

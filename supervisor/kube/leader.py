@@ -46,11 +46,11 @@ from typing import Protocol
 from kubernetes import client
 
 from supervisor.actuator import Fence, Fenced
-from supervisor.config import Settings
-from supervisor.kube.client import api_client
+from supervisor.kube.client import ClientSettings, api_client
 from supervisor.kube.lease import (
     JITTER,
     ElectionConfig,
+    ElectionSettings,
     LeaderElector,
     LeadershipLost,
     micro_time,
@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 
 #: Exit status of a replica that lost the Lease (sysexits' EX_TEMPFAIL: try again later).
 EXIT_LEADERSHIP_LOST = 75
+
+
+class LeadershipSettings(ElectionSettings, ClientSettings, Protocol):
+    """The election's settings and where the API server is."""
 
 
 class LeaderRuntime(Protocol):
@@ -126,7 +130,7 @@ class Leadership:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: LeadershipSettings,
         supervisor: LeaderRuntime,
         *,
         api: client.ApiClient | None = None,

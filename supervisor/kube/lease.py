@@ -15,13 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from supervisor.config import Settings
 from supervisor.kube.errors import ApiError, Conflict, KubeError, NotFound, api_error
 
 log = logging.getLogger(__name__)
@@ -37,6 +36,23 @@ class LeadershipLost(KubeError):
     """This replica no longer holds the Lease; the message says why."""
 
 
+class ElectionSettings(Protocol):
+    """The high availability settings, and the namespace of the Lease (Kubernetes)."""
+
+    @property
+    def leader_election_lease_name(self) -> str: ...
+    @property
+    def kube_namespace(self) -> str: ...
+    @property
+    def leader_election_identity(self) -> str | None: ...
+    @property
+    def leader_election_lease_duration_s(self) -> float: ...
+    @property
+    def leader_election_renew_deadline_s(self) -> float: ...
+    @property
+    def leader_election_retry_period_s(self) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ElectionConfig:
     lease_name: str
@@ -47,7 +63,7 @@ class ElectionConfig:
     retry_period_s: float
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> ElectionConfig:
+    def from_settings(cls, settings: ElectionSettings) -> ElectionConfig:
         return cls(
             lease_name=settings.leader_election_lease_name,
             namespace=settings.kube_namespace,

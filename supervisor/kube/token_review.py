@@ -12,17 +12,24 @@ only that). Judging the answer is supervisor/identity's business.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes import client
 
-from supervisor.config import Settings
 from supervisor.identity.authenticator import Review, ReviewUnavailable
 from supervisor.kube.calls import Calls
-from supervisor.kube.client import api_client
+from supervisor.kube.client import ClientSettings, api_client
 from supervisor.kube.errors import KubeError
 
 NODE_NAME = "authentication.kubernetes.io/node-name"
+
+
+class ReviewSettings(ClientSettings, Protocol):
+    """The API server (Kubernetes settings) and the audience tokens must be bound to
+    (access settings)."""
+
+    @property
+    def agent_kube_audience(self) -> str: ...
 
 
 class KubeTokenReviewer:
@@ -38,7 +45,7 @@ class KubeTokenReviewer:
         self._calls = Calls(request_timeout_s=5.0, attempts=2, backoff_s=(0.2, 1.0))
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> KubeTokenReviewer:
+    def from_settings(cls, settings: ReviewSettings) -> KubeTokenReviewer:
         return cls(api_client(settings), settings.agent_kube_audience)
 
     async def review(self, token: str) -> Review:

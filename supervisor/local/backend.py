@@ -22,12 +22,13 @@ node's workers (`old_worker`).
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import httpx
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from resiliency_protocol.faults import FAULTS, PROCESS_FAULT_KINDS, FaultKind
 from resiliency_protocol.launch import HostJoin
@@ -50,7 +51,6 @@ from supervisor.actuator.backend import (
     dispatch,
     params_for,
 )
-from supervisor.config import Settings
 from supervisor.domain import ActionRecord, ActionType
 from supervisor.local.cluster import ClusterError, InProcessFailed, LocalCluster, NothingToSave
 from supervisor.local.cluster_state import ClusterState, JobSpec
@@ -74,11 +74,31 @@ def old_worker(node: str, stopped: Mapping[str, Any], world: int) -> dict[str, A
     return {**fenced, "status": "stopped", "exit_codes": outcome}
 
 
+class LocalBackendSettings(Protocol):
+    """What the local backend reads, across groups: its own (the stop grace), the host
+    monitors' token and TLS, the actuator's checkpoint timeout, the in-process wait, and
+    the workload's replica bounds."""
+
+    @property
+    def local_stop_grace_s(self) -> float: ...
+    @property
+    def host_monitor_actuator_token(self) -> SecretStr | None: ...
+    def host_monitor_ssl_context(self) -> ssl.SSLContext: ...
+    @property
+    def emergency_checkpoint_timeout_s(self) -> float: ...
+    @property
+    def in_process_wait_s(self) -> float: ...
+    @property
+    def min_num_dp_replicas(self) -> int: ...
+    @property
+    def max_num_dp_replicas(self) -> int: ...
+
+
 class LocalBackend(Backend):
     name = "local"
     process_faults = PROCESS_FAULT_KINDS
 
-    def __init__(self, run_dir: Path, settings: Settings) -> None:
+    def __init__(self, run_dir: Path, settings: LocalBackendSettings) -> None:
         try:
             state = ClusterState.load(run_dir)
         except FileNotFoundError:

@@ -15,11 +15,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from apscheduler.triggers.interval import IntervalTrigger
 
-from supervisor.config import Settings
+from supervisor.config_parts import HistorySettings
 from supervisor.domain import utcnow
 from supervisor.goodput.sampler import ProgressSampler
 from supervisor.metrics import Metrics
@@ -31,10 +31,22 @@ from supervisor.store.roles import PeriodicRecords
 log = logging.getLogger(__name__)
 
 
+class PeriodicSettings(Protocol):
+    """What the periodic work reads: its group, where its jobs are stored, and the
+    restart window that retention never cuts into."""
+
+    @property
+    def history(self) -> HistorySettings: ...
+    @property
+    def database_url(self) -> str: ...
+    @property
+    def restart_window_s(self) -> float: ...
+
+
 class PeriodicWork:
     def __init__(
         self,
-        settings: Settings,
+        settings: PeriodicSettings,
         store: PeriodicRecords,
         metrics: Metrics,
         job_steps: Callable[[], list[tuple[str, int, float]]],
@@ -42,20 +54,21 @@ class PeriodicWork:
         dry_run: bool,
     ) -> None:
         dry = dry_run  # a dry run keeps its own jobs, apart from the acting one's
+        history = settings.history
         self.scheduler = Scheduler(
             store.engine,
             host_key(settings.database_url) + (" dry-run" if dry else ""),
-            misfire_grace_s=settings.schedule_misfire_grace_s,
+            misfire_grace_s=history.schedule_misfire_grace_s,
             table=DRY_RUN_JOBS_TABLE if dry else JOBS_TABLE,
         )
         # Step progress for goodput: a sample per job every period, never per heartbeat.
         self.sampler = ProgressSampler(
-            settings.goodput_sample_period_s, job_steps, store.record_progress_samples
+            history.goodput_sample_period_s, job_steps, store.record_progress_samples
         )
-        ages = retention_ages(settings.history, settings.restart_window_s)
+        ages = retention_ages(history, settings.restart_window_s)
         #: Deletes history past its retention; None when all of it is kept forever.
         self.pruner = (
-            HistoryPruner(store, ages, metrics, period_s=settings.history_prune_period_s)
+            HistoryPruner(store, ages, metrics, period_s=history.history_prune_period_s)
             if ages
             else None
         )
