@@ -5,11 +5,14 @@ fleet sends (bench/fleet_loadgen.py): each node every `period` s on its own cloc
 beat late by up to `jitter` s, nodes of `workers` ranks in jobs of `ranks_per_job` ranks,
 every beat sent to the supervisor and to the bare ASGI app alike. Measured per window:
 each server's CPU (user + system, from /proc) per heartbeat it answered, and the SQL
-statements the supervisor sent (SQLAlchemy's cursor events, counted in its process).
+statements the supervisor sent (SQLAlchemy's cursor events, counted in its process; the
+history pruner's passes apart: its first comes a minute after the start, then hourly, and
+is no steady rate).
 For each node count of a group, a supervisor restores that fleet from a fresh database
 (as after a restart: no registration storm), with the bare app beside it. A phase with
 `batch` > 1 sends the supervisor its beats in batches of that many, as a relay does
-(`POST /api/v1/heartbeats/batch`), the bare app still one request a beat.
+(`POST /api/v1/heartbeats/batch`), the bare app still one request a beat (or the same
+batches, `bare_batched`: at the fleet's rate).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class Phase:
     jitter_s: float  # each beat late by 0..jitter_s
     period_s: float = 5.0
     batch: int = 1  # the supervisor's beats in batches of this many (a relay's)
+    # The bare app sent the same batches, one request each (else one request a beat): at
+    # a fleet's rate (5,000 beats a second) one client cannot send every beat alone.
+    bare_batched: bool = False
 
     @property
     def timeout_s(self) -> float:
@@ -61,9 +67,11 @@ class FleetWindow:
     heartbeats: int  # answered by the supervisor
     requests: int  # the supervisor's requests those came in (batches count one)
     bare_heartbeats: int
+    bare_requests: int
     cpu_s: float
     bare_cpu_s: float
-    statements: int
+    statements: int  # all but the history pruner's
+    pruner_statements: int  # the history pruner's passes' and wake-ups' (reported apart)
     errors: int
     p99_ms: float
     bare_p99_ms: float
@@ -108,11 +116,18 @@ def _server(app: str, url: str, phase: Phase) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_clean_env())
 
 
-def _statements(server: subprocess.Popen[str]) -> int:
-    """The SQL statements the supervisor has sent (bench/server.py --count-sql)."""
+def _sql_counts(server: subprocess.Popen[str]) -> tuple[int, int]:
+    """The SQL statements the supervisor has sent (bench/server.py --count-sql): all but
+    the history pruner's, and the pruner's."""
     assert server.stdout is not None
     server.send_signal(signal.SIGUSR1)
-    return int(_readline(server.stdout))
+    others, pruner = _readline(server.stdout).split()
+    return int(others), int(pruner)
+
+
+def _statements(server: subprocess.Popen[str]) -> int:
+    """The SQL statements the supervisor has sent, the history pruner's left out."""
+    return _sql_counts(server)[0]
 
 
 def run_group(
@@ -158,7 +173,13 @@ def _measure(
         assert server.stdout is not None
         ports.append(int(server.stdout.readline()))
     plan = [
-        {"nodes": p.nodes, "period": p.period_s, "jitter": p.jitter_s, "batch": p.batch}
+        {
+            "nodes": p.nodes,
+            "period": p.period_s,
+            "jitter": p.jitter_s,
+            "batch": p.batch,
+            "bare_batched": p.bare_batched,
+        }
         for p in phases
     ]
     gen = subprocess.Popen(
@@ -197,20 +218,20 @@ def _measure(
     windows: list[FleetWindow] = []
     cpu0: list[float] = []
     cpu1: list[float] = []
-    sql0 = sql1 = 0
+    sql0 = sql1 = (0, 0)
     spy: subprocess.Popen[bytes] | None = None
     try:
         while True:
             kind, _, rest = _readline(gen.stdout).partition(" ")
             if kind == "window-start":
                 cpu0 = [_cpu_s(s.pid) for s in servers]
-                sql0 = _statements(servers[0])
+                sql0 = _sql_counts(servers[0])
                 if profile_dir is not None:
                     out = profile_dir / _profile_name(group, phases[int(rest)])
                     spy = _py_spy(servers[0].pid, duration_s, out)
             elif kind == "window-end":
                 cpu1 = [_cpu_s(s.pid) for s in servers]
-                sql1 = _statements(servers[0])
+                sql1 = _sql_counts(servers[0])
                 if spy is not None:
                     spy.wait(timeout=60)
                     spy = None
@@ -224,9 +245,11 @@ def _measure(
                         heartbeats=w["answered"][0],
                         requests=w["requests"][0],
                         bare_heartbeats=w["answered"][1],
+                        bare_requests=w["requests"][1],
                         cpu_s=cpu1[0] - cpu0[0],
                         bare_cpu_s=cpu1[1] - cpu0[1],
-                        statements=sql1 - sql0,
+                        statements=sql1[0] - sql0[0],
+                        pruner_statements=sql1[1] - sql0[1],
                         errors=sum(w["errors"]),
                         p99_ms=w["latency"][0]["p99_ms"],
                         bare_p99_ms=w["latency"][1]["p99_ms"],

@@ -22,7 +22,10 @@ A phase with `"batch": B` > 1 sends the supervisor's beats as a relay would
 (`host-monitor relay`): held until B are, or for `RELAY_HOLD_S` at most, then sent as one
 request to `POST /api/v1/heartbeats/batch` (each entry with its node's credential); the
 bare app still gets each beat as a request of its own, so its CPU per request stays the
-stack's ceiling. A batch's entries answered 202 or 204 count as answered heartbeats.
+stack's ceiling; with `"bare_batched": true` the bare app is sent the same batches, one
+request each (at a fleet's rate, 5,000 beats a second, one client cannot send every beat
+as a request of its own). A batch's entries answered 202 or 204 count as answered
+heartbeats.
 """
 
 from __future__ import annotations
@@ -187,13 +190,15 @@ class Fleet:
         ]
         self.token: str = args.token
         self.batch = 1  # the supervisor's beats in batches of this many (1: one a request)
+        self.bare_batched = False  # the bare app sent the same batches (else one a request)
         self.late: list[float] = []  # how late the scheduler sent beats, in the window
 
     async def add_nodes(self, count: int) -> None:
         """Nodes the supervisor knows (restored from its database): a first beat each, as
         fast as the servers answer (the supervisor checks a restored node's first beat in
         full, and gave it one heartbeat timeout), then each beats on its own clock from a
-        random phase within the next period."""
+        random phase within the next period. A server sent batches in this phase gets the
+        first beats in batches too, as a relay sends them after the supervisor's restart."""
         self.build(count)
         todo = deque(range(len(self.heap), count))
         pool = len(self.servers[0].connections)
@@ -202,24 +207,47 @@ class Fleet:
             streams = [Stream(s.port) for s in self.servers]
             try:
                 while todo:
-                    node = todo.popleft()
-                    body = self.body(node, time.monotonic())
-                    for server, stream in zip(self.servers, streams, strict=True):
-                        status = await stream.exchange(server.head % len(body) + body)
-                        for _ in range(RETRIES):
-                            if status != 503:  # 503: busy (Retry-After: 1), sent again
-                                break
-                            await asyncio.sleep(1.0)
-                            status = await stream.exchange(server.head % len(body) + body)
-                        if status not in (202, 204):
-                            raise RuntimeError(f"first beat of node {node}: HTTP {status}")
-                    nominal = time.monotonic() + self.rng.uniform(0, self.period)
-                    heapq.heappush(self.heap, (nominal, nominal, node))
+                    nodes = [todo.popleft() for _ in range(min(self.batch, len(todo)))]
+                    now = time.monotonic()
+                    bodies = [self.body(node, now) for node in nodes]
+                    for index, stream in enumerate(streams):
+                        await self.first_beats(index, stream, bodies)
+                    for node in nodes:
+                        nominal = time.monotonic() + self.rng.uniform(0, self.period)
+                        heapq.heappush(self.heap, (nominal, nominal, node))
             finally:
                 for stream in streams:
                     stream.close()
 
         await asyncio.gather(*(one_connection() for _ in range(pool)))
+
+    async def first_beats(self, index: int, stream: Stream, bodies: list[bytes]) -> None:
+        """Nodes' first beats to server `index`: in one batch when it is sent batches, else
+        one request each. A beat answered 503 (busy: Retry-After 1) is sent again."""
+        server = self.servers[index]
+        statuses: list[int] = []
+        for _ in range(RETRIES):
+            if self.batches(index):
+                body = encode_batch([(self.token, beat) for beat in bodies])
+                status, answer = await stream.exchange_batch(server.batch_head % len(body) + body)
+                statuses = (
+                    [r.status for r in parse_answer(answer).results]
+                    if status == 200
+                    else [status] * len(bodies)
+                )
+            else:
+                statuses = [await stream.exchange(server.head % len(b) + b) for b in bodies]
+            if 503 not in statuses:
+                break
+            bodies = [b for b, status in zip(bodies, statuses, strict=True) if status == 503]
+            await asyncio.sleep(1.0)
+        if bad := [status for status in statuses if status not in (202, 204)]:
+            raise RuntimeError(f"first beats to server {index}: HTTP {bad[0]}")
+
+    def batches(self, index: int) -> bool:
+        """Whether server `index` is sent its beats in batches (a relay's) in this phase:
+        the supervisor in a batch phase, the bare app too when `bare_batched`."""
+        return self.batch > 1 and (index == 0 or self.bare_batched)
 
     def build(self, count: int) -> None:
         """The nodes' heartbeat templates, up to `count` nodes."""
@@ -241,7 +269,7 @@ class Fleet:
                     self.late.append(now - send_at)
                 body = self.body(node, now)
                 for index, server in enumerate(self.servers):
-                    if index == 0 and self.batch > 1:  # to the relay (`relay`)
+                    if self.batches(index):  # to the relay (`relay`)
                         if not server.held:
                             server.held_since = now
                         server.held.append(body)
@@ -256,24 +284,25 @@ class Fleet:
             await asyncio.sleep(min(max(wait, 0.0), 0.01))
 
     async def relay(self) -> None:
-        """The supervisor's beats as a relay sends them: a batch once `batch` are held,
-        or what is held after RELAY_HOLD_S; batches spread over RELAYS connections."""
-        server = self.servers[0]
+        """The beats of a server sent batches, as a relay sends them: a batch once `batch`
+        are held, or what is held after RELAY_HOLD_S; batches spread over RELAYS
+        connections."""
         while True:
             await asyncio.sleep(0.005)
             now = time.monotonic()
-            held = server.held
-            while len(held) >= self.batch or (held and now - server.held_since >= RELAY_HOLD_S):
-                taken, server.held = held[: self.batch], held[self.batch :]
+            for server in self.servers:
                 held = server.held
-                server.held_since = now
-                body = encode_batch([(self.token, beat) for beat in taken])
-                conn = server.connections[
-                    server.next_connection % min(RELAYS, len(server.connections))
-                ]
-                server.next_connection += 1
-                conn.queue.append((now, server.batch_head % len(body) + body, len(taken)))
-                conn.ready.set()
+                while len(held) >= self.batch or (held and now - server.held_since >= RELAY_HOLD_S):
+                    taken, server.held = held[: self.batch], held[self.batch :]
+                    held = server.held
+                    server.held_since = now
+                    body = encode_batch([(self.token, beat) for beat in taken])
+                    conn = server.connections[
+                        server.next_connection % min(RELAYS, len(server.connections))
+                    ]
+                    server.next_connection += 1
+                    conn.queue.append((now, server.batch_head % len(body) + body, len(taken)))
+                    conn.ready.set()
 
     async def connection(self, index: int, conn: Connection) -> None:
         server = self.servers[index]
@@ -334,6 +363,7 @@ async def run(args: argparse.Namespace) -> None:
     for index, phase in enumerate(plan):
         fleet.period, fleet.jitter = float(phase["period"]), float(phase["jitter"])
         fleet.batch = int(phase.get("batch", 1))
+        fleet.bare_batched = bool(phase.get("bare_batched", False))
         await fleet.add_nodes(phase["nodes"])
         await asyncio.sleep(args.settle)
         answered = [s.answered for s in fleet.servers]
@@ -374,7 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_loadgen")
     parser.add_argument("--ports", required=True, type=lambda s: [int(p) for p in s.split(",")])
     parser.add_argument(
-        "--plan", required=True, help="JSON list of {nodes, period, jitter[, batch]}"
+        "--plan",
+        required=True,
+        help="JSON list of {nodes, period, jitter[, batch, bare_batched]}",
     )
     parser.add_argument("--token", default="bench-agent-token")
     parser.add_argument("--workers", type=int, default=8, help="workers (ranks) per node")

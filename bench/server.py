@@ -77,18 +77,40 @@ def supervisor_app(
 
 def count_sql() -> None:
     """Count the SQL statements this process sends (SQLAlchemy's cursor events, on every
-    engine: one per execute or executemany) and print the count on stdout at each SIGUSR1.
-    Outside the app, so that the requests measured pass through nothing more."""
+    engine: one per execute or executemany) and print the counts on stdout at each
+    SIGUSR1: `OTHERS PRUNER`, the history pruner's apart: those of its pass, and the job
+    scheduler's reads of its job store when it wakes, for the pruner (the scheduler's only
+    job here). Its first pass comes a minute after the start, then every
+    `history_prune_period_s` (supervisor/pruner.py): a window that caught it would show a
+    pass's statements as the steady rate. Outside the app, so that the requests measured
+    pass through nothing more."""
+    from contextvars import ContextVar
+
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
-    sent = [0]
+    from supervisor.pruner import HistoryPruner
+    from supervisor.schedules.scheduler import JOBS_TABLE
 
-    def count(*_: Any) -> None:
-        sent[0] += 1
+    pruning: ContextVar[bool] = ContextVar("pruning", default=False)
+    sent = [0, 0]  # others', the pruner's
 
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent[pruning.get() or JOBS_TABLE in statement] += 1
+
+    run_pass = HistoryPruner.run_pass
+
+    async def counted_pass(pruner: HistoryPruner) -> None:
+        # Its statements run in threads (asyncio.to_thread), which copy this context.
+        token = pruning.set(True)
+        try:
+            await run_pass(pruner)
+        finally:
+            pruning.reset(token)
+
+    HistoryPruner.run_pass = counted_pass  # type: ignore[method-assign,assignment]
     event.listen(Engine, "before_cursor_execute", count)
-    signal.signal(signal.SIGUSR1, lambda *_: print(sent[0], flush=True))
+    signal.signal(signal.SIGUSR1, lambda *_: print(*sent, flush=True))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         "--fleet", default=None, help='JSON {"period_s", "timeout_s"}: default timers else'
     )
     parser.add_argument(
-        "--count-sql", action="store_true", help="print the SQL statements sent at SIGUSR1"
+        "--count-sql",
+        action="store_true",
+        help="print the SQL statements sent at SIGUSR1 (others', the history pruner's)",
     )
     args = parser.parse_args(argv)
 

@@ -1,10 +1,12 @@
 """The fleet-shaped ingest bench (bench/fleet.py) on a small fleet, with real processes:
 the supervisor restores the nodes written in its database and answers their beats
 without a loss, both servers answer the same beats, and the supervisor's SQL statements
-are counted in its process (a registration is counted, a steady beat is not)."""
+are counted in its process (a registration is counted, a steady beat is not; the history
+pruner's passes apart, being no steady rate)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import httpx
 import pytest
 
 from bench.fleet import Group, Phase, run_group
+from bench.fleet import _sql_counts as sql_counts
 from bench.fleet import _statements as statements
 from bench.ingest import AGENT_TOKEN, _stop
 from bench.payload import heartbeat_json
@@ -68,6 +71,37 @@ def test_the_statement_count_sees_a_registration_and_not_a_steady_beat(tmp_path:
             beat(2)
             beat(3)
             assert count() == registered
+    finally:
+        _stop(server)
+
+
+def test_the_history_pruners_statements_are_counted_apart(tmp_path: Path) -> None:
+    """A window that catches the pruner's pass (a minute after the start, then hourly)
+    does not count its statements as the steady rate: they are counted apart."""
+    url = f"sqlite:///{tmp_path}/supervisor.db"
+    cmd = [sys.executable, "-m", "bench.server", "--app", "supervisor", "--count-sql"]
+    cmd += ["--database-url", url, "--fleet", '{"period_s": 5, "timeout_s": 15}']
+    # A pass every 0.5 s (the first 0.5 s after the start): several within the test.
+    env = {**os.environ, "SUPERVISOR_HISTORY_PRUNE_PERIOD_S": "0.5"}
+    server: subprocess.Popen[str] = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert server.stdout is not None
+        int(server.stdout.readline())  # its port: it serves
+        started = time.monotonic()
+        while (counts := sql_counts(server))[1] < 20:
+            assert time.monotonic() - started < 30, f"no pruner pass counted: {counts}"
+            time.sleep(0.2)
+        others, pruner = counts
+        time.sleep(1.5)  # three more passes
+        later_others, later_pruner = sql_counts(server)
+        assert later_pruner > pruner
+        # The scheduler's reads as it wakes for the pruner (two a pass) count as the
+        # pruner's: the idle supervisor's own statements move little, if at all.
+        assert later_pruner - pruner >= 6
+        assert later_others - others < (later_pruner - pruner) / 4
+        assert statements(server) == sql_counts(server)[0]
     finally:
         _stop(server)
 

@@ -1,5 +1,6 @@
-"""A burst of losses: the controller's snapshot before each decision builds again only
-what changed since the one before.
+"""The controller's snapshot before each decision visits only the nodes changed since the
+one before (an unchanged node is not even looked at), and a burst of losses builds again
+only what changed.
 
 Each loss has the controller take the sensor's snapshot (`Sensor.snapshot`, every node's
 view). A steady node's workers are held as its last heartbeat's bytes; its view, and the
@@ -16,8 +17,9 @@ import pytest
 
 import supervisor.sensor.nodes as sensor_nodes
 from resiliency_protocol.heartbeat import HostHeartbeat, parse_heartbeat
-from supervisor.domain import EventType
-from tests.test_sensor import SensorFactory, make_sensor, stepping, until
+from supervisor.domain import EventType, NodeView
+from supervisor.sensor import Sensor
+from tests.test_sensor import SensorFactory, hb, make_sensor, stepping, until, worker
 
 __all__ = ["make_sensor"]  # the fixture, used by name
 
@@ -70,3 +72,63 @@ async def test_a_loss_bursts_snapshots_build_and_decode_only_what_changed(
     # The burst's next snapshots: every view the same object, nothing built again.
     for later in snapshots[1:]:
         assert all(later[name] is first[name] for name in names)
+
+
+def _fresh(sensor: Sensor) -> dict[str, NodeView]:
+    """Every node's view read one by one, each checked against its record."""
+    return {name: view for name in sensor.node_names() if (view := sensor.node_view(name))}
+
+
+async def test_a_snapshot_visits_only_the_nodes_changed_since_the_last_and_sees_every_change(
+    make_sensor: SensorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sensor, emitted = make_sensor(heartbeat_timeout_s=0.5, heartbeat_polling_period_s=0.01)
+    names = [f"n{i:03d}" for i in range(NODES)]
+    for step in (1, 2):
+        for i, name in enumerate(names):
+            _beat(sensor.ingest, stepping(name, step, ranks=(i,)))
+    sensor.snapshot()
+    visited: list[str] = []
+    inputs = sensor_nodes._view_inputs  # read for each node looked at
+
+    def counting(record: sensor_nodes.NodeRecord) -> tuple[object, ...]:
+        visited.append(record.name)
+        return inputs(record)
+
+    monkeypatch.setattr(sensor_nodes, "_view_inputs", counting)
+
+    def visits(change: Callable[[], object]) -> list[str]:
+        """The nodes the snapshot after `change` looked at; and it shows what a node's
+        own read shows, for every node."""
+        change()
+        visited.clear()
+        nodes, _ = sensor.snapshot()
+        seen = sorted(visited)
+        assert nodes == _fresh(sensor)
+        return seen
+
+    assert visits(lambda: None) == []
+    assert visits(lambda: _beat(sensor.ingest, stepping(names[0], 3, ranks=(0,)))) == [names[0]]
+    assert sensor.snapshot()[0][names[0]].workers[0].step == 3
+    exited = hb(names[1], workers=[worker(1, 2, "exited", local_rank=0, exit_code=1)])
+    assert visits(lambda: _beat(sensor.ingest, exited)) == [names[1]]
+    assert visits(lambda: sensor.set_cordoned(names[2], True)) == [names[2]]
+    assert sensor.snapshot()[0][names[2]].cordoned
+    assert visits(lambda: sensor.swapped_out(names[3])) == [names[3]]
+    assert sensor.snapshot()[0][names[3]].job is None
+    assert visits(lambda: sensor.answered(names[4])) == [names[4]]
+    assert visits(lambda: None) == []
+
+    # Every node falls silent: each one lost is visited once, then nothing.
+    await until(lambda: len(emitted.of(EventType.HOST_HEARTBEAT_LOST)) == NODES, patience=10)
+    assert visits(lambda: None) == names
+    assert not any(view.alive for view in sensor.snapshot()[0].values())
+    assert visits(lambda: _beat(sensor.ingest, stepping(names[5], 4, ranks=(5,)))) == [names[5]]
+    assert sensor.snapshot()[0][names[5]].alive
+    assert visits(lambda: None) == []
+
+    # A sensor started again from the persisted picture hands out that picture.
+    persisted = sensor.snapshot()[0]
+    restarted, _ = make_sensor()
+    restarted.restore(persisted.values(), [])
+    assert restarted.snapshot()[0] == persisted

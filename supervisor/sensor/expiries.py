@@ -50,6 +50,7 @@ class DeadlineHandlers(SensorClock):
     _nodes: dict[str, NodeRecord]
     _jobs: dict[str, JobRecord]
     _timeout_s: float
+    _changed: set[str]  # nodes whose view may have changed (views.py)
     _event: Callable[..., Event]
     #: When the log last said the supervisor ran behind (event-loop time).
     _warned_behind_at = float("-inf")
@@ -61,6 +62,7 @@ class DeadlineHandlers(SensorClock):
         node = self._nodes.get(name)
         if node is not None and node.alive:
             node.last_seen = max(node.last_seen, self._clock())
+            self._changed.add(name)
 
     def _node_lost(self, name: str, deadline: float, changes: Changes) -> None:
         node = self._nodes.get(name)
@@ -76,6 +78,7 @@ class DeadlineHandlers(SensorClock):
         lateness = now - (node.last_seen + self._timeout_s if second_look else deadline)
         self.metrics.detection_lateness.observe(lateness)
         node.alive = False
+        self._changed.add(name)
         if node.job is not None:
             # The job stalls while the node is gone; that is not a separate hang.
             self._deadlines.disarm((HANG, node.job))

@@ -52,6 +52,13 @@ def ends_the_loop(worker: WorkerReport) -> bool:
     return worker.state is WorkerState.FINISHING
 
 
+def finished(worker: WorkerReport) -> bool:
+    """Stopped on purpose, or exited with success."""
+    return worker.state is WorkerState.STOPPED or (
+        worker.state is WorkerState.EXITED and worker.exit_code == 0
+    )
+
+
 def out_of_the_loop(worker: WorkerReport) -> bool:
     """This worker left its training loop: said so, stopped or exited. Its job's time
     until the next step is its end's (or a failure's), no step's (progress.py)."""

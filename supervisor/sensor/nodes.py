@@ -267,8 +267,8 @@ class NodeRecord:
 
 
 def node_views(records: dict[str, NodeRecord], wall_offset: float) -> dict[str, NodeView]:
-    """Each record's view (`NodeRecord.view`), its cache checked inline: a snapshot of
-    tens of thousands of nodes, most unchanged since the last, is mostly these checks."""
+    """Each record's view (`NodeRecord.view`), its cache checked inline: what a snapshot
+    does when the wall offset moved (views.py; else it visits only the changed nodes)."""
     views = {}
     for name, record in records.items():
         view = record._view

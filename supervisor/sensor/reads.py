@@ -14,7 +14,8 @@ from supervisor.domain import JobView, NodeState, NodeView, wall_time
 from supervisor.sensor.clock import SensorClock
 from supervisor.sensor.finishing import AT_WORK, SensedPhase, phase
 from supervisor.sensor.jobs import JobRecord
-from supervisor.sensor.nodes import NodeRecord, node_views
+from supervisor.sensor.nodes import NodeRecord
+from supervisor.sensor.views import NodeViews
 
 #: The probe ring (`probe_targets`) is this old at most.
 RING_REFRESH_S = 5.0
@@ -25,6 +26,7 @@ class SensorReads(SensorClock):
     settings: SensingSettings
     _nodes: dict[str, NodeRecord]
     _jobs: dict[str, JobRecord]
+    _node_views: NodeViews
     _ring_built: tuple[float, list[str], dict[str, int]] | None = None
 
     def has_node(self, name: str) -> bool:
@@ -110,9 +112,10 @@ class SensorReads(SensorClock):
         return job.view() if job else None
 
     def snapshot(self) -> tuple[dict[str, NodeView], dict[str, JobView]]:
-        offset = self._wall_offset()
+        """Every node's and job's view, in dicts of the caller's own. Only the nodes that
+        changed since the last snapshot are visited (views.py)."""
         return (
-            node_views(self._nodes, offset),
+            self._node_views.current(self._nodes, self._wall_offset()),
             {
                 name: replace(j.view(), phase=self.job_phase(name) or "running")
                 for name, j in self._jobs.items()

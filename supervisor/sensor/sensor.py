@@ -23,7 +23,7 @@ from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.events import NodeEvents
 from supervisor.sensor.expiries import FINISHING, HANG, STRAGGLERS, DeadlineHandlers
 from supervisor.sensor.fault_marks import FaultMarks
-from supervisor.sensor.finishing import ends_the_loop, out_of_the_loop
+from supervisor.sensor.finishing import ends_the_loop, finished, out_of_the_loop
 from supervisor.sensor.gpu_reports import GpuReports
 from supervisor.sensor.jobs import JobRecord
 from supervisor.sensor.nodes import NODE, DeadlineKey, NodeRecord, rank_of, state_of, step_of
@@ -31,6 +31,7 @@ from supervisor.sensor.peer_cuts import PeerCuts, peer_cut_confirm_s
 from supervisor.sensor.progress import HangParams, JobProgress
 from supervisor.sensor.reads import SensorReads
 from supervisor.sensor.stragglers import StragglerParams, StragglerScorer
+from supervisor.sensor.views import NodeViews
 
 # Imported from here by other packages (the API, the simulation).
 __all__ = [
@@ -70,6 +71,8 @@ class Sensor(SensorReads, DeadlineHandlers):
         self.metrics = metrics or Metrics()
         self._nodes: dict[str, NodeRecord] = {}
         self._jobs: dict[str, JobRecord] = {}
+        self._node_views = NodeViews()
+        self._changed = self._node_views.changed  # see views.py: marked on every change
         super().__init__(DeadlineQueue(self._expired, extended=self._extended))
         #: Injected faults' marks: muted nodes, and the faults failures are attributed to
         #: (fault injection writes them, see `supervisor.fault_injection`; the sensor reads them).
@@ -136,6 +139,7 @@ class Sensor(SensorReads, DeadlineHandlers):
                     node.address = hb.address
                     node.topology = dict(hb.topology)
                 node.heard_again(workers, body)
+                self._changed.add(node.name)
                 if node.job is None or not workers:
                     return UNCHANGED
                 try:
@@ -161,6 +165,7 @@ class Sensor(SensorReads, DeadlineHandlers):
             node = self._register(hb, now, changes)
         else:
             self._update(node, hb, now, changes)
+        self._changed.add(node.name)
         self._deadlines.arm(node.deadline_key, now + self._timeout_s)
         if hb.unreachable_peers or node.unreachable:
             changes.events += self._cuts.heard(node, hb.unreachable_peers, now)
@@ -192,6 +197,7 @@ class Sensor(SensorReads, DeadlineHandlers):
         if node is None or node.cordoned == cordoned:
             return Changes()
         node.cordoned = cordoned
+        self._changed.add(node_name)
         changes = Changes(nodes=[node.view(self._wall_offset())])
         if not cordoned and node.alive and node.state is NodeState.SPARE and not node.flapping:
             changes.events.append(self._event(EventType.SPARE_AVAILABLE, node, uncordoned=True))
@@ -243,6 +249,7 @@ class Sensor(SensorReads, DeadlineHandlers):
         for nv in nodes:
             record = NodeRecord.restored(nv, now)
             self._nodes[nv.name] = record
+            self._changed.add(nv.name)
             if nv.job is not None:
                 self._job(nv.job).nodes.add(nv.name)
                 if nv.alive:  # a node that is not alive holds no rank
@@ -382,7 +389,7 @@ class Sensor(SensorReads, DeadlineHandlers):
         if step < 0:
             # A worker that finished reports its last steps after the loop ended: they
             # count, but only forward (an old attempt's stopped worker is no rollback).
-            step = max([w.step for w in workers if _finished(w) and w.step is not None], default=-1)
+            step = max([w.step for w in workers if finished(w) and w.step is not None], default=-1)
             if step <= job.progress.max_step:
                 return None
         if step >= 0:
@@ -461,6 +468,7 @@ class Sensor(SensorReads, DeadlineHandlers):
             job.nodes.discard(node.name)
             job.progress.forget(node.name)
         node.job = None
+        self._changed.add(node.name)
 
     # --- deadlines --------------------------------------------------------------------
 
@@ -488,10 +496,3 @@ class Sensor(SensorReads, DeadlineHandlers):
             for event in changes.events:
                 self.metrics.events.labels(event.type.value).inc()
             self._emit(changes)
-
-
-def _finished(worker: WorkerReport) -> bool:
-    """Stopped on purpose, or exited with success."""
-    return worker.state is WorkerState.STOPPED or (
-        worker.state is WorkerState.EXITED and worker.exit_code == 0
-    )

@@ -64,6 +64,7 @@ class SimulatedSensor(Sensor):
         if node is None or not node.alive:
             return
         node.last_seen = at
+        self._changed.add(node_name)
         self._deadlines.arm(node.deadline_key, at + self._timeout_s)
 
     def progressed(self, job_name: str, step: int, at: float) -> None:
@@ -91,6 +92,7 @@ class SimulatedSensor(Sensor):
             node = self._nodes.get(name)
             if node is not None and node.alive and self.cluster.heartbeating(name):
                 node.last_seen = now
+                self._changed.add(name)
                 return self.horizon
         elif kind == HANG:
             job = self._jobs.get(name)
@@ -123,6 +125,7 @@ class SimulatedSensor(Sensor):
             node = self._nodes.get(name)
             if node is not None and node.alive and self.cluster.heartbeating(name):
                 node.last_seen = now
+                self._changed.add(name)
                 step = self.cluster.progressing(node.job) if node.job is not None else None
                 if step is not None:
                     self._stepping(name, step)
@@ -132,6 +135,7 @@ class SimulatedSensor(Sensor):
         node = self._nodes.get(node_name)
         if node is None or not node.alive:
             return
+        self._changed.add(node_name)
         node.heard_again(
             [
                 msgspec.structs.replace(w, step=step) if w.state is WorkerState.RUNNING else w
