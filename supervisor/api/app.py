@@ -21,6 +21,7 @@ from supervisor import dashboard
 from supervisor.api import openapi
 from supervisor.api.errors import database_unavailable, http_error, validation_error
 from supervisor.api.job_metrics import JobMetrics, Sources
+from supervisor.api.parts import HeartbeatParts
 from supervisor.api.routes import (
     actions,
     budget,
@@ -196,7 +197,7 @@ def create_app(
     app.include_router(local_hosts.router)
     app.include_router(peer_probes.router)
     dashboard.mount(app)
-    app.heartbeats = HeartbeatEndpoint(runtime, agents)
+    app.heartbeats = HeartbeatEndpoint(runtime, HeartbeatParts.of(runtime), agents)
     app.heartbeat_batches = HeartbeatBatchEndpoint(app.heartbeats)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

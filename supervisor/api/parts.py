@@ -13,10 +13,13 @@ database's `ping` as a function, called once it knows the runtime is ready.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
+from prometheus_client import Counter
 
+from resiliency_protocol.heartbeat import HostHeartbeat
 from supervisor.actuator import Backend
 from supervisor.config import Settings
 from supervisor.controller import Controller
@@ -27,6 +30,7 @@ from supervisor.remedies import RemediesInFlight
 from supervisor.runtime import Supervisor
 from supervisor.schedules import Scheduler
 from supervisor.sensor import Sensor
+from supervisor.sensor.sensor import Changes
 from supervisor.sensor.worlds import WorldFence
 from supervisor.store import Store
 from supervisor.store.actions import ActionRecords
@@ -35,6 +39,36 @@ from supervisor.store.events import EventRecords
 from supervisor.store.fault_records import FaultRecords
 from supervisor.store.goodput_history import GoodputHistory
 from supervisor.store.roles import HistorySource
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatParts:
+    """What the bare heartbeat routes use of the service, bound once when the app is built
+    (a heartbeat is the hottest path: no dependency resolved per request)."""
+
+    #: The sensor takes a heartbeat in (validating what it has not seen of the node).
+    ingest: Callable[[HostHeartbeat, bytes | None], Changes]
+    #: A node's silence counts from when its heartbeat was answered.
+    answered: Callable[[str], None]
+    #: A heartbeat as it may be applied: worker reports of an older world left out.
+    fence: Callable[[HostHeartbeat], HostHeartbeat]
+    #: A job's newest world, named in the answer.
+    newest_world: Callable[[str], int | None]
+    max_clock_skew_s: float
+    refused: dict[str, int]
+    rejected: Counter
+
+    @classmethod
+    def of(cls, supervisor: Supervisor) -> HeartbeatParts:
+        return cls(
+            ingest=supervisor.sensor.ingest,
+            answered=supervisor.sensor.answered,
+            fence=supervisor.worlds.heartbeat,
+            newest_world=supervisor.worlds.newest,
+            max_clock_skew_s=supervisor.settings.agent_clock_skew_s,
+            refused=supervisor.metrics.agent_requests_refused,
+            rejected=supervisor.metrics.heartbeats_rejected,
+        )
 
 
 class KnownNames(Protocol):

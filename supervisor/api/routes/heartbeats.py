@@ -40,6 +40,7 @@ from resiliency_protocol.heartbeat import (
 )
 from resiliency_protocol.worlds import job_world_header
 from supervisor.agent_time import AgentTimeError, agent_time
+from supervisor.api.parts import HeartbeatParts
 from supervisor.identity.authenticator import AgentAuthenticator, Principal, ReviewUnavailable
 from supervisor.metrics import HeartbeatRejection
 from supervisor.runtime import Supervisor
@@ -57,20 +58,24 @@ _NO_CONTENT_BODY: Message = {"type": "http.response.body", "body": b""}
 class HeartbeatEndpoint:
     """A bare ASGI app for POST /api/v1/heartbeats (the app routes that path here)."""
 
-    def __init__(self, supervisor: Supervisor, agents: AgentAuthenticator) -> None:
+    def __init__(
+        self, supervisor: Supervisor, parts: HeartbeatParts, agents: AgentAuthenticator
+    ) -> None:
+        """`supervisor`: for what the service does as a whole (whether it is ready,
+        recording what a heartbeat changed); `parts`: what else a heartbeat uses."""
         self.supervisor = supervisor
         self.agents = agents
         self._cached = agents.cached
-        self._refused = supervisor.metrics.agent_requests_refused
+        self._refused = parts.refused
         # The sensor finishes the validation (check_heartbeat) unless the heartbeat repeats
         # what it already validated for the node; it changes nothing if it is invalid.
-        self._ingest = supervisor.sensor.ingest
-        self._answered = supervisor.sensor.answered
+        self._ingest = parts.ingest
+        self._answered = parts.answered
         # Worker reports of an older world than their job's newest are never applied.
-        self._fence = supervisor.worlds.heartbeat
-        self._newest_world = supervisor.worlds.newest
-        self._max_skew_s = supervisor.settings.agent_clock_skew_s
-        counter = supervisor.metrics.heartbeats_rejected
+        self._fence = parts.fence
+        self._newest_world = parts.newest_world
+        self._max_skew_s = parts.max_clock_skew_s
+        counter = parts.rejected
         self._rejected = {reason: counter.labels(reason.value) for reason in HeartbeatRejection}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
