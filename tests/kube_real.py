@@ -20,6 +20,7 @@ from tests.timing import scaled, wait_until
 
 NS = "default"
 JOBSETS = f"/apis/{o.JOBSET_API_VERSION}/namespaces/{NS}/jobsets"
+JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
 
 
 def pool_nodes(plane: ControlPlane, pool: str, count: int) -> list[str]:
@@ -56,6 +57,16 @@ def start_jobset(
     return body
 
 
+def running_jobset(
+    plane: ControlPlane, name: str, nodes: int = 2, **js: Any
+) -> list[dict[str, Any]]:
+    """`nodes` nodes in the pool `name` and the JobSet `name` (of two replicas unless `js`
+    says otherwise) running on them: its pods, of restart attempt 0."""
+    pool_nodes(plane, name, nodes)
+    start_jobset(plane, name, name, **js)
+    return wait_running(plane, name, js.get("replicas", 2), "0")
+
+
 def get(plane: ControlPlane, path: str) -> dict[str, Any] | None:
     with plane.client() as api:
         r = api.get(path)
@@ -70,6 +81,17 @@ def pods_of(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
     found = get(plane, f"/api/v1/namespaces/{NS}/pods?labelSelector={o.JOBSET_NAME}%3D{name}")
     assert found is not None
     return list(found["items"])
+
+
+def live_jobs(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
+    """The JobSet's child Jobs, none being deleted."""
+    found = get(plane, f"{JOBS}?labelSelector={o.JOBSET_NAME}%3D{name}") or {}
+    return [j for j in found["items"] if not j["metadata"].get("deletionTimestamp")]
+
+
+def job_uids(plane: ControlPlane, name: str) -> set[str]:
+    """The UIDs of the JobSet's child Jobs, none being deleted."""
+    return {j["metadata"]["uid"] for j in live_jobs(plane, name)}
 
 
 def running(plane: ControlPlane, name: str, count: int, attempt: str | None = None) -> Any:

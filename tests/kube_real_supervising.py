@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,15 +45,20 @@ SUPERVISED = "tests.resiliency-supervisor.io/supervised-by"
 
 class Sent:
     """Every request the backend's client sent to the API server, (method, path), in
-    order: the calls are passed on unchanged, only written down."""
+    order, and its body (`bodies`, in the same order): the calls are passed on unchanged,
+    only written down."""
 
     def __init__(self, backend: KubeBackend) -> None:
         self.requests: list[tuple[str, str]] = []
+        self.bodies: list[Any] = []
+        lock = threading.Lock()  # the watches send from threads of their own
         rest = backend.api.rest_client
         send: Callable[..., Any] = rest.request
 
         def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
-            self.requests.append((method, urlsplit(url).path))
+            with lock:
+                self.requests.append((method, urlsplit(url).path))
+                self.bodies.append(kwargs.get("body"))
             return send(method, url, *args, **kwargs)
 
         setattr(rest, "request", request)  # noqa: B010  # one client's, not its class's

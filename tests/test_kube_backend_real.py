@@ -20,20 +20,22 @@ import pytest
 import yaml
 
 from supervisor.actuator.backend import ActionError
-from supervisor.domain import ActionType
+from supervisor.domain import ActionRecord, ActionType
 from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
 from supervisor.runtime import make_backend
 from tests.chart_rbac import chart_identity_without
 from tests.conftest import SettingsFactory
 from tests.control_plane import ControlPlane, Identity
-from tests.kube.harness import action, kube_settings
+from tests.kube.harness import Hooks, action, kube_settings
 from tests.kube_real import (
     JOBSETS,
     NS,
     backend_on,
     events_about,
     get,
+    job_uids,
+    live_jobs,
     merge_patch,
     node,
     pool_nodes,
@@ -42,8 +44,23 @@ from tests.kube_real import (
     until,
     wait_running,
 )
+from tests.kube_real_supervising import Sent, wait
 from tests.test_helm_chart import NAMESPACE
 from tests.timing import scaled, wait_until
+
+
+def evictions(sent: Sent) -> list[str]:
+    """The pods whose eviction the backend sent, one entry per request, sorted."""
+    return sorted(p.split("/")[-2] for _, p in sent.writes() if p.endswith("/eviction"))
+
+
+async def repeat_writes_nothing(backend: KubeBackend, sent: Sent, done: ActionRecord) -> None:
+    """The same action again: found done in its journal, not a single write sent."""
+    before = len(sent)
+    again = await backend.execute(done)
+    assert again["repeated"] is True, again
+    assert sent.writes(before) == []
+
 
 # --- restarts through the JobSet controller ------------------------------------------------
 
@@ -60,6 +77,7 @@ async def test_restart_in_place_evicts_the_pod_and_the_jobset_controller_restart
     pods = wait_running(control_plane, "rip", 2, "0")
     victim = pods[0]
     async with backend_on(control_plane, kube_supervisor, make_settings, "rip") as backend:
+        sent = Sent(backend)
         await until(
             backend,
             lambda: victim["spec"]["nodeName"] in backend.discovery.nodes_of("rip"),
@@ -70,6 +88,7 @@ async def test_restart_in_place_evicts_the_pod_and_the_jobset_controller_restart
         )
         result = await backend.execute(a)
         assert result == {"pods": {victim["metadata"]["name"]: "evicted"}}, result
+        assert evictions(sent) == [victim["metadata"]["name"]]
         wait_running(control_plane, "rip", 2, "1")
         status = (get(control_plane, f"{JOBSETS}/rip") or {})["status"]
         assert status["restarts"] == 1, status
@@ -77,8 +96,7 @@ async def test_restart_in_place_evicts_the_pod_and_the_jobset_controller_restart
         assert events_about(control_plane, "rip", "RestartInPlace")
         (event,) = events_about(control_plane, victim["metadata"]["name"], "RestartInPlace")
         assert "supervisor action 1: exit" in event["message"], event
-        again = await backend.execute(a)
-        assert again["repeated"] is True, again
+        await repeat_writes_nothing(backend, sent, a)
 
 
 async def test_an_eviction_rbac_forbids_fails_the_action_saying_so_and_deletes_nothing(
@@ -143,25 +161,32 @@ async def test_restart_workload_evicts_every_pod_and_returns_once_the_jobset_res
 ) -> None:
     pool_nodes(control_plane, "rw", 2)
     start_jobset(control_plane, "rw", "rw")
-    old = {p["metadata"]["uid"] for p in wait_running(control_plane, "rw", 2, "0")}
+    pods = wait_running(control_plane, "rw", 2, "0")
+    old = {p["metadata"]["uid"] for p in pods}
     async with backend_on(control_plane, kube_supervisor, make_settings, "rw") as backend:
+        sent = Sent(backend)
         await until(backend, lambda: len(backend.discovery.child_jobs("rw")) == 2, "the Jobs")
-        result = await backend.execute(action(ActionType.RESTART_WORKLOAD, job="rw", reason="hang"))
+        old_jobs = job_uids(control_plane, "rw")
+        a = action(ActionType.RESTART_WORKLOAD, job="rw", reason="hang")
+        result = await backend.execute(a)
         assert result["method"] == "evict" and result["restart_attempt"] == 1, result
-        assert len(result["pods"]) == 2 and set(result["pods"].values()) == {"evicted"}
+        assert result["pods"] == {p["metadata"]["name"]: "evicted" for p in pods}, result
+        # Every pod evicted (UID preconditions), nothing deleted.
+        assert evictions(sent) == sorted(result["pods"])
+        assert [w for w in sent.writes() if w[0] == "DELETE"] == []
         # When execute returns, the JobSet has restarted: the Jobs of attempt 1 exist.
-        jobs = get(control_plane, f"/apis/batch/v1/namespaces/{NS}/jobs") or {}
-        attempts = {
-            j["metadata"]["labels"].get(o.RESTART_ATTEMPT)
-            for j in jobs["items"]
-            if j["metadata"]["labels"].get(o.JOBSET_NAME) == "rw"
-            and not j["metadata"].get("deletionTimestamp")
-        }
-        assert "1" in attempts, attempts
+        jobs = live_jobs(control_plane, "rw")
+        attempts = {j["metadata"]["labels"].get(o.RESTART_ATTEMPT) for j in jobs}
+        assert attempts == {"1"}, attempts
+        assert not {j["metadata"]["uid"] for j in jobs} & old_jobs
         new = {p["metadata"]["uid"] for p in wait_running(control_plane, "rw", 2, "1")}
         assert not new & old
+        status = (get(control_plane, f"{JOBSETS}/rw") or {})["status"]
+        assert status["restarts"] == 1, status
+        assert status.get("restartsCountTowardsMax", 0) == 0, status
         (event,) = events_about(control_plane, "rw", "RestartWorkload")
         assert "restart-attempt 1" in event["message"], event
+        await repeat_writes_nothing(backend, sent, a)
 
 
 async def test_restart_workload_without_the_policy_deletes_the_jobs_for_the_controller(
@@ -174,14 +199,24 @@ async def test_restart_workload_without_the_policy_deletes_the_jobs_for_the_cont
     start_jobset(control_plane, "dj", "dj", failure_policy={"maxRestarts": 3})
     old = {p["metadata"]["uid"] for p in wait_running(control_plane, "dj", 2, "0")}
     async with backend_on(control_plane, kube_supervisor, make_settings, "dj") as backend:
+        sent = Sent(backend)
         await until(backend, lambda: len(backend.discovery.child_jobs("dj")) == 2, "the Jobs")
+        old_jobs = job_uids(control_plane, "dj")
         result = await backend.execute(action(ActionType.RESTART_WORKLOAD, job="dj", reason="hang"))
         assert result["method"] == "delete_jobs" and result["restart_attempt"] == 0, result
         assert result["deleted_jobs"] == ["dj-workers-0", "dj-workers-1"]
+        deletes = [path for method, path in sent.writes() if method == "DELETE"]
+        assert [d.rsplit("/", 1)[-1] for d in deletes] == result["deleted_jobs"], deletes
         new = {p["metadata"]["uid"] for p in wait_running(control_plane, "dj", 2, "0")}
         assert not new & old
+        # The pods of new Jobs run: the JobSet controller created the Jobs again.
+        jobs = job_uids(control_plane, "dj")
+        assert len(jobs) == 2 and not jobs & old_jobs, jobs
         status = (get(control_plane, f"{JOBSETS}/dj") or {}).get("status", {})
         assert status.get("restarts", 0) == 0, status
+        (event,) = events_about(control_plane, "dj", "RestartWorkload")
+        assert "restart-attempt stays 0" in event["message"], event
+        assert "gets RestartJobSet, not RestartJobSetAndIgnoreMaxRestarts" in event["message"]
 
 
 # --- discovery and the backend's factory ---------------------------------------------------
@@ -281,25 +316,38 @@ async def test_make_backend_builds_it_from_a_kubeconfig(
 # --- nodes ---------------------------------------------------------------------------------
 
 
-async def test_hot_swap_cordons_and_taints_the_node_and_the_pod_runs_on_a_spare(
+async def test_hot_swap_moves_the_pod_to_a_spare_and_the_recovery_loop_gives_the_node_back(
     control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
 ) -> None:
     """Cordon, our NoExecute taint beside the node's own, the health label; the pod is
-    evicted, and the restarted JobSet's pods are scheduled on the other nodes. Then the
-    uncordon gives the node back: the taint gone, the other kept."""
+    evicted, and the restarted JobSet's pods are scheduled on the other nodes; a repeat
+    writes nothing. The recovery loop asks for no uncordon while the node's host monitor
+    is silent, and one once the node has been Ready and heartbeating for
+    node_recovery_healthy_s; that uncordon gives the node back (the taint gone, the other
+    kept), and the capacity back is said once. Nodes and JobSets are only ever patched
+    (RBAC: no update verb)."""
     nodes = pool_nodes(control_plane, "hs", 3)
     start_jobset(control_plane, "hs", "hs")
     pods = wait_running(control_plane, "hs", 2, "0")
     bad = pods[0]["spec"]["nodeName"]
     other = {"key": "other", "value": "x", "effect": "NoSchedule"}
     merge_patch(control_plane, f"/api/v1/nodes/{bad}", {"spec": {"taints": [other]}})
-    async with backend_on(control_plane, kube_supervisor, make_settings, "hs") as backend:
+    hooks = Hooks(heartbeating={bad: False})  # its host monitor silent: no recovery yet
+    healthy_s = 0.5
+    async with backend_on(
+        control_plane,
+        kube_supervisor,
+        make_settings,
+        "hs",
+        hooks,
+        node_recovery_healthy_s=healthy_s,
+    ) as backend:
+        sent = Sent(backend)
         await until(backend, lambda: bad in backend.discovery.nodes_of("hs"), "the pods seen")
         (spare,) = set(nodes) - {p["spec"]["nodeName"] for p in pods}
         settings = backend.settings
-        result = await backend.execute(
-            action(ActionType.HOT_SWAP, job="hs", node=bad, spare=spare, reason="xid 79")
-        )
+        swap = action(ActionType.HOT_SWAP, job="hs", node=bad, spare=spare, reason="xid 79")
+        result = await backend.execute(swap)
         assert result["pods"] == {pods[0]["metadata"]["name"]: "evicted"}, result
         n = node(control_plane, bad)
         assert n["spec"]["unschedulable"] is True
@@ -308,14 +356,34 @@ async def test_hot_swap_cordons_and_taints_the_node_and_the_pod_runs_on_a_spare(
         moved = wait_running(control_plane, "hs", 2, "1")
         assert bad not in {p["spec"]["nodeName"] for p in moved}
         assert events_about(control_plane, bad, "HotSwap")
+        assert events_about(control_plane, "hs", "HotSwap")
+        await repeat_writes_nothing(backend, sent, swap)
+
+        # Ready but silent: not healthy, no uncordon asked for.
+        assert backend.recovery is not None
+        await backend.recovery.check()
+        assert not backend.recovery.healthy(bad) and hooks.requests == []
+        hooks.heartbeating[bad] = True
+        assert backend.recovery.healthy(bad)
+        heard = asyncio.get_running_loop().time()
+        [(request, key)] = await wait(lambda: hooks.requests, "the uncordon asked for")
+        assert asyncio.get_running_loop().time() - heard >= healthy_s
+        assert request.type is ActionType.UNCORDON and request.node == bad, request
 
         await backend.execute(
-            action(ActionType.UNCORDON, job=None, node=bad, key="k2", id_=2, reason="healthy")
+            action(ActionType.UNCORDON, job=None, node=bad, key=key, id_=2, reason="healthy")
         )
         n = node(control_plane, bad)
         assert not n["spec"].get("unschedulable")
         assert settings.kube_taint_key not in {t["key"] for t in n["spec"].get("taints", [])}
         assert n["metadata"]["labels"][settings.kube_node_health_label] == o.SCHEDULABLE
+        assert events_about(control_plane, bad, "Uncordon")
+        # Schedulable again: capacity is back, said once.
+        (recovered,) = await wait(lambda: hooks.of("node_recovered"), "node_recovered")
+        await backend.recovery.check()
+        assert hooks.of("node_recovered") == [recovered]
+        assert recovered.node == bad and recovered.details["uncordoned_by"] == key
+        assert [r for r in sent.requests if r[0] == "PUT"] == []
         # The node lifecycle controller's own taint of a cordoned node, which the uncordon
         # keeps as it found it (taints are written whole): the controller lifts it soon.
         wait_until(
@@ -353,16 +421,28 @@ async def test_cordon_and_uncordon_and_a_node_that_does_not_exist(
 async def test_scale_down_then_up_recreates_the_jobset_and_restores_it_exactly(
     control_plane: ControlPlane, kube_supervisor: Identity, make_settings: SettingsFactory
 ) -> None:
-    """The JobSet is deleted (Foreground) and created again from its own spec with fewer
-    replicas (the real webhook keeps replicas immutable), the bad node cordoned; scaling
+    """Bounds come from the JobSet's annotations: outside them, refused, nothing written.
+    The JobSet is deleted (Foreground) and created again from its own spec with fewer
+    replicas (the real webhook keeps replicas immutable), NUM_DP_REPLICAS and NNODES set
+    (the other variables kept), the bad node cordoned; a repeat writes nothing; scaling
     back up restores the spec the JobSet controller's webhook defaulted, exactly."""
     pool_nodes(control_plane, "sc", 3)
-    start_jobset(control_plane, "sc", "sc", annotations={o.MIN_REPLICAS: "1"}, env={"NNODES": "2"})
+    start_jobset(
+        control_plane,
+        "sc",
+        "sc",
+        annotations={o.MIN_REPLICAS: "1"},
+        env={"NNODES": "2", "X": "1"},
+    )
     pods = wait_running(control_plane, "sc", 2, "0")
     bad = pods[0]["spec"]["nodeName"]
     original = get(control_plane, f"{JOBSETS}/sc") or {}
     async with backend_on(control_plane, kube_supervisor, make_settings, "sc") as backend:
+        sent = Sent(backend)
         await until(backend, lambda: len(backend.discovery.nodes_of("sc")) == 2, "the pods")
+        with pytest.raises(ActionError, match=r"outside \[1, 2\]"):
+            await backend.execute(action(ActionType.SCALE_DOWN, job="sc", key="k0", to_replicas=0))
+        assert sent.writes() == []
         down = action(
             ActionType.SCALE_DOWN, job="sc", to_replicas=1, exclude_node=bad, reason="no spare"
         )
@@ -370,19 +450,35 @@ async def test_scale_down_then_up_recreates_the_jobset_and_restores_it_exactly(
         js = get(control_plane, f"{JOBSETS}/sc") or {}
         assert js["metadata"]["uid"] != original["metadata"]["uid"]
         assert js["spec"]["replicatedJobs"][0]["replicas"] == 1
-        assert json.loads(js["metadata"]["annotations"][o.ORIGINAL_SPEC]) == original["spec"]
+        template = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in template["containers"][0]["env"]}
+        assert env == {"NNODES": "1", "X": "1", "NUM_DP_REPLICAS": "1"}, env
+        annotations = js["metadata"]["annotations"]
+        assert annotations[o.NUM_DP_REPLICAS] == "1" and o.RECREATE not in annotations
+        assert json.loads(annotations[o.ORIGINAL_SPEC]) == original["spec"]
+        assert js["metadata"]["labels"] == original["metadata"]["labels"]
         assert node(control_plane, bad)["spec"]["unschedulable"] is True
         (pod,) = wait_running(control_plane, "sc", 1)
         assert pod["spec"]["nodeName"] != bad
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["NUM_DP_REPLICAS"] == "1" and env["NNODES"] == "1", env
-        assert (await backend.execute(down))["repeated"] is True
+        await until(
+            backend,
+            lambda: (
+                (view := backend.job_views().get("sc")) is not None and view.num_dp_replicas == 1
+            ),
+            "one replica seen",
+        )
+        assert events_about(control_plane, "sc", "ScaleDown")
+        await repeat_writes_nothing(backend, sent, down)
 
         up = action(ActionType.SCALE_UP, job="sc", key="k2", to_replicas=2, reason="back")
         assert await backend.execute(up) == {"num_dp_replicas": 2, "from_replicas": 1}
         restored = get(control_plane, f"{JOBSETS}/sc") or {}
         assert restored["spec"] == original["spec"]
         assert o.ORIGINAL_SPEC not in restored["metadata"]["annotations"]
+        assert restored["metadata"]["annotations"][o.MIN_REPLICAS] == "1"
+        wait_running(control_plane, "sc", 2)
 
 
 # --- pods ----------------------------------------------------------------------------------
@@ -451,8 +547,21 @@ async def test_an_eviction_a_disruption_budget_refuses_falls_back_to_a_delete(
         control_plane, kube_supervisor, make_settings, "pdb", pod_deletion_grace_period_s=7
     ) as backend:
         await until(backend, lambda: bad in backend.discovery.nodes_of("pdb"), "the pods seen")
+        sent = Sent(backend)
         result = await backend.execute(
             action(ActionType.RESTART_IN_PLACE, job="pdb", node=bad, reason="exit")
         )
-        assert result == {"pods": {pods[0]["metadata"]["name"]: "deleted"}}, result
+        victim = pods[0]["metadata"]["name"]
+        assert result == {"pods": {victim: "deleted"}}, result
+        # Refused again and again (with backoff) for eviction_patience_s, then one delete,
+        # with the grace period of the settings and the pod's UID as precondition.
+        assert len(evictions(sent)) >= 3 and set(evictions(sent)) == {victim}, evictions(sent)
+        deletes = [
+            body
+            for (method, path), body in zip(sent.requests, sent.bodies, strict=True)
+            if method == "DELETE" and "/pods/" in path
+        ]
+        assert deletes == [
+            {"gracePeriodSeconds": 7, "preconditions": {"uid": pods[0]["metadata"]["uid"]}}
+        ], deletes
         wait_running(control_plane, "pdb", 2, "1")

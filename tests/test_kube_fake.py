@@ -851,7 +851,7 @@ def test_job_deletion_propagation(kube: FakeKube, api: Any) -> None:
     assert not kube.objects("Pod", NS, "job-name=foreground")
 
 
-# --- eviction and PodDisruptionBudgets ----------------------------------------------------------
+# --- eviction ----------------------------------------------------------------------------------
 
 
 def test_eviction_marks_disruption_target_and_deletes_gracefully(kube: FakeKube, api: Any) -> None:
@@ -872,91 +872,6 @@ def test_eviction_marks_disruption_target_and_deletes_gracefully(kube: FakeKube,
     with pytest.raises(ApiException) as e:
         core.create_namespaced_pod_eviction("p", NS, eviction)
     assert e.value.status == 404
-
-
-def test_eviction_blocked_by_pdb_is_429(kube: FakeKube, api: Any) -> None:
-    """With a PodDisruptionBudget (minAvailable) over the pod, eviction is allowed while
-    disruptionsAllowed > 0 and then refused: 429 TooManyRequests "Cannot evict pod as it would
-    violate the pod's disruption budget." with a DisruptionBudget cause; the pod is untouched."""
-    for i in range(3):
-        kube.add_node(f"n{i}")
-        kube.create(pod_body(f"p{i}", {"app": "train"}))
-    kube.wait_for(lambda: len(running_pods(kube)) == 3)
-    pdb = client.V1PodDisruptionBudget(
-        metadata=client.V1ObjectMeta(name="pdb"),
-        spec=client.V1PodDisruptionBudgetSpec(
-            min_available=2, selector=client.V1LabelSelector(match_labels={"app": "train"})
-        ),
-    )
-    _api(client.PolicyV1Api, api).create_namespaced_pod_disruption_budget(NS, pdb)
-    core = _api(client.CoreV1Api, api)
-
-    def evict(name: str) -> None:
-        core.create_namespaced_pod_eviction(
-            name, NS, client.V1Eviction(metadata=client.V1ObjectMeta(name=name))
-        )
-
-    evict("p0")
-    with pytest.raises(ApiException) as e:
-        evict("p1")
-    s = status_of(e.value)
-    assert (e.value.status, s["reason"]) == (429, "TooManyRequests")
-    assert s["message"] == "Cannot evict pod as it would violate the pod's disruption budget."
-    assert s["details"]["causes"] == [
-        {
-            "reason": "DisruptionBudget",
-            "message": "The disruption budget pdb needs 2 healthy pods and has 2 currently",
-        }
-    ]
-    pod = core.read_namespaced_pod("p1", NS)
-    assert pod.metadata.deletion_timestamp is None
-    assert not [c for c in pod.status.conditions if c.type == "DisruptionTarget"]
-    status = kube.wait_for(
-        lambda: (
-            (kube.get("PodDisruptionBudget", "pdb") or {}).get("status", {}).get("currentHealthy")
-            == 2
-        )
-    )
-    assert status
-
-
-def test_pdb_max_unavailable_over_job_pods_blocks_eviction(kube: FakeKube, api: Any) -> None:
-    """maxUnavailable (and percentages) need the pods' controller to have a scale subresource;
-    Jobs have none, so the PDB fails to sync and every eviction is 429."""
-    kube.add_node("n1", gpus=8)
-    kube.add_node("n2", gpus=8)
-    co = _api(client.CustomObjectsApi, api)
-    co.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, jobset_body("js", replicas=1))
-    kube.wait_for(lambda: len(jobset_pods(kube, "js", 0)) == 2)
-    pdb = {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {"name": "pdb"},
-        "spec": {
-            "maxUnavailable": 1,
-            "selector": {"matchLabels": {JS_LABEL + "jobset-name": "js"}},
-        },
-    }
-    _api(client.PolicyV1Api, api).create_namespaced_pod_disruption_budget(NS, pdb)
-    name = jobset_pods(kube, "js", 0)[0]["metadata"]["name"]
-    with pytest.raises(ApiException) as e:
-        _api(client.CoreV1Api, api).create_namespaced_pod_eviction(
-            name, NS, {"metadata": {"name": name}}
-        )
-    cause = status_of(e.value)["details"]["causes"][0]["message"]
-    assert e.value.status == 429 and "jobs.batch does not implement the scale subresource" in cause
-
-
-def test_eviction_of_pending_pod_ignores_pdb(kube: FakeKube, api: Any) -> None:
-    """A Pending (e.g. unschedulable) pod is deleted by eviction without consulting PDBs."""
-    kube.create(pod_body("p", {"app": "x"}))
-    pdb = {
-        "metadata": {"name": "pdb"},
-        "spec": {"minAvailable": 5, "selector": {"matchLabels": {"app": "x"}}},
-    }
-    _api(client.PolicyV1Api, api).create_namespaced_pod_disruption_budget(NS, pdb)
-    _api(client.CoreV1Api, api).create_namespaced_pod_eviction("p", NS, {"metadata": {"name": "p"}})
-    assert kube.get("Pod", "p") is None
 
 
 # --- scheduling, taints, nodes ----------------------------------------------------------------

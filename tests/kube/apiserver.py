@@ -27,14 +27,14 @@ do it:
   from the request or spec.terminationGracePeriodSeconds; 0 for unscheduled or
   terminal pods; a later delete can only shorten it; gracePeriodSeconds=0 removes the
   object at once unless it has finalizers).
-- the pods/eviction subresource, as ``pkg/registry/core/pod/storage/eviction.go``.
+- the pods/eviction subresource, as ``pkg/registry/core/pod/storage/eviction.go`` for
+  a pod no PodDisruptionBudget covers.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import math
 import random
 import re
 import time
@@ -47,7 +47,6 @@ from .resources import (
     JOBSETS,
     LEASES,
     NODES,
-    PDBS,
     PODS,
     ApiError,
     Obj,
@@ -56,7 +55,6 @@ from .resources import (
     bad_request,
     condition_true,
     conflict,
-    controller_ref,
     deep,
     expired,
     forbidden,
@@ -65,12 +63,9 @@ from .resources import (
     not_found,
     now_rfc3339,
     set_condition,
-    too_many_requests,
 )
 from .selectors import (
     Matcher,
-    label_selector_from_object,
-    match_labels,
     matcher,
     parse_field_selector,
     parse_label_selector,
@@ -589,14 +584,10 @@ class ApiServer:
     def evict(self, ns: str, name: str, body: Any) -> tuple[int, Obj]:
         """POST pods/{name}/eviction (policy/v1 Eviction).
 
-        As ``EvictionREST.Create``: a pod that is Pending, terminal or already
-        terminating is deleted without consulting PDBs; otherwise the single PDB whose
-        selector matches the pod must allow a disruption (else 429 TooManyRequests
-        "Cannot evict pod as it would violate the pod's disruption budget."), more than
-        one matching PDB is a 500; on success the pod gets the condition
-        ``DisruptionTarget`` (reason EvictionByEvictionAPI) and is deleted with the
-        eviction's deleteOptions (graceful by default). The PDB status is recomputed
-        at eviction time, i.e. the disruption controller is modelled as never lagging.
+        As ``EvictionREST.Create`` for a pod no PodDisruptionBudget covers (budgets are
+        not modelled: a refused eviction is tested on the real control plane): the pod
+        gets the condition ``DisruptionTarget`` (reason EvictionByEvictionAPI) and is
+        deleted with the eviction's deleteOptions (graceful by default).
         """
         if not isinstance(body, dict):
             raise bad_request("the body of the request must be a JSON object")
@@ -604,34 +595,8 @@ class ApiServer:
             raise bad_request("name in URL does not match name in Eviction object")
         opts = body.get("deleteOptions") or {}
         with self.store.lock:
-            pod = self.store.raw("pods", ns, name)
-            if pod is None:
+            if self.store.raw("pods", ns, name) is None:
                 raise not_found(PODS, name)
-            phase = (pod.get("status") or {}).get("phase")
-            can_ignore = phase in ("Succeeded", "Failed", "Pending") or bool(
-                pod["metadata"].get("deletionTimestamp")
-            )
-            if not can_ignore:
-                pdbs = [
-                    p
-                    for p in self.store.list("poddisruptionbudgets", ns)
-                    if pod["metadata"].get("labels")
-                    and (sel := label_selector_from_object((p.get("spec") or {}).get("selector")))
-                    is not None
-                    and match_labels(sel, pod)
-                ]
-                if len(pdbs) > 1:
-                    return 500, {
-                        "kind": "Status",
-                        "apiVersion": "v1",
-                        "metadata": {},
-                        "status": "Failure",
-                        "message": "This pod has more than one PodDisruptionBudget, which the "
-                        "eviction subresource does not support.",
-                        "code": 500,
-                    }
-                if pdbs:
-                    self._check_and_decrement(pdbs[0], pod)
             self._add_disruption_target_and_delete(ns, name, opts)
             return 201, {
                 "kind": "Status",
@@ -640,50 +605,6 @@ class ApiServer:
                 "status": "Success",
                 "code": 201,
             }
-
-    def _check_and_decrement(self, pdb: Obj, pod: Obj) -> None:
-        pdb = deep(pdb)
-        status = self.pdb_status(pdb)
-        pdb["status"] = {**(pdb.get("status") or {}), **status}
-        if not pod_ready(pod):
-            policy = (pdb.get("spec") or {}).get("unhealthyPodEvictionPolicy")
-            if policy == "AlwaysAllow" or (
-                status["currentHealthy"] >= status["desiredHealthy"]
-                and status["desiredHealthy"] > 0
-            ):
-                return
-        if status["disruptionsAllowed"] <= 0:
-            cond = next(c for c in status["conditions"] if c["type"] == "DisruptionAllowed")
-            pname = pdb["metadata"]["name"]
-            if cond["reason"] == "SyncFailed":
-                msg = (
-                    f"The disruption budget {pname} does not allow evicting pods currently "
-                    f"because it failed sync: {cond['message']}"
-                )
-            else:
-                msg = (
-                    f"The disruption budget {pname} needs {status['desiredHealthy']} healthy "
-                    f"pods and has {status['currentHealthy']} currently"
-                )
-            raise too_many_requests(
-                "Cannot evict pod as it would violate the pod's disruption budget.",
-                0,
-                [{"reason": "DisruptionBudget", "message": msg}],
-            )
-        st = pdb["status"]
-        st["disruptionsAllowed"] = status["disruptionsAllowed"] - 1
-        st.setdefault("disruptedPods", {})[pod["metadata"]["name"]] = now_rfc3339()
-        if st["disruptionsAllowed"] == 0:
-            set_condition(
-                pdb,
-                {
-                    "type": "DisruptionAllowed",
-                    "status": "False",
-                    "reason": "InsufficientPods",
-                    "message": "",
-                },
-            )
-        self.store.put("poddisruptionbudgets", pdb)
 
     def _add_disruption_target_and_delete(
         self,
@@ -709,93 +630,6 @@ class ApiServer:
                 return
             self._add_disruption_target_and_delete(ns, name, {}, reason=reason, message=message)
 
-    # --- PodDisruptionBudget status (the disruption controller's computation) ----------
-
-    def pdb_status(self, pdb: Obj) -> Obj:
-        """status of a PDB as ``pkg/controller/disruption`` computes it.
-
-        minAvailable as an integer counts the matching pods; maxUnavailable and
-        percentages need the pods' controller to implement the scale subresource,
-        which Jobs (and so JobSets) do not: the PDB then fails to sync and allows no
-        disruption (documented: "only an integer value can be used with
-        .spec.minAvailable" for pods of other controllers). Bare pods are ignored.
-        """
-        spec = pdb.get("spec") or {}
-        ns = pdb["metadata"]["namespace"]
-        sel = label_selector_from_object(spec.get("selector"))
-        pods = [p for p in self.store.list("pods", ns) if sel is not None and match_labels(sel, p)]
-        error = ""
-        expected = desired = 0
-
-        def expected_scale() -> int:
-            nonlocal error
-            for p in pods:
-                ref = controller_ref(p)
-                if ref is not None:
-                    group = (
-                        ref.get("apiVersion", "").split("/")[0]
-                        if "/" in ref.get("apiVersion", "")
-                        else ""
-                    )
-                    plural = ref.get("kind", "").lower() + "s"
-                    error = (
-                        f"{plural}.{group} does not implement the scale subresource"
-                        if group
-                        else f"{plural} does not implement the scale subresource"
-                    )
-                    return 0
-            return 0  # unmanaged pods are ignored
-
-        max_unavailable = spec.get("maxUnavailable")
-        min_available = spec.get("minAvailable")
-        if max_unavailable is not None:
-            expected = expected_scale()
-            desired = max(0, expected - _scaled(max_unavailable, expected))
-        elif isinstance(min_available, int):
-            desired, expected = min_available, len(pods)
-        elif min_available is not None:
-            expected = expected_scale()
-            desired = _scaled(min_available, expected)
-        disrupted = (pdb.get("status") or {}).get("disruptedPods") or {}
-        healthy = sum(
-            1
-            for p in pods
-            if pod_ready(p)
-            and not p["metadata"].get("deletionTimestamp")
-            and p["metadata"]["name"] not in disrupted
-        )
-        allowed = 0 if error else max(0, healthy - desired)
-        if error:
-            cond = {
-                "type": "DisruptionAllowed",
-                "status": "False",
-                "reason": "SyncFailed",
-                "message": error,
-            }
-        elif allowed > 0:
-            cond = {
-                "type": "DisruptionAllowed",
-                "status": "True",
-                "reason": "SufficientPods",
-                "message": "",
-            }
-        else:
-            cond = {
-                "type": "DisruptionAllowed",
-                "status": "False",
-                "reason": "InsufficientPods",
-                "message": "",
-            }
-        cond["observedGeneration"] = pdb["metadata"].get("generation", 1)
-        return {
-            "observedGeneration": pdb["metadata"].get("generation", 1),
-            "currentHealthy": healthy,
-            "desiredHealthy": desired,
-            "expectedPods": expected,
-            "disruptionsAllowed": allowed,
-            "conditions": [cond],
-        }
-
     # --- per-kind strategies --------------------------------------------------------
 
     def _prepare_create(self, res: Resource, obj: Obj, *, keep_status: bool) -> None:
@@ -810,13 +644,6 @@ class ApiServer:
                 obj["status"] = {}
         elif res is JOBSETS:
             _default_jobset(obj)
-        elif res is PDBS and not keep_status:
-            obj["status"] = {
-                "disruptionsAllowed": 0,
-                "currentHealthy": 0,
-                "desiredHealthy": 0,
-                "expectedPods": 0,
-            }
 
     def _validate_create(self, res: Resource, obj: Obj) -> None:
         name = obj["metadata"]["name"]
@@ -879,14 +706,6 @@ class ApiServer:
 
 
 # --- defaulting and validation helpers ----------------------------------------------
-
-
-def _scaled(value: int | str, total: int) -> int:
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.endswith("%"):
-        return math.ceil(total * int(value[:-1]) / 100)
-    return int(value)
 
 
 def _quantity(value: Any) -> Any:

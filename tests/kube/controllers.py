@@ -27,7 +27,6 @@ real controllers do, and a conflict is simply retried on the next pass):
   kubelet on a NotReady node does nothing, so its terminating pods stay terminating
   until force-deleted (as on a real cluster); ``stuck_pods`` does the same for single
   pods.
-- **disruption controller**: PodDisruptionBudget status (see ApiServer.pdb_status).
 - **job controller** (batch/v1 Job): pods ``<job>-<index>-<rand>`` for Indexed jobs
   (``<job>-<rand>`` otherwise) with the job labels and a controller ownerReference;
   failed pods (phase Failed; or terminating, when the job has no podFailurePolicy and
@@ -58,7 +57,6 @@ from .jobset_controller import JobSetController
 from .resources import (
     JOBS,
     NODES,
-    PDBS,
     PODS,
     RESOURCES,
     ApiError,
@@ -233,7 +231,6 @@ class Cluster:
                 self._taint_eviction,
                 self._kubelets,
                 self._scheduler,
-                self._disruption,
                 self._job_controller,
                 self.jobsets.reconcile,
             ):
@@ -701,45 +698,6 @@ class Cluster:
                 self.store.put("pods", p)
 
         self._try(bind)
-
-    # --- disruption controller -----------------------------------------------------------
-
-    def _disruption(self) -> None:
-        for pdb in self.store.list("poddisruptionbudgets"):
-            computed = self.api.pdb_status(pdb)
-            old = pdb.get("status") or {}
-            disrupted = {
-                k: v
-                for k, v in (old.get("disruptedPods") or {}).items()
-                if (p := self.store.get("pods", pdb["metadata"]["namespace"], k)) is not None
-                and not is_terminating(p)
-            }
-            new = dict(computed)
-            if disrupted:
-                new["disruptedPods"] = disrupted
-            p = deep(pdb)
-            p["status"] = {**old, **new}
-            if not disrupted:
-                p["status"].pop("disruptedPods", None)
-            oldc = {c["type"]: c for c in old.get("conditions") or []}
-            for c in p["status"]["conditions"]:
-                prev = oldc.get(c["type"])
-                c["lastTransitionTime"] = (
-                    prev["lastTransitionTime"]
-                    if prev and prev.get("status") == c["status"]
-                    else now_rfc3339()
-                )
-            if p["status"] != old:
-                m = pdb["metadata"]
-                self._try(
-                    self.api.update,
-                    PDBS,
-                    m["namespace"],
-                    m["name"],
-                    p,
-                    subresource="status",
-                    trusted=True,
-                )
 
     # --- job controller -------------------------------------------------------------------
 

@@ -141,15 +141,6 @@ def setup_cluster(kube: FakeKube, *, nodes: int = 4, **js: Any) -> list[dict[str
     return kube.wait_for(lambda: pods_running(kube, want, body["metadata"]["name"]), 10)
 
 
-def mutations(kube: FakeKube, since: int = 0) -> list[tuple[str, str]]:
-    """(method, path) of every write the backend sent, from request number `since` on."""
-    return [
-        (r.method, r.path)
-        for r in kube.requests[since:]
-        if r.method in ("POST", "PUT", "PATCH", "DELETE")
-    ]
-
-
 def action(
     type_: ActionType,
     *,

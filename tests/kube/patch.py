@@ -72,7 +72,6 @@ MERGE_KEYS: dict[str, dict[tuple[str, ...], str]] = {
         **_pod_spec_at(("spec", "template", "spec")),
         ("status", "conditions"): "type",
     },
-    "poddisruptionbudgets": {**_META_LISTS, ("status", "conditions"): "type"},
     "events": dict(_META_LISTS),
     "leases": dict(_META_LISTS),
 }

@@ -105,14 +105,6 @@ EVENTS = Resource(
         "type",
     },
 )
-PDBS = Resource(
-    "policy",
-    "v1",
-    "poddisruptionbudgets",
-    "PodDisruptionBudget",
-    status_subresource=True,
-    has_generation=True,
-)
 LEASES = Resource("coordination.k8s.io", "v1", "leases", "Lease")
 JOBS = Resource(
     "batch",
@@ -136,7 +128,7 @@ JOBSETS = Resource(
     allow_unconditional_update=False,
 )
 
-RESOURCES: tuple[Resource, ...] = (PODS, NODES, EVENTS, PDBS, LEASES, JOBS, JOBSETS)
+RESOURCES: tuple[Resource, ...] = (PODS, NODES, EVENTS, LEASES, JOBS, JOBSETS)
 BY_PLURAL: dict[str, Resource] = {r.plural: r for r in RESOURCES}
 BY_KIND: dict[str, Resource] = {r.kind: r for r in RESOURCES}
 BY_PATH: dict[tuple[str, str, str], Resource] = {
