@@ -1,5 +1,6 @@
 """Reading a JobSet's spec for what an eviction of its pods leads to (the choice between
-a workload restart by eviction and one by recreated Jobs), on the shapes users write."""
+a workload restart by eviction and one by recreated Jobs), and which Jobs an in-process
+heal recreates, on the shapes users write."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from supervisor.kube.failure_policy import (
     job_failure_reason,
     jobset_action,
 )
+from supervisor.kube.in_process import one_pod_at_a_time, recreated_replicated_jobs
 from tests.kube.harness import jobset
 
 FAIL_ON_DISRUPTION = {
@@ -119,3 +121,24 @@ def test_refusals_name_the_replicated_job_and_the_reason() -> None:
     del second["template"]["spec"]["podFailurePolicy"]
     mixed["spec"]["replicatedJobs"].append(second)
     assert (eviction_restart_refusal(mixed) or "").startswith("replicatedJob driver:")
+
+
+def test_the_jobs_recreated_by_an_in_process_heal() -> None:
+    """A heal recreates a replaced pod's Job (for a new pod without the Job controller's
+    pod-failure backoff) only where the JobSet controller creates a missing Job again at
+    once, and only a Job of one pod at a time; elsewhere the Job replaces the pod."""
+    js = jobset()
+    js["spec"]["replicatedJobs"].append(
+        {"name": "after", "dependsOn": [{"name": "workers", "status": "Ready"}]}
+    )
+    assert recreated_replicated_jobs(js) == {o["name"] for o in js["spec"]["replicatedJobs"][:-1]}
+    in_order = copy.deepcopy(js)
+    in_order["spec"]["startupPolicy"] = {"startupPolicyOrder": "InOrder"}
+    assert recreated_replicated_jobs(in_order) == set()
+    any_order = copy.deepcopy(js)
+    any_order["spec"]["startupPolicy"] = {"startupPolicyOrder": "AnyOrder"}
+    assert recreated_replicated_jobs(any_order) == recreated_replicated_jobs(js)
+    assert one_pod_at_a_time({"spec": {}})
+    assert one_pod_at_a_time({"spec": {"parallelism": 1, "completions": 1}})
+    assert not one_pod_at_a_time({"spec": {"parallelism": 2, "completions": 2}})
+    assert not one_pod_at_a_time({"spec": {"parallelism": 1, "completions": 4}})

@@ -93,6 +93,7 @@ def sole_pod_jobs(discovery: Discovery, js: Obj, targets: Sequence[Target]) -> t
     one pod at a time (parallelism and completions 1): deleted, the JobSet controller
     creates them again, and their new pod waits no pod-failure backoff."""
     replaced = {uid for _, uid in targets}
+    recreated = recreated_replicated_jobs(js)
     pods_by_job: dict[str, list[str]] = {}
     for pod in discovery.pods_of(o.name_of(js)):
         pods_by_job.setdefault(o.owner_uid(pod) or "", []).append(o.uid_of(pod))
@@ -101,12 +102,26 @@ def sole_pod_jobs(discovery: Discovery, js: Obj, targets: Sequence[Target]) -> t
             target_of(job)
             for job in discovery.child_jobs(o.name_of(js))
             if o.owner_uid(job) == o.uid_of(js)
+            and o.labels_of(job).get(o.REPLICATED_JOB_NAME) in recreated
             and one_pod_at_a_time(job)
             and not o.terminating(job)
             and (pods := pods_by_job.get(o.uid_of(job)))
             and set(pods) <= replaced
         )
     )
+
+
+def recreated_replicated_jobs(js: Obj) -> set[str]:
+    """The replicated jobs whose missing Jobs the JobSet controller creates again while the
+    JobSet runs: none under the `InOrder` startup policy (once every replica started, it
+    creates no more), nor one that `dependsOn` another (created only on that one's
+    status)."""
+    spec = js.get("spec") or {}
+    if (spec.get("startupPolicy") or {}).get("startupPolicyOrder") == "InOrder":
+        return set()
+    return {
+        str(rj.get("name")) for rj in spec.get("replicatedJobs") or [] if not rj.get("dependsOn")
+    }
 
 
 def one_pod_at_a_time(job: Obj) -> bool:
