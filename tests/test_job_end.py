@@ -18,9 +18,12 @@ from tests.test_api import OPERATOR, Api, running
 from tests.timing import scaled
 
 HANG_S = 0.3
-#: The finishing bound: well above the 4 x HANG_S a test holds a job finishing, so that a
-#: slow machine's hold does not overrun it.
+#: The finishing bound of the tests that wait for it to pass.
 FINISHING_S = 3.0
+#: The finishing bound of the tests in which no job may pass it: a hold of 4 x HANG_S
+#: took 3.4 s beside two CPU burners (a busy event loop's beats), and a finishing hang
+#: past the bound would then be right.
+PATIENT_FINISHING_S = 60.0
 
 
 def beat(node: str, job: str, state: str, step: int, **worker: Any) -> dict[str, Any]:
@@ -29,16 +32,25 @@ def beat(node: str, job: str, state: str, step: int, **worker: Any) -> dict[str,
     return {"node": node, "state": "running", "job": job, "workers": [{**report, **worker}]}
 
 
-@pytest.fixture
-async def api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
-    settings = make_settings(
+def settings_with(make_settings: SettingsFactory, finishing_s: float) -> Any:
+    return make_settings(
         heartbeat_polling_period_s=0.05,
         heartbeat_timeout_s=30,
         hang_timeout_s=HANG_S,
         hang_warmup_intervals=0,
-        finishing_timeout_s=FINISHING_S,
+        finishing_timeout_s=finishing_s,
     )
-    async with running(settings) as a:
+
+
+@pytest.fixture
+async def api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
+    async with running(settings_with(make_settings, FINISHING_S)) as a:
+        yield a
+
+
+@pytest.fixture
+async def patient_api(make_settings: SettingsFactory) -> AsyncIterator[Api]:
+    async with running(settings_with(make_settings, PATIENT_FINISHING_S)) as a:
         yield a
 
 
@@ -91,7 +103,12 @@ async def state_of(api: Api, job: str) -> str:
     return view["state"]
 
 
-async def test_ten_normal_finishes_in_a_row_raise_no_hang_and_take_no_action(api: Api) -> None:
+async def test_ten_normal_finishes_in_a_row_raise_no_hang_and_take_no_action(
+    patient_api: Api,
+) -> None:
+    """Held at their last step for several hang timeouts while finishing: not watched for
+    hangs then (a stall of 4 x HANG_S while running is one: the test below)."""
+    api = patient_api
     for i in range(10):
         job = f"job-{i}"
         await train(api, job, 8)
@@ -149,12 +166,13 @@ async def test_a_job_that_stalls_while_running_still_hangs(api: Api) -> None:
 
 async def test_a_worker_stuck_finishing_is_a_hang_of_its_own_kind(api: Api) -> None:
     await train(api, "j1", 8)
-    await hold(api, "j1", "finishing", 8, FINISHING_S / 2)
-    assert (await api.get("/api/v1/events", type="hang"))["items"] == []
-    await hold(api, "j1", "finishing", 8, FINISHING_S / 2 + 0.5)  # past the bound
+    await hold(api, "j1", "finishing", 8, FINISHING_S + 0.5)  # past the bound
     (hang,) = await hangs(api)
     assert hang["details"]["kind"] == "finishing", hang
     assert hang["details"]["hang_timeout_s"] == FINISHING_S
+    # Not before the bound: by the sensor's own clock, whatever a busy machine did to the
+    # test's holds.
+    assert hang["details"]["stalled_for_s"] >= FINISHING_S, hang
     assert hang["details"]["last_step"] == 8
     assert hang["node"] == "n0" and hang["rank"] == 0
 
