@@ -73,7 +73,8 @@ def _succeeded(env: Any) -> list[dict[str, Any]]:
 
 
 def heal_times(plane: Any, who: Any, work: Path, *, recreate: bool, crashes: int) -> HealTimes:
-    started, wait_for = _tests("kube_real_fixtures").started, _tests("kube_real_fixtures").wait_for
+    fixtures = _tests("kube_real_fixtures")
+    started, wait_for = fixtures.started, fixtures.wait_for
     training = _tests("kube_real_in_process").training
     work.mkdir(parents=True)
     env = _env_class()(plane, who, work, "kh" + ("r" if recreate else "b"), count=2)
