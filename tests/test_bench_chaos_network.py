@@ -63,6 +63,30 @@ def reaches(chaos: NetworkChaos, source: str, target: str) -> bool:
     return subprocess.run(args, capture_output=True, timeout=10).returncode == 0
 
 
+#: How long a healed link may take to carry a first connection again, tried every 0.2 s
+#: with a connection attempt that gives up after 0.5 s. Beside two CPU burners and the
+#: suite, one attempt right after a cable was put back in failed once (why is not known:
+#: its output was not kept; 12 flaps beside 4 to 6 burners here each connected within
+#: 0.12 s). What a failed attempt said is now part of the failure.
+HEALED_WITHIN_S = 10.0
+
+
+def assert_healed(chaos: NetworkChaos, source: str, target: str) -> None:
+    """`source` reaches `target` again within HEALED_WITHIN_S."""
+    host = chaos.net.hosts[source]
+    address = chaos.net.hosts[target].address
+    args = [*host.exec_args(), sys.executable, "-c", CONNECT, address, str(PORT)]
+    deadline = time.monotonic() + HEALED_WITHIN_S
+    tries = 0
+    while (done := subprocess.run(args, capture_output=True, timeout=10)).returncode != 0:
+        tries += 1
+        assert time.monotonic() < deadline, (
+            f"{source} did not reach {target} again in {tries} tries over "
+            f"{HEALED_WITHIN_S:g}s; the last exited {done.returncode}: {done.stderr[-2000:]!r}"
+        )
+        time.sleep(0.2)
+
+
 def probe(chaos: NetworkChaos, source: str, target: str) -> subprocess.Popen[bytes]:
     """A connection from `source` to `target`'s listener, under way (exit code 0: made)."""
     host = chaos.net.hosts[source]
@@ -103,19 +127,22 @@ def test_each_kind_cuts_what_it_says_then_heals(chaos: NetworkChaos) -> None:
         "node->supervisor": False,
         "peer->node": True,  # the node trains on with its peers
     }
-    assert reaches(chaos, "supervisor", "node-0") and reaches(chaos, "node-0", "supervisor")
+    assert_healed(chaos, "supervisor", "node-0")
+    assert_healed(chaos, "node-0", "supervisor")
     assert seen_during(chaos, "link_down", "node-0") == {
         "supervisor->node": False,
         "node->supervisor": False,
         "peer->node": False,
     }
-    assert reaches(chaos, "supervisor", "node-0") and reaches(chaos, "node-1", "node-0")
+    assert_healed(chaos, "supervisor", "node-0")
+    assert_healed(chaos, "node-1", "node-0")
     assert seen_during(chaos, "peer_cut", "node-0") == {
         "supervisor->node": True,  # the supervisor hears it: only its peers do not
         "node->supervisor": True,
         "peer->node": False,
     }
-    assert reaches(chaos, "node-1", "node-0") and reaches(chaos, "node-0", "node-1")
+    assert_healed(chaos, "node-1", "node-0")
+    assert_healed(chaos, "node-0", "node-1")
     [cut, down, peers] = chaos.faults
     assert (cut.kind, cut.node, down.kind, peers.kind) == (
         "supervisor_cut",
