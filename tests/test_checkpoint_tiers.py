@@ -564,7 +564,9 @@ def test_the_copy_during_the_next_step_saves_the_state_of_the_step_done(
     threading.Timer(0.3, release.set).start()
     optimizer.step()
     assert release.is_set()
-    assert ckpt.blocking[0] >= 0.3  # the wait in optimizer.step() counts as blocking
+    # The wait in optimizer.step() counts as blocking: the 0.3 s hold, less the step's
+    # own start before its wait.
+    assert ckpt.blocking[0] >= 0.25
     assert not torch.equal(model.weight, at_step_1["weight"])  # the step did change them
     ckpt.close()
     assert ckpt.save_results[0].blocking_s == ckpt.blocking[0]

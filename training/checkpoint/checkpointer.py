@@ -166,6 +166,7 @@ class Checkpointer:
         self._staged = threading.Event()
         self._staged.set()
         self._staging_job: SaveJob | None = None
+        self._wait_started: float | None = None  # the loop waits for the copy since then
         self._staging_lock = threading.Lock()
         self._stage_in_next_step = (
             optimizer is not None and s.stage_during_next_step and s.enable_async_ckpt
@@ -347,7 +348,16 @@ class Checkpointer:
         try:
             return self._buffers.stage(state, after=ready)
         finally:
+            self._count_wait()  # before this save's thread reports it (the loop wakes later)
             self._staged.set()
+
+    def _count_wait(self) -> None:  # the loop's wait for the copy, once, as the save's
+        with self._staging_lock:
+            started, self._wait_started = self._wait_started, None
+            if started is not None and (job := self._staging_job) is not None:
+                waited = time.monotonic() - started
+                job.blocking_s += waited
+                self.blocking[-1] += waited
 
     def optimizer_step_starts(self) -> None:
         """The parameters and optimizer state are about to change (see `hook_optimizer`):
@@ -362,14 +372,10 @@ class Checkpointer:
             self._gate.update_starts()
         if self._staged.is_set():
             return
-        started = time.monotonic()
-        self._staged.wait()
-        waited = time.monotonic() - started
         with self._staging_lock:
-            job = self._staging_job
-            if job is not None:
-                job.blocking_s += waited
-                self.blocking[-1] += waited
+            self._wait_started = time.monotonic()
+        self._staged.wait()
+        self._count_wait()  # mostly counted already, where the copy ended
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until the save in flight is committed (or failed); False on timeout."""
