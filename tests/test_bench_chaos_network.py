@@ -56,10 +56,14 @@ def chaos() -> Iterator[NetworkChaos]:
         network.close()  # kills the listeners too
 
 
-def reaches(chaos: NetworkChaos, source: str, target: str) -> bool:
-    host = chaos.net.hosts[source]
+def connect_args(chaos: NetworkChaos, source: str, target: str) -> list[str]:
+    """A connection attempt from `source` to `target`'s listener (exit code 0: made)."""
     address = chaos.net.hosts[target].address
-    args = [*host.exec_args(), sys.executable, "-c", CONNECT, address, str(PORT)]
+    return [*chaos.net.hosts[source].exec_args(), sys.executable, "-c", CONNECT, address, str(PORT)]
+
+
+def reaches(chaos: NetworkChaos, source: str, target: str) -> bool:
+    args = connect_args(chaos, source, target)
     return subprocess.run(args, capture_output=True, timeout=10).returncode == 0
 
 
@@ -73,9 +77,7 @@ HEALED_WITHIN_S = 10.0
 
 def assert_healed(chaos: NetworkChaos, source: str, target: str) -> None:
     """`source` reaches `target` again within HEALED_WITHIN_S."""
-    host = chaos.net.hosts[source]
-    address = chaos.net.hosts[target].address
-    args = [*host.exec_args(), sys.executable, "-c", CONNECT, address, str(PORT)]
+    args = connect_args(chaos, source, target)
     deadline = time.monotonic() + HEALED_WITHIN_S
     tries = 0
     while (done := subprocess.run(args, capture_output=True, timeout=10)).returncode != 0:
@@ -89,9 +91,7 @@ def assert_healed(chaos: NetworkChaos, source: str, target: str) -> None:
 
 def probe(chaos: NetworkChaos, source: str, target: str) -> subprocess.Popen[bytes]:
     """A connection from `source` to `target`'s listener, under way (exit code 0: made)."""
-    host = chaos.net.hosts[source]
-    address = chaos.net.hosts[target].address
-    args = [*host.exec_args(), sys.executable, "-c", CONNECT, address, str(PORT)]
+    args = connect_args(chaos, source, target)
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
