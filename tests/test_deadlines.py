@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
+from typing import cast
 
 from supervisor.sensor.deadlines import DeadlineQueue
 from tests.timing import scaled
@@ -265,4 +267,47 @@ async def test_an_owner_can_move_deadlines_on_without_arming() -> None:
     [(key, given, fired_at)] = rec.fired
     assert key == "a" and given == latest["a"] and fired_at >= latest["a"]
     assert asked == [("a", armed), ("a", latest["a"])]
+    queue.close()
+
+
+class CountingLoop:
+    """The running loop, counting the queue's timers that ran (its wake-ups)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.wakeups = 0
+
+    def time(self) -> float:
+        return self.loop.time()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        def counted() -> None:
+            self.wakeups += 1
+            callback()
+
+        return self.loop.call_at(when, counted)
+
+
+async def test_deadlines_within_one_resolution_step_share_one_wake_up() -> None:
+    """Ten deadlines spread over 90 ms of one 100 ms step of the grid fire together, at the
+    step's end, none before its own deadline; the next step's deadline in a wake-up of its
+    own."""
+    rec = Recorder()
+    counting = CountingLoop(asyncio.get_running_loop())
+    loop = cast(asyncio.AbstractEventLoop, counting)
+    queue: DeadlineQueue[str] = DeadlineQueue(rec, loop=loop, resolution_s=0.1)
+    step_end = math.ceil((loop.time() + 0.15) / 0.1) * 0.1
+    deadlines = {f"k{i}": step_end - 0.095 + i * 0.009 for i in range(10)}
+    for key, deadline in deadlines.items():
+        queue.arm(key, deadline)
+    queue.arm("next", step_end + 0.05)
+
+    await rec.wait_for(11)
+
+    assert counting.wakeups == 2
+    assert rec.keys == [*deadlines, "next"]
+    for key, given, fired_at in rec.fired:
+        assert fired_at >= given
+        assert given == (deadlines[key] if key != "next" else step_end + 0.05)
+    assert all(fired_at >= step_end - 0.002 for _, _, fired_at in rec.fired[:10])
     queue.close()

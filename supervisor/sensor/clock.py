@@ -9,13 +9,23 @@ from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.nodes import DeadlineKey
 
 WALL_OFFSET_TOLERANCE_S = 0.001
+#: The sensor's deadlines fire this late at most (and at most 1% of the heartbeat
+#: timeout): what lets nearby deadlines share one wake-up of the event loop.
+DEADLINE_RESOLUTION_S = 0.05
 
 
 class SensorClock:
-    """Event-loop time (`_clock`) and the offset that turns it into Unix time."""
+    """The sensor's deadlines, event-loop time (`_clock`) and the offset that turns it into
+    Unix time."""
 
-    def __init__(self, deadlines: DeadlineQueue[DeadlineKey]) -> None:
-        self._deadlines = deadlines
+    def __init__(
+        self,
+        on_expired: Callable[[DeadlineKey, float], None],
+        extended: Callable[[DeadlineKey, float], float],
+        heartbeat_timeout_s: float,
+    ) -> None:
+        resolution_s = min(DEADLINE_RESOLUTION_S, heartbeat_timeout_s / 100)
+        self._deadlines = DeadlineQueue(on_expired, extended=extended, resolution_s=resolution_s)
         # The event loop's clock, bound on first use (the loop may not exist yet).
         self._clock: Callable[[], float] = self._bind_clock
         self._offset = 0.0  # see _wall_offset

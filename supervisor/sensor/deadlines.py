@@ -8,12 +8,18 @@ move a deadline on without telling the queue at all: before firing, the queue as
 here (the sensor only notes the node's last heartbeat time), and only the earliest
 deadline holds an event-loop timer, so the cost of watching N nodes does not grow with N
 per period and lateness stays at the timer resolution.
+
+Timers fire on a grid of `resolution_s`: every deadline within one step of it shares one
+wake-up of the event loop, a deadline fired at most that late. Nodes spread over their
+period would otherwise wake the loop once each (2,000 nodes every 5 s: about 115 times a
+second, each wake-up of an idle loop some 30 us of CPU).
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -28,8 +34,10 @@ class DeadlineQueue(Generic[K]):
         on_expired: Callable[[K, float], None],
         loop: asyncio.AbstractEventLoop | None = None,
         extended: Callable[[K, float], float] | None = None,
+        resolution_s: float = 0.0,
     ) -> None:
         self._on_expired = on_expired
+        self._resolution_s = resolution_s
         self._extended = extended
         self._loop = loop
         self._desired: dict[K, float] = {}
@@ -79,8 +87,16 @@ class DeadlineQueue(Generic[K]):
         self._seq += 1
         heapq.heappush(self._heap, (deadline, self._seq, key))
         self._scheduled[key] = deadline
-        if self._timer_at is None or deadline < self._timer_at:
-            self._schedule(deadline)
+        when = self._slot(deadline)
+        if self._timer_at is None or when < self._timer_at:
+            self._schedule(when)
+
+    def _slot(self, deadline: float) -> float:
+        """The grid's first point at or after `deadline`."""
+        step = self._resolution_s
+        if step <= 0:
+            return deadline
+        return max(deadline, math.ceil(deadline / step) * step)
 
     def _schedule(self, when: float) -> None:
         if self._closed:
@@ -116,4 +132,4 @@ class DeadlineQueue(Generic[K]):
             self._on_expired(key, wanted)
             now = self.loop.time()
         if heap and not self._closed:
-            self._schedule(heap[0][0])
+            self._schedule(self._slot(heap[0][0]))

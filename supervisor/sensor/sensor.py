@@ -19,7 +19,6 @@ from supervisor.domain import EventType, JobView, NodeState, NodeView, WorkerSta
 from supervisor.metrics import Metrics
 from supervisor.sensor.changes import UNCHANGED, Changes
 from supervisor.sensor.claims import RankClaimed, check_claims, claim, release
-from supervisor.sensor.deadlines import DeadlineQueue
 from supervisor.sensor.events import NodeEvents
 from supervisor.sensor.expiries import FINISHING, HANG, STRAGGLERS, DeadlineHandlers
 from supervisor.sensor.fault_marks import FaultMarks
@@ -73,7 +72,7 @@ class Sensor(SensorReads, DeadlineHandlers):
         self._jobs: dict[str, JobRecord] = {}
         self._node_views = NodeViews()
         self._changed = self._node_views.changed  # see views.py: marked on every change
-        super().__init__(DeadlineQueue(self._expired, extended=self._extended))
+        super().__init__(self._expired, self._extended, settings.heartbeat_timeout_s)
         #: Injected faults' marks: muted nodes, and the faults failures are attributed to
         #: (fault injection writes them, see `supervisor.fault_injection`; the sensor reads them).
         self.fault_marks = FaultMarks(self._deadlines.time)
