@@ -40,7 +40,7 @@ from host_monitor.credentials import BearerCredential, CredentialError
 from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_heartbeat
 from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.error_reading import error_message
-from resiliency_protocol.heartbeat import HEARTBEAT_PATH
+from resiliency_protocol.heartbeat import HEARTBEAT_PATH, URGENT_HEADER
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
 from resiliency_protocol.worlds import (
@@ -111,6 +111,7 @@ class HeartbeatSender:
         self._on_delivered = on_delivered
         self._pending: list[GpuReport] = []
         self._wake = asyncio.Event()
+        self._urgent = False  # the next heartbeat was asked for at once (`trigger`)
         self._silenced = False
         self.delivered = 0  # heartbeats accepted, for status, metrics and tests
         self.failed_total = 0  # heartbeats that did not get through (metrics)
@@ -132,6 +133,7 @@ class HeartbeatSender:
 
     def trigger(self) -> None:
         """Send a heartbeat now (on the sender's task), without waiting for the period."""
+        self._urgent = True
         self._wake.set()
 
     def add_gpu_report(self, report: GpuReport) -> None:
@@ -208,6 +210,7 @@ class HeartbeatSender:
             self.failed_total += 1
             return False
         sent = len(body.gpu_reports)
+        urgent, self._urgent = self._urgent, False
         content = msgspec.json.encode(body)
         for mirror in self.mirrors:
             mirror.offer(content)
@@ -216,6 +219,8 @@ class HeartbeatSender:
                 "Authorization": self._credential.header(),
                 "Content-Type": "application/json",
             }
+            if urgent:
+                headers[URGENT_HEADER] = "1"
             response = await self._post(client, content, headers)
         except CredentialError as exc:
             self._failed(str(exc))

@@ -4,7 +4,8 @@ in batches (`POST /api/v1/heartbeats/batch`, resiliency_protocol/heartbeat_batch
 Host monitors with `heartbeat_relay_url` send it their heartbeats exactly as they would
 the supervisor's `POST /api/v1/heartbeats` (the node's own credential, the same body).
 The relay holds each request, sends what came within `interval_s` (100 ms by default, or
-as soon as a batch is full) as one request with its own credential, and answers each
+as soon as a batch is full, or at once for a heartbeat marked urgent: a worker's state
+change or a GPU report) as one request with its own credential, and answers each
 host monitor with the supervisor's result for its heartbeat: the status, world header and
 body the single route would have answered. It keeps nothing but the requests in flight,
 and reads no heartbeat: the supervisor checks each node's credential against its node.
@@ -46,7 +47,7 @@ from resiliency_protocol.bare_asgi import (
 )
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.errors import error_body
-from resiliency_protocol.heartbeat import HEARTBEAT_PATH, MAX_HEARTBEAT_BODY_BYTES
+from resiliency_protocol.heartbeat import HEARTBEAT_PATH, MAX_HEARTBEAT_BODY_BYTES, URGENT_HEADER
 from resiliency_protocol.heartbeat_batch import (
     BATCH_PATH,
     MAX_BATCH,
@@ -67,6 +68,7 @@ UPSTREAM_FAILED = 502
 
 
 _raw_json = msgspec.json.Decoder(msgspec.Raw)
+_URGENT = (URGENT_HEADER.encode(), b"1")  # as ASGI gives a header: name lower case
 
 
 @dataclass
@@ -96,8 +98,20 @@ class HeartbeatRelay:
         self._timeout = httpx.Timeout(timeout_s, connect=1.0)
         self._held: list[_Held] = []
         self._ready = asyncio.Event()
+        self._now = asyncio.Event()  # an urgent heartbeat is held: send without waiting
         self.batches = 0  # sent and answered, for /healthz and tests
         self.heartbeats = 0  # in those batches
+        self.urgent = 0  # heartbeats marked urgent, each sent without waiting
+
+    def counts(self) -> dict[str, int | str]:
+        """What `/healthz` answers: heartbeats delivered, urgent ones, and held now."""
+        return {
+            "status": "ok",
+            "batches": self.batches,
+            "heartbeats": self.heartbeats,
+            "urgent": self.urgent,
+            "held": len(self._held),
+        }
 
     # --- the host monitors' side ----------------------------------------------------------
 
@@ -105,8 +119,7 @@ class HeartbeatRelay:
         if scope["type"] != "http":
             return
         if scope["path"] == "/healthz":
-            counts = {"status": "ok", "batches": self.batches, "heartbeats": self.heartbeats}
-            await send_json(send, 200, json.dumps(counts).encode())
+            await send_json(send, 200, json.dumps(self.counts()).encode())
             return
         if scope["path"] != HEARTBEAT_PATH or scope["method"] != "POST":
             await send_error(send, 404, "the relay takes POST /api/v1/heartbeats only")
@@ -129,6 +142,9 @@ class HeartbeatRelay:
         held = _Held(token, body, asyncio.get_running_loop().create_future())
         self._held.append(held)
         self._ready.set()
+        if _URGENT in scope["headers"]:
+            self.urgent += 1
+            self._now.set()
         result = await held.answer
         headers = [] if result.world is None else [job_world_header(result.world)]
         body = None if result.body is msgspec.UNSET else bytes(result.body)
@@ -141,8 +157,10 @@ class HeartbeatRelay:
         async with httpx.AsyncClient(timeout=self._timeout, verify=self._ssl) as client:
             while True:
                 await self._ready.wait()
-                if len(self._held) < MAX_BATCH:
-                    await asyncio.sleep(self.interval_s)
+                if len(self._held) < MAX_BATCH and not self._now.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._now.wait(), self.interval_s)
+                self._now.clear()
                 batch, self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
                 if not self._held:
                     self._ready.clear()

@@ -40,6 +40,9 @@ from resiliency_protocol.worlds import World
 #: its base URL, and its bound on a heartbeat's body: the relay takes no larger one.
 HEARTBEAT_PATH: Final = "/api/v1/heartbeats"
 MAX_HEARTBEAT_BODY_BYTES: Final = 1 << 20
+#: Marks a heartbeat sent at once (a worker changed state, a GPU report came): a relay
+#: sends it to the supervisor without waiting for the rest of its interval.
+URGENT_HEADER: Final = "x-heartbeat-urgent"
 
 # Node and job names follow NAME_PATTERN. The pattern is checked in `check_heartbeat`
 # rather than by msgspec: a regex match on every heartbeat cost more than the rest of the

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ import httpx
 import pytest
 import trustme
 
+from host_monitor.relay import HeartbeatRelay
+from resiliency_protocol.heartbeat import URGENT_HEADER
 from resiliency_protocol.heartbeat_batch import MAX_BATCH, encode_batch
 from resiliency_protocol.tls import client_context
 from supervisor.identity.node_keys import node_credential
@@ -257,6 +259,78 @@ async def test_the_relay_answers_each_heartbeat_as_the_supervisor_would(relay: R
     assert broken.status_code == 422 and "invalid JSON" in broken.json()["message"]
     assert again.status_code == 204  # nothing changed: the single route's 204
     assert relay.counts()["heartbeats"] == 3
+
+
+async def test_a_heartbeat_marked_urgent_is_sent_at_once_with_the_ones_held(rack: Rack) -> None:
+    """A relay holding a heartbeat for its interval (ten minutes here) sends it as soon as
+    a heartbeat marked urgent comes, in one batch; then it holds again."""
+    relay = HeartbeatRelay(
+        rack.supervisor.url, node_credential(NODE_KEY, "relay-host"), interval_s=600
+    )
+    sender = asyncio.create_task(relay.run())
+    nodes = [f"hm-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+
+    def beat(node: str, *extra: tuple[str, str]) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {node_credential(NODE_KEY, node)}", **dict(extra)}
+        return {"content": b'{"node":"%s","state":"spare"}' % node.encode(), "headers": headers}
+
+    transport = httpx.ASGITransport(app=relay)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://relay") as client:
+            url = "/api/v1/heartbeats"
+            held = asyncio.create_task(client.post(url, **beat(nodes[0])))
+            await _until(lambda: relay.counts()["held"] == 1)
+            urgent = await asyncio.wait_for(
+                client.post(url, **beat(nodes[1], (URGENT_HEADER, "1"))), scaled(10)
+            )
+            assert urgent.status_code == 202, urgent.text
+            assert (await asyncio.wait_for(held, scaled(10))).status_code == 202
+            assert relay.counts() | {"held": 0} == {
+                "status": "ok",
+                "batches": 1,
+                "heartbeats": 2,
+                "urgent": 1,
+                "held": 0,
+            }
+            # Held again for the interval: not sent a second later.
+            later = asyncio.create_task(client.post(url, **beat(nodes[2])))
+            await _until(lambda: relay.counts()["held"] == 1)
+            await asyncio.sleep(1.0)
+            assert not later.done() and relay.counts()["batches"] == 1
+            later.cancel()
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+    assert rack.supervisor.node(nodes[0]) is not None
+    assert rack.supervisor.node(nodes[1]) is not None
+
+
+def test_a_host_monitor_marks_urgent_the_heartbeat_of_a_worker_state_change(
+    rack: Rack, relay: Relay
+) -> None:
+    """Periodic heartbeats through the relay are held for its interval; the one a worker's
+    start sends at once is marked urgent, and the relay sends it without waiting."""
+    [agent] = _agents(rack, relay, 1)
+    wait_for(lambda: relay.counts()["heartbeats"] >= 10, 15, "periodic heartbeats relayed")
+    before = relay.counts()
+    assert before["urgent"] < before["heartbeats"] / 2  # periodic ones are not urgent
+    rack.cluster.start_workers(agent, [0])
+    rack.cluster.wait_running(agent, [0])
+    wait_for(lambda: relay.counts()["urgent"] > before["urgent"], 15, "an urgent heartbeat")
+    wait_for(lambda: _running(rack.supervisor, agent), 15, "rank 0 running at the supervisor")
+
+
+def _running(supervisor: Supervisor, agent: Agent) -> bool:
+    node = supervisor.node(agent.node)
+    return node is not None and any(w["state"] == "running" for w in node["workers"])
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    give_up = time.monotonic() + scaled(10)
+    while not predicate():
+        assert time.monotonic() < give_up, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 def test_a_relay_serves_https_and_a_host_monitor_that_cannot_verify_it_beats_directly(
