@@ -52,6 +52,8 @@ class KubeProxy:
         parts = urllib.parse.urlsplit(plane.url)
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 443)
         self.requests: list[tuple[str, str]] = []
+        #: The status each of `requests` was answered, by index; None until answered.
+        self.statuses: list[int | None] = []
         self.faults: list[Fault] = []
         self._lock = threading.Lock()
         self._open: set[http.client.HTTPSConnection] = set()
@@ -131,21 +133,29 @@ class KubeProxy:
 
     # --- forwarding --------------------------------------------------------------------
 
-    def _fault(self, method: str, path: str) -> Fault | None:
+    def _fault(self, method: str, path: str) -> tuple[int, Fault | None]:
+        """The request's index in `requests`, and the fault it meets, if any."""
         with self._lock:
             self.requests.append((method, path))
+            self.statuses.append(None)
+            index = len(self.requests) - 1
             for fault in self.faults:
                 wanted = fault.method == method and _path(path).endswith(fault.path)
                 if wanted and fault.hits < fault.times:
                     fault.hits += 1
-                    return fault
-        return None
+                    return index, fault
+        return index, None
+
+    def _answered(self, index: int, status: int) -> None:
+        with self._lock:
+            self.statuses[index] = status
 
     def _forward(self, handler: BaseHTTPRequestHandler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else b""
-        fault = self._fault(handler.command, handler.path)
+        index, fault = self._fault(handler.command, handler.path)
         if fault is not None and fault.status is not None:
+            self._answered(index, fault.status)
             status = {
                 "kind": "Status",
                 "apiVersion": "v1",
@@ -170,6 +180,7 @@ class KubeProxy:
         try:
             conn.request(handler.command, handler.path, body=body or None, headers=headers)
             resp = conn.getresponse()
+            self._answered(index, resp.status)
             handler.send_response(resp.status)
             for key, value in resp.getheaders():
                 if key.lower() not in HOP_BY_HOP:
