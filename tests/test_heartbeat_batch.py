@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from supervisor.identity.node_keys import node_credential
 from supervisor.local.cluster_state import free_port
 from tests.http import http
 from tests.test_host_monitor import NODE_KEY, Agent, Cluster, Supervisor, wait_for
-from tests.timing import scaled
+from tests.timing import scaled, wait_until_async
 
 BATCH = "/api/v1/heartbeats/batch"
 VERIFY_FAILED = "CERTIFICATE_VERIFY_FAILED"
@@ -279,7 +279,7 @@ async def test_a_heartbeat_marked_urgent_is_sent_at_once_with_the_ones_held(rack
         async with httpx.AsyncClient(transport=transport, base_url="http://relay") as client:
             url = "/api/v1/heartbeats"
             held = asyncio.create_task(client.post(url, **beat(nodes[0])))
-            await _until(lambda: relay.counts()["held"] == 1)
+            await wait_until_async(lambda: relay.counts()["held"] == 1, "a heartbeat held", 10)
             urgent = await asyncio.wait_for(
                 client.post(url, **beat(nodes[1], (URGENT_HEADER, "1"))), scaled(10)
             )
@@ -294,7 +294,7 @@ async def test_a_heartbeat_marked_urgent_is_sent_at_once_with_the_ones_held(rack
             }
             # Held again for the interval: not sent a second later.
             later = asyncio.create_task(client.post(url, **beat(nodes[2])))
-            await _until(lambda: relay.counts()["held"] == 1)
+            await wait_until_async(lambda: relay.counts()["held"] == 1, "a heartbeat held", 10)
             await asyncio.sleep(1.0)
             assert not later.done() and relay.counts()["batches"] == 1
             later.cancel()
@@ -324,13 +324,6 @@ def test_a_host_monitor_marks_urgent_the_heartbeat_of_a_worker_state_change(
 def _running(supervisor: Supervisor, agent: Agent) -> bool:
     node = supervisor.node(agent.node)
     return node is not None and any(w["state"] == "running" for w in node["workers"])
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    give_up = time.monotonic() + scaled(10)
-    while not predicate():
-        assert time.monotonic() < give_up, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def test_a_relay_serves_https_and_a_host_monitor_that_cannot_verify_it_beats_directly(

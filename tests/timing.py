@@ -10,6 +10,7 @@ not scale.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -44,4 +45,13 @@ def wait_until(predicate: Callable[[], T | None], what: str, within: float) -> T
     while not (value := predicate()):
         assert time.monotonic() < deadline, f"{what}: not within {scaled(within):g} s"
         time.sleep(0.1)
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T | None], what: str, within: float) -> T:
+    """`wait_until` on the running event loop: its tasks run between the polls."""
+    deadline = time.monotonic() + scaled(within)
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {scaled(within):g} s"
+        await asyncio.sleep(0.01)
     return value
