@@ -87,10 +87,15 @@ async def informing(
         api.close()
 
 
-async def until(predicate: Callable[[], Any], what: str, within: float = 30.0) -> None:
+async def until(
+    predicate: Callable[[], Any], what: str, informer: Informer, within: float = 30.0
+) -> None:
     deadline = asyncio.get_running_loop().time() + scaled(within)
     while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"timed out: {what}; the informer's counts {informer.stats}, its last error "
+            f"{informer.last_error!r}, at resourceVersion {informer.resource_version}"
+        )
         await asyncio.sleep(0.05)
 
 
@@ -112,14 +117,16 @@ async def test_a_watch_expired_by_a_compaction_lists_again_and_misses_nothing(
             compact(control_plane)
             # Its watch, reopened every second from the version of its last change, is
             # refused with 410 Gone, and it lists again.
-            await until(lambda: informer.stats["gone"] >= 1, "a watch expired (410)")
-            await until(lambda: informer.stats["lists"] > lists, "a new list")
+            await until(lambda: informer.stats["gone"] >= 1, "a watch expired (410)", informer)
+            await until(lambda: informer.stats["lists"] > lists, "a new list", informer)
             # Changes after the new list: each told once, none lost to the expiry.
             r = api.delete(f"{path}/kept-{label}")
             assert r.status_code == 200, r.text
             assert api.post(path, json=configmap(f"new-{label}", label)).status_code == 201
-            await until(lambda: set(informer.items) == {f"{NS}/new-{label}"}, "the new state")
-            await until(lambda: f"ADDED new-{label}" in told, "the new ConfigMap told")
+            await until(
+                lambda: set(informer.items) == {f"{NS}/new-{label}"}, "the new state", informer
+            )
+            await until(lambda: f"ADDED new-{label}" in told, "the new ConfigMap told", informer)
             assert told.count(f"DELETED kept-{label}") == 1, told
             assert told.count(f"ADDED new-{label}") == 1, told
             assert informer.stats["errors"] == 0, informer.stats
@@ -152,11 +159,13 @@ async def test_bookmarks_carry_a_quiet_watch_forward_and_it_resumes_without_list
                 # Only a bookmark carries the version to a change the selector leaves out.
                 await until(
                     lambda: int(informer.resource_version or 0) >= now,  # noqa: B023
-                    f"a bookmark at or past {now} (the informer at {informer.resource_version})",
+                    f"a bookmark at or past {now}",
+                    informer,
                 )
                 await until(
                     lambda: informer.stats["watches"] > watches,  # noqa: B023
                     "the watch reopened from the bookmark's version",
+                    informer,
                 )
             assert informer.stats["lists"] == 1, informer.stats
             assert informer.stats["gone"] == 0 and informer.stats["errors"] == 0, informer.stats

@@ -118,15 +118,20 @@ class Informer:
             except Exception as exc:
                 if self._stop.is_set():
                     break
-                self.stats["errors"] += 1
                 error = (
                     api_error(exc, f"list/watch {self.kind}")
                     if isinstance(exc, ApiException)
                     else exc
                 )
-                if isinstance(error, Gone):  # the answer to the watch request itself
+                if isinstance(error, Gone):
+                    # The answer to the watch request itself: the same expiry as the
+                    # stream's ERROR event (which of the two the server sends depends on
+                    # when it saw the compaction), not a failure to back off from.
+                    self.stats["gone"] += 1
+                    log.info("%s watch refused as expired (410): listing again", self.kind)
                     version = None
                     continue
+                self.stats["errors"] += 1
                 self.last_error = error
                 brief = (
                     str(error) if isinstance(error, ApiError) else f"{type(exc).__name__}: {exc}"
