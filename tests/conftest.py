@@ -176,6 +176,7 @@ FAST_MODULES = frozenset(
         "test_goodput_history",
         "test_helm_chart",
         "test_helm_monitoring",
+        "test_helm_relay",
         "test_host_monitor_config",
         "test_host_monitor_metrics",
         "test_host_monitor_nvml",

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from resiliency_protocol.heartbeat_batch import encode_batch
 from supervisor.config import Settings
 from tests.chart_rbac import chart_identity_without
 from tests.conftest import SettingsFactory
@@ -41,6 +44,9 @@ from tests.timing import scaled
 HOST_MONITOR = f"{FULLNAME}-host-monitor"
 HOST_MONITOR_USER = f"system:serviceaccount:{NAMESPACE}:{HOST_MONITOR}"
 AUDIENCE = "resiliency-supervisor"
+#: The chart's heartbeat relays: their ServiceAccount, whose tokens carry batches only.
+RELAY = f"{FULLNAME}-heartbeat-relay"
+RELAY_USER = f"system:serviceaccount:{NAMESPACE}:{RELAY}"
 #: A ServiceAccount of the namespace that is not the host monitors'.
 OTHER = "not-a-host-monitor"
 REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
@@ -55,12 +61,12 @@ def reviewer(control_plane: ControlPlane) -> Identity:
     who = chart_identity_without(
         control_plane, "none", "none", name=f"{FULLNAME}-identity", values=KUBE_IDENTITY
     )
-    (account,) = (
-        d
-        for d in render(KUBE_IDENTITY)
-        if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == HOST_MONITOR
-    )
-    control_plane.apply(account)
+    for account in render(KUBE_IDENTITY):
+        if account["kind"] == "ServiceAccount" and account["metadata"]["name"] in (
+            HOST_MONITOR,
+            RELAY,
+        ):
+            control_plane.apply(account)
     control_plane.apply(
         {
             "apiVersion": "v1",
@@ -73,8 +79,9 @@ def reviewer(control_plane: ControlPlane) -> Identity:
 
 @dataclass
 class Tokens:
-    """Two nodes of the test, a host monitor's pod on each, and a pod of another
-    ServiceAccount on the second; tokens the API server issues for them."""
+    """Two nodes of the test, a host monitor's pod on each, a pod of another
+    ServiceAccount and a heartbeat relay's pod on the second; tokens the API server issues
+    for them."""
 
     plane: ControlPlane
     proxy: KubeProxy
@@ -125,7 +132,13 @@ class Tokens:
 def tokens(control_plane: ControlPlane, reviewer: Identity, tmp_path: Path) -> Iterator[Tokens]:
     tag = f"ident{next(tags)}"
     nodes = pool_nodes(control_plane, tag, 2)
-    pods = {f"{tag}-hm-0": nodes[0], f"{tag}-hm-1": nodes[1], f"{tag}-other-1": nodes[1]}
+    pods = {
+        f"{tag}-hm-0": nodes[0],
+        f"{tag}-hm-1": nodes[1],
+        f"{tag}-other-1": nodes[1],
+        f"{tag}-relay-1": nodes[1],
+    }
+    accounts = {"-other-": OTHER, "-relay-": RELAY}
     for pod, node in pods.items():
         control_plane.apply(
             {
@@ -133,7 +146,9 @@ def tokens(control_plane: ControlPlane, reviewer: Identity, tmp_path: Path) -> I
                 "kind": "Pod",
                 "metadata": {"name": pod, "namespace": NAMESPACE},
                 "spec": {
-                    "serviceAccountName": OTHER if "-other-" in pod else HOST_MONITOR,
+                    "serviceAccountName": next(
+                        (sa for part, sa in accounts.items() if part in pod), HOST_MONITOR
+                    ),
                     "nodeName": node,
                     "containers": [{"name": "host-monitor", "image": "host-monitor:1"}],
                 },
@@ -167,7 +182,7 @@ def kube_settings(make_settings: SettingsFactory, tokens: Tokens, **overrides: A
 async def test_a_service_account_token_speaks_for_the_node_of_its_pod(
     make_settings: SettingsFactory, tokens: Tokens
 ) -> None:
-    (hm0, hm1, other1), (n0, n1) = tokens.pods, tokens.nodes
+    (hm0, hm1, other1, _relay1), (n0, n1) = tokens.pods, tokens.nodes
     async with running(kube_settings(make_settings, tokens)) as api:
         token = tokens.token(hm0)
         for _ in range(3):
@@ -202,10 +217,60 @@ async def test_a_service_account_token_speaks_for_the_node_of_its_pod(
         }
 
 
+async def test_a_relays_token_carries_the_nodes_own_heartbeats_and_speaks_for_no_node(
+    make_settings: SettingsFactory, tokens: Tokens
+) -> None:
+    """The chart's relays present their own ServiceAccount's token (bound to their pod):
+    the supervisor takes it as the carrier of a batch, each entry taken with its node's own
+    token, and for nothing else: not as a heartbeat of the node the relay runs on, not as
+    an entry of a batch, not for a checkpoint report."""
+    (hm0, hm1, other1, relay1), (n0, n1) = tokens.pods, tokens.nodes
+    settings = kube_settings(make_settings, tokens, agent_kube_relay_service_account=RELAY_USER)
+    async with running(settings) as api:
+        relay = tokens.token(relay1, account=RELAY)
+        beats = [(tokens.token(hm0), heartbeat(n0, job=None)), (relay, heartbeat(n1, job=None))]
+        batch = encode_batch([(credential, json.dumps(hb).encode()) for credential, hb in beats])
+
+        async def carried(carrier: str) -> httpx.Response:
+            return await api.client.post(
+                "/api/v1/heartbeats/batch",
+                content=batch,
+                headers={**bearer(carrier), "Content-Type": "application/json"},
+            )
+
+        r = await carried(relay)
+        assert r.status_code == 200, r.text
+        # The node's own token is taken; the relay's, as an entry, speaks for no node.
+        assert [result["status"] for result in r.json()["results"]] == [202, 401]
+        assert api.supervisor.sensor.has_node(n0) and not api.supervisor.sensor.has_node(n1)
+        # Alone, the relay's token is no host monitor's: not even of the node it runs on.
+        r = await api.beat(heartbeat(n1, job=None), headers=bearer(relay))
+        assert r.status_code == 401, r.text
+        r = await api.client.post(
+            "/api/v1/checkpoints", json={"reports": [checkpoint(n1, "c")]}, headers=bearer(relay)
+        )
+        assert r.status_code == 401, r.text
+        assert not api.supervisor.sensor.has_node(n1)
+        # A host monitor's token carries a batch too; another ServiceAccount's does not.
+        assert (await carried(tokens.token(hm1))).status_code == 200
+        assert (await carried(tokens.token(other1, account=OTHER))).status_code == 401
+        # One review per token, the relay's included, however often it was used.
+        assert tokens.reviews() == 4
+
+    # Without the relays' ServiceAccount in the settings, their token carries nothing.
+    async with running(kube_settings(make_settings, tokens)) as api:
+        r = await api.client.post(
+            "/api/v1/heartbeats/batch",
+            content=batch,
+            headers={**bearer(relay), "Content-Type": "application/json"},
+        )
+        assert r.status_code == 401, r.text
+
+
 async def test_reviews_expire_and_an_api_server_outage_spares_known_tokens(
     make_settings: SettingsFactory, tokens: Tokens
 ) -> None:
-    (hm0, hm1, _), (n0, n1) = tokens.pods, tokens.nodes
+    (hm0, hm1, *_), (n0, n1) = tokens.pods, tokens.nodes
     settings = kube_settings(make_settings, tokens, agent_kube_review_ttl_s=0.2)
     async with running(settings) as api:
         a, b = tokens.token(hm0), tokens.token(hm1)
@@ -238,7 +303,7 @@ async def test_reviews_expire_and_an_api_server_outage_spares_known_tokens(
 async def test_concurrent_first_requests_share_one_review_that_stalls_no_one(
     make_settings: SettingsFactory, tokens: Tokens
 ) -> None:
-    (hm0, hm1, _), (n0, n1) = tokens.pods, tokens.nodes
+    (hm0, hm1, *_), (n0, n1) = tokens.pods, tokens.nodes
     async with running(kube_settings(make_settings, tokens)) as api:
         a, b = tokens.token(hm0), tokens.token(hm1)
         assert (await api.beat(heartbeat(n1, job=None), headers=bearer(b))).status_code == 202

@@ -75,6 +75,7 @@ CERT_MANAGER: dict[str, Any] = {
 EXISTING_TLS: dict[str, Any] = {**POSTGRES, "tls": {"enabled": True, "existingSecret": "rs-tls"}}
 # The shadow supervisor: a supervisor in dry run beside the acting one.
 SHADOW = f"{FULLNAME}-shadow"
+RELAY = f"{FULLNAME}-heartbeat-relay"
 SHADOW_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"
 SHADOW_ON: dict[str, Any] = {**POSTGRES, "shadow": {"enabled": True}}
 # The parameter names users of Google's resiliency supervisor know.
@@ -174,10 +175,10 @@ def supervisor_settings(
     docs: list[dict[str, Any]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    name: str | None = None,
+    name: str = FULLNAME,
 ) -> Settings:
     """Load the rendered settings file and environment with the supervisor's own loader:
-    of the only Deployment, or of Deployment `name` (FULLNAME, SHADOW)."""
+    of the Deployment `name` (FULLNAME, SHADOW)."""
     deployment = find(docs, "Deployment", name)
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     configmap = volumes["settings"]["configMap"]["name"]
@@ -400,7 +401,7 @@ def test_rendered_objects_are_valid_kubernetes_objects(variant: str) -> None:
 
 def test_validation_does_catch_an_invalid_object() -> None:
     """The schema check is real: a misspelt field of a rendered object is refused."""
-    deployment = find(render(POSTGRES), "Deployment")
+    deployment = find(render(POSTGRES), "Deployment", FULLNAME)
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
@@ -555,7 +556,7 @@ def test_rbac_is_exactly_the_least_that_works(
     cluster_binding = find(docs, "ClusterRoleBinding")
     assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
     assert cluster_binding["subjects"] == [subject]
-    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     # The lease the supervisor uses is the one the Role lets it renew, in that namespace.
     settings = yaml.safe_load(
@@ -573,9 +574,12 @@ def test_rbac_can_be_left_to_the_cluster_admin() -> None:
         )
     )
     assert not {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "ServiceAccount"} & {
-        d["kind"] for d in docs if d["metadata"]["name"] != f"{FULLNAME}-host-monitor"
+        d["kind"] for d in docs if d["metadata"]["name"] not in (f"{FULLNAME}-host-monitor", RELAY)
     }
-    assert find(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "given"
+    assert (
+        find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]["serviceAccountName"]
+        == "given"
+    )
 
 
 # --- the supervisor Deployment ----------------------------------------------------------------
@@ -585,7 +589,7 @@ def test_supervisor_deployment_is_ha_probed_bounded_and_locked_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     docs = render(POSTGRES)
-    deployment = find(docs, "Deployment")
+    deployment = find(docs, "Deployment", FULLNAME)
     spec = deployment["spec"]
     assert spec["replicas"] == 2
     assert spec["strategy"] == {"type": "Recreate"}
@@ -595,7 +599,7 @@ def test_supervisor_deployment_is_ha_probed_bounded_and_locked_down(
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    c = container(docs, "Deployment")
+    c = container(docs, "Deployment", FULLNAME)
     assert c["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
@@ -702,16 +706,18 @@ def test_notification_routes_reach_the_supervisor_with_secrets_from_files(
     assert route.events == ["host_heartbeat_lost", "hang"] and route.outcomes == ["failed"]
     assert settings.public_url == "https://supervisor.example"
     assert settings.notification_max_attempts == 8
-    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "notification-secrets")
     assert volume["secret"] == {"secretName": "rs-notifications", "defaultMode": 0o440}
     (mount,) = [
-        m for m in container(docs, "Deployment")["volumeMounts"] if m["name"] == volume["name"]
+        m
+        for m in container(docs, "Deployment", FULLNAME)["volumeMounts"]
+        if m["name"] == volume["name"]
     ]
     assert mount == {"name": volume["name"], "mountPath": secret_dir, "readOnly": True}
     # No secret, no volume; no routes, none sent.
     default = render(POSTGRES)
-    assert "notification-secrets" not in json.dumps(find(default, "Deployment"))
+    assert "notification-secrets" not in json.dumps(find(default, "Deployment", FULLNAME))
     settings_yaml = find(default, "ConfigMap", f"{FULLNAME}-settings")["data"]["settings.yaml"]
     assert yaml.safe_load(settings_yaml)["notification_routes"] == []
 
@@ -724,7 +730,7 @@ def test_a_malformed_route_is_refused_at_install() -> None:
 
 def test_settings_checksum_restarts_the_supervisor_on_change() -> None:
     def checksum(values: dict[str, Any]) -> str:
-        pod = find(render(values), "Deployment")["spec"]["template"]
+        pod = find(render(values), "Deployment", FULLNAME)["spec"]["template"]
         value: str = pod["metadata"]["annotations"]["checksum/settings"]
         return value
 
@@ -763,10 +769,10 @@ def test_given_tokens_and_an_existing_secret() -> None:
 
     docs = render(merged(POSTGRES, {"auth": {"existingSecret": "my-tokens"}}))
     assert "Secret" not in {d["kind"] for d in docs if "token" in d["metadata"]["name"]}
-    for kind in ("Deployment", "DaemonSet"):
+    for kind, name in (("Deployment", FULLNAME), ("DaemonSet", None)):
         refs = {
             v["valueFrom"]["secretKeyRef"]["name"]
-            for v in container(docs, kind)["env"]
+            for v in container(docs, kind, name)["env"]
             if "secretKeyRef" in v.get("valueFrom", {}) and v["name"] != "SUPERVISOR_DATABASE_URL"
         }
         assert refs == {"my-tokens"}
@@ -779,7 +785,7 @@ def test_postgresql_url_from_a_secret_or_an_existing_one() -> None:
     assert "postgresql" not in settings_yaml  # the URL (a password) is never in a ConfigMap
 
     docs = render({"database": {"existingSecret": "pg", "existingSecretKey": "dsn"}})
-    env = {v["name"]: v for v in container(docs, "Deployment")["env"]}
+    env = {v["name"]: v for v in container(docs, "Deployment", FULLNAME)["env"]}
     assert env["SUPERVISOR_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
         "name": "pg",
         "key": "dsn",
@@ -797,22 +803,22 @@ def test_sqlite_on_a_volume_claim_for_one_replica(
     assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
     assert pvc["spec"]["storageClassName"] == "ssd"
     assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
-    assert find(docs, "Deployment")["spec"]["replicas"] == 1
+    assert find(docs, "Deployment", FULLNAME)["spec"]["replicas"] == 1
     assert "PodDisruptionBudget" not in kinds(docs)  # a budget for one pod blocks drains
     settings = supervisor_settings(docs, tmp_path, monkeypatch)
-    c = container(docs, "Deployment")
+    c = container(docs, "Deployment", FULLNAME)
     data = next(m for m in c["volumeMounts"] if m["name"] == "data")
     assert settings.database_url == f"sqlite:///{data['mountPath']}/supervisor.db"
-    volumes = find(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    volumes = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]["volumes"]
     claim = next(v for v in volumes if v["name"] == "data")["persistentVolumeClaim"]
     assert claim["claimName"] == pvc["metadata"]["name"]
     # The non-root user can write the volume.
-    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
 
     docs = render(merged(SQLITE, {"database": {"sqlite": {"existingClaim": "old-data"}}}))
     assert "PersistentVolumeClaim" not in kinds(docs)
-    volumes = find(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    volumes = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]["volumes"]
     assert next(v for v in volumes if v["name"] == "data")["persistentVolumeClaim"] == {
         "claimName": "old-data"
     }
@@ -826,7 +832,7 @@ def _load_mounted_policy(
     configmap: dict[str, Any],
     spec: str,
     root: Path,
-    deployment_name: str | None = None,
+    deployment_name: str = FULLNAME,
 ) -> Policy:
     """Lay the ConfigMap out as the kubelet mounts it (under `root`), then load `spec`
     with the supervisor's own loader."""
@@ -886,7 +892,9 @@ def test_default_policy_is_the_packaged_one() -> None:
     )
     assert settings["policy"] == "policies.default:DefaultPolicy"
     assert type(load_policy(settings["policy"])).__name__ == "DefaultPolicy"
-    assert not [m for m in container(docs, "Deployment")["volumeMounts"] if m["name"] == "policy"]
+    assert not [
+        m for m in container(docs, "Deployment", FULLNAME)["volumeMounts"] if m["name"] == "policy"
+    ]
 
 
 # --- the host monitor DaemonSet ---------------------------------------------------------------
@@ -930,7 +938,7 @@ def test_host_monitor_runs_on_gpu_nodes_and_reaches_the_supervisor() -> None:
     assert settings.heartbeat_polling_period_s == 2.0
     assert settings.gpu_report_cooldown_s == 30.0
     # The same tokens on both sides.
-    sup = resolve_env(docs, container(docs, "Deployment")["env"])
+    sup = resolve_env(docs, container(docs, "Deployment", FULLNAME)["env"])
     assert settings.agent_token is not None and settings.actuator_token is not None
     assert settings.agent_token.get_secret_value() == sup["SUPERVISOR_AGENT_TOKEN"]
     assert (
@@ -1159,12 +1167,12 @@ def certificates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def tls_volume(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+def tls_volume(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
     """The TLS Secret volume of the Deployment or DaemonSet, and that it is mounted
     read-only where the settings point."""
-    pod = find(docs, kind)["spec"]["template"]["spec"]
+    pod = find(docs, kind, name)["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
-    (mount,) = [m for m in container(docs, kind)["volumeMounts"] if m["name"] == "tls"]
+    (mount,) = [m for m in container(docs, kind, name)["volumeMounts"] if m["name"] == "tls"]
     assert mount == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
     secret: dict[str, Any] = volume["secret"]
     return secret
@@ -1207,8 +1215,11 @@ def test_tls_with_cert_manager_serves_https_verified_by_the_issuers_ca(
     assert HM_SERVICE_NAME in certs[hm_secret]["dnsNames"]
 
     # The supervisor: its certificate, key and CA from its Secret, probed over HTTPS.
-    assert tls_volume(docs, "Deployment") == {"secretName": sup_secret, "defaultMode": 0o440}
-    c = container(docs, "Deployment")
+    assert tls_volume(docs, "Deployment", FULLNAME) == {
+        "secretName": sup_secret,
+        "defaultMode": 0o440,
+    }
+    c = container(docs, "Deployment", FULLNAME)
     assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     settings = supervisor_settings(docs, tmp_path, monkeypatch)
@@ -1255,12 +1266,12 @@ def test_tls_with_cert_manager_serves_https_verified_by_the_issuers_ca(
 def test_tls_from_existing_secrets() -> None:
     one = render(EXISTING_TLS)
     assert certificates(one) == {}
-    assert tls_volume(one, "Deployment")["secretName"] == "rs-tls"
+    assert tls_volume(one, "Deployment", FULLNAME)["secretName"] == "rs-tls"
     assert tls_volume(one, "DaemonSet")["secretName"] == "rs-tls"
 
     two = render(merged(EXISTING_TLS, {"tls": {"hostMonitorExistingSecret": "rs-hm-tls"}}))
     assert certificates(two) == {}
-    assert tls_volume(two, "Deployment")["secretName"] == "rs-tls"
+    assert tls_volume(two, "Deployment", FULLNAME)["secretName"] == "rs-tls"
     assert tls_volume(two, "DaemonSet")["secretName"] == "rs-hm-tls"
 
     # The host monitors' Secret given, the supervisor's from cert-manager.
@@ -1298,7 +1309,7 @@ def test_shadow_is_off_by_default_and_its_values_change_nothing_while_off() -> N
     assert render_files(merged(POSTGRES, {"auth": tokens, "shadow": ignored})) == plain
     docs = render(merged(POSTGRES, {"auth": tokens}))
     assert not [d for d in docs if "shadow" in d["metadata"]["name"]]
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == [FULLNAME]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == [FULLNAME, RELAY]
     env = {v["name"] for v in container(docs, "DaemonSet")["env"]}
     assert "HOST_MONITOR_SHADOW_SUPERVISOR_URLS" not in env
     assert host_monitor_settings(docs).shadow_supervisor_urls == []
@@ -1790,6 +1801,8 @@ MUTATIONS: dict[str, Any] = {
     "shadow.database.existingSecret": "other-shadow-pg",
     "shadow.database.existingSecretKey": "dsn",
     "shadow.tolerations": [{"key": "infra", "operator": "Exists"}],
+    "relay.tolerations": [{"key": "infra", "operator": "Exists"}],
+    "relay.priorityClassName": "system-cluster-critical",
 }
 
 

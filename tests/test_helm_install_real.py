@@ -1,7 +1,8 @@
 """The whole chart, as Helm renders it (tests/test_helm_chart.py's values), installed on
 the real API server (tests/control_plane.py) and removed again: every object accepted
-with strict field validation, the supervisor's pods and the host monitor's placed by the
-real scheduler and controllers on kwok nodes, and nothing left after the uninstall.
+with strict field validation, the supervisor's pods, the host monitor's and the heartbeat
+relays' placed by the real scheduler and controllers on kwok nodes, and nothing left after
+the uninstall.
 
 A release of its own namespace per set of values; its GPU nodes (`pool=chart`, labelled
 `nvidia.com/gpu.present`) are the only ones its DaemonSet selects, and its supervisor pods
@@ -121,7 +122,8 @@ def test_the_chart_installs_runs_its_pods_and_uninstalls(
     namespace = f"chart-{request.node.callspec.id}"
     nodes = gpu_nodes(control_plane)
     volume(control_plane)
-    docs = render(merged(values, {"supervisor": {"nodeSelector": {"pool": POOL}}}), namespace)
+    kept = {"nodeSelector": {"pool": POOL}}
+    docs = render(merged(values, {"supervisor": kept, "relay": kept}), namespace)
     unknown = {d["kind"] for d in docs} - set(NAMESPACED) - {"ClusterRole", "ClusterRoleBinding"}
     assert not unknown, f"kinds this test does not know how to install: {unknown}"
     control_plane.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
@@ -132,9 +134,9 @@ def test_the_chart_installs_runs_its_pods_and_uninstalls(
             control_plane.apply(doc, strict=True)
 
         # The host monitor on each GPU node and on nothing else; the supervisor's replicas
-        # (and the shadow's) on the release's nodes.
+        # (and the shadow's) and the heartbeat relays on the release's nodes.
         assert sorted(running_on(control_plane, namespace, "host-monitor", GPU_NODES)) == nodes
-        for component, count in supervisors.items():
+        for component, count in {**supervisors, "heartbeat-relay": 2}.items():
             placed = running_on(control_plane, namespace, component, count)
             assert set(placed) <= set(nodes), (component, placed)
         if values is SQLITE:  # its claim bound by the real volume controller

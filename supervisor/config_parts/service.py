@@ -164,6 +164,14 @@ class AccessSettings(SettingsGroup):
         description="User of the host monitors' service account, "
         "system:serviceaccount:<namespace>:<name> (required with agent_auth kubernetes).",
     )
+    agent_kube_relay_service_account: str | None = Field(
+        None,
+        pattern=SERVICE_ACCOUNT_USER,
+        description="User of the heartbeat relays' service account, "
+        "system:serviceaccount:<namespace>:<name> (agent_auth kubernetes): its tokens carry "
+        "host monitors' heartbeats in batches and speak for no node. Unset: a batch is "
+        "carried only with a host monitor's own credential.",
+    )
     agent_kube_review_ttl_s: float = Field(
         120.0,
         gt=0,
@@ -203,6 +211,12 @@ class AccessSettings(SettingsGroup):
             raise ValueError(
                 "agent_auth kubernetes needs agent_kube_service_account "
                 "(system:serviceaccount:<namespace>:<name> of the host monitors)"
+            )
+        relay = self.agent_kube_relay_service_account
+        if relay is not None and relay == self.agent_kube_service_account:
+            raise ValueError(
+                "agent_kube_relay_service_account must differ from agent_kube_service_account: "
+                "a relay's token speaks for no node"
             )
         return self
 

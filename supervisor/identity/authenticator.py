@@ -9,6 +9,12 @@ Three kinds of token are taken, as `agent_auth` allows (docs/security.md, "Agent
   must be the host monitors' service account, and speaks for the node the token was
   issued on (the review's `authentication.kubernetes.io/node-name`).
 
+A heartbeat relay's request (a batch of host monitors' heartbeats, each with the node's
+own credential) is carried by any host monitor's credential, or by a token of the relays'
+own service account (`agent_kube_relay_service_account`): `authenticate_carrier`. Such a
+token speaks for no node: `authenticate` refuses it, so a relay cannot heartbeat, report
+or fetch for any node, only carry what the nodes themselves signed.
+
 Heartbeats come from every node every few seconds, so what was verified is kept, keyed
 by the token: `cached` is one dict lookup and a clock read. Node credentials and the
 shared token stay valid while the settings do; a reviewed token is trusted for
@@ -39,7 +45,7 @@ from supervisor.identity.node_keys import credential_node
 
 log = logging.getLogger(__name__)
 
-Via = Literal["shared", "node_key", "kubernetes"]
+Via = Literal["shared", "node_key", "kubernetes", "relay"]
 #: Verified tokens kept; past this, expired ones are dropped, then all if need be.
 MAX_CACHED = 50_000
 #: A token the API server refused is not sent to it again for this long.
@@ -50,7 +56,8 @@ MAX_REVIEWS = 8
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who sent a request. `node`: the only node it may speak for; None: any (shared)."""
+    """Who sent a request. `node`: the only node it may speak for; None: any (shared), or
+    none at all (a relay's, which only `authenticate_carrier` returns)."""
 
     node: str | None
     via: Via
@@ -106,9 +113,12 @@ class AgentAuthenticator:
         self._reviewer = reviewer if "kubernetes" in modes else None
         self._audience = settings.agent_kube_audience
         self._service_account = settings.agent_kube_service_account
+        self._relay_account = settings.agent_kube_relay_service_account
         self._ttl_s = settings.agent_kube_review_ttl_s
         self._clock = clock
         self._cache: dict[bytes, Principal] = {}
+        #: Relays' tokens, apart: no lookup of a host monitor's token ever finds one.
+        self._carriers: dict[bytes, Principal] = {}
         self._refused: dict[bytes, float] = {}
         self._inflight: dict[bytes, asyncio.Future[Principal | None]] = {}
         self._reviews = asyncio.Semaphore(MAX_REVIEWS)
@@ -137,8 +147,24 @@ class AgentAuthenticator:
             node = credential_node(self._node_key, token)
             return self._keep(token, Principal(node, "node_key")) if node else None
         if self._reviewer is not None and _looks_like_jwt(token):
-            return await self._reviewed(token)
+            if self._carrier(token) is not None:
+                return None  # a relay's: it speaks for no node
+            reviewed = await self._reviewed(token)
+            return None if reviewed is None or reviewed.via == "relay" else reviewed
         return None
+
+    async def authenticate_carrier(self, token: bytes) -> Principal | None:
+        """Who may carry a batch of other nodes' heartbeats: any host monitor's credential
+        (`authenticate`), or a relay's token (a Principal `via` "relay", of no node)."""
+        carrier = self._carrier(token)
+        if carrier is not None:
+            return carrier
+        principal = await self.authenticate(token)
+        return principal if principal is not None else self._carrier(token)
+
+    def _carrier(self, token: bytes) -> Principal | None:
+        carrier = self._carriers.get(token)
+        return carrier if carrier is not None and carrier.expires > self._clock() else None
 
     async def close(self) -> None:
         if self._reviewer is not None:
@@ -166,7 +192,7 @@ class AgentAuthenticator:
 
     async def _review(self, token: bytes) -> Principal | None:
         assert self._reviewer is not None
-        stale = self._cache.get(token)
+        stale = self._cache.get(token) or self._carriers.get(token)
         try:
             async with self._reviews:
                 review = await self._reviewer.review(token.decode("ascii"))
@@ -179,6 +205,7 @@ class AgentAuthenticator:
         if refusal is not None:
             log.warning("service account token refused: %s", refusal)
             self._cache.pop(token, None)
+            self._carriers.pop(token, None)
             if len(self._refused) >= MAX_CACHED:
                 self._refused.clear()
             self._refused[token] = self._clock() + REFUSED_TTL_S
@@ -187,8 +214,13 @@ class AgentAuthenticator:
         expiry = _jwt_expiry(token)
         token_expires = math.inf if expiry is None else now + (expiry - wall)
         expires = min(now + self._ttl_s, token_expires)
+        if self._is_relay(review):
+            return self._keep_carrier(token, Principal(None, "relay", expires, token_expires))
         assert review.node is not None  # checked by _refusal
         return self._keep(token, Principal(review.node, "kubernetes", expires, token_expires))
+
+    def _is_relay(self, review: Review) -> bool:
+        return self._relay_account is not None and review.username == self._relay_account
 
     def _refusal(self, review: Review) -> str | None:
         """Why a reviewed token is not a host monitor's; None when it is one."""
@@ -196,8 +228,13 @@ class AgentAuthenticator:
             return review.error or "not authenticated"
         if self._audience not in review.audiences:
             return f"not bound to audience {self._audience!r} (audiences: {review.audiences})"
+        if self._is_relay(review):
+            return None  # a relay's token needs no node: it speaks for none
         if review.username != self._service_account:
-            return f"user {review.username!r} is not {self._service_account!r}"
+            accepted = repr(self._service_account)
+            if self._relay_account is not None:
+                accepted += f" nor the relays' {self._relay_account!r}"
+            return f"user {review.username!r} is not {accepted}"
         if not review.node:
             # Tokens carry their node from Kubernetes 1.30 (ServiceAccountTokenPodNodeInfo).
             return "the token names no node (authentication.kubernetes.io/node-name)"
@@ -212,6 +249,12 @@ class AgentAuthenticator:
             if len(self._cache) >= MAX_CACHED:
                 self._cache.clear()
         self._cache[token] = principal
+        return principal
+
+    def _keep_carrier(self, token: bytes, principal: Principal) -> Principal:
+        if len(self._carriers) >= MAX_CACHED:  # relays are few: only a flood gets here
+            self._carriers.clear()
+        self._carriers[token] = principal
         return principal
 
 

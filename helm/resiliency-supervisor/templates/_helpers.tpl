@@ -66,6 +66,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-host-monitor" (include "rs.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "rs.relayService" -}}
+{{- printf "%s-heartbeat-relay" (include "rs.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "rs.relayServiceName" -}}
+{{- printf "%s.%s.svc" (include "rs.relayService" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* Whether the heartbeat relays are deployed: only with the host monitors they serve. */}}
+{{- define "rs.relayEnabled" -}}
+{{- if and .Values.hostMonitor.enabled .Values.relay.enabled }}true{{ end -}}
+{{- end -}}
+
 {{/* TLS: the Secrets, where they are mounted, and the names the certificates must hold. */}}
 {{- define "rs.tlsSecret" -}}
 {{- .Values.tls.existingSecret | default (printf "%s-tls" (include "rs.fullname" .)) -}}
@@ -128,6 +141,9 @@ database URL is not here: each has its own. */}}
 {{- $_ := set $managed "agent_auth" (ternary (list "shared" "kubernetes") (list "kubernetes") $identity.acceptSharedToken) }}
 {{- $_ := set $managed "agent_kube_audience" $identity.audience }}
 {{- $_ := set $managed "agent_kube_service_account" (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "rs.hostMonitorService" .)) }}
+{{- if include "rs.relayEnabled" . }}
+{{- $_ := set $managed "agent_kube_relay_service_account" (printf "system:serviceaccount:%s:%s" .Release.Namespace (include "rs.relayService" .)) }}
+{{- end }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 {{- $dir := include "rs.tlsDir" . }}
@@ -140,7 +156,7 @@ database URL is not here: each has its own. */}}
 {{- end -}}
 
 {{/* The pod and container security contexts, and the probes, of a supervisor's pod (the
-acting one and the shadow). */}}
+acting one and the shadow); the heartbeat relays' pods take the same security contexts. */}}
 {{- define "rs.supervisorPodSecurityContext" -}}
 runAsNonRoot: true
 runAsUser: 10001

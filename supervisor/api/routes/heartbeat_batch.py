@@ -5,7 +5,8 @@ each entry (resiliency_protocol/heartbeat_batch.py) is the node's own heartbeat 
 node's own credential, authenticated as the single route authenticates it (a cached
 dict lookup once verified), and taken by the single route's `take` and `settle`. The
 request's own credential is the relay's: any agent credential the supervisor accepts,
-which carries heartbeats and speaks for no node. An entry refused (a credential that is
+or a token of the relays' own service account (agent_kube_relay_service_account); either
+only carries the heartbeats here, and speaks for no node. An entry refused (a credential that is
 not its node's, an invalid heartbeat, a rank claimed elsewhere) is refused alone: its
 result says what the single route would have answered, and the others are taken. The
 answer is 200 with one result per entry, in order; the whole batch is refused only when
@@ -75,7 +76,7 @@ class HeartbeatBatchEndpoint:
             return
         token, content_type = bearer_and_type(scope["headers"])
         try:
-            relay = None if not token else await self.agents.authenticate(token)
+            relay = None if not token else await self.agents.authenticate_carrier(token)
         except ReviewUnavailable as exc:
             await reply(send, 503, error_payload(f"cannot check the token now: {exc}"), RETRY_AFTER)
             return
