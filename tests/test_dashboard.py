@@ -27,6 +27,7 @@ from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
 from tests.http import http
 from tests.test_api import heartbeat
 from tests.test_e2e import Server
+from tests.timing import scaled
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -97,8 +98,10 @@ class Beater:
 def cluster(tmp_path: Path, **settings: Any) -> Iterator[Server]:
     """`supervisor serve` with two nodes of job j1 and a spare, all heartbeating."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    # Lost after 3 s of silence: quick to see, and no false alarm on a loaded machine.
-    settings.setdefault("heartbeat_timeout_s", "3.0")
+    # Lost after 3 s of silence (scaled): quick to see, and no false alarm on a loaded
+    # machine (beside two CPU burners a starved beater once let a node be lost and found
+    # again, two events more than the page expected).
+    settings.setdefault("heartbeat_timeout_s", str(scaled(3.0)))
     server = Server(tmp_path, **settings)
     server.start()
     try:

@@ -350,18 +350,20 @@ def test_pods_of_two_ranks_scale_down_to_one_pod_when_no_spare_is_left(
             return done[0] if done and done[0]["status"] == "succeeded" else None
 
         wait_for(scaled, 150, "the scale down")
-        resumed = wait_for(
-            lambda: [
+
+        def both_resumed() -> list[tuple[str, int]] | None:
+            # Both ranks' lines, not the first one written: the two ranks log apart.
+            found = [
                 (rank, int(step))
                 for rank, _, step, _ in re.findall(
                     r"rank=(\d+): start attempt=(\d+) world_size=2: resumed step=(\d+) "
                     r"tier=(\w+)",
                     env.logs(),
                 )
-            ],
-            120,
-            "two ranks resumed in a world of 2",
-        )
+            ]
+            return found if len({rank for rank, _ in found}) >= 2 else None
+
+        resumed = wait_for(both_resumed, 120, "two ranks resumed in a world of 2")
         assert sorted(rank for rank, _ in resumed) == ["0", "1"], resumed
         assert min(step for _, step in resumed) >= held, (resumed, held)
         wait_for(env.weights, 300, "the job to finish")
