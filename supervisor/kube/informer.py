@@ -125,8 +125,7 @@ class Informer:
                 )
                 if isinstance(error, Gone):
                     # The answer to the watch request itself: the same expiry as the
-                    # stream's ERROR event (which of the two the server sends depends on
-                    # when it saw the compaction), not a failure to back off from.
+                    # stream's ERROR event, not a failure to back off from.
                     self.stats["gone"] += 1
                     log.info("%s watch refused as expired (410): listing again", self.kind)
                     version = None

@@ -4,10 +4,10 @@ A bare ASGI app like the single route (heartbeats.py), and the same work per hea
 each entry (resiliency_protocol/heartbeat_batch.py) is the node's own heartbeat with the
 node's own credential, authenticated as the single route authenticates it (a cached
 dict lookup once verified), and taken by the single route's `take` and `settle`. The
-request's own credential is the relay's: any agent credential the supervisor accepts,
-or a token of the relays' own service account (agent_kube_relay_service_account); either
-only carries the heartbeats here, and speaks for no node. An entry refused (a credential that is
-not its node's, an invalid heartbeat, a rank claimed elsewhere) is refused alone: its
+request's own credential is the relay's: any agent credential the supervisor accepts, or
+a token of the relays' own service account (agent_kube_relay_service_account); either
+only carries the heartbeats here, and speaks for no node. An entry refused (a credential
+that is not its node's, an invalid heartbeat, a rank claimed elsewhere) is refused alone: its
 result says what the single route would have answered, and the others are taken. The
 answer is 200 with one result per entry, in order; the whole batch is refused only when
 it is not one (401 for the relay's credential, 413, 415, 422 naming the field).
