@@ -38,6 +38,7 @@ from tests.test_host_monitor_pidns import CAN_UNSHARE, NamespacedProcess
 from tests.test_workload import Job
 from tests.timing import scaled
 from training import worker_client
+from training.monitor_link import stopping
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -324,6 +325,44 @@ def test_stopping_reports_are_checked(cluster: Cluster, tmp_path: Path) -> None:
         sleeper.kill()
         sleeper.wait()
         wait_for(lambda: worker_states(agent) == {3: "stopped"}, 10, "reported worker stopped")
+    finally:
+        workers.close()
+
+
+def test_a_stopping_report_waits_for_a_slow_host_monitor_within_its_bound(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A host monitor slow to answer (a node busy with its data loaders: here frozen for
+    a second and a half) still gets the SIGTERMed worker's report before its exit, so the
+    exit is `stopped`, not a crash. One that never answers holds the exit up for the
+    report's bound, no longer."""
+    agent = cluster.start_agent(None, initial_state="running", job="j1")
+    assert agent.proc is not None
+    workers = Workers(tmp_path, agent)
+    try:
+        slow, out0 = workers.start(0, "j1")
+        frozen, out1 = workers.start(1, "j1")
+        assert registered(out0) and registered(out1)
+        wait_for(lambda: worker_states(agent) == {0: "running", 1: "running"}, 10, "both running")
+        agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            slow.send_signal(signal.SIGTERM)
+            time.sleep(1.5)  # the fault: a host monitor this late to answer
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
+        assert slow.wait(scaled(10)) == -signal.SIGTERM
+        wait_for(lambda: worker_states(agent)[0] == "stopped", 10, "the slow report's stop")
+        assert "stopping report" not in (out0 / "log").read_text()
+
+        agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            frozen.send_signal(signal.SIGTERM)
+            # Bounded: the worker ends while its host monitor is still frozen.
+            bound = stopping.STOPPING_REPORT_BOUND_S
+            assert frozen.wait(scaled(bound + 5)) == -signal.SIGTERM
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
+        assert "stopping report to host monitor failed" in (out1 / "log").read_text()
     finally:
         workers.close()
 

@@ -91,7 +91,10 @@ def test_a_workload_restart_stops_pods_without_a_storm_and_training_resumes(
                 seen[name].add(worker["state"])
         return all("stopped" in states for states in seen.values())
 
-    wait_for(all_seen_stopped, 30, "every old worker seen stopped")
+    try:
+        wait_for(all_seen_stopped, 30, "every old worker seen stopped")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the states seen by node: {seen}") from None
     wait_for(
         lambda: (
             len({c.uid for c in e2e.bridge.running()} - first) == 4

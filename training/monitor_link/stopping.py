@@ -22,8 +22,11 @@ from training.monitor_link.connection import MAX_ERROR_CHARS, MonitorConnection,
 from training.monitor_link.registration import Registration
 
 # The stopping report is sent from the SIGTERM handler, before the process goes on
-# stopping: each socket operation (connect, send, receive) gets at most this.
-_STOPPING_TIMEOUT_S = 0.5
+# stopping, and holds the exit up for at most this (connect, send and the answer
+# together). A host monitor on a busy node can take over a second to answer; a report
+# given up on is worse than late: the worker's exit then races the report, and an exit
+# seen first counts as a crash. Kubernetes' default grace period is 30 s.
+STOPPING_REPORT_BOUND_S = 5.0
 
 
 class TermHandler:
@@ -68,7 +71,7 @@ class TermHandler:
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         # Runs in the main thread between two bytecodes (Python's signal handling), so a
-        # blocking call is allowed; it is bounded (_STOPPING_TIMEOUT_S per socket step).
+        # blocking call is allowed; it is bounded (STOPPING_REPORT_BOUND_S).
         if not self.stopping_reported:
             self.stopping_reported = True
             self._report_stopping(signum)
@@ -118,12 +121,13 @@ class TermHandler:
             return
         url = urllib.parse.urlsplit(monitor_url)
         host, port = self._stop_address or (url.hostname or "", url.port or 0)
+        deadline = time.monotonic() + STOPPING_REPORT_BOUND_S
         connection = (
             http.client.HTTPSConnection(
-                host, port or 443, timeout=_STOPPING_TIMEOUT_S, context=self._connection.ssl
+                host, port or 443, timeout=STOPPING_REPORT_BOUND_S, context=self._connection.ssl
             )
             if url.scheme == "https"
-            else http.client.HTTPConnection(host, port or 80, timeout=_STOPPING_TIMEOUT_S)
+            else http.client.HTTPConnection(host, port or 80, timeout=STOPPING_REPORT_BOUND_S)
         )
         signal = {"signal": signum} if signum is not None else {}
         stopping = self._connection.body(
@@ -144,7 +148,10 @@ class TermHandler:
         }
         try:
             path = url.path + worker_path(self._rank, "stopping")
+            connection.connect()
+            _left_until(connection, deadline)
             connection.request("POST", path, body, headers)
+            _left_until(connection, deadline)
             response = connection.getresponse()
             text = response.read(MAX_ERROR_CHARS).decode(errors="replace")
             if response.status >= 300:
@@ -155,6 +162,15 @@ class TermHandler:
             log.warning("worker client: stopping report to host monitor failed: %r", exc)
         finally:
             connection.close()
+
+
+def _left_until(connection: http.client.HTTPConnection, deadline: float) -> None:
+    """The connection's next socket operations get what is left of the report's bound."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no answer within {STOPPING_REPORT_BOUND_S:g}s")
+    if connection.sock is not None:
+        connection.sock.settimeout(left)
 
 
 def _resolve(url: str | None) -> tuple[str, int] | None:
