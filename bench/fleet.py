@@ -45,10 +45,11 @@ class Phase:
     # The bare app sent the same batches, one request each (else one request a beat): at
     # a fleet's rate (5,000 beats a second) one client cannot send every beat alone.
     bare_batched: bool = False
+    timeout_periods: float = TIMEOUT_PERIODS  # the heartbeat timeout, in periods
 
     @property
     def timeout_s(self) -> float:
-        return TIMEOUT_PERIODS * self.period_s
+        return self.timeout_periods * self.period_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,8 +68,9 @@ class Informer:
         self.items: dict[str, Obj] = {}
         self.synced = asyncio.Event()
         self.listeners: list[Listener] = []
-        #: Counts of what the loop did (lists, watches opened, 410s, errors), for tests.
-        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0}
+        #: Counts of what the loop did (lists, watches opened, 410s, errors, the server's
+        #: bookmarks), for tests.
+        self.stats = {"lists": 0, "watches": 0, "gone": 0, "errors": 0, "bookmarks": 0}
         #: Where the next watch resumes: the last list's, event's or bookmark's version.
         self.resource_version: str | None = None
         #: What the last list or watch failed with (the `ApiError`, or the exception),
@@ -185,6 +186,8 @@ class Informer:
                 self.resource_version = version
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     self._post(self._apply, kind, obj)
+                elif kind == "BOOKMARK":
+                    self.stats["bookmarks"] += 1
                 if self._stop.is_set():
                     break
         finally:
