@@ -313,6 +313,7 @@ class Agent:
                 job=job,
                 time=record.time,
                 world=node.world_of(worker) if worker is not None else None,
+                key=record.key,
             )
 
         node.on_checkpoint = forward

@@ -95,14 +95,17 @@ class CheckpointForwarder:
         job: str | None,
         time: str | None = None,
         world: int | None = None,
+        key: str | None = None,
     ) -> str:
         """Keep `report`, of worker `rank` (in `world`), (durably) for sending; returns its
         id. Call before acking it. ``time``: when it finished (ISO, with a zone; default
-        now). Raises ValueError (pydantic's ValidationError) for a report the supervisor
-        would refuse.
+        now); ``key``: the worker's name for it, which makes the id (a report the worker
+        sent again, to a host monitor restarted meanwhile, is then still stored once).
+        Raises ValueError (pydantic's ValidationError) for a report the supervisor would
+        refuse.
         """
         fields: dict[str, object] = {
-            "id": f"{self.node}-{uuid.uuid4().hex}",
+            "id": f"{self.node}-{key if key is not None else uuid.uuid4().hex}",
             "node": self.node,
             "job": job,
             "rank": rank,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,11 +71,17 @@ def _rank(worker: Worker) -> int:
     return worker.rank
 
 
+#: Report keys remembered, to keep a report sent again once (a worker sends again within
+#: seconds: this is hours of reports on a node).
+KEEP_REPORT_KEYS = 10_000
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointRecord:
     rank: int
     report: CheckpointReport
     time: str  # ISO, UTC
+    key: str | None = None  # the worker's name for it (`REPORT_KEY_HEADER`)
 
 
 class Node:
@@ -93,6 +99,7 @@ class Node:
         self.rounds = EmergencyRounds(self.registry)
         self.standbys = Standbys(self.run_dir, self.name)
         self.checkpoints: deque[CheckpointRecord] = deque(maxlen=KEEP_CHECKPOINTS)
+        self._report_keys: OrderedDict[str, None] = OrderedDict()
         # Set by the agent to its heartbeat sender's trigger: a change goes out at once.
         self.on_change: Callable[[], None] = lambda: None
         # Set by the agent to its checkpoint forwarder: called, and it must have kept the
@@ -370,11 +377,20 @@ class Node:
             self._changed()
         return True
 
-    def checkpoint(self, rank: int, report: CheckpointReport) -> None:
+    def checkpoint(self, rank: int, report: CheckpointReport, key: str | None = None) -> None:
+        """Keep a worker's report (forwarded durably before this returns); one sent again
+        under a `key` already taken is acknowledged and not kept twice."""
         self.registry.get(rank)
-        record = CheckpointRecord(rank, report, utcnow().isoformat())
+        if key is not None and key in self._report_keys:
+            log.info("rank %d sent its report %s again: kept once", rank, key)
+            return
+        record = CheckpointRecord(rank, report, utcnow().isoformat(), key)
         if self.on_checkpoint is not None:
             self.on_checkpoint(record, self.job)
+        if key is not None:
+            self._report_keys[key] = None
+            if len(self._report_keys) > KEEP_REPORT_KEYS:
+                self._report_keys.popitem(last=False)
         self.checkpoints.append(record)
         extra = ""
         if report.bytes is not None:

@@ -14,7 +14,16 @@ import os
 import secrets
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, HTTPException, Request, status
+from fastapi import (
+    APIRouter,
+    BackgroundTasks,
+    Depends,
+    FastAPI,
+    Header,
+    HTTPException,
+    Request,
+    status,
+)
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -33,7 +42,12 @@ from host_monitor.peer.tier import PeerTier
 from host_monitor.peer.worker_routes import peer_actuator_router, peer_worker_router
 from host_monitor.request_checks import InvalidRequest
 from host_monitor.workers import WorkerConflict, WorkerNotFound
-from resiliency_protocol.checkpoint_reports import CheckpointRecordOut, CheckpointReport
+from resiliency_protocol.checkpoint_reports import (
+    REPORT_KEY_HEADER,
+    REPORT_KEY_PATTERN,
+    CheckpointRecordOut,
+    CheckpointReport,
+)
 from resiliency_protocol.emergency import (
     AckReply,
     EmergencyAck,
@@ -67,6 +81,14 @@ from resiliency_protocol.worker_wire import (
 )
 
 Rank = Annotated[int, PathParam(ge=0, description="Global rank of the worker.")]
+ReportKey = Annotated[
+    str | None,
+    Header(
+        alias=REPORT_KEY_HEADER,
+        pattern=REPORT_KEY_PATTERN,
+        description="The worker's name for the report: sent again, it is kept once.",
+    ),
+]
 
 _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -154,8 +176,10 @@ def create_app(
         status_code=status.HTTP_202_ACCEPTED,
         summary="A checkpoint was saved or loaded",
     )
-    async def checkpoint(rank: Rank, body: CheckpointReport) -> dict[str, bool]:
-        node.checkpoint(rank, body)
+    async def checkpoint(
+        rank: Rank, body: CheckpointReport, key: ReportKey = None
+    ) -> dict[str, bool]:
+        node.checkpoint(rank, body, key)
         return {"accepted": True}
 
     @workers.get(

@@ -46,6 +46,12 @@ MAX_CHECKPOINT_ERROR_CHARS = 1000
 MAX_BATCH = 1000
 #: The supervisor's route, relative to its base URL.
 SUPERVISOR_PATH = "/api/v1/checkpoints"
+#: The header of a worker's checkpoint report that names it: a report sent again (its
+#: answer timed out, though the host monitor may have taken it) is kept once, and
+#: forwarded under an id made of it. A header, not a field, so that a host monitor that
+#: predates it takes the body as it is.
+REPORT_KEY_HEADER = "Idempotency-Key"
+REPORT_KEY_PATTERN = r"^[A-Za-z0-9_-]{8,32}$"
 
 
 def error_with_failed(error: str | None, info: ValidationInfo) -> str | None:

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -660,6 +661,9 @@ from training.worker_client import WorkerClient
 Path(os.environ["PID_DIR"], str(os.getpid())).write_text(os.environ["RANK"])
 client = WorkerClient.from_env(report_interval_s=0.05)
 client.register()
+if "GO_FILE" in os.environ:  # the test's cue to start training
+    while not Path(os.environ["GO_FILE"]).exists():
+        time.sleep(0.02)
 every, last = int(os.environ["SAVE_EVERY"]), int(os.environ["LAST_STEP"])
 tier = os.environ.get("SAVE_TIER", "local")
 sizes = {}
@@ -790,6 +794,37 @@ def test_sizes_and_new_tiers_go_from_the_worker_to_the_api(
     assert (tiers["peer"]["loads"], tiers["peer"]["load_mib_per_s"]) == (1, approx(6144))
     # Two saves blocked 0.01 s each; their 0.5 s in all is not badput.
     assert data["badput"]["checkpoint_save_s"] == approx(0.02)
+
+
+def test_reports_a_slow_host_monitor_answered_too_late_are_sent_again_and_kept_once(
+    server: ServerProcess, workers: Workers
+) -> None:
+    """A host monitor that answers after the worker's request timed out (a node busy with
+    its data loaders: here frozen past the client's 2-s timeout, twice over) still ends up
+    with every checkpoint report, each once, and so does the supervisor."""
+    job = f"js-{uuid.uuid4().hex[:6]}"
+    agent = workers.start_agent(server.url)
+    go = workers.tmp / "go"
+    workers.run(agent, job, save_every=5, last_step=10, GO_FILE=str(go))
+    workers.wait_running(agent, [0], min_step=0)
+    assert agent.proc is not None
+    agent.proc.send_signal(signal.SIGSTOP)
+    try:
+        go.touch()
+        time.sleep(5.0)  # the fault: a host monitor this late to answer
+    finally:
+        agent.proc.send_signal(signal.SIGCONT)
+
+    def steps_at_the_monitor() -> list[int]:
+        return sorted(c["report"]["step"] for c in agent.api.get("/v1/checkpoints").json())
+
+    # In order, one at a time: once step 10 is in, every try of step 5 came before it.
+    wait_for(lambda: 10 in steps_at_the_monitor(), 20, "step 10 at the host monitor")
+    assert steps_at_the_monitor() == [5, 10]
+    reports = wait_for(lambda: len(stored(server, job)) >= 2 and stored(server, job), 20, "2")
+    assert sorted(r["step"] for r in reports) == [5, 10]
+    log = (workers.tmp / "run" / f"{agent.node}.{job}.rank0.log").read_text()
+    assert "checkpoint to host monitor failed" in log  # the timeout, said once
 
 
 def test_reports_survive_a_down_supervisor_and_a_killed_host_monitor(

@@ -833,7 +833,20 @@ def test_adopted_worker_straggler_and_exit(supervisor: Supervisor, cluster: Clus
             headers={"Content-Type": "application/json"},
         )
         assert r.status_code == 422 and r.json()["message"].startswith("total_s:"), r.text
+        for bad_key in ("short", "x" * 33, "not/a-key-at-all"):
+            r = agent.worker_api.post(
+                "/v1/workers/4/checkpoints", json=sized, headers={"Idempotency-Key": bad_key}
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["message"].startswith("header.Idempotency-Key:"), r.text
         assert len(agent.api.get("/v1/checkpoints").json()) == 3  # none of those kept
+        # A report sent again under its key (its answer was lost) is kept once.
+        for _ in range(2):
+            r = agent.worker_api.post(
+                "/v1/workers/4/checkpoints", json=sized, headers={"Idempotency-Key": "k" * 32}
+            )
+            assert r.status_code == 202, r.text
+        assert len(agent.api.get("/v1/checkpoints").json()) == 4
 
         sleeper.kill()
         sleeper.wait()

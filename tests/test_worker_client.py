@@ -27,10 +27,17 @@ from training.worker_client import WorkerClient
 
 
 class RecordingServer:
-    """Records every request as (path, body, Authorization header)."""
+    """Records every request as (path, body, Authorization header), and each checkpoint
+    report's key. It can answer late (`delay_s`: a host monitor slower than the worker's
+    report interval, which the real one is only on a loaded machine) and answer the next
+    checkpoint reports with the statuses in `checkpoint_statuses` (a host monitor busy or
+    restarting: a real one cannot be made to answer 503 on demand)."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, Any, str | None]] = []
+        self.keys: list[str | None] = []  # each checkpoint report's, in order
+        self.delay_s = 0.0
+        self.checkpoint_statuses: list[int] = []
         self.lock = threading.Lock()
         server = self
 
@@ -38,10 +45,16 @@ class RecordingServer:
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
+                time.sleep(server.delay_s)
+                code = 200
                 with server.lock:
                     server.requests.append((self.path, body, self.headers.get("Authorization")))
+                    if self.path.endswith("/checkpoints"):
+                        server.keys.append(self.headers.get("Idempotency-Key"))
+                        if server.checkpoint_statuses:
+                            code = server.checkpoint_statuses.pop(0)
                 data = json.dumps({}).encode()
-                self.send_response(200)
+                self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -278,6 +291,57 @@ def test_checkpoint_reports_are_flushed_on_close(server: RecordingServer) -> Non
         {"event": "saved", "step": 20, "duration_s": 0.5, "tier": "durable"},
         {"event": "loaded", "step": 10, "duration_s": 0.25, "tier": "emergency"},
     ]
+
+
+def test_checkpoint_reports_are_not_starved_by_a_host_monitor_slower_than_the_interval(
+    server: RecordingServer,
+) -> None:
+    """Each answer takes three report intervals: progress is due again before every
+    answer, and still every checkpoint report goes, between progress reports."""
+    server.delay_s = 0.15
+    client = WorkerClient(1, 0, monitor_url=server.url, report_interval_s=0.05)
+    try:
+        for step in range(1, 5):
+            client.report_step(step)
+            client.report_checkpoint_saved(step, 0.01, "ram")
+        assert wait_for(lambda: len(server.bodies("/checkpoints")) == 4, 10)
+        assert [b["step"] for b in server.bodies("/checkpoints")] == [1, 2, 3, 4]
+        assert len(server.bodies("/progress")) >= 2  # and progress went on meanwhile
+    finally:
+        client.close()
+
+
+def test_a_checkpoint_report_not_taken_is_sent_again_under_its_key_in_order(
+    server: RecordingServer,
+) -> None:
+    """503 twice (a host monitor busy), then 404 (it restarted and forgot the worker): the
+    report is sent until taken, with the same key each time, and the next one only after
+    it. A refusal for good (422) is not sent again."""
+    server.checkpoint_statuses = [503, 503, 404, 200, 422]
+    client = WorkerClient(3, 0, monitor_url=server.url, report_interval_s=10)
+    try:
+        client.report_checkpoint_saved(10, 0.1, "ram")
+        client.report_checkpoint_saved(20, 0.1, "ram")
+        client.report_checkpoint_saved(30, 0.1, "ram")
+        assert client.flush(scaled(10))
+        steps = [b["step"] for b in server.bodies("/checkpoints")]
+        assert steps == [10, 10, 10, 10, 20, 30]
+        first, second, third = server.keys[0], server.keys[4], server.keys[5]
+        assert server.keys[:4] == [first] * 4 and first is not None
+        assert len({first, second, third}) == 3
+    finally:
+        client.close()
+
+
+def test_close_gives_up_a_report_never_taken_within_its_time(server: RecordingServer) -> None:
+    server.checkpoint_statuses = [503] * 1000
+    client = WorkerClient(3, 0, monitor_url=server.url, report_interval_s=10)
+    client.report_checkpoint_saved(10, 0.1, "ram")
+    assert wait_for(lambda: len(server.bodies("/checkpoints")) >= 2)
+    started = time.monotonic()
+    client.close(timeout_s=1.0)
+    assert time.monotonic() - started < scaled(3.0)
+    assert client.flush(0.1)  # given up: nothing left to wait for
 
 
 def test_checkpoint_reports_carry_sizes_and_total_times(server: RecordingServer) -> None:

@@ -3,6 +3,7 @@ against the protocol's models before they are sent, failures logged once per kin
 
 from __future__ import annotations
 
+import enum
 import logging
 import ssl
 import urllib.parse
@@ -21,6 +22,19 @@ _REQUEST_TIMEOUT_S = 2.0
 MAX_ERROR_CHARS = 2000
 
 Body = TypeVar("Body", bound=BaseModel)
+
+# Answers that say "not now" rather than "never": the host monitor busy, restarting, or
+# not (yet) knowing the worker, which registers again (registration.py).
+_TRY_AGAIN_STATUSES = frozenset({404, 408, 425, 429})
+
+
+class Delivery(enum.Enum):
+    """How a report that must not be lost went."""
+
+    DELIVERED = "delivered"
+    REFUSED = "refused"  # for good: sending it again changes nothing
+    TRY_AGAIN = "try again"  # no answer, or one that may change: the report is kept
+    UNREACHABLE = "unreachable"  # nothing listens: a host monitor down or restarting
 
 
 class MonitorConnection:
@@ -79,10 +93,24 @@ class MonitorConnection:
 
     def post(self, path: str, body: BaseModel, kind: str) -> Any | None:
         """POST; the decoded reply (or {}), or None on any failure (logged once)."""
+        reply, _ = self._post(path, body, kind, None)
+        return reply
+
+    def deliver(self, path: str, body: BaseModel, kind: str, headers: dict[str, str]) -> Delivery:
+        """POST a report that must not be lost; whether to send it again (failures logged
+        once per kind, as by `post`)."""
         if self.http is None:
-            return None
+            return Delivery.REFUSED
+        _, delivery = self._post(path, body, kind, headers)
+        return delivery
+
+    def _post(
+        self, path: str, body: BaseModel, kind: str, headers: dict[str, str] | None
+    ) -> tuple[Any | None, Delivery]:
+        if self.http is None:
+            return None, Delivery.REFUSED
         try:
-            response = self.http.post(path, json=wire(body))
+            response = self.http.post(path, json=wire(body), headers=headers)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             if (
@@ -100,17 +128,30 @@ class MonitorConnection:
                     else ""
                 )
                 log.warning("worker client: %s to host monitor failed: %s%s", kind, exc, why)
-            return None
+            return None, _delivery_of(exc)
         if self.works(kind):
             log.info("worker client: %s to host monitor works again", kind)
         try:
-            return response.json() if response.content else {}
+            return (response.json() if response.content else {}), Delivery.DELIVERED
         except ValueError:
-            return {}
+            return {}, Delivery.DELIVERED
 
     def close(self) -> None:
         if self.http is not None:
             self.http.close()
+
+
+def _delivery_of(exc: httpx.HTTPError) -> Delivery:
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        if code in _TRY_AGAIN_STATUSES or code >= 500:
+            return Delivery.TRY_AGAIN
+        return Delivery.REFUSED
+    if isinstance(exc, httpx.ConnectError):
+        return Delivery.UNREACHABLE
+    if isinstance(exc, httpx.TransportError):
+        return Delivery.TRY_AGAIN
+    return Delivery.REFUSED  # a request httpx could not even build: the same next time
 
 
 def wire(body: BaseModel) -> object:

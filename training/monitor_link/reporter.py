@@ -1,5 +1,11 @@
 """The worker client's reporting thread: the newest step (the worker's heartbeat) every
-interval, and the checkpoint reports queued by the training loop, sent in order."""
+interval, and the checkpoint reports queued by the training loop, sent in order.
+
+A checkpoint report is sent until the host monitor takes it or refuses it for good: one
+whose answer timed out is sent again under the same key (`REPORT_KEY_HEADER`), which the
+host monitor keeps once. The two kinds take turns: a host monitor slower to answer than
+the interval starves neither.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,38 @@ import math
 import queue
 import threading
 import time
+import uuid
 
+from resiliency_protocol.backoff import Backoff
 from resiliency_protocol.checkpoint_reports import (
     MAX_CHECKPOINT_BYTES,
     MAX_CHECKPOINT_ERROR_CHARS,
     MAX_CHECKPOINT_SECONDS,
+    REPORT_KEY_HEADER,
     CheckpointReport,
     Tier,
 )
 from resiliency_protocol.worker_wire import WorkerProgress, worker_path
-from training.monitor_link.connection import MonitorConnection, log
+from training.monitor_link.connection import Delivery, MonitorConnection, log
 from training.monitor_link.lease import HostLease
 from training.monitor_link.registration import Registration
 
 _MAX_QUEUED_REPORTS = 1000
 _TIERS: frozenset[str] = frozenset(Tier)
+# Between two tries of a checkpoint report the host monitor did not take.
+_RETRY_FIRST_S = 0.2
+_RETRY_CAP_S = 2.0
+
+
+class _Queued:
+    """A checkpoint report waiting to be sent, with the key its tries share."""
+
+    __slots__ = ("body", "key", "path")
+
+    def __init__(self, path: str, body: CheckpointReport) -> None:
+        self.path = path
+        self.body = body
+        self.key = uuid.uuid4().hex
 
 
 class Reporter:
@@ -46,7 +69,12 @@ class Reporter:
         self._compute_lock = threading.Lock()
         self._compute_sum = 0.0
         self._compute_count = 0
-        self._queue: queue.Queue[tuple[str, CheckpointReport]] = queue.Queue(_MAX_QUEUED_REPORTS)
+        self._queue: queue.Queue[_Queued] = queue.Queue(_MAX_QUEUED_REPORTS)
+        # The report being sent (the queue's head), kept across its tries; the thread's own.
+        self._head: _Queued | None = None
+        self._retry = Backoff(_RETRY_FIRST_S, _RETRY_CAP_S)
+        self._retry_at = 0.0  # monotonic: no try of the head before then
+        self._give_up_at = math.inf  # monotonic: set by `stop`
         # Reports queued and not yet sent (or given up on): what `flush` waits for.
         self._unsent = 0
         self._sent = threading.Condition()
@@ -115,7 +143,7 @@ class Reporter:
             return
         try:
             with self._sent:
-                self._queue.put_nowait((worker_path(self._rank, "checkpoints"), body))
+                self._queue.put_nowait(_Queued(worker_path(self._rank, "checkpoints"), body))
                 self._unsent += 1
         except queue.Full:
             log.warning("worker client: report queue full, dropping a checkpoint report")
@@ -148,50 +176,96 @@ class Reporter:
                 self.thread.start()
 
     def stop(self, timeout_s: float) -> None:
-        """Send what is queued and a last progress report, then end the thread."""
+        """Send what is queued and a last progress report, then end the thread: within
+        `timeout_s`, after which reports not taken are given up (logged)."""
         thread = self.thread
         if thread is not None:
+            self._give_up_at = time.monotonic() + timeout_s
             self._stop.set()
             self._wake.set()
             thread.join(timeout_s)
 
     def _run(self) -> None:
         next_progress = time.monotonic()
+        said_last_progress = False
         while True:
             self._wake.clear()  # before draining: a report queued from now on wakes us
             stopping = self._stop.is_set()
-            # Checkpoint reports queued faster than they are sent must not starve the
-            # progress reports: the host monitor would take the rank for hung, and its
-            # lease (lease.py) would run out with the rank training on.
+            # At least one checkpoint report between two progress reports, and no more
+            # than fit before the next one is due: neither kind starves the other (a rank
+            # not heard from is taken for hung, and its lease runs out; a save not heard
+            # of is not in the supervisor's goodput and not resumed from).
             self._drain(until=None if stopping else next_progress)
             now = time.monotonic()
-            if now >= next_progress or stopping or self._report_now:
+            if stopping:
+                if not said_last_progress:
+                    self.send_progress()
+                    said_last_progress = True
+                if not self._pending() or now >= self._give_up_at:
+                    self._give_up_the_rest()
+                    return
+                self._wake.wait(max(0.0, min(self._retry_at, self._give_up_at) - now))
+                continue
+            if now >= next_progress or self._report_now:
                 self._report_now = False
                 self.send_progress()
                 next_progress = max(next_progress + self._interval_s, now)
-                if not stopping:
-                    self._registration.renew_if_forgotten(now)
-            if stopping:
-                self._drain()
-                return
-            if not self._queue.empty():
+                self._registration.renew_if_forgotten(now)
+            if self._pending() and time.monotonic() >= self._retry_at:
                 continue  # the drain stopped for the progress report: go on with it
-            self._wake.wait(max(0.0, next_progress - time.monotonic()))
+            wake_at = min(next_progress, self._retry_at) if self._pending() else next_progress
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+
+    def _pending(self) -> bool:
+        return self._head is not None or not self._queue.empty()
 
     def _drain(self, until: float | None = None) -> None:
-        """Send the queued checkpoint reports, in order; `until` (monotonic): stop then,
-        when a progress report is due."""
-        while until is None or time.monotonic() < until:
-            try:
-                path, body = self._queue.get_nowait()
-            except queue.Empty:
+        """Send the queued checkpoint reports, in order: one at least, then until the
+        monotonic `until` (None: all); stop at one the host monitor did not take (it is
+        tried again after a backoff)."""
+        tried = 0
+        while tried == 0 or until is None or time.monotonic() < until:
+            if time.monotonic() < self._retry_at:
                 return
-            try:
-                self._connection.post(path, body, kind="checkpoint")
-            finally:
-                with self._sent:
-                    self._unsent -= 1
-                    self._sent.notify_all()
+            if self._head is None:
+                try:
+                    self._head = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+            head = self._head
+            tried += 1
+            headers = {REPORT_KEY_HEADER: head.key}
+            delivery = self._connection.deliver(head.path, head.body, "checkpoint", headers)
+            if self._worth_another_try(delivery):
+                self._retry_at = time.monotonic() + self._retry.next()
+                return
+            self._retry.reset()
+            self._retry_at = 0.0
+            self._done_with_head()
+
+    def _worth_another_try(self, delivery: Delivery) -> bool:
+        if delivery is Delivery.TRY_AGAIN:
+            return time.monotonic() < self._give_up_at
+        # While running, a host monitor that is restarting; at the end, most likely none
+        # (the node going down): the process does not wait out `stop`'s time for it.
+        return delivery is Delivery.UNREACHABLE and not self._stop.is_set()
+
+    def _done_with_head(self) -> None:
+        self._head = None
+        with self._sent:
+            self._unsent -= 1
+            self._sent.notify_all()
+
+    def _give_up_the_rest(self) -> None:
+        """At the end of `stop`'s time: the reports the host monitor never took."""
+        lost = 0
+        while self._head is not None or not self._queue.empty():
+            if self._head is None:
+                self._head = self._queue.get_nowait()
+            self._done_with_head()
+            lost += 1
+        if lost:
+            log.error("worker client: %d checkpoint report(s) never reached the host monitor", lost)
 
     def send_progress(self) -> None:
         """POST the newest step, with the mean compute time since the last report."""
