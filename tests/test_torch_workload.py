@@ -34,10 +34,11 @@ def torchrun(tmp: Path, name: str, nproc: int = 2, **env: str) -> subprocess.Com
     return subprocess.run(command, env=full, cwd=tmp, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_an_interrupted_run_resumes_to_bit_identical_weights(tmp_path: Path, nproc: int) -> None:
-    """Over 4 ranks too, where a floating-point sum of the gradients changes with its order
-    (which DDP's bucket layout sets, and lays out again after each wrapping's first step)."""
+def test_an_interrupted_run_resumes_to_bit_identical_weights(tmp_path: Path) -> None:
+    """Over 4 ranks, where a floating-point sum of the gradients changes with its order
+    (which DDP's bucket layout sets, and lays out again after each wrapping's first step).
+    (Two ranks resume the same way in the test of a smaller world below.)"""
+    nproc = 4
     whole = torchrun(tmp_path / "whole", "out", nproc)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     reference = (tmp_path / "whole" / "out" / "weights.sha256").read_text()
