@@ -187,8 +187,10 @@ def test_a_step_no_source_can_serve_is_dropped_by_every_rank(
     data[0] ^= 0xFF
     shard.write_bytes(bytes(data))
     second = run_job(tmp_path, "second")
-    # Rank 1 found step 15 listed but corrupt; both ranks fall back to step 10.
+    # Rank 1 found step 15 listed but corrupt; both ranks fall back to step 10, saying so.
     assert {r["restored"] for r in second.values()} == {10}
+    said = "step 15 could not be loaded by ranks [1]: agreeing again"
+    assert all(said in logs[rank] for rank in second), logs
     assert final_digest(second) == reference
 
 
@@ -532,6 +534,9 @@ def test_both_ram_copies_lost_restores_from_durable(
     # Rank 1 can load only durable's step 10; rank 0 still holds it in its RAM.
     assert {r["restored"] for r in second.values()} == {10}
     assert {rank: r["tier"] for rank, r in second.items()} == {0: "ram", 1: "durable"}
+    # Each rank's log says what was left out, and which rank lacked it.
+    said = "step 10 is the newest every rank can load; newer steps held: {0: [15]}; ranks "
+    assert all(f"{said}with none newer: [1]" in logs[rank] for rank in second), logs
     assert final_digest(second) == reference
 
 

@@ -114,6 +114,16 @@ def start_demo(tmp_path: Path, net: Network, workload: str) -> Iterator[Callable
         yield placed(start)
 
 
+def restores_said(demo: LocalDemo) -> str:
+    """What the workers' logs say of their checkpoints and restores (which steps each
+    rank could load, which it failed to), for a failed assertion to show."""
+    said = []
+    for log in sorted((demo.run_dir / "nodes").glob("*/*.rank*.log")):
+        text = log.read_text(errors="replace")
+        said += [f"{log.name}: {line}" for line in text.splitlines() if "checkpoint" in line]
+    return "\n".join(said[-60:])
+
+
 def most_lost(workload: str) -> int:
     """Steps a scenario may lose behind the emergency checkpoint's: none for a replicated
     state (every rank's copy is whole); for the sharded job, the cut rank's shard of that
@@ -424,4 +434,8 @@ def test_a_flapping_link_is_healed_once_and_the_job_stays_exact(
     assert swap["old_worker"]["status"] in ("stopped", "unreachable"), swap
     saved = actions[0]["result"]["step"]
     resumes = {step for step, _ in resumed_steps(demo)}
-    assert len(resumes) == 1 and min(resumes) >= saved - most_lost(workload), (saved, resumes)
+    assert len(resumes) == 1 and min(resumes) >= saved - most_lost(workload), (
+        saved,
+        resumes,
+        restores_said(demo),
+    )

@@ -108,6 +108,7 @@ class RestoreAgreement:
                 self._step_completed(0)
                 return 0
             step = max(common)
+            _say_newer_steps_left_out(step, everyone)
             if held is not None and held.step == step:
                 self.state.rewind(held)
                 loaded: Loaded | None = Loaded("memory", 0, {})
@@ -132,6 +133,10 @@ class RestoreAgreement:
                 log.info("checkpoint: restored step %d from %s (%d bytes)", step, tier, size)
                 self._step_completed(step)
                 return step
+            failed = [rank for rank, ok in enumerate(oks) if not ok]
+            log.warning(
+                "checkpoint: step %d could not be loaded by ranks %s: agreeing again", step, failed
+            )
             if loaded is None:
                 dropped.add(step)
             elif not self.state.gathered:  # a gathered state is applied only once agreed
@@ -150,3 +155,20 @@ class RestoreAgreement:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, mine)
         return out
+
+
+def _say_newer_steps_left_out(step: int, everyone: list[dict[str, Any]]) -> None:
+    """Steps newer than the one agreed that some ranks could load and others could not:
+    the work a restore loses beyond the newest save, and which ranks lacked it (a shard
+    whose copies were lost with its node, refused from an older world, not yet found)."""
+    newer = {rank: [s for s in theirs["steps"] if s > step] for rank, theirs in enumerate(everyone)}
+    if not any(newer.values()):
+        return
+    lacking = [rank for rank, steps in newer.items() if not steps]
+    log.warning(
+        "checkpoint: step %d is the newest every rank can load; newer steps held: %s; "
+        "ranks with none newer: %s",
+        step,
+        {rank: steps for rank, steps in newer.items() if steps},
+        lacking,
+    )
