@@ -148,7 +148,16 @@ class RealInProcess(RealPlaneEnv):
             return {}
         out = {}
         children = Path(f"/proc/{launcher}/task/{launcher}/children")
-        for pid in map(int, children.read_text().split()):
+        try:
+            listed = children.read_text()
+        except FileNotFoundError:  # the launcher ended: say how, and what the pod logged
+            container = self.bridge.containers.get(pod["metadata"]["uid"])
+            code = container.proc.poll() if container is not None else None
+            raise AssertionError(
+                f"the launcher of pod {pod['metadata']['name']} (pid {launcher}) ended with "
+                f"{code}:\n{self.log_of(pod)[-3000:]}"
+            ) from None
+        for pid in map(int, listed.split()):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             env = dict(v.decode().split("=", 1) for v in environ if b"=" in v)
             out[int(env["RANK"])] = pid

@@ -278,7 +278,7 @@ class Cluster:
         line = b""
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + scaled(15)  # a host monitor's start, loaded
             while not line.endswith(b"\n"):
                 if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
                     proc.kill()

@@ -40,6 +40,7 @@ from tests.test_host_monitor import (
     Supervisor,
     wait_for,
 )
+from tests.timing import scaled
 from training.worker_client import WorkerClient
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -54,6 +55,7 @@ KILL_ONLY = ["setpriv", "--bounding-set", "-all,+kill", "--inh-caps", "-all"]
 WORKER_SCRIPT = r"""
 import json, os, signal, sys, time
 from pathlib import Path
+from tests.timing import scaled
 from training.worker_client import WorkerClient
 
 out = Path(sys.argv[1])
@@ -181,7 +183,7 @@ class Node:
         line = b""
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + scaled(15)
             while not line.endswith(b"\n"):
                 if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
                     proc.kill()
