@@ -99,8 +99,6 @@ class MonitorConnection:
     def deliver(self, path: str, body: BaseModel, kind: str, headers: dict[str, str]) -> Delivery:
         """POST a report that must not be lost; whether to send it again (failures logged
         once per kind, as by `post`)."""
-        if self.http is None:
-            return Delivery.REFUSED
         _, delivery = self._post(path, body, kind, headers)
         return delivery
 
