@@ -171,7 +171,6 @@ FAST_MODULES = frozenset(
         "test_exception_roots",
         "test_fault_marks",
         "test_fault_table",
-        "test_fsdp1_checkpoint",
         "test_goodput",
         "test_goodput_history",
         "test_helm_chart",

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ import pytest
 pytest.importorskip("torch")
 
 from resiliency_protocol.checkpoint_manifest import Manifest
+from tests.forked_ranks import RankProcess, log_path, start_rank
 from tests.object_store import BUCKET, FakeGcs, Seaweed
 from training.checkpoint import fencing
 from training.checkpoint import format as fmt
@@ -86,35 +85,33 @@ def durable(
     return Durable(["--durable-url", url], seaweed.env(), store)
 
 
-def writer(
-    world: int | None, ram: Path, durable: Durable, until: int, *extra: str
-) -> subprocess.Popen[str]:
-    """A writer process in `world` (None: it tells none, as under plain torchrun)."""
+def writer(world: int | None, ram: Path, durable: Durable, until: int, *extra: str) -> RankProcess:
+    """A writer process in `world` (None: it tells none, as under plain torchrun), its
+    output in a log beside its RAM tier."""
     env = {**os.environ, **durable.env, "PYTHONPATH": str(ROOT)}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     env.pop("WORKLOAD_ATTEMPT", None)
     if world is not None:
         env["WORKLOAD_ATTEMPT"] = str(world)
-    command = [sys.executable, "-m", "tests.fencing_writer", "--ram", str(ram)]
-    command += [*durable.args, "--until", str(until), *extra]
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    argv = ["--ram", str(ram), *durable.args, "--until", str(until), *extra]
+    return start_rank("tests.fencing_writer", env, log_path(ram.parent / "logs", 0), argv)
 
 
-def finished(process: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = process.communicate(timeout=DEADLINE_S)
-    assert process.returncode == 0, err[-3000:]
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+def finished(process: RankProcess) -> dict[str, Any]:
+    out, _ = process.communicate(timeout=DEADLINE_S)
+    assert process.returncode == 0, out[-3000:]
+    # Its one JSON line, among the log lines written beside it.
+    line = next(line for line in reversed(out.splitlines()) if line.startswith("{"))
+    result: dict[str, Any] = json.loads(line)
     return result
 
 
-def wait_for(path: Path, process: subprocess.Popen[str]) -> None:
+def wait_for(path: Path, process: RankProcess) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not path.exists():
         if process.poll() is not None:
-            _, err = process.communicate()
-            pytest.fail(f"the writer ended before {path.name}: {err[-3000:]}")
+            out, _ = process.communicate()
+            pytest.fail(f"the writer ended before {path.name}: {out[-3000:]}")
         assert time.monotonic() < deadline, f"no {path.name} within {DEADLINE_S}s"
         time.sleep(0.05)
 

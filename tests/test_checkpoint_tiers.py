@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("torch")
 
 from resiliency_protocol.checkpoint_manifest import FORMAT, MANIFEST, FileEntry
+from tests.forked_ranks import RankProcess, log_path, start_rank
 from tests.test_worker_client import free_port
 from training.checkpoint import CheckpointSettings
 from training.checkpoint import format as fmt
@@ -39,7 +40,7 @@ def start_job(
     stop_at: int = 0,
     ram_dirs: Mapping[int, Path] | None = None,
     extra_env: Mapping[int, Mapping[str, str]] | None = None,
-) -> dict[int, subprocess.Popen[str]]:
+) -> dict[int, RankProcess]:
     """Start the job's WORLD ranks (RAM tier per rank: tmp/ram/node-<rank> by default)."""
     port = free_port()
     out = tmp / name
@@ -63,14 +64,7 @@ def start_job(
             "SYNC_FILES": "false",
             **((extra_env or {}).get(rank, {})),
         }
-        procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "tests.torch_jobs.checkpoint_job"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        procs[rank] = start_rank("tests.torch_jobs.checkpoint_job", env, log_path(out, rank))
     return procs
 
 

@@ -20,6 +20,7 @@ from tests.test_host_monitor import Agent, Cluster, wait_for
 
 COMMAND = [sys.executable, "-m", "tests.fixtures.standby_worker", "--flag"]
 PRELOAD = ["tests.fixtures.standby_marker"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -173,6 +174,41 @@ def test_a_bad_order_is_refused_by_the_standby_which_keeps_serving(tmp_path: Pat
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None:
+    """A launched interpreter seeds torch's generator, NumPy's and Python's from the OS's
+    entropy: two workers forked by one standby, which imported all three, must not draw
+    the same numbers (the same dropout masks on every rank, the same again after each
+    restart), as they would with the standby's generators."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    out.mkdir()
+    replies, reply_w = os.pipe()
+    env = {**os.environ, "STANDBY_OUT": str(out), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "training.warm_start", "--reply-fd", str(reply_w)]
+    preload = ["--preload", "torch", "--preload", "numpy.random", "--preload", "random"]
+    proc = subprocess.Popen([*argv, *preload], env=env, stdin=subprocess.PIPE, pass_fds=(reply_w,))
+    os.close(reply_w)
+    assert proc.stdin is not None
+    try:
+        order = WorkerOrder(("-m", "tests.fixtures.seed_worker"), env, str(ROOT), None)
+        with os.fdopen(replies, "rb") as pipe:
+            assert parse_reply(pipe.readline()) == Ready()
+            for _ in range(2):  # one after the other: the second forks what the first left
+                proc.stdin.write(order.to_line())
+                proc.stdin.flush()
+                forked = parse_reply(pipe.readline())
+                assert isinstance(forked, Forked) and forked.pid is not None
+                assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+        proc.stdin.close()
+        assert proc.wait(10) == 64
+    finally:
+        proc.kill()
+        proc.wait(10)
+    first, second = (json.loads(p.read_text()) for p in sorted(out.glob("seeds-*.json")))
+    for generator in ("torch_seed", "torch", "numpy", "random"):
+        assert first[generator] != second[generator], generator
 
 
 def test_a_command_that_is_not_a_module_has_no_standby(agent: tuple[Agent, Path]) -> None:

@@ -26,6 +26,7 @@ import pytest
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo, leftover_processes
 from supervisor.local.demo_options import DemoOptions
+from tests.forked_ranks import RankProcess, log_path, start_rank
 from tests.http import http
 from tests.timing import scaled
 
@@ -65,7 +66,7 @@ def run_reference(tmp: Path, replicas: int, nodes_per_dp: int, steps: int, workl
     run = tmp / "reference"
     world = replicas * nodes_per_dp
     port = free_port()
-    procs = []
+    procs: list[RankProcess | subprocess.Popen[bytes]] = []
     for rank in range(world):
         env = {
             k: v
@@ -91,13 +92,13 @@ def run_reference(tmp: Path, replicas: int, nodes_per_dp: int, steps: int, workl
             OMP_NUM_THREADS="1",
             **TORCH_ENV,
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", f"training.{workload}_workload"],
-                env=env,
-                stdout=subprocess.DEVNULL,
+        module = f"training.{workload}_workload"
+        if workload == "torch":  # forked with torch imported (tests/forked_ranks.py)
+            procs.append(start_rank(module, env, log_path(run / "logs", rank)))
+        else:
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", module], env=env, stdout=subprocess.DEVNULL)
             )
-        )
     for proc in procs:
         assert proc.wait(240) == 0
     return final_weights(run / "output", workload, nodes_per_dp)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.forked_ranks import log_path, start_rank  # noqa: E402
 from tests.test_checkpoint_tiers import on_nodes, peer_monitors, wait_pushed  # noqa: E402
 from tests.test_worker_client import free_port  # noqa: E402
 from training.checkpoint import format as fmt  # noqa: E402
 from training.checkpoint import global_view  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 
 
@@ -49,10 +48,9 @@ def run_job(
     out.mkdir(parents=True, exist_ok=True)
     procs = {}
     for rank in range(world):
-        procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "tests.torch_jobs.sharded_job"],
-            cwd=ROOT,
-            env={
+        procs[rank] = start_rank(
+            "tests.torch_jobs.sharded_job",
+            {
                 **{
                     k: v
                     for k, v in os.environ.items()
@@ -74,9 +72,7 @@ def run_job(
                 **(env or {}),
                 **((extra_env or {}).get(rank, {})),
             },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            log_path(out, rank),
         )
     results: dict[int, dict[str, Any]] = {}
     for rank, proc in procs.items():

@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ import pytest
 
 from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo
+from tests.forked_ranks import log_path, start_rank
 from tests.test_local_cluster import (
     SEED,
     TORCH_ENV,
@@ -86,13 +85,7 @@ def run_reference(tmp: Path, world: int, parallelism: str, steps: int) -> str:
             PARALLELISM=parallelism,
             **TORCH_ENV,
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "training.torch_workload"],
-                env=env,
-                stdout=subprocess.DEVNULL,
-            )
-        )
+        procs.append(start_rank("training.torch_workload", env, log_path(run / "logs", rank)))
     for proc in procs:
         assert proc.wait(300) == 0
     return (run / "output" / "weights.sha256").read_text()

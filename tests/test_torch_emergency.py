@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tests.forked_ranks import RankProcess, log_path, start_rank
 from tests.test_host_monitor import WORKER_TOKEN, Agent, Cluster, wait_for
 from tests.test_run_user_job import docs_example
 from tests.test_worker_client import free_port
@@ -83,7 +84,7 @@ def rank_env(tmp: Path, nodes: dict[str, Agent], rank: int, port: int) -> dict[s
 
 def start_world(
     tmp: Path, nodes: dict[str, Agent], name: str, **env: str
-) -> dict[int, subprocess.Popen[str]]:
+) -> dict[int, RankProcess]:
     port = free_port()
     procs = {}
     for rank in (0, 1):
@@ -99,15 +100,7 @@ def start_world(
             **SMALL,
             **env,
         }
-        log = (tmp / f"{name}-rank-{rank}.log").open("w")
-        procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "training.torch_workload"],
-            cwd=ROOT,
-            env=full,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        procs[rank] = start_rank("training.torch_workload", full, tmp / f"{name}-rank-{rank}.log")
     return procs
 
 
@@ -120,7 +113,7 @@ def last_step(tmp: Path, name: str, rank: int) -> int:
     return int(steps[-1]) if steps else 0
 
 
-def finish(procs: dict[int, subprocess.Popen[str]], tmp: Path, name: str) -> None:
+def finish(procs: dict[int, RankProcess], tmp: Path, name: str) -> None:
     for rank, proc in procs.items():
         try:
             code = proc.wait(240)
@@ -151,14 +144,7 @@ def fault_free_weights(tmp: Path, total_steps: int) -> str:
             "OUTPUT_DIR": str(tmp / "out"),
             **SMALL,
         }
-        procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "training.torch_workload"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        procs[rank] = start_rank("training.torch_workload", env, log_path(tmp / "out", rank))
     for proc in procs.values():
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out

@@ -15,7 +15,8 @@ interpreter would (atexit handlers, threads joined). The standby answers each or
 the child's pid and, when a child ends, its exit code, on the reply pipe; so every start
 of the job on this node after the first costs a fork, not an import. Anything that reads
 the environment only when imported (OMP_NUM_THREADS in torch) comes from the environment
-the standby was started with, which the host monitor makes the job's.
+the standby was started with, which the host monitor makes the job's. The random
+generators a new interpreter seeds from the OS's entropy are seeded afresh in each child.
 
 When stdin closes (the host monitor dropped it), the standby takes no more orders, waits
 for the workers it forked and exits 64; it dies with its host monitor (PR_SET_PDEATHSIG,
@@ -145,7 +146,22 @@ def _run(order: WorkerOrder) -> None:
     if order.cwd is not None:
         os.chdir(order.cwd)
     sys.argv = [order.module, *order.argv[2:]]
+    _seed_afresh()
     runpy.run_module(order.module, run_name="__main__", alter_sys=True)
+
+
+def _seed_afresh() -> None:
+    """Seed the generators a launched interpreter seeds from the OS's entropy: torch's
+    CPU generator and NumPy's global one, when preloaded, would otherwise be the
+    standby's, the same in every worker it forks (the same dropout masks on every rank,
+    the same again after each restart). Python's `random` CPython reseeds after a fork;
+    a script that seeds its generators itself is not affected."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def main() -> int:

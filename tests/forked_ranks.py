@@ -1,0 +1,152 @@
+"""The rank processes of tests that start a job's ranks themselves, forked by a warm standby.
+
+Each rank is a real process of its own that runs its job module as `python -m` would, in
+its own session, with its own environment; but it is forked by the product's warm standby
+(training/warm_start.py, host_monitor/standby.py), which imported torch once per pytest
+worker, rather than started as a new interpreter that imports torch again. The import is
+2.5-4 s of CPU per process on CI's 2-core machine, most of a short rank's life, and these
+modules start hundreds of ranks. What they check (what a rank saves, restores, and exits
+with) does not depend on how its interpreter started; the tests of the launchers
+themselves (torchrun, the host monitor's launch and its standby) start fresh interpreters.
+
+Only modules of the job are forked: what torch reads from the environment when it is
+imported comes from the standby's environment, made here as the ranks' is
+(OMP_NUM_THREADS=1).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from host_monitor.standby import ForkedWorker, Standbys
+from resiliency_protocol.standby_orders import WorkerOrder
+from tests.timing import scaled
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: What the job modules import from torch: the standby's import, once.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "torch.nn.parallel",
+)
+
+_standbys: dict[str, Standbys] = {}
+_run_dir: Path | None = None
+
+
+class RankProcess:
+    """A forked rank, with what the tests use of `subprocess.Popen`: its output is its log
+    file (stdout and stderr together), read when it has ended."""
+
+    def __init__(self, worker: ForkedWorker, log_path: Path) -> None:
+        self._worker = worker
+        self.pid = worker.pid
+        self.log_path = log_path
+
+    @property
+    def returncode(self) -> int | None:
+        return self._worker.returncode
+
+    def poll(self) -> int | None:
+        return self._worker.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.output(), None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _standby_env() -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_", "JOB_"))
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _standbys_of(module: str) -> Standbys:
+    """The warm standby of `module` in this pytest process, started and warm."""
+    global _run_dir
+    found = _standbys.get(module)
+    if found is None:
+        if _run_dir is None:
+            _run_dir = Path(tempfile.mkdtemp(prefix="forked-ranks-"))
+            atexit.register(_drop_all)
+        found = _standbys[module] = Standbys(_run_dir, module.rsplit(".", 1)[-1])
+    command = [sys.executable, "-m", module]
+    assert found.prepare("tests", command, _standby_env(), PRELOAD)
+    deadline = time.monotonic() + scaled(120)
+    while not found.warm:
+        ready = found.ready
+        assert ready is not None, f"the standby of {module} exited: see {_run_dir}"
+        assert time.monotonic() < deadline, f"the standby of {module} is not warm: see {_run_dir}"
+        time.sleep(0.05)
+    return found
+
+
+def start_rank(
+    module: str, env: Mapping[str, str], log_path: Path, argv: Sequence[str] = ()
+) -> RankProcess:
+    """One rank of `module` (run as `python -m module *argv` in the checkout) with `env`
+    (replacing the environment), its output appended to `log_path`."""
+    standby = _standbys_of(module).ready
+    assert standby is not None, f"the standby of {module} exited: see {_run_dir}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    order = WorkerOrder(("-m", module, *argv), dict(env), str(ROOT), str(log_path))
+    return RankProcess(standby.fork(order), log_path)
+
+
+def log_path(directory: Path, rank: int) -> Path:
+    """A new log file for `rank` in `directory` (a run started again there gets its own)."""
+    n = 0
+    while (path := directory / f"rank-{rank}.{n}.log").exists():
+        n += 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path
+
+
+def _drop_all() -> None:
+    """At the session's end: each standby takes no more orders and exits after its ranks."""
+    for standbys in _standbys.values():
+        standby = standbys.ready
+        standbys.drop()
+        if standby is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                standby.proc.wait(scaled(10))
