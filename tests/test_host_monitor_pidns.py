@@ -55,7 +55,6 @@ KILL_ONLY = ["setpriv", "--bounding-set", "-all,+kill", "--inh-caps", "-all"]
 WORKER_SCRIPT = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from tests.timing import scaled
 from training.worker_client import WorkerClient
 
 out = Path(sys.argv[1])

@@ -4,6 +4,7 @@ as a launched worker's), and never left behind when the host monitor dies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -136,44 +137,48 @@ def test_a_standby_forks_every_start_of_its_job_and_reports_their_exits(
     os.kill(third["pid"], signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def bare_standby(
+    env: dict[str, str], preload: list[str]
+) -> Iterator[tuple[subprocess.Popen[bytes], BinaryIO]]:
+    """`python -m training.warm_start` without a host monitor: the process, its stdin
+    open for orders, and its reply pipe; killed at the end."""
+    replies, reply_w = os.pipe()
+    argv = [sys.executable, "-m", "training.warm_start", "--reply-fd", str(reply_w)]
+    for module in preload:
+        argv += ["--preload", module]
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=(reply_w,))
+    os.close(reply_w)
+    assert proc.stdin is not None
+    try:
+        with os.fdopen(replies, "rb") as pipe:
+            yield proc, pipe
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_bad_order_is_refused_by_the_standby_which_keeps_serving(tmp_path: Path) -> None:
     """The pipe itself, without a host monitor: a line that is not an order is refused
     with its field named, and the next order is forked."""
     out = tmp_path / "out"
     out.mkdir()
-    replies, reply_w = os.pipe()
-    env = {
-        **os.environ,
-        "STANDBY_OUT": str(out),
-        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-    }
-    argv = [sys.executable, "-m", "training.warm_start", "--reply-fd", str(reply_w)]
-    proc = subprocess.Popen(
-        [*argv, "--preload", PRELOAD[0]],
-        env=env,
-        stdin=subprocess.PIPE,
-        pass_fds=(reply_w,),
-    )
-    os.close(reply_w)
-    assert proc.stdin is not None
-    try:
+    env = {**os.environ, "STANDBY_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    with bare_standby(env, PRELOAD) as (proc, pipe):
+        assert proc.stdin is not None
         proc.stdin.write(b'{"argv": ["x.py"], "env": {}}\n')
         order = WorkerOrder(tuple(COMMAND[1:]), {**env, "WORKER_SECONDS": "0"}, None, None)
         proc.stdin.write(order.to_line())
         proc.stdin.flush()
-        with os.fdopen(replies, "rb") as pipe:
-            ready, refused, forked, exited = (parse_reply(pipe.readline()) for _ in range(4))
-            assert ready == Ready()
-            assert isinstance(refused, Forked) and refused.pid is None
-            assert refused.error is not None and "argv" in refused.error
-            assert isinstance(forked, Forked) and forked.pid is not None
-            assert exited == Exited(forked.pid, 0)
-            proc.stdin.close()  # dropped: no child left, so it ends
-            assert proc.wait(10) == 64
-            assert pipe.readline() == b""
-    finally:
-        proc.kill()
-        proc.wait(10)
+        ready, refused, forked, exited = (parse_reply(pipe.readline()) for _ in range(4))
+        assert ready == Ready()
+        assert isinstance(refused, Forked) and refused.pid is None
+        assert refused.error is not None and "argv" in refused.error
+        assert isinstance(forked, Forked) and forked.pid is not None
+        assert exited == Exited(forked.pid, 0)
+        proc.stdin.close()  # dropped: no child left, so it ends
+        assert proc.wait(10) == 64
+        assert pipe.readline() == b""
 
 
 def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None:
@@ -184,28 +189,19 @@ def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None
     pytest.importorskip("torch")
     out = tmp_path / "out"
     out.mkdir()
-    replies, reply_w = os.pipe()
     env = {**os.environ, "STANDBY_OUT": str(out), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "training.warm_start", "--reply-fd", str(reply_w)]
-    preload = ["--preload", "torch", "--preload", "numpy.random", "--preload", "random"]
-    proc = subprocess.Popen([*argv, *preload], env=env, stdin=subprocess.PIPE, pass_fds=(reply_w,))
-    os.close(reply_w)
-    assert proc.stdin is not None
-    try:
+    with bare_standby(env, ["torch", "numpy.random", "random"]) as (proc, pipe):
+        assert proc.stdin is not None
         order = WorkerOrder(("-m", "tests.fixtures.seed_worker"), env, str(ROOT), None)
-        with os.fdopen(replies, "rb") as pipe:
-            assert parse_reply(pipe.readline()) == Ready()
-            for _ in range(2):  # one after the other: the second forks what the first left
-                proc.stdin.write(order.to_line())
-                proc.stdin.flush()
-                forked = parse_reply(pipe.readline())
-                assert isinstance(forked, Forked) and forked.pid is not None
-                assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+        assert parse_reply(pipe.readline()) == Ready()
+        for _ in range(2):  # one after the other: the second forks what the first left
+            proc.stdin.write(order.to_line())
+            proc.stdin.flush()
+            forked = parse_reply(pipe.readline())
+            assert isinstance(forked, Forked) and forked.pid is not None
+            assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
         proc.stdin.close()
         assert proc.wait(10) == 64
-    finally:
-        proc.kill()
-        proc.wait(10)
     first, second = (json.loads(p.read_text()) for p in sorted(out.glob("seeds-*.json")))
     for generator in ("torch_seed", "torch", "numpy", "random"):
         assert first[generator] != second[generator], generator
