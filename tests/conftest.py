@@ -27,6 +27,9 @@ from tests.postgres import running_postgres
 from tests.session_groups import PLANE_MODULES, order_of
 from tests.timing import scaled
 
+#: Each test's CPU, its processes' included (var/junit-*.xml, and the most at the end).
+pytest_plugins = ("tests.cpu_accounting",)
+
 PG_URL = os.environ.get("SUPERVISOR_TEST_DATABASE_URL")
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: Skips CI takes as skips: what no machine of this project's kind has.
@@ -229,12 +232,6 @@ HEAVY_MODULES = frozenset(
 )
 
 
-#: Modules that train nothing but hold one core for long, with no timing margin (the
-#: property-based run of the whole API): they run in the heavy session too, so that the
-#: two sessions end together (the other session ended about 100 s after the heavy one).
-HEAVY_SESSION_TOO = frozenset({"test_api_schema"})
-
-
 #: The modules that measure the service at fleet scale (2,000 nodes heartbeating against
 #: their heartbeat timeout): `make test` runs them (`-m solo`) alone, before the two
 #: sessions. Beside the torch training, the supervisor fell behind the fleet's 400
@@ -251,7 +248,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     name = _module(item)
     if name in FAST_MODULES:
         item.add_marker(pytest.mark.fast)
-    if name in HEAVY_MODULES or name in HEAVY_SESSION_TOO:
+    if name in HEAVY_MODULES:
         item.add_marker(pytest.mark.heavy)
     if name in SOLO_MODULES:
         item.add_marker(pytest.mark.solo)

@@ -142,6 +142,12 @@ def log_path(directory: Path, rank: int) -> Path:
     return path
 
 
+def standby_pids() -> list[int]:
+    """The standbys of this pytest process still running (their CPU and that of the ranks
+    they reaped reach this process only when it reaps them, at its end)."""
+    return [standby.proc.pid for s in _standbys.values() if (standby := s.ready) is not None]
+
+
 def _drop_all() -> None:
     """At the session's end: each standby takes no more orders and exits after its ranks."""
     for standbys in _standbys.values():

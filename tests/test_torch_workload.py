@@ -1,22 +1,46 @@
-"""The PyTorch workload: DDP on gloo under torchrun, resumed bit-exactly from its tiers."""
+"""The PyTorch workload: DDP on gloo, resumed bit-exactly from its tiers.
+
+Its ranks are forked with torchrun's environment (tests/forked_ranks.py): what is checked
+is the workload, resumed; torchrun itself starts the user's scripts and the README's
+example elsewhere (tests/test_run_cli.py, tests/test_checkpoint_tiers.py), and here each
+of its runs started a launcher and every rank as new interpreters, each importing torch.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
+from tests.forked_ranks import log_path, start_rank
+from tests.test_worker_client import free_port
+from tests.timing import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"D_MODEL": "64", "N_LAYERS": "2", "N_HEADS": "4", "SEQ_LEN": "32", "TOTAL_STEPS": "30"}
 
 
-def torchrun(tmp: Path, name: str, nproc: int = 2, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {
+@dataclass(frozen=True)
+class Run:
+    codes: list[int]  # each rank's exit code, in rank order
+    stdout: str  # the ranks' logs, in rank order
+
+    @property
+    def ok(self) -> bool:
+        return self.codes == [0] * len(self.codes)
+
+
+def run_ranks(tmp: Path, name: str, nproc: int = 2, **env: str) -> Run:
+    """The workload's `nproc` ranks on this machine, with the environment torchrun gives
+    them, run to their end."""
+    port = str(free_port())
+    base = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
@@ -25,13 +49,28 @@ def torchrun(tmp: Path, name: str, nproc: int = 2, **env: str) -> subprocess.Com
         "IN_MEMORY_CHECKPOINTING_FREQ": "5",
         "S3_CHECKPOINTING_FREQ": "10",
         "OUTPUT_DIR": str(tmp / name),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
         **SMALL,
         **env,
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(nproc), "-m", "training.torch_workload"]
     tmp.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(command, env=full, cwd=tmp, capture_output=True, text=True, timeout=300)
+    ranks = [
+        start_rank(
+            "training.torch_workload",
+            {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"},
+            log_path(tmp / "logs", rank),
+        )
+        for rank in range(nproc)
+    ]
+    try:
+        codes = [rank.wait(scaled(300)) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return Run(codes, "".join(rank.output() for rank in ranks))
 
 
 def test_an_interrupted_run_resumes_to_bit_identical_weights(tmp_path: Path) -> None:
@@ -39,14 +78,14 @@ def test_an_interrupted_run_resumes_to_bit_identical_weights(tmp_path: Path) -> 
     (which DDP's bucket layout sets, and lays out again after each wrapping's first step).
     (Two ranks resume the same way in the test of a smaller world below.)"""
     nproc = 4
-    whole = torchrun(tmp_path / "whole", "out", nproc)
-    assert whole.returncode == 0, whole.stdout + whole.stderr
+    whole = run_ranks(tmp_path / "whole", "out", nproc)
+    assert whole.ok, whole.stdout
     reference = (tmp_path / "whole" / "out" / "weights.sha256").read_text()
-    first = torchrun(tmp_path / "cut", "out", nproc, STOP_AFTER_STEP="17")
-    assert first.returncode == 0, first.stdout + first.stderr
+    first = run_ranks(tmp_path / "cut", "out", nproc, STOP_AFTER_STEP="17")
+    assert first.ok, first.stdout
     assert not (tmp_path / "cut" / "out" / "weights.sha256").exists()
-    second = torchrun(tmp_path / "cut", "out", nproc)
-    assert second.returncode == 0, second.stdout + second.stderr
+    second = run_ranks(tmp_path / "cut", "out", nproc)
+    assert second.ok, second.stdout
     for rank in range(nproc):
         resumed = f"rank={rank}: start attempt=0 world_size={nproc}: resumed step=15 tier=ram"
         assert resumed in second.stdout
@@ -54,9 +93,9 @@ def test_an_interrupted_run_resumes_to_bit_identical_weights(tmp_path: Path) -> 
 
 
 def test_bad_settings_exit_2_naming_the_setting(tmp_path: Path) -> None:
-    done = torchrun(tmp_path, "out", D_MODEL="30")
-    assert done.returncode != 0
-    assert "D_MODEL=30 must be a multiple of N_HEADS=4" in done.stderr
+    done = run_ranks(tmp_path, "out", D_MODEL="30")
+    assert done.codes == [2, 2], done.stdout
+    assert done.stdout.count("D_MODEL=30 must be a multiple of N_HEADS=4") == 2, done.stdout
 
 
 def test_a_world_smaller_than_the_jobs_trains_on_every_batch_of_a_step(tmp_path: Path) -> None:
@@ -64,14 +103,14 @@ def test_a_world_smaller_than_the_jobs_trains_on_every_batch_of_a_step(tmp_path:
     DATA_REPLICAS=2, the one rank left trains each step on both replicas' batches
     (training/torch_workload/elastic.py), and the weights are those of a run on 2 ranks
     throughout."""
-    whole = torchrun(tmp_path / "whole", "out", 2)
-    assert whole.returncode == 0, whole.stdout + whole.stderr
+    whole = run_ranks(tmp_path / "whole", "out", 2)
+    assert whole.ok, whole.stdout
     reference = (tmp_path / "whole" / "out" / "weights.sha256").read_text()
     cut = tmp_path / "cut"
     resumed = {}
     for nproc, stop in ((2, "17"), (1, "24"), (2, "")):
-        done = torchrun(cut, "out", nproc, STOP_AFTER_STEP=stop, DATA_REPLICAS="2")
-        assert done.returncode == 0, done.stdout + done.stderr
+        done = run_ranks(cut, "out", nproc, STOP_AFTER_STEP=stop, DATA_REPLICAS="2")
+        assert done.ok, done.stdout
         resumed[nproc] = done.stdout
     assert "world_size=1: resumed step=15" in resumed[1]
     assert "world_size=2: resumed step=20" in resumed[2]
