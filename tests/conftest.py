@@ -109,7 +109,10 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         plane.start(within=scaled(120))
         yield plane
     finally:
-        plane.stop()
+        from tests.cpu_accounting import apart  # registered as a plugin: imported by then
+
+        with apart():
+            plane.stop()
 
 
 @pytest.fixture(scope="session")
@@ -284,5 +287,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if _last_plane_test and item.nodeid == _last_plane_test[0]:
-        for plane in _planes:
-            plane.stop()  # idempotent: the fixture's own end stops it again
+        from tests.cpu_accounting import apart
+
+        with apart():
+            for plane in _planes:
+                plane.stop()  # idempotent: the fixture's own end stops it again

@@ -8,7 +8,8 @@ for, over the test's setup, call and teardown, and that of the ranks the tests' 
 standbys forked (tests/forked_ranks.py: those standbys are reaped only at the session's
 end): `cpu_s` in the junit XML (var/junit-*.xml), and the tests that took the most at the
 end of the run. Another process a fixture keeps beyond the test (a module's server)
-counts where it is reaped.
+counts where it is reaped; the session's control plane, reaped in the teardown of the last
+test on it, is counted apart (`cpu_s_apart`, and a line of its own).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ MOST = 30
 
 _started = pytest.StashKey[float]()
 _spent: list[tuple[float, str]] = []
+_spent_apart: list[float] = []
+_pending_apart = [0.0]  # set apart while the current test ran (one test at a time)
 
 
 def _cpu_s() -> float:
@@ -47,6 +50,18 @@ def _standbys_cpu_s() -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+@contextlib.contextmanager
+def apart() -> Iterator[None]:
+    """The CPU of what runs inside is not the running test's: the session's processes it
+    reaps (the control plane's, stopped in the teardown of the last test on it) are
+    counted apart."""
+    before = _cpu_s()
+    try:
+        yield
+    finally:
+        _pending_apart[0] += _cpu_s() - before
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_started] = _cpu_s()
@@ -58,7 +73,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when != "teardown" or _started not in item.stash:
         return
     report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
-    report.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_started], 2)))
+    set_apart, _pending_apart[0] = _pending_apart[0], 0.0
+    spent = _cpu_s() - item.stash[_started] - set_apart
+    report.user_properties.append(("cpu_s", round(spent, 2)))
+    if set_apart:
+        report.user_properties.append(("cpu_s_apart", round(set_apart, 2)))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -67,6 +86,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
             if name == "cpu_s" and isinstance(value, float | int):
                 _spent.append((float(value), report.nodeid))
+            elif name == "cpu_s_apart" and isinstance(value, float | int):
+                _spent_apart.append(float(value))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -76,3 +97,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"most CPU {MOST} (processes included; {total:.0f} s in all)")
     for cpu, nodeid in sorted(_spent, reverse=True)[:MOST]:
         terminalreporter.write_line(f"{cpu:8.2f}s {nodeid}")
+    if _spent_apart:
+        terminalreporter.write_line(
+            f"{sum(_spent_apart):8.2f}s apart: the session's control plane (its whole life)"
+        )

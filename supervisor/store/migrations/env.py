@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine
 
 from supervisor.store.models import Base
 
@@ -19,7 +19,7 @@ def _ours(name: str | None, type_: str, parents: object) -> bool:
     return not (type_ == "table" and (name or "").startswith("apscheduler_jobs"))
 
 
-with engine.begin() as connection:
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,
@@ -29,3 +29,32 @@ with engine.begin() as connection:
     )
     with context.begin_transaction():
         context.run_migrations()
+
+
+if engine.dialect.name == "sqlite":
+    # Python's sqlite3 module opens no transaction before DDL: each CREATE TABLE was
+    # committed alone, and a supervisor killed in its first migration (its leadership lost
+    # meanwhile) left tables without their version, on which every later start failed
+    # ("table faults already exists"). SQLite's DDL is transactional: the upgrade runs in
+    # one transaction of its own, all or nothing, holding the write lock from its start
+    # (IMMEDIATE), so that a second process migrating at once waits, then finds it done.
+    with engine.connect() as connection:
+        own = connection.execution_options(isolation_level="AUTOCOMMIT")
+        own.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
+            _run(own)
+        except BaseException:
+            own.exec_driver_sql("ROLLBACK")
+            raise
+        own.exec_driver_sql("COMMIT")
+else:
+    # PostgreSQL's DDL is transactional: the upgrade runs in this one transaction. Its
+    # first statement waits for any other process upgrading this schema (a second
+    # replica starting at once), which then finds it done rather than failing on a
+    # table the first one created.
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "SELECT pg_advisory_xact_lock(hashtext('resiliency-supervisor schema '"
+            " || current_schema()))"
+        )
+        _run(connection)
