@@ -109,9 +109,16 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         plane.start(within=scaled(120))
         yield plane
     finally:
-        from tests.cpu_accounting import apart  # registered as a plugin: imported by then
+        _stop_planes()
 
-        with apart():
+
+def _stop_planes() -> None:
+    """Stop the session's control plane (idempotent), its CPU counted apart from the test
+    in whose teardown it ends."""
+    from tests.cpu_accounting import apart  # registered as a plugin: imported by then
+
+    with apart():
+        for plane in _planes:
             plane.stop()
 
 
@@ -287,8 +294,4 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if _last_plane_test and item.nodeid == _last_plane_test[0]:
-        from tests.cpu_accounting import apart
-
-        with apart():
-            for plane in _planes:
-                plane.stop()  # idempotent: the fixture's own end stops it again
+        _stop_planes()  # the fixture's own end stops it again: nothing left to do

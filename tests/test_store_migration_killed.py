@@ -39,6 +39,17 @@ migrate(engine)
 """
 
 
+def assert_at_head(url: str) -> None:
+    """The database's schema is at the newest migration."""
+    engine = make_engine(url)
+    try:
+        head = ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
+        with engine.connect() as connection:
+            assert MigrationContext.configure(connection).get_current_revision() == head
+    finally:
+        engine.dispose()
+
+
 def test_a_migration_killed_midway_leaves_nothing_and_the_next_one_completes(
     database_url: str,
 ) -> None:
@@ -52,12 +63,10 @@ def test_a_migration_killed_midway_leaves_nothing_and_the_next_one_completes(
     try:
         assert inspect(engine).get_table_names() == []  # the killed one's tables rolled back
         migrate(engine)
-        head = ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
-        with engine.connect() as connection:
-            assert MigrationContext.configure(connection).get_current_revision() == head
         assert "faults" in inspect(engine).get_table_names()
     finally:
         engine.dispose()
+    assert_at_head(url)
 
 
 def test_two_processes_migrating_at_once_both_end_at_the_head(database_url: str) -> None:
@@ -71,10 +80,4 @@ def test_two_processes_migrating_at_once_both_end_at_the_head(database_url: str)
     for proc in both:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err.decode()
-    engine = make_engine(url)
-    try:
-        head = ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
-        with engine.connect() as connection:
-            assert MigrationContext.configure(connection).get_current_revision() == head
-    finally:
-        engine.dispose()
+    assert_at_head(url)
