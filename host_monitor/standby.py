@@ -11,9 +11,10 @@ first start pays for the import.
 
 A forked worker is the standby's child, not ours: `ForkedWorker` is what the worker
 registry needs of it (`pid`, `poll()`), with the exit code the standby reports when it
-reaps it. Only commands of the form `[python, "-m", module, ...]` have standbys. One
-standby per node (the newest job asked for wins); a dropped standby takes no more orders
-and ends after the workers it forked; it is killed when the host monitor dies.
+reaps it. Only Python commands have standbys: `[python, "-m", module, ...]` or
+`[python, "script.py", ...]`, with `-u` at most before them (the standby is started with
+it). One standby per node (the newest job asked for wins); a dropped standby takes no more
+orders and ends after the workers it forked; it is killed when the host monitor dies.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from host_monitor.processes import pid_alive, proc_start_time
-from resiliency_protocol.standby_orders import Exited, Forked, Ready, WorkerOrder, parse_reply
+from resiliency_protocol.standby_orders import (
+    Exited,
+    Forked,
+    PythonArgs,
+    Ready,
+    WorkerOrder,
+    parse_reply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,9 @@ def _die_with_parent() -> None:
 
 
 def warm_startable(command: Sequence[str]) -> bool:
-    return len(command) >= 3 and command[1] == "-m"
+    """A Python command a standby can fork: `python [-u] -m module ...` or
+    `python [-u] script.py ...`."""
+    return len(command) >= 2 and PythonArgs.of(tuple(command[1:])) is not None
 
 
 class Standby:
@@ -197,7 +207,9 @@ class Standbys:
             return True
         self.drop()
         replies, reply_w = os.pipe()
-        argv = [command[0], "-m", LAUNCHER, "--reply-fd", str(reply_w)]
+        program = PythonArgs.of(tuple(command[1:]))
+        assert program is not None  # warm_startable
+        argv = [command[0], *program.options, "-m", LAUNCHER, "--reply-fd", str(reply_w)]
         for module in preload:
             argv += ["--preload", module]
         path = self._log_path(job)

@@ -60,8 +60,9 @@ class StartWorkersRequest(BaseModel):
         default_factory=list,
         max_length=32,
         description="Keep a warm standby of `command` on this node, with these modules "
-        "imported, for the next start of the job's ranks here (`[python, -m, module]` "
-        "commands only); empty: none.",
+        "imported, for the next start of the job's ranks here (Python commands only: "
+        "`[python, -m, module, ...]` or `[python, script.py, ...]`, `-u` at most before "
+        "them); empty: none.",
     )
 
 

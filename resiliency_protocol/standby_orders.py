@@ -12,11 +12,45 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+#: Interpreter options a forked worker can have: the standby is started with them (its
+#: workers inherit them). Any other option, and the command gets no standby.
+STANDBY_OPTIONS = frozenset({"-u"})
+
+
+@dataclass(frozen=True)
+class PythonArgs:
+    """A Python command's arguments after the interpreter: its options, then `-m module`
+    or a script's path, then the program's own arguments."""
+
+    options: tuple[str, ...]
+    module: str | None
+    script: str | None
+    args: tuple[str, ...]
+
+    @classmethod
+    def of(cls, argv: tuple[str, ...] | list[str]) -> PythonArgs | None:
+        """None when a standby cannot run these arguments as the interpreter would: an
+        option it does not take on, `-c`, a script that is not a `.py` file."""
+        options = []
+        for i, arg in enumerate(argv):
+            if arg in STANDBY_OPTIONS:
+                options.append(arg)
+                continue
+            if arg == "-m":
+                if i + 1 >= len(argv) or not argv[i + 1] or argv[i + 1].startswith("-"):
+                    return None
+                return cls(tuple(options), argv[i + 1], None, tuple(argv[i + 2 :]))
+            if arg.startswith("-") or not arg.endswith(".py"):
+                return None
+            return cls(tuple(options), None, arg, tuple(argv[i + 1 :]))
+        return None
+
 
 @dataclass(frozen=True)
 class WorkerOrder:
-    """Fork a worker: `python -m <argv[1]> <argv[2:]>` with `env` (replacing the
-    standby's), in `cwd`, its output appended to `log`."""
+    """Fork a worker: `python <argv>` (`-m module args` or `script.py args`, after the
+    options in STANDBY_OPTIONS) with `env` (replacing the standby's), in `cwd`, its output
+    appended to `log`."""
 
     argv: tuple[str, ...]
     env: dict[str, str]
@@ -24,8 +58,14 @@ class WorkerOrder:
     log: str | None = None
 
     @property
-    def module(self) -> str:
-        return self.argv[1]
+    def program(self) -> PythonArgs:
+        parsed = PythonArgs.of(self.argv)
+        assert parsed is not None  # checked when made
+        return parsed
+
+    def __post_init__(self) -> None:
+        if PythonArgs.of(self.argv) is None:
+            raise ValueError("argv must be [options] -m module ... or [options] script.py ...")
 
     def to_line(self) -> bytes:
         body = {"argv": list(self.argv), "env": self.env, "cwd": self.cwd, "log": self.log}
@@ -36,13 +76,8 @@ class WorkerOrder:
         """ValueError naming the field when the line is not an order."""
         body = _object(line)
         argv, env, cwd, log = body.get("argv"), body.get("env"), body.get("cwd"), body.get("log")
-        if (
-            not isinstance(argv, list)
-            or len(argv) < 2
-            or argv[0] != "-m"
-            or not all(isinstance(a, str) for a in argv)
-        ):
-            raise ValueError("argv must be ['-m', module, ...]")
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise ValueError("argv must be a list of strings")
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):

@@ -67,6 +67,13 @@ def add_commands(sub: Any) -> None:
         "so that a hung rank is detected, unless the script reports its own steps; as "
         "RESILIENCY_AUTO_PROGRESS=0; docs/local-mode.md).",
     )
+    run.add_argument(
+        "--no-warm-standby",
+        dest="warm_standby",
+        action="store_false",
+        help="Start every rank as a new Python process, not forked from its node's warm "
+        "standby (which imported the program's installed modules once; docs/local-mode.md).",
+    )
     run.add_argument("--job", help="The job's name (default: --rdzv-id, else job).")
     run.add_argument(
         "--run-dir",
@@ -177,6 +184,7 @@ def options(args: argparse.Namespace, flags: TorchrunFlags | None = None) -> Dem
         command_in_process=args.in_process,
         # PYTHONPATH for training.auto_progress: the workers count their optimizer steps.
         workload_env=startup_env(os.environ) if args.auto_progress else {},
+        warm_standby=args.warm_standby,
     )
 
 

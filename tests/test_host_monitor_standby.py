@@ -166,7 +166,7 @@ def test_a_bad_order_is_refused_by_the_standby_which_keeps_serving(tmp_path: Pat
     env = {**os.environ, "STANDBY_OUT": str(out), "PYTHONPATH": str(ROOT)}
     with bare_standby(env, PRELOAD) as (proc, pipe):
         assert proc.stdin is not None
-        proc.stdin.write(b'{"argv": ["x.py"], "env": {}}\n')
+        proc.stdin.write(b'{"argv": ["-c", "pass"], "env": {}}\n')
         order = WorkerOrder(tuple(COMMAND[1:]), {**env, "WORKER_SECONDS": "0"}, None, None)
         proc.stdin.write(order.to_line())
         proc.stdin.flush()
@@ -207,10 +207,99 @@ def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None
         assert first[generator] != second[generator], generator
 
 
-def test_a_command_that_is_not_a_module_has_no_standby(agent: tuple[Agent, Path]) -> None:
+def test_a_command_a_standby_cannot_run_has_none(agent: tuple[Agent, Path]) -> None:
     monitor, _ = agent
-    body = {"job": "j1", "command": [sys.executable, "x.py"], "preload": PRELOAD}
-    r = monitor.api.post("/v1/standby", json=body)
-    assert r.status_code == 200 and r.json() == {"ready": False, "warm": False}
+    for command in (
+        [sys.executable, "-c", "pass"],
+        [sys.executable, "-X", "dev", "-m", "json.tool"],  # an option it would not have
+        ["/bin/sh", "job.sh"],
+    ):
+        body = {"job": "j1", "command": command, "preload": PRELOAD}
+        r = monitor.api.post("/v1/standby", json=body)
+        assert r.status_code == 200 and r.json() == {"ready": False, "warm": False}, command
     r = monitor.api.post("/v1/standby", json={**body, "preload": []})
     assert r.status_code == 422 and "preload" in r.text
+
+
+def script_in(tmp: Path) -> Path:
+    """The fixture script, in a folder of its own (a user's script, away from ours)."""
+    folder = tmp / "job"
+    folder.mkdir()
+    script = folder / "train.py"
+    script.write_text((ROOT / "tests" / "fixtures" / "standby_script.py").read_text())
+    return script
+
+
+def scripts(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("script-*.json"))]
+
+
+def test_a_script_is_forked_by_its_standby_as_python_would_run_it(
+    agent: tuple[Agent, Path], tmp_path: Path
+) -> None:
+    """`python -u train.py --flag`, as `supervisor run train.py` makes it: the standby is
+    started with `-u` and forks each start, and the script sees what `python train.py`
+    shows it: itself as argv[0], its own folder first on the path, `__main__`."""
+    monitor, out = agent
+    script = script_in(tmp_path)
+    command = [sys.executable, "-u", str(script), "--flag"]
+    env = {"STANDBY_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    body = {"job": "j1", "command": command, "env": env, "preload": PRELOAD}
+    wait_for(
+        lambda: monitor.api.post("/v1/standby", json=body).json() == {"ready": True, "warm": True},
+        30,
+        "the standby warm",
+    )
+    (standby,) = preloaded(out)
+    cmdline = Path(f"/proc/{standby}/cmdline").read_bytes().split(b"\0")
+    assert cmdline[1:4] == [b"-u", b"-m", b"training.warm_start"]
+    start_body = {
+        "request_id": "s1",
+        "job": "j1",
+        "command": command,
+        "env": {**env, "WORKER_EXIT": "3"},
+        "workers": [{"rank": 2, "local_rank": 0}],
+        "standby_preload": PRELOAD,
+    }
+    r = monitor.api.post("/v1/workers/start", json=start_body)
+    assert r.status_code == 200, r.text
+    (ran,) = wait_for(lambda: scripts(out), 30, "the script ran")
+    assert ran["parent"] == standby and ran["preloaded"] is True
+    assert ran["argv"] == [str(script), "--flag"]
+    assert ran["path0"] == str(script.parent) and ran["file"] == str(script)
+    assert ran["name"] == "__main__" and ran["rank"] == "2"
+    done = wait_for(lambda: ended(monitor, 2), 30, "its exit seen")
+    assert done["exit_code"] == 3
+    log = (monitor.log.parent / "run" / "node-s.j1.rank2.log").read_text()
+    assert "script rank=2 running" in log
+
+
+def test_a_forked_worker_counts_its_own_steps(tmp_path: Path) -> None:
+    """The automatic step count (training.auto_progress) is activated at every worker's
+    interpreter start, the standby's included, and a forked process does not count: a
+    worker the standby forks activates its own, with its own environment, and takes the
+    startup folder off PYTHONPATH as a launched worker does."""
+    pytest.importorskip("torch")
+    from training.auto_progress import STARTUP_DIR
+
+    out = tmp_path / "out"
+    out.mkdir()
+    script = script_in(tmp_path)
+    env = {
+        **os.environ,
+        "STANDBY_OUT": str(out),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([STARTUP_DIR, str(ROOT)]),
+        "HOST_MONITOR_URL": "http://127.0.0.1:9",  # never reached: no optimizer steps
+    }
+    with bare_standby(env, ["torch.optim"]) as (proc, pipe):
+        assert proc.stdin is not None
+        assert parse_reply(pipe.readline()) == Ready()
+        proc.stdin.write(WorkerOrder((str(script),), env, str(tmp_path), None).to_line())
+        proc.stdin.flush()
+        forked = parse_reply(pipe.readline())
+        assert isinstance(forked, Forked) and forked.pid is not None
+        assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+    (ran,) = scripts(out)
+    assert ran["counting"] is True
+    assert ran["pythonpath"] == str(ROOT)

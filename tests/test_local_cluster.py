@@ -142,7 +142,10 @@ def demos(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
             spares=1,
             seed=SEED,
             total_steps=STEPS,
-            step_time_s=0.04,
+            # The NumPy job's steps cost next to no CPU: slower ones keep it training
+            # until its fault even when a loaded machine takes 15 s to start the
+            # supervisor (which starts after the job: local/demo.py).
+            step_time_s=0.04 if workload == "torch" else 0.12,
             heartbeat_polling_period_s=0.2,
             heartbeat_timeout_s=1.0,
             node_repair_s=3600,

@@ -10,13 +10,15 @@ It imports the `--preload` modules, says it is ready on the reply pipe, then rea
 on stdin, one JSON line each (`resiliency_protocol.standby_orders.WorkerOrder`). For each
 it forks: the child starts a session of its own (its process group, as a launched
 worker's), sends its output to the order's log (appended), replaces its environment with
-the order's, and runs the module as `python -m` would (`runpy`), exiting as that
-interpreter would (atexit handlers, threads joined). The standby answers each order with
-the child's pid and, when a child ends, its exit code, on the reply pipe; so every start
-of the job on this node after the first costs a fork, not an import. Anything that reads
-the environment only when imported (OMP_NUM_THREADS in torch) comes from the environment
-the standby was started with, which the host monitor makes the job's. The random
-generators a new interpreter seeds from the OS's entropy are seeded afresh in each child.
+the order's, and runs the module or the script as `python -m module` or `python script.py`
+would (`runpy`), exiting as that interpreter would (atexit handlers, threads joined). The
+standby answers each order with the child's pid and, when a child ends, its exit code, on
+the reply pipe; so every start of the job on this node after the first costs a fork, not
+an import. Anything that reads the environment only when imported (OMP_NUM_THREADS in
+torch) comes from the environment the standby was started with, which the host monitor
+makes the job's. A module it could not preload is said in its log, and left for the
+worker to import. The random generators a new interpreter seeds from the OS's entropy are
+seeded afresh in each child, and the automatic step count is the child's own.
 
 When stdin closes (the host monitor dropped it), the standby takes no more orders, waits
 for the workers it forked and exits 64; it dies with its host monitor (PR_SET_PDEATHSIG,
@@ -145,9 +147,28 @@ def _run(order: WorkerOrder) -> None:
     os.environ.update(order.env)
     if order.cwd is not None:
         os.chdir(order.cwd)
-    sys.argv = [order.module, *order.argv[2:]]
     _seed_afresh()
-    runpy.run_module(order.module, run_name="__main__", alter_sys=True)
+    _count_progress_afresh()
+    program = order.program
+    if program.module is not None:
+        sys.argv = [program.module, *program.args]
+        runpy.run_module(program.module, run_name="__main__", alter_sys=True)
+        return
+    script = os.path.abspath(program.script or "")
+    sys.argv = [program.script or "", *program.args]
+    # As `python script.py`: the script's directory first on the path, not the standby's
+    # working directory.
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _count_progress_afresh() -> None:
+    """The automatic step count (training.auto_progress) activated in the standby at its
+    start, as in any worker: a forked process does not count (the count of its parent's
+    process), so the worker activates its own, with its own environment."""
+    auto_progress = sys.modules.get("training.auto_progress")
+    if auto_progress is not None:
+        auto_progress.activate_in_forked_worker()
 
 
 def _seed_afresh() -> None:
@@ -170,7 +191,10 @@ def main() -> int:
     parser.add_argument("--reply-fd", type=int, required=True, help="The pipe replies go to.")
     args = parser.parse_args()
     for module in args.preload:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # the worker imports it itself, and fails as it would
+            print(f"warm start: not preloaded: {module}: {exc!r}", file=sys.stderr, flush=True)
     order = ForkServer(args.reply_fd).serve()
     if order is None:
         return EXIT_DROPPED

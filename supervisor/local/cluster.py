@@ -273,6 +273,35 @@ class LocalCluster:
         info = self.state.nodes.get(partner) if partner is not None else None
         return None if info is None else CheckpointPeer(node=str(partner), url=info.address)
 
+    async def warm_standbys(self, job: JobSpec, nodes: Sequence[str], within_s: float) -> None:
+        """Standbys of the job on `nodes`, waited for until each has imported its modules
+        or `within_s` passed: a start on a warm node forks its ranks (one import for the
+        node, where launching costs one per rank and the standby's after). A node not warm
+        in time launches its ranks as usual."""
+        if not job.standby_preload:
+            return
+        bodies = {
+            node: StandbyRequest(
+                job=job.name,
+                command=job.command,
+                env=self.worker_env(job, node),
+                preload=job.standby_preload,
+            )
+            for node in nodes
+        }
+        deadline = asyncio.get_running_loop().time() + within_s
+        while bodies:
+            results = await self._each("/v1/standby", bodies, timeout=5.0)
+            for node, result in results.items():
+                # Warm, or it cannot have one: asked enough.
+                if isinstance(result, dict) and (result.get("warm") or not result.get("ready")):
+                    del bodies[node]
+            if not bodies or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.25)
+        if bodies:
+            log.info("standbys not warm within %gs on %s", within_s, sorted(bodies))
+
     async def prepare_spares(self, job: JobSpec) -> None:
         """Warm standbys of the job on the spares, which a hot-swap may give a rank (best
         effort: a spare that cannot is simply slower to start)."""

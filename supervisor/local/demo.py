@@ -33,6 +33,9 @@ from supervisor.local.run_folder import claim
 
 RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: How long the job's first start waits for its nodes' warm standbys (their imports, once
+#: per node) before it launches the ranks of a node still importing.
+BOOT_STANDBY_WAIT_S = 60.0
 
 
 def node_checkpoint_root(run_dir: Path, node: str) -> Path:
@@ -239,6 +242,8 @@ class LocalDemo:
     async def _start_job(self, state: ClusterState) -> None:
         cluster = LocalCluster(state)
         try:
+            if state.job is not None:  # its first start forks its ranks (warm_standbys)
+                await cluster.warm_standbys(state.job, state.job.placement, BOOT_STANDBY_WAIT_S)
             await cluster.restart_job("boot")
         finally:
             await cluster.close()

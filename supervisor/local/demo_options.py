@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.local.cluster_state import JobSpec
+from supervisor.local.preload import preload_of
 
 WORKLOADS = {"numpy": "training.numpy_workload", "torch": "training.torch_workload"}
 #: The torch workload's PARALLELISM values.
@@ -48,7 +49,8 @@ class DemoOptions:
     #: their processes. Off: every rank restarts.
     in_process_restart: bool = True
     #: Each node of the torch job, and each spare, keeps a warm standby process with torch
-    #: imported: a rank started anew (restart in place, hot-swap) skips that import.
+    #: imported: a rank started anew (restart in place, hot-swap) skips that import. Your
+    #: own Python command's standby imports what its program imports (preload.py).
     warm_standby: bool = True
     #: Your own job instead of the workload (`supervisor run`): the command every worker
     #: runs, with `workload_env` and torchrun's environment.
@@ -98,6 +100,7 @@ class DemoOptions:
                 placement=placement,
                 nproc_per_node=self.nproc_per_node,
                 in_process_restart=self.command_in_process,
+                standby_preload=preload_of(self.command) if self.warm_standby else [],
             )
         return JobSpec(
             name=self.job,

@@ -81,6 +81,27 @@ def activate(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+def activate_in_forked_worker() -> bool:
+    """In a worker forked by a warm standby (training/warm_start.py), with the worker's
+    environment in place: the count activated at the standby's start is its parent's (a
+    forked child does not count); this process's own starts now, as `activate()` at an
+    interpreter's start, and the startup directory leaves PYTHONPATH as the startup's
+    `sitecustomize` takes it off."""
+    global _activated, active
+    from training.auto_progress.imports import cancel_waiting
+
+    cancel_waiting()  # the standby's, still waiting for torch.optim
+    _activated, active = False, None
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [p for p in entries if not p or os.path.abspath(p) != STARTUP_DIR]
+    if len(kept) != len(entries):
+        if any(kept):
+            os.environ["PYTHONPATH"] = os.pathsep.join(kept)
+        else:
+            del os.environ["PYTHONPATH"]
+    return activate()
+
+
 def _install(env: Mapping[str, str] | None) -> None:
     global active
     try:
@@ -93,4 +114,4 @@ def _install(env: Mapping[str, str] | None) -> None:
         print(f"training.auto_progress: no step count: {exc!r}", file=sys.stderr)
 
 
-__all__ = ["STARTUP_DIR", "activate", "enabled", "startup_env"]
+__all__ = ["STARTUP_DIR", "activate", "activate_in_forked_worker", "enabled", "startup_env"]

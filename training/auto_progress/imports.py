@@ -27,6 +27,12 @@ def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
     sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
+def cancel_waiting() -> None:
+    """Call no callback still waiting for its module's import (a process taking over
+    from another's state: a forked child)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]
+
+
 class _AfterImport:
     """Finds no module itself: it asks the finders after it for `name`'s spec and wraps
     that spec's loader. It leaves sys.meta_path at its first find: every later import
