@@ -278,17 +278,7 @@ class LocalCluster:
         or `within_s` passed: a start on a warm node forks its ranks (one import for the
         node, where launching costs one per rank and the standby's after). A node not warm
         in time launches its ranks as usual."""
-        if not job.standby_preload:
-            return
-        bodies = {
-            node: StandbyRequest(
-                job=job.name,
-                command=job.command,
-                env=self.worker_env(job, node),
-                preload=job.standby_preload,
-            )
-            for node in nodes
-        }
+        bodies = self._standby_bodies(job, nodes)
         deadline = asyncio.get_running_loop().time() + within_s
         while bodies:
             results = await self._each("/v1/standby", bodies, timeout=5.0)
@@ -305,20 +295,24 @@ class LocalCluster:
     async def prepare_spares(self, job: JobSpec) -> None:
         """Warm standbys of the job on the spares, which a hot-swap may give a rank (best
         effort: a spare that cannot is simply slower to start)."""
-        if not job.standby_preload:
-            return
-        bodies = {
-            spare: StandbyRequest(
-                job=job.name,
-                command=job.command,
-                env=self.worker_env(job, spare),
-                preload=job.standby_preload,
-            )
-            for spare in self.state.spares()
-        }
+        bodies = self._standby_bodies(job, self.state.spares())
         for spare, result in (await self._each("/v1/standby", bodies, timeout=5.0)).items():
             if isinstance(result, Exception):
                 log.info("no standby on spare %s: %s", spare, result)
+
+    def _standby_bodies(self, job: JobSpec, nodes: Sequence[str]) -> dict[str, StandbyRequest]:
+        """What each of `nodes` is asked for its standby of the job (none: no preload)."""
+        if not job.standby_preload:
+            return {}
+        return {
+            node: StandbyRequest(
+                job=job.name,
+                command=job.command,
+                env=self.worker_env(job, node),
+                preload=job.standby_preload,
+            )
+            for node in nodes
+        }
 
     async def restart_in_process(
         self, key: str, fresh: Sequence[str], *, timeout_s: float
