@@ -14,7 +14,9 @@ registry needs of it (`pid`, `poll()`), with the exit code the standby reports w
 reaps it. Only Python commands have standbys: `[python, "-m", module, ...]` or
 `[python, "script.py", ...]`, with `-u` at most before them (the standby is started with
 it). One standby per node (the newest job asked for wins); a dropped standby takes no more
-orders and ends after the workers it forked; it is killed when the host monitor dies.
+orders and ends after the workers it forked; it is killed when the host monitor dies. One
+that dies on its own (its imports ended the interpreter) is not started again for that
+job and command: their ranks start as new processes.
 """
 
 from __future__ import annotations
@@ -172,17 +174,21 @@ class Standbys:
         self.node = node
         self._standby: Standby | None = None
         self._dropped: list[Standby] = []  # still reporting the exits of their workers
+        self._failed: set[tuple[str, tuple[str, ...]]] = set()  # (job, command) that died
 
     @property
     def ready(self) -> Standby | None:
         standby = self._standby
         if standby is not None and standby.proc.poll() is not None:
             log.warning(
-                "the standby of job %s exited (%s): see %s",
+                "the standby of job %s exited (%s): see %s; its ranks start without one",
                 standby.job,
                 standby.proc.returncode,
                 self._log_path(standby.job),
             )
+            # Not started again: a program whose imports end the interpreter would
+            # otherwise cost an import at every request for a standby.
+            self._failed.add((standby.job, standby.command))
             self._standby = standby = None
         return standby
 
@@ -199,10 +205,12 @@ class Standbys:
         self, job: str, command: Sequence[str], env: dict[str, str], preload: Sequence[str]
     ) -> bool:
         """Have a standby of `command` for `job` ready (started now if there is none);
-        False when this command cannot have one."""
+        False when this command cannot have one, or its standby here died."""
         if not preload or not warm_startable(command):
             return False
         current = self.ready
+        if (job, tuple(command)) in self._failed:
+            return False
         if current is not None and current.job == job and current.command == tuple(command):
             return True
         self.drop()

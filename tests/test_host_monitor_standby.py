@@ -137,6 +137,39 @@ def test_a_standby_forks_every_start_of_its_job_and_reports_their_exits(
     os.kill(third["pid"], signal.SIGKILL)
 
 
+def test_a_standby_that_died_is_not_started_again_and_its_ranks_start_without_one(
+    agent: tuple[Agent, Path],
+) -> None:
+    """A standby whose imports end the interpreter: the next request for it is answered
+    `ready: false` (no standby started again, one import per request), and the job's
+    ranks start as launched workers."""
+    monitor, out = agent
+    env = {"STANDBY_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    fatal = ["tests.fixtures.standby_fatal"]
+    body = {"job": "j1", "command": COMMAND, "env": env, "preload": fatal}
+    r = monitor.api.post("/v1/standby", json=body)
+    assert r.status_code == 200 and r.json()["ready"] is True, r.text
+    cold = {"ready": False, "warm": False}
+    wait_for(
+        lambda: monitor.api.post("/v1/standby", json=body).json() == cold,
+        30,
+        "the standby's death seen",
+    )
+    start_body = {
+        "request_id": "s1",
+        "job": "j1",
+        "command": COMMAND,
+        "env": {**env, "WORKER_SECONDS": "0"},
+        "workers": [{"rank": 0, "local_rank": 0}],
+        "standby_preload": fatal,
+    }
+    r = monitor.api.post("/v1/workers/start", json=start_body)
+    assert r.status_code == 200, r.text
+    (ran,) = wait_for(lambda: workers(out), 30, "the worker ran")
+    assert ran["parent"] == monitor.proc.pid and ran["preloaded"] is False
+    assert monitor.log.read_text().count("standby of job j1 started") == 1
+
+
 @contextlib.contextmanager
 def bare_standby(
     env: dict[str, str], preload: list[str]
