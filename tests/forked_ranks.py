@@ -110,7 +110,10 @@ def _standbys_of(module: str) -> Standbys:
             atexit.register(_drop_all)
         found = _standbys[module] = Standbys(_run_dir, module.rsplit(".", 1)[-1])
     command = [sys.executable, "-m", module]
-    assert found.prepare("tests", command, _standby_env(), PRELOAD)
+    # False once it died: a standby is not started again (host_monitor/standby.py).
+    assert found.prepare("tests", command, _standby_env(), PRELOAD), (
+        f"the standby of {module} died: see {_run_dir}"
+    )
     deadline = time.monotonic() + scaled(120)
     while not found.warm:
         ready = found.ready
