@@ -58,10 +58,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def warm_startable(command: Sequence[str]) -> bool:
-    """A Python command a standby can fork: `python [-u] -m module ...` or
-    `python [-u] script.py ...`."""
-    return len(command) >= 2 and PythonArgs.of(tuple(command[1:])) is not None
+def warm_startable(command: Sequence[str]) -> PythonArgs | None:
+    """The program of a Python command a standby can fork (`python [-u] -m module ...` or
+    `python [-u] script.py ...`); None for any other command."""
+    return PythonArgs.of(tuple(command[1:])) if len(command) >= 2 else None
 
 
 class Standby:
@@ -206,7 +206,8 @@ class Standbys:
     ) -> bool:
         """Have a standby of `command` for `job` ready (started now if there is none);
         False when this command cannot have one, or its standby here died."""
-        if not preload or not warm_startable(command):
+        program = warm_startable(command)
+        if not preload or program is None:
             return False
         current = self.ready
         if (job, tuple(command)) in self._failed:
@@ -215,8 +216,6 @@ class Standbys:
             return True
         self.drop()
         replies, reply_w = os.pipe()
-        program = PythonArgs.of(tuple(command[1:]))
-        assert program is not None  # warm_startable
         argv = [command[0], *program.options, "-m", LAUNCHER, "--reply-fd", str(reply_w)]
         for module in preload:
             argv += ["--preload", module]
