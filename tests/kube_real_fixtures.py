@@ -38,6 +38,11 @@ RELEASE = "e2e"
 SECRET = f"{RELEASE}-resiliency-supervisor-worker-token"
 HEARTBEAT_PERIOD_S = 0.3
 HEARTBEAT_TIMEOUT_S = 1.5
+#: How long a rank may make no progress before its host monitor calls it lost (the
+#: product's default, scaled as a margin): no test on the real plane finds a hang by a
+#: rank's silence, and on the suite's loaded 2 cores four ranks' first checkpoint saves
+#: stalled one rank's steps for over 5 s, a fault no test injected, healed as one.
+WORKER_HEARTBEAT_TIMEOUT_S = scaled(10.0)
 #: Each poll is an HTTP request the service answers from its store: four a second is fine
 #: enough for every wait here; ten took CPU the jobs need on a 2-core machine.
 POLL_S = 0.25
@@ -252,6 +257,36 @@ class RealPlaneEnv:
         )
         return {e["reason"]: e for e in found["items"]}
 
+    def story(self) -> str:
+        """What the supervisor saw and did, and what the API server recorded of the JobSet's
+        objects, oldest first: added to a failed test's report, since a fault the test did
+        not inject (a heartbeat lost on a busy machine) shows only there."""
+        lines = ["the supervisor's events:"]
+        lines += [
+            f"  {e['time']} {e['type']} node={e['node']} rank={e['rank']} {e['details']}"
+            for e in self.events()
+        ]
+        lines.append("its actions:")
+        lines += [
+            f"  {a['created_at']} {a['type']} {a['status']} node={a['node']} "
+            f"reason={a['reason']!r} error={a['error']!r}"
+            for a in self.actions()
+        ]
+        found = self.get(f"/api/v1/namespaces/{NS}/events")
+        lines.append("the API server's events of the JobSet, its Jobs and pods, and the nodes:")
+        kept = [
+            (e.get("lastTimestamp") or e.get("eventTime") or "", e)
+            for e in found["items"]
+            if (about := e["involvedObject"])["kind"] in ("JobSet", "Job", "Pod", "Node")
+            and (self.job in about["name"] or about["name"] in self.nodes)
+        ]
+        lines += [
+            f"  {at} {e['involvedObject']['kind']}/{e['involvedObject']['name']} "
+            f"{e['reason']}: {e.get('message', '')}"
+            for at, e in sorted(kept, key=lambda pair: pair[0])
+        ]
+        return "\n".join(lines)
+
     # --- faults ---------------------------------------------------------------------------
 
     def crash_worker(self, node: str) -> None:
@@ -275,6 +310,12 @@ def started(env: E) -> Iterator[E]:
     try:
         env.start()
         yield env
+    except BaseException as failure:
+        try:
+            failure.add_note(env.story())
+        except Exception as unread:  # the failure matters, not its story
+            failure.add_note(f"(the environment's story could not be read: {unread!r})")
+        raise
     finally:
         env.stop()
 

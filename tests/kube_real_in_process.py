@@ -21,6 +21,7 @@ from tests.http import http
 from tests.kube_real_fixtures import (
     HEARTBEAT_PERIOD_S,
     REPO,
+    WORKER_HEARTBEAT_TIMEOUT_S,
     RealPlaneEnv,
     as_applied,
     healing_env,
@@ -111,7 +112,7 @@ class RealInProcess(RealPlaneEnv):
     def agent_flags(self, node: str) -> dict[str, Any]:
         return {
             "heartbeat_polling_period_s": HEARTBEAT_PERIOD_S,
-            "worker_heartbeat_timeout_s": 5.0,
+            "worker_heartbeat_timeout_s": WORKER_HEARTBEAT_TIMEOUT_S,
             # How long a stopped worker's state stays to be read: a margin of the
             # test's, scaled with the others.
             "idle_release_s": scaled(2.0),

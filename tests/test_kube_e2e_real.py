@@ -31,6 +31,7 @@ from tests.kube_real_fixtures import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TIMEOUT_S,
     REPO,
+    WORKER_HEARTBEAT_TIMEOUT_S,
     RealPlaneEnv,
     as_applied,
     env_fixture,
@@ -87,7 +88,7 @@ class RealE2E(RealPlaneEnv):
     def agent_flags(self, node: str) -> dict[str, Any]:
         return {
             "heartbeat_polling_period_s": HEARTBEAT_PERIOD_S,
-            "worker_heartbeat_timeout_s": 5.0,
+            "worker_heartbeat_timeout_s": WORKER_HEARTBEAT_TIMEOUT_S,
             "idle_release_s": scaled(2.0),
         }
 
