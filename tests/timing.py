@@ -5,7 +5,8 @@ ready, an event seen, a heartbeat lost) before it calls the wait a failure. A wa
 an event ends as soon as the event comes, so a larger scale slows only the failures:
 on a slow or busy machine, `TEST_TIME_SCALE=3 make test` is one knob, not forty. The
 product's own timeouts (a heartbeat timeout a test configures) are not margins and do
-not scale.
+not scale, unless a test sets one only so that a fault it does not inject goes unseen
+(tests/kube_real_fixtures.py: a rank's silence on the real control plane).
 """
 
 from __future__ import annotations
