@@ -36,6 +36,12 @@ PEER_TOKEN = "in-process-peer-token"
 TOTAL_STEPS = 110  # the last fault is near step 70; the rest only trains to the end
 #: The label of the test's JobSet, which its supervisor selects (and no other test's).
 SELECTOR = "in-process-test"
+#: How long a rank may take for its emergency save, and the supervisor for the whole
+#: emergency checkpoint (the product's defaults: 60 s), as margins: a rank started in a
+#: replacement pod waits for its first periodic save to end before its emergency one, and
+#: a process's first save took over 6 s beside the rest of the suite on 2 cores.
+RANK_EMERGENCY_TIMEOUT_S = scaled(12.0)
+EMERGENCY_TIMEOUT_S = scaled(15.0)
 
 
 def jobset(tmp: Path, name: str, master_port: int, nproc: int = 1) -> dict[str, Any]:
@@ -61,7 +67,7 @@ def jobset(tmp: Path, name: str, master_port: int, nproc: int = 1) -> dict[str, 
         "LOG_EVERY_STEPS": "10",
         "PEER_LOSS_WAIT_S": "60",
         "WORLD_WAIT_S": "60",
-        "EMERGENCY_CHECKPOINT_TIMEOUT_S": "5",
+        "EMERGENCY_CHECKPOINT_TIMEOUT_S": str(RANK_EMERGENCY_TIMEOUT_S),
         "SYNC_FILES": "false",
         "OMP_NUM_THREADS": "1",
         "NPROC_PER_NODE": str(nproc),
@@ -98,6 +104,7 @@ class RealInProcess(RealPlaneEnv):
             "SUPERVISOR_KUBE_JOBSET_SELECTOR": f"{SELECTOR}={self.pool}",
             **healing_env(nodes_per_dp=1, action_timeout_s=150),
             "SUPERVISOR_IN_PROCESS_RESTART_TIMEOUT_S": "100",
+            "SUPERVISOR_EMERGENCY_CHECKPOINT_TIMEOUT_S": str(EMERGENCY_TIMEOUT_S),
             # Four ranks and their host monitors share this machine's 2 cores: a rank
             # 10% slower than the others for 30 s is CPU contention here, not the fault
             # under test (stragglers are scored from 3 ranks on).
