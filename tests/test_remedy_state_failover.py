@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.failover import NAMESPACE, Replica, Timing
+from bench.failover import NAMESPACE, Replica
 from bench.failover import OPERATOR_TOKEN as REPLICA_OPERATOR_TOKEN
 from supervisor.domain import utcnow
 from supervisor.store import BudgetRecord, IncidentRecord, Store, make_engine, open_store
@@ -30,6 +30,7 @@ from tests.chart_rbac import chart_identity
 from tests.control_plane import ControlPlane
 from tests.test_e2e import AGENT, OPERATOR, Server
 from tests.test_leader_election_real import LEASE_URL
+from tests.test_leader_election_real import LOADED_TIMING
 from tests.timing import scaled, wait_until
 
 #: The nodes' host monitors are never judged lost here: what is tested is what a worker's
@@ -243,7 +244,7 @@ def kubeconfig(control_plane: ControlPlane) -> Iterator[Path]:
 def test_a_job_given_up_stays_given_up_when_the_standby_takes_over(
     tmp_path: Path, pg_url: str, kubeconfig: Path
 ) -> None:
-    replicas = [ActingReplica(name, tmp_path, kubeconfig, Timing()) for name in ("a", "b")]
+    replicas = [ActingReplica(name, tmp_path, kubeconfig, LOADED_TIMING) for name in ("a", "b")]
     for replica in replicas:
         replica.env["SUPERVISOR_DATABASE_URL"] = pg_url
         replica.env.update({f"SUPERVISOR_{k.upper()}": str(v) for k, v in SETTINGS.items()})
