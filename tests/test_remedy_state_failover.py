@@ -29,8 +29,7 @@ from supervisor.store import BudgetRecord, IncidentRecord, Store, make_engine, o
 from tests.chart_rbac import chart_identity
 from tests.control_plane import ControlPlane
 from tests.test_e2e import AGENT, OPERATOR, Server
-from tests.test_leader_election_real import LEASE_URL
-from tests.test_leader_election_real import LOADED_TIMING
+from tests.test_leader_election_real import LEASE_URL, LOADED_TIMING
 from tests.timing import scaled, wait_until
 
 #: The nodes' host monitors are never judged lost here: what is tested is what a worker's
