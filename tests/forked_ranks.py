@@ -1,15 +1,16 @@
 """The rank processes of tests that start a job's ranks themselves, forked by a warm standby.
 
-Each rank is a real process of its own that runs its job module as `python -m` would, in
-its own session, with its own environment; but it is forked by the product's warm standby
-(training/warm_start.py, host_monitor/standby.py), which imported torch once per pytest
-worker, rather than started as a new interpreter that imports torch again. The import is
+Each rank is a real process of its own that runs its job module as `python -m` would (or
+a user's script as `python script.py` would), in its own session, with its own
+environment; but it is forked by the product's warm standby (training/warm_start.py,
+host_monitor/standby.py), one per pytest process, which imported torch once, rather than
+started as a new interpreter that imports torch again. The import is
 2.5-4 s of CPU per process on CI's 2-core machine, most of a short rank's life, and these
 modules start hundreds of ranks. What they check (what a rank saves, restores, and exits
 with) does not depend on how its interpreter started; the tests of the launchers
 themselves (torchrun, the host monitor's launch and its standby) start fresh interpreters.
 
-Only modules of the job are forked: what torch reads from the environment when it is
+Only the job's code runs in the fork: what torch reads from the environment when it is
 imported comes from the standby's environment, made here as the ranks' is
 (OMP_NUM_THREADS=1).
 """
@@ -27,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from host_monitor.standby import ForkedWorker, Standbys
+from host_monitor.standby import ForkedWorker, Standby, Standbys
 from resiliency_protocol.standby_orders import WorkerOrder
 from tests.timing import scaled
 
@@ -45,7 +46,8 @@ PRELOAD = (
     "torch.nn.parallel",
 )
 
-_standbys: dict[str, Standbys] = {}
+#: This process's standbys, by what they import.
+_standbys: dict[tuple[str, ...], Standbys] = {}
 _run_dir: Path | None = None
 
 
@@ -100,27 +102,32 @@ def _standby_env() -> dict[str, str]:
     return env
 
 
-def _standbys_of(module: str) -> Standbys:
-    """The warm standby of `module` in this pytest process, started and warm."""
+def _standby(preload: tuple[str, ...] = PRELOAD) -> Standby:
+    """This pytest process's warm standby that imported `preload`, started and warm: one
+    for every job module and script that imports no more, since a standby imports only
+    its preload, whatever it forks."""
     global _run_dir
-    found = _standbys.get(module)
-    if found is None:
-        if _run_dir is None:
-            _run_dir = Path(tempfile.mkdtemp(prefix="forked-ranks-"))
-            atexit.register(_drop_all)
-        found = _standbys[module] = Standbys(_run_dir, module.rsplit(".", 1)[-1])
-    command = [sys.executable, "-m", module]
+    if _run_dir is None:
+        _run_dir = Path(tempfile.mkdtemp(prefix="forked-ranks-"))
+        atexit.register(_drop_all)
+    standbys = _standbys.get(preload)
+    if standbys is None:
+        name = f"ranks-{len(_standbys)}"
+        standbys = _standbys[preload] = Standbys(_run_dir, name)
+    # The command names the standby only: each order says what the rank runs.
+    command = [sys.executable, "-m", "training.warm_start"]
     # False once it died: a standby is not started again (host_monitor/standby.py).
-    assert found.prepare("tests", command, _standby_env(), PRELOAD), (
-        f"the standby of {module} died: see {_run_dir}"
+    assert standbys.prepare("tests", command, _standby_env(), preload), (
+        f"the ranks' standby died: see {_run_dir}"
     )
     deadline = time.monotonic() + scaled(120)
-    while not found.warm:
-        ready = found.ready
-        assert ready is not None, f"the standby of {module} exited: see {_run_dir}"
-        assert time.monotonic() < deadline, f"the standby of {module} is not warm: see {_run_dir}"
+    while not standbys.warm:
+        assert standbys.ready is not None, f"the ranks' standby exited: see {_run_dir}"
+        assert time.monotonic() < deadline, f"the ranks' standby is not warm: see {_run_dir}"
         time.sleep(0.05)
-    return found
+    standby = standbys.ready
+    assert standby is not None, f"the ranks' standby exited: see {_run_dir}"
+    return standby
 
 
 def start_rank(
@@ -128,11 +135,26 @@ def start_rank(
 ) -> RankProcess:
     """One rank of `module` (run as `python -m module *argv` in the checkout) with `env`
     (replacing the environment), its output appended to `log_path`."""
-    standby = _standbys_of(module).ready
-    assert standby is not None, f"the standby of {module} exited: see {_run_dir}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     order = WorkerOrder(("-m", module, *argv), dict(env), str(ROOT), str(log_path))
-    return RankProcess(standby.fork(order), log_path)
+    return RankProcess(_standby().fork(order), log_path)
+
+
+def start_script(
+    script: Path,
+    env: Mapping[str, str],
+    log_path: Path,
+    cwd: Path | None = None,
+    preload: tuple[str, ...] = PRELOAD,
+) -> RankProcess:
+    """One rank of a user's `script` (run as `python script.py` in `cwd`, by default its
+    folder) with `env` (replacing the environment), its output appended to `log_path`,
+    forked by a standby that imported `preload` (more than torch where the script imports
+    more, as Lightning)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    folder = str(cwd or script.parent)
+    order = WorkerOrder((str(script),), dict(env), folder, str(log_path))
+    return RankProcess(_standby(preload).fork(order), log_path)
 
 
 def log_path(directory: Path, rank: int) -> Path:

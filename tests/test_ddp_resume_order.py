@@ -2,17 +2,23 @@
 3 and 4 ranks ends with the weights of a run that never stopped, bit for bit, whatever it
 does between `optimizer.step()` and `step_done`. Without the bucket layout kept across
 the resume (training/checkpoint/ddp_order.py), the first step after it sums the
-gradients in another order and the weights differ."""
+gradients in another order and the weights differ.
+
+The ranks are forked with torchrun's environment (tests/forked_ranks.py): what is checked
+is the script, resumed; torchrun itself starts the user's scripts elsewhere
+(tests/test_run_cli.py, tests/test_checkpoint_tiers.py), and here each of the three runs
+started a launcher and every rank as new interpreters, each importing torch."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.forked_ranks import log_path, start_script
 from tests.test_run_user_job import WEIGHTS_OUT, saved_example, user_env
+from tests.test_worker_client import free_port
+from tests.timing import scaled
 
 pytest.importorskip("torch")
 
@@ -32,25 +38,37 @@ EDITS = {
 
 
 def run(tmp: Path, script: Path, nproc: int, tiers: str, **env: str) -> str:
+    """The script's `nproc` ranks, with the environment `torchrun --standalone` gives them,
+    run to their end: the hash of the final weights, or the ranks' output without one."""
     weights = tmp / f"{tiers}.sha256"
     environment = user_env(
         tmp,
         WEIGHTS_FILE=str(weights),
         CHECKPOINT_RAM_DIR=str(tmp / tiers / "ram"),
         CHECKPOINT_DURABLE_DIR=str(tmp / tiers / "durable"),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
         **env,
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    done = subprocess.run(
-        [*command, "--nproc-per-node", str(nproc), str(script)],
-        cwd=tmp,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return weights.read_text() if weights.exists() else done.stdout
+    ranks = [
+        start_script(
+            script,
+            {**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            log_path(tmp / "logs" / tiers, rank),
+        )
+        for rank in range(nproc)
+    ]
+    try:
+        codes = [rank.wait(scaled(150)) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    output = "".join(rank.output() for rank in ranks)
+    assert codes == [0] * nproc, output
+    return weights.read_text() if weights.exists() else output
 
 
 @pytest.mark.parametrize("nproc", [3])

@@ -1,10 +1,16 @@
 """The checkpoint tiers in a PyTorch Lightning job (training.checkpoint.lightning).
 
-Real Lightning Trainers (CPU; DDP on gloo under torchrun), killed with SIGKILL mid-step,
-then run again: each must resume from the newest step the tiers hold and end with weights
-bit-identical to a run without the fault. An emergency save taken from another thread
-while Lightning runs the backward inside `optimizer.step()` saves the last completed step
-at once (no wait for the step in flight).
+Real Lightning Trainers (CPU; DDP on gloo with torchrun's environment), killed with
+SIGKILL mid-step, then run again: each must resume from the newest step the tiers hold and
+end with weights bit-identical to a run without the fault. An emergency save taken from
+another thread while Lightning runs the backward inside `optimizer.step()` saves the last
+completed step at once (no wait for the step in flight).
+
+The job's processes are forked by a standby that imported Lightning
+(tests/forked_ranks.py), as torchrun would have started them: a rank that fails stops the
+others. Each of torchrun's launches started the launcher and every rank as new
+interpreters, each importing torch and Lightning (about 5 s of CPU each); torchrun itself
+starts users' scripts in tests/test_run_cli.py and tests/test_checkpoint_tiers.py.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +29,30 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from tests.forked_ranks import PRELOAD, log_path, start_script
 from tests.test_worker_client import free_port
+from tests.timing import scaled
 from training.checkpoint import CheckpointSettings
 from training.checkpoint import format as fmt
 from training.checkpoint.lightning import TieredCheckpointing
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_SCRIPT = ROOT / "tests" / "fixtures" / "lightning_job.py"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
+#: What the job imports: the standby that forks its processes imports it once.
+LIGHTNING_PRELOAD = (*PRELOAD, "lightning.pytorch", "lightning.pytorch.strategies")
 RESUMED = re.compile(r"rank=(\d+) resumed step=(\d+) tier=(\w+)")
 TOTAL = 40
 
 
-def run_job(
-    tmp: Path, ranks: int, output: str | None = None, **env: str
-) -> subprocess.CompletedProcess[str]:
+@dataclass(frozen=True)
+class Finished:
+    returncode: int  # the lowest failed rank's (a signal negative), else 0
+    output: str  # every process's output, in rank order
+
+
+def run_job(tmp: Path, ranks: int, output: str | None = None, **env: str) -> Finished:
+    """The job on `ranks` processes (`python` for one, torchrun's environment for more),
+    run to its end; as torchrun, the first process that fails stops the others."""
     shutil.rmtree(tmp / "resumed", ignore_errors=True)
     (tmp / "resumed").mkdir()
     full = {
@@ -53,18 +68,35 @@ def run_job(
         **({"OUTPUT": str(tmp / output)} if output else {}),
         **env,
     }
-    if ranks == 1:
-        command = [sys.executable, str(JOB_SCRIPT)]
-    else:
-        command = [
-            str(TORCHRUN),
-            f"--nproc-per-node={ranks}",
-            f"--master-port={free_port()}",
-            str(JOB_SCRIPT),
-        ]
-    return subprocess.run(
-        command, env=full, cwd=tmp, capture_output=True, text=True, timeout=240, check=False
-    )
+    if ranks > 1:
+        full.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE=str(ranks),
+            LOCAL_WORLD_SIZE=str(ranks),
+            GROUP_RANK="0",
+            TORCHELASTIC_RUN_ID="none",
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+        )
+    procs = []
+    for rank in range(ranks):
+        own = {"RANK": str(rank), "LOCAL_RANK": str(rank)} if ranks > 1 else {}
+        log = log_path(tmp / "logs", rank)
+        procs.append(start_script(JOB_SCRIPT, {**full, **own}, log, tmp, LIGHTNING_PRELOAD))
+    deadline = time.monotonic() + scaled(240)
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                for proc in procs:
+                    proc.terminate()
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            proc.kill()
+    failed = [code for p in procs if (code := p.wait()) != 0]
+    return Finished(failed[0] if failed else 0, "".join(p.output() for p in procs))
 
 
 def resumed(tmp: Path) -> dict[int, tuple[int, str]]:
@@ -105,9 +137,9 @@ def test_a_killed_lightning_job_resumes_to_the_same_weights(
     )
     assert killed.returncode != 0, "the job was meant to be killed"
     rerun = run_job(job_dir, ranks, "weights", DATA=data, **tiers)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.returncode == 0, rerun.output[-3000:]
     where = resumed(job_dir)
-    assert set(where) == set(range(ranks)), (rerun.stdout[-3000:], rerun.stderr[-3000:])
+    assert set(where) == set(range(ranks)), rerun.output[-3000:]
     steps = {step for step, _ in where.values()}
     assert len(steps) == 1, where  # the ranks agreed
     (step,) = steps
@@ -124,7 +156,7 @@ def test_with_its_ram_tier_lost_the_job_resumes_from_durable(
     assert killed.returncode != 0
     shutil.rmtree(tmp_path / "ram")  # the node's RAM is gone (a reboot, a new node)
     rerun = run_job(tmp_path, 1, "weights", DATA="stateful")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.returncode == 0, rerun.output[-3000:]
     ((step, tier),) = resumed(tmp_path).values()
     assert tier == "durable" and step in (10, 20)
     assert (tmp_path / "weights").read_text() == stateful_reference
@@ -134,8 +166,8 @@ def reference_weights(tmp: Path, ranks: int, **env: str) -> str:
     """The weights of a run of `ranks` without a fault, which resumed from nothing."""
     tmp.mkdir()
     reference = run_job(tmp, ranks, "weights", **env)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert resumed(tmp) == dict.fromkeys(range(ranks), (0, "None")), reference.stdout
+    assert reference.returncode == 0, reference.output[-3000:]
+    assert resumed(tmp) == dict.fromkeys(range(ranks), (0, "None")), reference.output[-3000:]
     return (tmp / "weights").read_text()
 
 
@@ -163,10 +195,10 @@ def test_an_emergency_save_at_each_point_of_a_step_resumes_to_the_same_weights(
     killed = run_job(
         job_dir, 1, DATA="stateful", EMERGENCY_AT=f"22:{point}", EMERGENCY_OUT=str(out)
     )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert killed.returncode == -signal.SIGKILL, killed.output[-3000:]
     assert out.read_text() == str(saved)
     rerun = run_job(job_dir, 1, "weights", DATA="stateful")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.returncode == 0, rerun.output[-3000:]
     assert resumed(job_dir) == {0: (saved, "ram")}
     assert (job_dir / "weights").read_text() == stateful_reference
 
