@@ -132,3 +132,30 @@ async def test_a_snapshot_visits_only_the_nodes_changed_since_the_last_and_sees_
     restarted, _ = make_sensor()
     restarted.restore(persisted.values(), [])
     assert restarted.snapshot()[0] == persisted
+
+
+async def test_a_read_of_the_clocks_cut_by_the_scheduler_moves_no_nodes_last_heartbeat(
+    make_sensor: SensorFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler interrupting the sensor right after its read of Unix time, before its
+    read of the loop's clock (for 5 ms, as on a loaded machine), moves no node's last
+    heartbeat and builds no view again. Time is scripted here: no real machine preempts a
+    process between two given instructions on demand."""
+    sensor, _ = make_sensor(heartbeat_timeout_s=60, heartbeat_polling_period_s=5)
+    now, offset = [1000.0], 1.7e9  # Unix time = loop time + offset, exactly
+    preempt_s = [0.0]
+
+    def wall() -> float:
+        read = now[0] + offset
+        now[0] += preempt_s[0]  # the process loses the CPU right after this read
+        preempt_s[0] = 0.0
+        return read
+
+    monkeypatch.setattr(sensor, "_clock", lambda: now[0])
+    monkeypatch.setattr("supervisor.sensor.clock.wall_time", wall)
+    _beat(sensor.ingest, stepping("n000", 1, ranks=(0,)))
+    before, _ = sensor.snapshot()
+    preempt_s[0] = 0.005
+    after, _ = sensor.snapshot()
+    assert after["n000"].last_heartbeat == before["n000"].last_heartbeat
+    assert after["n000"] is before["n000"]
