@@ -157,6 +157,22 @@ def start_script(
     return RankProcess(_standby(preload).fork(order), log_path)
 
 
+def torchrun_env(world: int, port: int) -> list[dict[str, str]]:
+    """Each rank's variables, in rank order, as `torchrun --standalone --nproc-per-node
+    world` sets them on its one node (its rendezvous on `port` of the loopback)."""
+    common = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+    return [{**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
+
+
 def log_path(directory: Path, rank: int) -> Path:
     """A new log file for `rank` in `directory` (a run started again there gets its own)."""
     n = 0

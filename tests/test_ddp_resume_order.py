@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_ranks import log_path, start_script
+from tests.forked_ranks import log_path, start_script, torchrun_env
 from tests.test_run_user_job import WEIGHTS_OUT, saved_example, user_env
 from tests.test_worker_client import free_port
 from tests.timing import scaled
@@ -46,20 +46,11 @@ def run(tmp: Path, script: Path, nproc: int, tiers: str, **env: str) -> str:
         WEIGHTS_FILE=str(weights),
         CHECKPOINT_RAM_DIR=str(tmp / tiers / "ram"),
         CHECKPOINT_DURABLE_DIR=str(tmp / tiers / "durable"),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0",
         **env,
     )
     ranks = [
-        start_script(
-            script,
-            {**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            log_path(tmp / "logs" / tiers, rank),
-        )
-        for rank in range(nproc)
+        start_script(script, {**environment, **own}, log_path(tmp / "logs" / tiers, rank))
+        for rank, own in enumerate(torchrun_env(nproc, free_port()))
     ]
     try:
         codes = [rank.wait(scaled(150)) for rank in ranks]

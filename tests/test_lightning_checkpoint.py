@@ -29,7 +29,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from tests.forked_ranks import PRELOAD, log_path, start_script
+from tests.forked_ranks import PRELOAD, log_path, start_script, torchrun_env
 from tests.test_worker_client import free_port
 from tests.timing import scaled
 from training.checkpoint import CheckpointSettings
@@ -68,22 +68,14 @@ def run_job(tmp: Path, ranks: int, output: str | None = None, **env: str) -> Fin
         **({"OUTPUT": str(tmp / output)} if output else {}),
         **env,
     }
-    if ranks > 1:
-        full.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE=str(ranks),
-            LOCAL_WORLD_SIZE=str(ranks),
-            GROUP_RANK="0",
-            TORCHELASTIC_RUN_ID="none",
-            TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_MAX_RESTARTS="0",
+    # One process: as `python job.py` (Lightning on one device); more: as torchrun's.
+    ranks_env = torchrun_env(ranks, free_port()) if ranks > 1 else [{}]
+    procs = [
+        start_script(
+            JOB_SCRIPT, {**full, **own}, log_path(tmp / "logs", rank), tmp, LIGHTNING_PRELOAD
         )
-    procs = []
-    for rank in range(ranks):
-        own = {"RANK": str(rank), "LOCAL_RANK": str(rank)} if ranks > 1 else {}
-        log = log_path(tmp / "logs", rank)
-        procs.append(start_script(JOB_SCRIPT, {**full, **own}, log, tmp, LIGHTNING_PRELOAD))
+        for rank, own in enumerate(ranks_env)
+    ]
     deadline = time.monotonic() + scaled(240)
     try:
         while any(p.poll() is None for p in procs):

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.forked_ranks import log_path, start_rank
+from tests.forked_ranks import log_path, start_rank, torchrun_env
 from tests.test_worker_client import free_port
 from tests.timing import scaled
 
@@ -39,7 +39,6 @@ class Run:
 def run_ranks(tmp: Path, name: str, nproc: int = 2, **env: str) -> Run:
     """The workload's `nproc` ranks on this machine, with the environment torchrun gives
     them, run to their end."""
-    port = str(free_port())
     base = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("CHECKPOINT_", "HOST_"))},
         "PYTHONPATH": str(ROOT),
@@ -49,21 +48,13 @@ def run_ranks(tmp: Path, name: str, nproc: int = 2, **env: str) -> Run:
         "IN_MEMORY_CHECKPOINTING_FREQ": "5",
         "S3_CHECKPOINTING_FREQ": "10",
         "OUTPUT_DIR": str(tmp / name),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
         **SMALL,
         **env,
     }
     tmp.mkdir(parents=True, exist_ok=True)
     ranks = [
-        start_rank(
-            "training.torch_workload",
-            {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"},
-            log_path(tmp / "logs", rank),
-        )
-        for rank in range(nproc)
+        start_rank("training.torch_workload", {**base, **own}, log_path(tmp / "logs", rank))
+        for rank, own in enumerate(torchrun_env(nproc, free_port()))
     ]
     try:
         codes = [rank.wait(scaled(300)) for rank in ranks]
