@@ -173,6 +173,16 @@ def torchrun_env(world: int, port: int) -> list[dict[str, str]]:
     return [{**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world)]
 
 
+def wait_all(ranks: Sequence[RankProcess], timeout_s: float) -> list[int]:
+    """Each rank's exit code, in order, each waited for `timeout_s` at most; every rank
+    killed afterwards (one that did not end: the wait's TimeoutExpired)."""
+    try:
+        return [rank.wait(timeout_s) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
 def log_path(directory: Path, rank: int) -> Path:
     """A new log file for `rank` in `directory` (a run started again there gets its own)."""
     n = 0

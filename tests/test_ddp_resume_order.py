@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_ranks import log_path, start_script, torchrun_env
+from tests.forked_ranks import log_path, start_script, torchrun_env, wait_all
 from tests.test_run_user_job import WEIGHTS_OUT, saved_example, user_env
 from tests.test_worker_client import free_port
 from tests.timing import scaled
@@ -52,11 +52,7 @@ def run(tmp: Path, script: Path, nproc: int, tiers: str, **env: str) -> str:
         start_script(script, {**environment, **own}, log_path(tmp / "logs" / tiers, rank))
         for rank, own in enumerate(torchrun_env(nproc, free_port()))
     ]
-    try:
-        codes = [rank.wait(scaled(150)) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
+    codes = wait_all(ranks, scaled(150))
     output = "".join(rank.output() for rank in ranks)
     assert codes == [0] * nproc, output
     return weights.read_text() if weights.exists() else output

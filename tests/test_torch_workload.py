@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.forked_ranks import log_path, start_rank, torchrun_env
+from tests.forked_ranks import log_path, start_rank, torchrun_env, wait_all
 from tests.test_worker_client import free_port
 from tests.timing import scaled
 
@@ -56,11 +56,7 @@ def run_ranks(tmp: Path, name: str, nproc: int = 2, **env: str) -> Run:
         start_rank("training.torch_workload", {**base, **own}, log_path(tmp / "logs", rank))
         for rank, own in enumerate(torchrun_env(nproc, free_port()))
     ]
-    try:
-        codes = [rank.wait(scaled(300)) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
+    codes = wait_all(ranks, scaled(300))
     return Run(codes, "".join(rank.output() for rank in ranks))
 
 
