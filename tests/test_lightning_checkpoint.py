@@ -77,9 +77,12 @@ def run_job(tmp: Path, ranks: int, output: str | None = None, **env: str) -> Fin
         for rank, own in enumerate(ranks_env)
     ]
     deadline = time.monotonic() + scaled(240)
+    stopping = False
     try:
         while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
+            # Once, as torchrun: a second SIGTERM may cut a rank's own handling of the first.
+            if not stopping and any(p.poll() not in (None, 0) for p in procs):
+                stopping = True
                 for proc in procs:
                     proc.terminate()
             assert time.monotonic() < deadline, "the job did not end"
