@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 from host_monitor.standby import ForkedWorker, Standby, Standbys
 from resiliency_protocol.standby_orders import WorkerOrder
 from tests.timing import scaled
+from training.warm_start import EXIT_DROPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,10 +202,17 @@ def standby_pids() -> list[int]:
 
 
 def _drop_all() -> None:
-    """At the session's end: each standby takes no more orders and exits after its ranks."""
+    """At the session's end: each standby takes no more orders and exits after its ranks.
+    Their logs are kept only when one did not exit cleanly (its log says why)."""
+    clean = True
     for standbys in _standbys.values():
         standby = standbys.ready
         standbys.drop()
-        if standby is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                standby.proc.wait(scaled(10))
+        if standby is None:
+            clean = False  # it died before the end
+            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            standby.proc.wait(scaled(10))
+        clean = clean and standby.proc.returncode == EXIT_DROPPED
+    if clean and _run_dir is not None:
+        shutil.rmtree(_run_dir, ignore_errors=True)

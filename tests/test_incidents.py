@@ -126,6 +126,36 @@ async def test_a_worker_that_hangs_then_crashes_gets_one_remedy(
         assert newest["incident_action_id"] is None
 
 
+async def test_a_world_the_remedy_started_that_fails_before_it_is_recorded_finished_escalates(
+    make_settings: SettingsFactory,
+) -> None:
+    """A script that exits at once fails again before its restart is recorded finished:
+    its workers' exits (pids the remedy did not find) are the new world's failure, not
+    the old one's end. Attached, they left the job with every worker gone and nothing
+    more to come: `supervisor run` waited for ever."""
+    backend = HeldRestarts()
+    async with running(make_settings(**HANGS), backend=backend) as api:
+        restart = await hang_remedy_running(api)
+        # The remedy's world starts (other pids) and fails, all before it finishes.
+        await send(api, beat("n0", 8, pid=500), beat("n1", 8, pid=501))
+        await send(
+            api,
+            beat("n0", 8, state="exited", exit_code=3, pid=500),
+            beat("n1", 8, state="exited", exit_code=3, pid=501),
+        )
+        backend.release.set()
+        await api.settle()
+        kinds = [a["type"] for a in await actions(api)]
+        assert kinds.count("restart_in_place") == 2, kinds
+        exits = (await api.get("/api/v1/events", type="worker_exited"))["items"][::-1]
+        assert len(exits) == 2, exits
+        first, second = exits
+        assert first["incident_action_id"] is None  # it drove the second remedy
+        newest = [a for a in await actions(api) if a["type"] == "restart_in_place"][-1]
+        assert newest["event_id"] == first["id"] and newest["id"] != restart["id"]
+        assert second["incident_action_id"] == newest["id"]
+
+
 async def test_a_node_lost_while_its_job_restarts_gets_one_hot_swap_after_it(
     make_settings: SettingsFactory,
 ) -> None:

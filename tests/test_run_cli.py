@@ -5,7 +5,10 @@ before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +32,24 @@ sys.exit(int(os.environ.get("EXIT_CODE", "0")))
 def supervisor_run(
     tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "run", "--run-dir", str(tmp / "run"), *args],
-        env=user_env(tmp, **(env or {})),
-        cwd=tmp,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "supervisor.cli", "run", "--run-dir", str(tmp / "run"), *args],
+            env=user_env(tmp, **(env or {})),
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        # What it printed, and the end of its supervisor's log: why it did not end.
+        printed = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        log = tmp / "run" / "logs" / "supervisor.log"
+        tail = log.read_text().splitlines()[-40:] if log.exists() else []
+        for pid in leftover_processes((tmp / "run").resolve()):  # its killed command's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError("\n".join([printed, "supervisor.log:", *tail])) from exc
     assert not leftover_processes((tmp / "run").resolve()), "a process of the run is left"
     return done
 

@@ -8,9 +8,12 @@ of its own, when
 
 - it arrives while the remedy runs (its time is before the remedy finished): any worker
   event of the job (a worker that exited, went silent or hung, or a straggler), since a
-  lock-step job's workers fail together; a node failure (a lost node, a GPU error) only
-  on a node the incident already covers: any other node's failure gets its own remedy,
-  after this one (the job's lane runs them in order);
+  lock-step job's workers fail together, but the exit of a worker the remedy started
+  (a pid it did not find there): a world that fails at once may do so before its
+  remedy is recorded finished, and nothing else would come to say so; a node failure
+  (a lost node, a GPU error) only on a node the incident already covers: any other
+  node's failure gets its own remedy, after this one (the job's lane runs them in
+  order);
 - or it arrives within the detection lag after the remedy finished (`lag_s`: the
   heartbeat timeout plus a polling period) and is about a worker process that was there
   when the remedy was decided (same node, rank and pid): the old worker's end, seen late.
@@ -171,7 +174,7 @@ class Incidents:
         done = incident.finished_at
         if done is None or event.time <= done:
             if event.type in WORKER_EVENTS:
-                return incident
+                return None if _started_by_the_remedy(incident, event) else incident
             if event.type in NODE_FAILURE_EVENTS and event.node in incident.nodes:
                 return incident
             return None
@@ -181,3 +184,15 @@ class Incidents:
         if event.node is None or event.rank is None or pid is None:
             return None
         return incident if (event.node, event.rank, pid) in incident.workers else None
+
+
+def _started_by_the_remedy(incident: Incident, event: Event) -> bool:
+    """`event` is the exit of a worker the incident did not know (another pid on that
+    node and rank, or a node it had no worker on): one its remedy started. A worker the
+    remedy stopped says `stopped`, not `exited`, so this exit is the new world's own."""
+    if event.type is not EventType.WORKER_EXITED or not incident.workers:
+        return False
+    pid = getattr(details_of(event), "pid", None)
+    if event.node is None or event.rank is None or pid is None:
+        return False
+    return (event.node, event.rank, pid) not in incident.workers
