@@ -12,11 +12,11 @@ TORCH_VERSION ?= 2.13.0
 # Each step says what it installs. uv installs the packages: it keeps every wheel unpacked
 # in its cache (~/.cache/uv) and links them into a new environment, so a clean clone's
 # environment takes seconds where pip unpacked torch's few GB again (about 2 minutes on
-# the 2-core machine); it reads the system's certificate store (UV_NATIVE_TLS) as pip does.
+# the 2-core machine); it reads the system's certificate store (UV_SYSTEM_CERTS) as pip does.
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (CI's machines) every process
 # would compile torch's modules again as it imports them (about 1 s of CPU each).
 UV_VERSION ?= 0.13.9
-UV_INSTALL = UV_NATIVE_TLS=1 $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode
+UV_INSTALL = UV_SYSTEM_CERTS=1 $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode
 $(STAMP): pyproject.toml
 	@echo "make: [1/3] a virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
