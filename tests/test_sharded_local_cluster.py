@@ -91,6 +91,14 @@ def run_reference(tmp: Path, world: int, parallelism: str, steps: int) -> str:
     return (run / "output" / "weights.sha256").read_text()
 
 
+def decisions(demo: LocalDemo) -> list[str]:
+    """What the supervisor decided for each event, from its log: in which order it heard
+    of the fault's signals."""
+    log = demo.run_dir / "logs" / "supervisor.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [line for line in lines if "controller.controller: event" in line]
+
+
 def heal(
     start_demo: Callable[..., LocalDemo],
     tmp_path: Path,
@@ -120,7 +128,7 @@ def heal(
     assert [(a["type"], a["status"]) for a in actions] == [
         ("emergency_checkpoint", "succeeded"),
         (remedy, "succeeded"),
-    ], actions
+    ], (actions, decisions(demo))
     assert all(a["fault_id"] == injected["id"] for a in actions)
     assert_healed_in_process(actions[1], "torch")
     weights = wait_for(lambda: output(demo), within=300, what="the job to finish")
