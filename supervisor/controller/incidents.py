@@ -180,10 +180,15 @@ class Incidents:
             return None
         if event.time > done + self.lag or event.type not in WORKER_EVENTS:
             return None
-        pid = getattr(details_of(event), "pid", None)
-        if event.node is None or event.rank is None or pid is None:
-            return None
-        return incident if (event.node, event.rank, pid) in incident.workers else None
+        return incident if _worker_of(event) in incident.workers else None
+
+
+def _worker_of(event: Event) -> tuple[str, int, int] | None:
+    """(node, rank, pid) of the worker `event` is about; None when it does not say."""
+    pid = getattr(details_of(event), "pid", None)
+    if event.node is None or event.rank is None or pid is None:
+        return None
+    return (event.node, event.rank, pid)
 
 
 def _started_by_the_remedy(incident: Incident, event: Event) -> bool:
@@ -192,7 +197,5 @@ def _started_by_the_remedy(incident: Incident, event: Event) -> bool:
     remedy stopped says `stopped`, not `exited`, so this exit is the new world's own."""
     if event.type is not EventType.WORKER_EXITED or not incident.workers:
         return False
-    pid = getattr(details_of(event), "pid", None)
-    if event.node is None or event.rank is None or pid is None:
-        return False
-    return (event.node, event.rank, pid) not in incident.workers
+    worker = _worker_of(event)
+    return worker is not None and worker not in incident.workers
