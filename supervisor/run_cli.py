@@ -222,8 +222,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"supervisor run: {note}", flush=True)
     job = JobRun(demo, shown_ranks=flags.shown_ranks)
     try:
-        demo.start()
-        job.wait_known()
+        demo.start()  # returns once the supervisor knows every node
         print(
             f"supervisor run: the supervisor at {demo.url} (operator token "
             f"{demo.operator_token}); logs in {demo.run_dir / 'logs'}",

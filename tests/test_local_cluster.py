@@ -255,6 +255,8 @@ def test_node_down_is_healed_by_hot_swap_with_one_step_lost_at_most(
     # fault on a loaded machine.
     expected = reference_weights(tmp_path, 2, 1, STEPS, workload)
     demo = start_demo()
+    # Up once the supervisor knows every node: the spare too, before any fault.
+    assert {n["name"] for n in demo.api("/api/v1/nodes")} == set(demo.options.nodes)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     victim = demo.options.nodes[0]
     step_before = job_step(demo)

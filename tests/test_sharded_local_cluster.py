@@ -128,7 +128,7 @@ def heal(
     assert [(a["type"], a["status"]) for a in actions] == [
         ("emergency_checkpoint", "succeeded"),
         (remedy, "succeeded"),
-    ], (actions, decisions(demo))
+    ], "\n".join([f"actions: {actions}", "decisions:", *decisions(demo)])  # a str: not cut
     assert all(a["fault_id"] == injected["id"] for a in actions)
     assert_healed_in_process(actions[1], "torch")
     weights = wait_for(lambda: output(demo), within=300, what="the job to finish")

@@ -238,6 +238,27 @@ class LocalDemo:
         asyncio.run(self._start_job(state))
         self.start_supervisor()
         self.wait_ready(f"{self.url}/readyz")
+        self.wait_known()
+
+    def wait_known(self, within_s: float = 30.0) -> None:
+        """Until the supervisor knows every node (their first heartbeats): from then on it
+        answers for them (faults, cordons), and a spare is one the policy can swap in. A
+        host monitor retries its heartbeats with a backoff while the supervisor starts, so
+        a ready supervisor may not know a spare yet."""
+        deadline = time.monotonic() + within_s
+        wanted = set(self.options.nodes)
+        while time.monotonic() < deadline:
+            try:
+                known = {node["name"] for node in self.api("/api/v1/nodes")}
+            except (httpx.HTTPError, ValueError):
+                known = set()  # restarting: asked again
+            if wanted <= known:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"the supervisor did not hear from every node within {within_s:g}s "
+            f"(logs in {self.run_dir}/logs)"
+        )
 
     async def _start_job(self, state: ClusterState) -> None:
         cluster = LocalCluster(state)

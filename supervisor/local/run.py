@@ -65,18 +65,6 @@ class JobRun:
         self._noted: set[tuple[str, str]] = set()  # (type, job) of the notes said once
         self._lost: dict[str, datetime] = {}  # node -> when its host monitor was seen gone
 
-    def wait_known(self, within_s: float = 30.0) -> None:
-        """Until the supervisor knows every node (their first heartbeats): from then on
-        it answers for them (faults, cordons)."""
-        deadline = time.monotonic() + within_s
-        wanted = set(self.demo.options.nodes)
-        while time.monotonic() < deadline:
-            nodes = self._api("/api/v1/nodes") or []
-            if wanted <= {n["name"] for n in nodes}:
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"the supervisor did not hear from every node within {within_s:g}s")
-
     def wait(self, stopping: Callable[[], bool]) -> Outcome | None:
         """Until the job ends (its outcome) or `stopping()` says so (None)."""
         try:
