@@ -36,7 +36,8 @@ from training.warm_start import EXIT_DROPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: What the job modules import from torch: the standby's import, once.
+#: What the job modules import from torch, and the torch workload's training code: the
+#: standby's import, once (what it imports of torch on first use too: warm_start.py).
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -46,6 +47,7 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
     "torch.nn.parallel",
+    "training.torch_workload.train",
 )
 
 #: This process's standbys, by what they import.

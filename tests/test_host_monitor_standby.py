@@ -240,6 +240,26 @@ def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None
         assert first[generator] != second[generator], generator
 
 
+def test_a_forked_worker_finds_what_torch_imports_on_first_use_imported(tmp_path: Path) -> None:
+    """torch imports `torch._dynamo` when a process makes its first optimizer (half a second
+    of CPU): a standby that preloaded torch imported it, once, for every worker it forks."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "STANDBY_OUT": str(out), "OMP_NUM_THREADS": "1"}
+    with bare_standby(env, ["torch"]) as (proc, pipe):
+        assert proc.stdin is not None
+        order = WorkerOrder(("-m", "tests.fixtures.first_optimizer_worker"), env, str(ROOT), None)
+        assert parse_reply(pipe.readline()) == Ready()
+        proc.stdin.write(order.to_line())
+        proc.stdin.flush()
+        forked = parse_reply(pipe.readline())
+        assert isinstance(forked, Forked) and forked.pid is not None
+        assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+    (report,) = (json.loads(p.read_text()) for p in out.glob("first-optimizer-*.json"))
+    assert not [m for m in report["imported"] if m.startswith("torch._dynamo")], report
+
+
 def test_a_command_a_standby_cannot_run_has_none(agent: tuple[Agent, Path]) -> None:
     monitor, _ = agent
     for command in (
