@@ -36,8 +36,9 @@ from training.warm_start import EXIT_DROPPED
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: What the job modules import from torch, and the torch workload's training code: the
-#: standby's import, once (what it imports of torch on first use too: warm_start.py).
+#: What the job modules import from torch: the standby's import, once (and what torch
+#: imports on first use: training/warm_start.py). Nothing of the training package: its
+#: modules come fresh in each rank, as in a script's own imports.
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -47,7 +48,6 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
     "torch.nn.parallel",
-    "training.torch_workload.train",
 )
 
 #: This process's standbys, by what they import.

@@ -74,15 +74,19 @@ def run_job(
             },
             log_path(out, rank),
         )
-    results: dict[int, dict[str, Any]] = {}
+    outputs: dict[int, str] = {}
     for rank, proc in procs.items():
         try:
-            output, _ = proc.communicate(timeout=timeout_s)
+            outputs[rank], _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             for p in procs.values():
                 p.kill()
             raise
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{output}"
+    # Every rank's output: the one that failed first may not be the first to say so.
+    failed = {rank: p.returncode for rank, p in procs.items() if p.returncode != 0}
+    assert not failed, "\n".join(f"rank {r} exited {c}:\n{outputs[r]}" for r, c in failed.items())
+    results: dict[int, dict[str, Any]] = {}
+    for rank in procs:
         results[rank] = json.loads((out / f"rank-{rank}.json").read_text())
         assert not [s for s in results[rank]["saves"] if s[2]], results[rank]["saves"]
     return results
