@@ -57,7 +57,9 @@ def test_a_frozen_rank_of_a_plain_ddp_script_is_detected_and_healed(tmp_path: Pa
     (tmp_path / "train.py").write_text(DDP_SCRIPT)
     args = ["--nnodes", "2", "--nproc-per-node", "1"]
     args += ["--set", f"hang_timeout_s={HANG_TIMEOUT_S}", "train.py"]
-    run = Run(tmp_path, args, user_env(tmp_path, STEPS="150", STEP_TIME_S="0.05"))
+    # 30 s of training per attempt: the job starts first, the supervisor after it, and on a
+    # loaded machine the supervisor took 10 s to be up, by when 150 steps had all run.
+    run = Run(tmp_path, args, user_env(tmp_path, STEPS="600", STEP_TIME_S="0.05"))
     frozen: int | None = None
     try:
         run.wait_step(20, within=90)
