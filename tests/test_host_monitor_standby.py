@@ -191,6 +191,16 @@ def bare_standby(
         proc.wait(10)
 
 
+def run_to_its_end(proc: subprocess.Popen[bytes], pipe: BinaryIO, order: WorkerOrder) -> None:
+    """Order a bare standby's worker and wait until it exited 0."""
+    assert proc.stdin is not None
+    proc.stdin.write(order.to_line())
+    proc.stdin.flush()
+    forked = parse_reply(pipe.readline())
+    assert isinstance(forked, Forked) and forked.pid is not None
+    assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+
+
 def test_a_bad_order_is_refused_by_the_standby_which_keeps_serving(tmp_path: Path) -> None:
     """The pipe itself, without a host monitor: a line that is not an order is refused
     with its field named, and the next order is forked."""
@@ -228,11 +238,7 @@ def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None
         order = WorkerOrder(("-m", "tests.fixtures.seed_worker"), env, str(ROOT), None)
         assert parse_reply(pipe.readline()) == Ready()
         for _ in range(2):  # one after the other: the second forks what the first left
-            proc.stdin.write(order.to_line())
-            proc.stdin.flush()
-            forked = parse_reply(pipe.readline())
-            assert isinstance(forked, Forked) and forked.pid is not None
-            assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+            run_to_its_end(proc, pipe, order)
         proc.stdin.close()
         assert proc.wait(10) == 64
     first, second = (json.loads(p.read_text()) for p in sorted(out.glob("seeds-*.json")))
@@ -251,11 +257,7 @@ def test_a_forked_worker_finds_what_torch_imports_on_first_use_imported(tmp_path
         assert proc.stdin is not None
         order = WorkerOrder(("-m", "tests.fixtures.first_optimizer_worker"), env, str(ROOT), None)
         assert parse_reply(pipe.readline()) == Ready()
-        proc.stdin.write(order.to_line())
-        proc.stdin.flush()
-        forked = parse_reply(pipe.readline())
-        assert isinstance(forked, Forked) and forked.pid is not None
-        assert parse_reply(pipe.readline()) == Exited(forked.pid, 0)
+        run_to_its_end(proc, pipe, order)
     (report,) = (json.loads(p.read_text()) for p in out.glob("first-optimizer-*.json"))
     assert not [m for m in report["imported"] if m.startswith("torch._dynamo")], report
 

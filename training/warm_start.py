@@ -190,17 +190,11 @@ def _seed_afresh() -> None:
         numpy_random.seed()
 
 
-def _import_on_first_use_now() -> None:
-    """The modules of FIRST_USE_IMPORTS of each preloaded package (the worker imports one
-    that fails here itself, and fails as it would)."""
-    for package, modules in FIRST_USE_IMPORTS.items():
-        if package not in sys.modules:
-            continue
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except Exception as exc:
-                print(f"warm start: not preloaded: {module}: {exc!r}", file=sys.stderr, flush=True)
+def _preload(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # the worker imports it itself, and fails as it would
+        print(f"warm start: not preloaded: {module}: {exc!r}", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -209,11 +203,11 @@ def main() -> int:
     parser.add_argument("--reply-fd", type=int, required=True, help="The pipe replies go to.")
     args = parser.parse_args()
     for module in args.preload:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # the worker imports it itself, and fails as it would
-            print(f"warm start: not preloaded: {module}: {exc!r}", file=sys.stderr, flush=True)
-    _import_on_first_use_now()
+        _preload(module)
+    for package, modules in FIRST_USE_IMPORTS.items():
+        if package in sys.modules:
+            for module in modules:
+                _preload(module)
     order = ForkServer(args.reply_fd).serve()
     if order is None:
         return EXIT_DROPPED
