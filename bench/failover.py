@@ -39,7 +39,7 @@ from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import yaml
@@ -85,6 +85,19 @@ class Timing:
     retry_period_s: float = 0.25
 
 
+class ReplicaProcess(Protocol):
+    """What a replica uses of its process: `subprocess.Popen`'s, or a forked one's that a
+    test starts (tests/forked_services.py)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
 class Replica:
     """One `supervisor serve` process with leader election on."""
 
@@ -114,7 +127,7 @@ class Replica:
             "SUPERVISOR_KUBE_CONFIG": str(kubeconfig),
             "SUPERVISOR_KUBE_NAMESPACE": NAMESPACE,
         }
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ReplicaProcess | None = None
         # One client for all polls: a new one costs ~40 ms (it loads the CA bundle).
         self.http = httpx.Client(base_url=self.url, timeout=2)
 

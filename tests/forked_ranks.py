@@ -20,13 +20,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 from host_monitor.standby import ForkedWorker, Standby, Standbys
@@ -53,11 +56,14 @@ PRELOAD = (
 #: This process's standbys, by what they import.
 _standbys: dict[tuple[str, ...], Standbys] = {}
 _run_dir: Path | None = None
+_forking = threading.Lock()
+#: What the one thread that starts every standby is asked (`_started`).
+_to_start: queue.Queue[tuple[tuple[str, ...], Future[Standby]]] = queue.Queue()
 
 
 class RankProcess:
-    """A forked rank, with what the tests use of `subprocess.Popen`: its output is its log
-    file (stdout and stderr together), read when it has ended."""
+    """A forked rank (or service: tests/forked_services.py), with what the tests use of
+    `subprocess.Popen`: its output is its log file (stdout and stderr together)."""
 
     def __init__(self, worker: ForkedWorker, log_path: Path) -> None:
         self._worker = worker
@@ -106,7 +112,7 @@ def _standby_env() -> dict[str, str]:
     return env
 
 
-def _standby(preload: tuple[str, ...] = PRELOAD) -> Standby:
+def _warm_standby(preload: tuple[str, ...] = PRELOAD) -> Standby:
     """This pytest process's warm standby that imported `preload`, started and warm: one
     for every job module and script that imports no more, since a standby imports only
     its preload, whatever it forks."""
@@ -134,6 +140,28 @@ def _standby(preload: tuple[str, ...] = PRELOAD) -> Standby:
     return standby
 
 
+def _started(preload: tuple[str, ...]) -> Standby:
+    """`_warm_standby(preload)`, from the thread that starts every standby. The kernel
+    kills a standby (its PR_SET_PDEATHSIG) when the thread that started it ends, not the
+    process: one started from a test's own thread (a ThreadPoolExecutor's, which ends with
+    its pool) died with it, and every later fork failed. A daemon thread, so it outlives
+    the session's end, where its standbys are dropped (`_drop_all`)."""
+    if not any(t.name == "standby-starter" for t in threading.enumerate()):
+        threading.Thread(target=_start_standbys, name="standby-starter", daemon=True).start()
+    done: Future[Standby] = Future()
+    _to_start.put((preload, done))
+    return done.result()
+
+
+def _start_standbys() -> None:
+    while True:
+        preload, done = _to_start.get()
+        try:
+            done.set_result(_warm_standby(preload))
+        except BaseException as exc:  # the asker raises it
+            done.set_exception(exc)
+
+
 def start_rank(
     module: str, env: Mapping[str, str], log_path: Path, argv: Sequence[str] = ()
 ) -> RankProcess:
@@ -141,7 +169,7 @@ def start_rank(
     (replacing the environment), its output appended to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     order = WorkerOrder(("-m", module, *argv), dict(env), str(ROOT), str(log_path))
-    return RankProcess(_standby().fork(order), log_path)
+    return RankProcess(fork(order), log_path)
 
 
 def start_script(
@@ -158,7 +186,15 @@ def start_script(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     folder = str(cwd or script.parent)
     order = WorkerOrder((str(script),), dict(env), folder, str(log_path))
-    return RankProcess(_standby(preload).fork(order), log_path)
+    return RankProcess(fork(order, preload), log_path)
+
+
+def fork(order: WorkerOrder, preload: tuple[str, ...] = PRELOAD) -> ForkedWorker:
+    """`order`, forked by this process's standby of `preload`: one order at a time, from
+    whatever thread (a standby's replies come in its orders' order, and a test may start
+    its processes side by side)."""
+    with _forking:
+        return _started(preload).fork(order)
 
 
 def torchrun_env(world: int, port: int) -> list[dict[str, str]]:

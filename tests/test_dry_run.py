@@ -6,8 +6,6 @@ tests/test_dry_run_real.py."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -18,6 +16,7 @@ import httpx
 from supervisor.domain import ActionRequest, ActionType
 from supervisor.store import ActionFilter, open_store
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.forked_services import start_service
 from tests.http import http
 from tests.test_host_monitor import Cluster, wait_for
 from tests.test_host_monitor import Supervisor as ServedSupervisor
@@ -62,11 +61,8 @@ class ActingSupervisor(ServedSupervisor):
     backend would make it a dry run too): tests/acting_stand_in.py."""
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "tests.acting_stand_in", "serve", "--port", str(self.port)]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        args = ["serve", "--port", str(self.port)]
+        self.proc = start_service("tests.acting_stand_in", args, self.env, self.log)
 
         def ready() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()

@@ -22,6 +22,8 @@ import pytest
 
 from supervisor.local.cluster_state import free_port
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN
+from tests.forked_ranks import RankProcess
+from tests.forked_services import start_service
 from tests.http import http
 from tests.test_api import heartbeat
 from tests.timing import scaled
@@ -45,17 +47,12 @@ class Server:
             "SUPERVISOR_HEARTBEAT_TIMEOUT_S": "1.0",
             **{f"SUPERVISOR_{k.upper()}": str(v) for k, v in settings.items()},
         }
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: RankProcess | None = None
 
     def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                # The default backend stands in for one that acts (tests/acting_stand_in.py).
-                [sys.executable, "-m", "tests.acting_stand_in", "serve", "--port", str(self.port)],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        # The default backend stands in for one that acts (tests/acting_stand_in.py).
+        args = ["serve", "--port", str(self.port)]
+        self.proc = start_service("tests.acting_stand_in", args, self.env, self.log)
         deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()

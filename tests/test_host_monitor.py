@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import httpx
 import pytest
 
 from supervisor.local.cluster_state import free_port
+from tests.forked_ranks import RankProcess
+from tests.forked_services import start_service
 from tests.http import http
 from tests.timing import scaled
 
@@ -126,18 +127,12 @@ class Supervisor:
             "SUPERVISOR_NODE_KEY": NODE_KEY,
             **(env or {}),
         }
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: RankProcess | None = None
         self.http = httpx.Client(base_url=self.url, headers=OPERATOR, timeout=5)
 
     def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "serve", "--port", str(self.port)],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        args = ["serve", "--port", str(self.port)]
+        self.proc = start_service("supervisor.cli", args, self.env, self.log)
 
         def ready() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
@@ -189,7 +184,9 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]
 
 
 class Agent:
-    def __init__(self, node: str, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    def __init__(
+        self, node: str, proc: subprocess.Popen[bytes] | RankProcess, url: str, log: Path
+    ) -> None:
         self.node = node
         self.proc = proc
         self.url = url
@@ -234,8 +231,12 @@ class Cluster:
         *,
         node: str | None = None,
         env: dict[str, str] | None = None,
+        fresh: bool = False,
         **flags: Any,
     ) -> Agent:
+        """A host monitor forked by the tests' standby (tests/forked_services.py), or a new
+        interpreter when `fresh`: where its memory is measured, as a forked process's pages
+        are its standby's until it writes them."""
         node = node or f"hm-{uuid.uuid4().hex[:8]}"
         settings: dict[str, Any] = {
             "node": node,
@@ -251,10 +252,10 @@ class Cluster:
         if supervisor_url is not None:
             settings["supervisor_url"] = supervisor_url
         settings.update(flags)
-        argv = [sys.executable, "-m", "host_monitor.cli"]
+        args = []
         for name, value in settings.items():
             if value is not None:
-                argv += [f"--{name.replace('_', '-')}", str(value)]
+                args += [f"--{name.replace('_', '-')}", str(value)]
         # Tokens through the environment, as in production (flags show in `ps`); an empty
         # value in `env` leaves the variable out.
         full_env = {
@@ -266,29 +267,34 @@ class Cluster:
         }
         full_env = {k: v for k, v in full_env.items() if v}
         log = self.tmp / f"{node}.agent.log"
-        with log.open("ab") as err:
-            proc = subprocess.Popen(
-                argv,
-                env=full_env,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                start_new_session=True,
-            )
-        assert proc.stdout is not None
-        line = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + scaled(15)  # a host monitor's start, loaded
-            while not line.endswith(b"\n"):
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    proc.kill()
-                    raise AssertionError(f"agent did not start:\n{log.read_text()}")
-                chunk = os.read(proc.stdout.fileno(), 1)
-                if not chunk:
-                    raise AssertionError(f"agent exited ({proc.wait()}):\n{log.read_text()}")
-                line += chunk
-        text = line.decode().strip()
+        # A node's host monitor started again appends to its file: its own lines only.
+        start = log.stat().st_size if log.exists() else 0
+        proc: subprocess.Popen[bytes] | RankProcess
+        if fresh:
+            with log.open("ab") as out:
+                command = [sys.executable, "-m", "host_monitor.cli", *args]
+                proc = subprocess.Popen(
+                    command, env=full_env, stdout=out, stderr=out, start_new_session=True
+                )
+        else:
+            proc = start_service("host_monitor.cli", args, full_env, log)
+        # It says where it listens on stdout, once it does (its port is its own choice).
         prefix = f"host-monitor {node} listening on "
+
+        def listening() -> str | bool:
+            # Whole lines only: one being written may be read in part.
+            with log.open("rb") as file:
+                file.seek(start)
+                lines = file.read().decode(errors="replace").splitlines(keepends=True)
+            said = [x.strip() for x in lines if prefix in x and x.endswith("\n")]
+            return said[0] if said else proc.poll() is not None
+
+        text: str | bool = False
+        with contextlib.suppress(AssertionError):  # a host monitor's start, loaded
+            text = wait_for(listening, 15, "the agent listening")
+        if not isinstance(text, str):
+            proc.kill()
+            raise AssertionError(f"agent did not start (exit {proc.poll()}):\n{log.read_text()}")
         assert text.startswith(prefix), text
         agent = Agent(node, proc, text.removeprefix(prefix), log)
         self.agents.append(agent)
@@ -338,8 +344,6 @@ class Cluster:
                     agent.proc.wait(5)
             _kill_group(agent.proc.pid)
             agent.proc.wait(5)
-            if agent.proc.stdout is not None:
-                agent.proc.stdout.close()
         for pid in self.worker_pids():
             _kill_group(pid)  # workers lead their own process group
 

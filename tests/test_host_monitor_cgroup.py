@@ -150,6 +150,7 @@ def _node(
         checkpoint_root=root,
         peer_store_dir=store,
         peer_timeout_s=30,
+        fresh=True,  # its memory is what is measured
         **flags,
     )
     return Node(agent, root, store)

@@ -246,6 +246,26 @@ def test_forked_workers_draw_random_numbers_of_their_own(tmp_path: Path) -> None
         assert first[generator] != second[generator], generator
 
 
+def test_a_forked_workers_collector_walks_only_its_own_objects(tmp_path: Path) -> None:
+    """What the standby imported is frozen before it forks (gc.freeze): a worker's full
+    collection walks the worker's own objects, not the imports' hundreds of thousands
+    (a tenth of a second each, with torch, and every page it walked unshared)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "STANDBY_OUT": str(out), "PYTHONPATH": str(ROOT)}
+    preload = ["asyncio", "email.message", "http.server", "json"]
+    with bare_standby(env, preload) as (proc, pipe):
+        assert proc.stdin is not None
+        order = WorkerOrder(("-m", "tests.fixtures.gc_worker"), env, str(ROOT), None)
+        assert parse_reply(pipe.readline()) == Ready()
+        run_to_its_end(proc, pipe, order)
+        proc.stdin.close()
+        assert proc.wait(10) == 64
+    seen = json.loads((out / "gc.json").read_text())
+    assert seen["frozen"] > 10_000, seen  # the interpreter's and the imports' objects
+    assert seen["tracked"] < seen["frozen"] / 5, seen
+
+
 def test_a_forked_worker_finds_what_torch_imports_on_first_use_imported(tmp_path: Path) -> None:
     """torch imports `torch._dynamo` when a process makes its first optimizer (half a second
     of CPU): a standby that preloaded torch imported it, once, for every worker it forks."""

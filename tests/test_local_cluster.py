@@ -27,6 +27,7 @@ from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo, leftover_processes
 from supervisor.local.demo_options import DemoOptions
 from tests.forked_ranks import RankProcess, log_path, start_rank
+from tests.forked_services import start_local_process
 from tests.http import http
 from tests.timing import scaled
 
@@ -160,7 +161,7 @@ def demos(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
         options.supervisor_env = {**patient, **overrides.pop("supervisor_env", {})}
         for key, value in overrides.items():
             setattr(options, key, value)
-        demo = LocalDemo(options)
+        demo = LocalDemo(options, start_local_process)
         demos.append(demo)
         demo.start()
         return demo
@@ -168,7 +169,11 @@ def demos(tmp_path: Path, workload: str) -> Iterator[Callable[..., LocalDemo]]:
     yield start
     for demo in demos:
         demo.stop()
+        # A forked service's environment is not the one /proc shows (its standby's): the
+        # run's marker finds what its processes started, their exits the services.
         assert leftover_processes(demo.run_dir) == [], "processes left behind"
+        services = [demo.supervisor, *demo.monitors.values()]
+        assert all(p is None or p.poll() is not None for p in services), "services left"
 
 
 #: Each poll is an HTTP request the service answers from its store: four a second is fine

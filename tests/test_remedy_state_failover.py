@@ -11,8 +11,6 @@ supervisor has decided on an event is read from its database (the event handled)
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -28,6 +26,7 @@ from supervisor.domain import utcnow
 from supervisor.store import BudgetRecord, IncidentRecord, Store, make_engine, open_store
 from tests.chart_rbac import chart_identity
 from tests.control_plane import ControlPlane
+from tests.forked_services import start_service
 from tests.test_e2e import AGENT, OPERATOR, Server
 from tests.test_leader_election_real import LEASE_URL, LOADED_TIMING
 from tests.timing import scaled, wait_until
@@ -207,13 +206,8 @@ class ActingReplica(Replica):
     that acts (tests/acting_stand_in.py), not as a dry run."""
 
     def start(self, timeout_s: float = 30.0) -> ActingReplica:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.acting_stand_in", "serve", "--port", str(self.port)],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        args = ["serve", "--port", str(self.port)]
+        self.proc = start_service("tests.acting_stand_in", args, self.env, self.log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_text()

@@ -35,6 +35,7 @@ from supervisor.local.backend import LocalBackend
 from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
 from supervisor.ops.errors import ExitCode
 from tests.conftest import SettingsFactory
+from tests.forked_services import start_service
 from tests.test_host_monitor import (
     ACTUATOR,
     ACTUATOR_TOKEN,
@@ -144,14 +145,8 @@ class HttpsSupervisor(Supervisor):
         self.http = httpx.Client(base_url=self.url, headers=self.http.headers, verify=self.verify)
 
     def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "serve", "--port", str(self.port)],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        args = ["serve", "--port", str(self.port)]
+        self.proc = start_service("supervisor.cli", args, self.env, self.log)
 
         def ready() -> bool:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()

@@ -18,7 +18,10 @@ an import. Anything that reads the environment only when imported (OMP_NUM_THREA
 torch) comes from the environment the standby was started with, which the host monitor
 makes the job's. A module it could not preload is said in its log, and left for the
 worker to import. The random generators a new interpreter seeds from the OS's entropy are
-seeded afresh in each child, and the automatic step count is the child's own.
+seeded afresh in each child, and the automatic step count is the child's own. What the
+standby holds when it forks is frozen for the collector (`gc.freeze`, as Python's
+documentation advises before a fork without exec): a worker's collections walk only its
+own objects, and leave the standby's pages shared.
 
 When stdin closes (the host monitor dropped it), the standby takes no more orders, waits
 for the workers it forked and exits 64; it dies with its host monitor (PR_SET_PDEATHSIG,
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import importlib
 import os
 import runpy
@@ -104,6 +108,10 @@ class ForkServer:
             return None
         sys.stdout.flush()
         sys.stderr.flush()
+        # What the standby holds is the workers' too, for their whole life: frozen, their
+        # collector never walks it (a full collection of a forked torch worker walked
+        # every object the imports made, and wrote to each page it touched, unsharing it).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             self._become_child()
@@ -208,6 +216,7 @@ def main() -> int:
         if package in sys.modules:
             for module in modules:
                 _preload(module)
+    gc.collect()  # the imports' garbage, before freezing what is left (ForkServer._fork)
     order = ForkServer(args.reply_fd).serve()
     if order is None:
         return EXIT_DROPPED

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
@@ -29,10 +28,10 @@ from resiliency_protocol.shared_settings import host_monitor_env
 from supervisor.local.cluster import LocalCluster
 from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
 from supervisor.local.demo_options import DemoOptions
+from supervisor.local.processes import LocalProcess, ProcessStarter, start_process
 from supervisor.local.run_folder import claim
 
 RUN_MARKER = "SUPERVISOR_LOCAL_RUN"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: How long the job's first start waits for its nodes' warm standbys (their imports, once
 #: per node) before it launches the ranks of a node still importing.
 BOOT_STANDBY_WAIT_S = 60.0
@@ -49,15 +48,10 @@ def node_peer_store(run_dir: Path, node: str) -> Path:
     return run_dir / "nodes" / node / Tier.PEER
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class LocalDemo:
-    def __init__(self, options: DemoOptions) -> None:
+    def __init__(self, options: DemoOptions, start: ProcessStarter = start_process) -> None:
         self.options = options
+        self._start = start
         self.run_dir = options.run_dir.resolve()
         self.agent_token = secrets.token_urlsafe(24)
         self.operator_token = secrets.token_urlsafe(24)
@@ -65,10 +59,9 @@ class LocalDemo:
         self.peer_token = secrets.token_urlsafe(24)  # shared by the nodes' host monitors
         self.url = f"http://{options.host('supervisor')[1]}:{options.port}"
         self.node_ports: dict[str, int] = {}
-        self.monitors: dict[str, subprocess.Popen[bytes]] = {}
-        self.supervisor: subprocess.Popen[bytes] | None = None
+        self.monitors: dict[str, LocalProcess] = {}
+        self.supervisor: LocalProcess | None = None
         self._down_since: dict[str, float] = {}
-        self._logs: list[IO[bytes]] = []
         self._folder: IO[bytes] | None = None  # the run folder's marker, locked while we run
         self._client: httpx.Client | None = None
 
@@ -83,23 +76,8 @@ class LocalDemo:
 
     # --- processes ----------------------------------------------------------------------
 
-    def _log(self, name: str) -> IO[bytes]:
-        log = (self.run_dir / "logs" / f"{name}.log").open("ab")
-        self._logs.append(log)
-        return log
-
-    def _spawn(
-        self, args: list[str], env: dict[str, str], log_name: str
-    ) -> subprocess.Popen[bytes]:
-        log = self._log(log_name)
-        return subprocess.Popen(
-            [*self.options.host(log_name.removeprefix("host-monitor-"))[0], *args],
-            env={**os.environ, RUN_MARKER: str(self.run_dir), **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl+C in the terminal reaches us only; we stop them
-            preexec_fn=_die_with_parent,
-        )
+    def _log(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
 
     def start_monitor(self, node: str) -> None:
         o = self.options
@@ -135,8 +113,10 @@ class LocalDemo:
             "peer_store_dir": str(peer_store),
         }
         env = {host_monitor_env(name): value for name, value in settings.items()}
-        self.monitors[node] = self._spawn(
-            [sys.executable, "-m", "host_monitor.cli"], env, f"host-monitor-{node}"
+        self.monitors[node] = self._start(
+            [*o.host(node)[0], sys.executable, "-m", "host_monitor.cli"],
+            {**os.environ, RUN_MARKER: str(self.run_dir), **env},
+            self._log(f"host-monitor-{node}"),
         )
 
     def start_supervisor(self) -> None:
@@ -171,14 +151,8 @@ class LocalDemo:
         ]
         # A stray SUPERVISOR_* setting in the caller's shell must not change the demo.
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
-        log = self._log("supervisor")
-        self.supervisor = subprocess.Popen(
-            args,
-            env={**clean, RUN_MARKER: str(self.run_dir), **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+        self.supervisor = self._start(
+            args, {**clean, RUN_MARKER: str(self.run_dir), **env}, self._log("supervisor")
         )
 
     def restart_supervisor(self) -> int:
@@ -363,8 +337,6 @@ class LocalDemo:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
-        for log in self._logs:
-            log.close()
         if self._folder is not None:
             self._folder.close()  # another run may take the folder now
             self._folder = None
