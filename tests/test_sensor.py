@@ -720,8 +720,8 @@ async def test_hang_with_learned_timeout_fires(make_sensor: SensorFactory) -> No
         hang_warmup_intervals=0,
     )
     sensor.ingest(stepping("n1", 1))
+    stalled_at = now()  # before the step that arms the deadline, from a clock read inside
     sensor.ingest(stepping("n1", 2))
-    stalled_at = now()
     await until(lambda: bool(emitted.events))
     assert now() - stalled_at >= 0.1
     [event] = emitted.events
@@ -1044,8 +1044,8 @@ async def test_injected_heartbeat_loss_with_duration_ends_by_itself(
 ) -> None:
     sensor, emitted = make_sensor(heartbeat_timeout_s=0.1)
     sensor.ingest(hb("n1", "j1"))
+    injected_at = now()  # before the mute, which reads its own start
     sensor.fault_marks.mute("n1", 3, duration_s=0.3)
-    injected_at = now()
     pump = Pump(sensor, lambda _: [hb("n1", "j1")]).start()
     try:
         await until(lambda: bool(pump.events))
@@ -1086,8 +1086,10 @@ async def test_restore_gives_alive_nodes_a_grace_period(make_sensor: SensorFacto
     sensor, emitted = make_sensor(heartbeat_timeout_s=0.2)
     job = JobView("j1", num_dp_replicas=3, min_num_dp_replicas=1, max_num_dp_replicas=5,
                   num_nodes_per_dp=2)  # fmt: skip
-    sensor.restore([_node_view("n1", "j1", alive=True), _node_view("n2", "j1", alive=True)], [job])
+    # Read before the restore: its grace period starts inside it, so a time read after
+    # it (3 ms later on a loaded machine) made the grace look shorter than it was.
     restored_at = now()
+    sensor.restore([_node_view("n1", "j1", alive=True), _node_view("n2", "j1", alive=True)], [job])
     view = sensor.job_view("j1")
     assert view is not None
     assert (view.num_dp_replicas, view.min_num_dp_replicas, view.max_num_dp_replicas) == (3, 1, 5)
