@@ -87,14 +87,15 @@ $(ZSH):
 
 # The fleet-scale modules alone first (`-m solo`, SOLO_MODULES in tests/conftest.py), then
 # two pytest sessions side by side: the modules that train with several torch processes
-# (`-m heavy`, HEAVY_MODULES in tests/conftest.py) one after another, and all the others
-# on two xdist workers, each module whole on one worker (`--dist loadgroup`; the modules
-# on the control plane share one worker and its plane, the small torch modules share
-# another, one at a time: tests/session_groups.py). The suite is bound by the machine's two
-# cores (docs/testing.md): three workers, each taking any module, pushed two heavy
-# modules together and broke their margins. The heavy session's output follows the
-# other's. Both sessions keep both cores busy: the tests' margins (tests/timing.py) are
-# doubled unless said otherwise. Each session leaves its per-test times in var/junit-*.xml.
+# (`-m heavy`) on two xdist workers, each running one group of them one after another
+# (HEAVY_GROUPS in tests/session_groups.py: one bound by CPU beside one that mostly
+# waits), and all the others on two more, each module whole on one worker (`--dist
+# loadgroup`; the modules on the control plane share one worker and its plane, the small
+# torch modules share another, one at a time). The suite is bound by the machine's two
+# cores (docs/testing.md): workers that each take any module pushed several heavy modules
+# together and broke their margins. The heavy session's output follows the other's.
+# Both sessions keep both cores busy: the tests' margins (tests/timing.py) are doubled
+# unless said otherwise. Each session leaves its per-test times in var/junit-*.xml.
 TEST_TIME_SCALE ?= 2
 test: export TEST_TIME_SCALE := $(TEST_TIME_SCALE)
 test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT) $(POSTGRES) $(ZSH) control-plane
@@ -104,7 +105,7 @@ test: lint $(DEPLOY_STAMP) $(CHROMIUM) $(NFT) $(POSTGRES) $(ZSH) control-plane
 	@# of processes compiled what it imported again (about 0.3 s of CPU each).
 	$(BIN)/python -m compileall -q -j 0 resiliency_protocol supervisor host_monitor policies training bench tests >/dev/null
 	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m solo -p no:cacheprovider; solo=$$?; \
-	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m heavy -p no:cacheprovider \
+	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m heavy -p no:cacheprovider -n 2 --dist loadgroup \
 		--junitxml=var/junit-heavy.xml > var/test-heavy.log 2>&1 & heavy=$$!; \
 	CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m "not heavy and not solo" -n 2 --dist loadgroup \
 		--junitxml=var/junit-other.xml; light=$$?; \

@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 from supervisor.config import Settings
 from tests.control_plane import ControlPlane, Identity
 from tests.postgres import running_postgres
-from tests.session_groups import PLANE_MODULES, order_of
+from tests.session_groups import HEAVY_GROUPS, PLANE_MODULES, order_of
 from tests.timing import scaled
 
 #: Each test's CPU, its processes' included (var/junit-*.xml, and the most at the end).
@@ -226,21 +226,11 @@ FAST_MODULES = frozenset(
 
 
 #: The modules that train with several torch processes at once: they take the machine's
-#: cores. `make test` runs them (`-m heavy`) one after another in one pytest session,
-#: beside a second session that runs every other module: two of these side by side
-#: pushed a 2-core machine's load past 8 and broke their timing margins.
-HEAVY_MODULES = frozenset(
-    {
-        "test_checkpoint_tiers",
-        "test_fsdp2_example",
-        "test_in_process_restart",
-        "test_kube_in_process",
-        "test_local_cluster",
-        "test_partitions",
-        "test_run_user_job",
-        "test_sharded_local_cluster",
-    }
-)
+#: cores. `make test` runs them (`-m heavy`) in a session of their own, beside a second
+#: session that runs every other module, two at a time at most (HEAVY_GROUPS in
+#: tests/session_groups.py): more side by side pushed a 2-core machine's load past 8 and
+#: broke their timing margins.
+HEAVY_MODULES = frozenset[str]().union(*HEAVY_GROUPS.values())
 
 
 #: The modules that measure the service at fleet scale (2,000 nodes heartbeating against

@@ -60,12 +60,41 @@ SIDE_TORCH_MODULES = frozenset(
     }
 )
 
+#: The modules that train with several torch processes at once (`-m heavy`): `make test`
+#: runs them in a session of their own, beside the other modules' session, on two workers,
+#: each taking one of these groups and running its modules one after another. At most
+#: two of them train at once, and each pair sets one bound by its CPU (the sharded and
+#: partitioned jobs: about a core each) beside one that mostly waits (for a heartbeat
+#: timeout, a restart, a step's pace: half a core or less). All of them on one worker
+#: had made that session the suite's longest, with a third of the cores idle.
+HEAVY_GROUPS = {
+    "heavy-cpu": frozenset(
+        {
+            "test_checkpoint_tiers",
+            "test_fsdp2_example",
+            "test_partitions",
+            "test_run_user_job",
+            "test_sharded_local_cluster",
+        }
+    ),
+    "heavy-waits": frozenset(
+        {
+            "test_in_process_restart",
+            "test_kube_in_process",
+            "test_local_cluster",
+        }
+    ),
+}
+
 #: The groups sent out first, so that a worker is not left with one of them at the end
 #: while the other idles.
-FIRST = (SIDE_TORCH_GROUP, PLANE_GROUP)
+FIRST = (*HEAVY_GROUPS, SIDE_TORCH_GROUP, PLANE_GROUP)
 
 
 def group_of(module: str) -> str:
+    for group, modules in HEAVY_GROUPS.items():
+        if module in modules:
+            return group
     if module in PLANE_MODULES:
         return PLANE_GROUP
     return SIDE_TORCH_GROUP if module in SIDE_TORCH_MODULES else module
