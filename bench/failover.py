@@ -39,7 +39,7 @@ from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import yaml
@@ -48,6 +48,7 @@ from bench.table import Row, render, verdict
 from resiliency_protocol.faults import FaultKind
 from supervisor.kube.leader import JITTER
 from supervisor.local.cluster_state import free_port
+from supervisor.local.processes import LocalProcess
 from tests.kube import FakeKube
 
 AGENT_TOKEN = "failover-agent-token"
@@ -85,19 +86,6 @@ class Timing:
     retry_period_s: float = 0.25
 
 
-class ReplicaProcess(Protocol):
-    """What a replica uses of its process: `subprocess.Popen`'s, or a forked one's that a
-    test starts (tests/forked_services.py)."""
-
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def send_signal(self, sig: int) -> None: ...
-
-
 class Replica:
     """One `supervisor serve` process with leader election on."""
 
@@ -127,7 +115,8 @@ class Replica:
             "SUPERVISOR_KUBE_CONFIG": str(kubeconfig),
             "SUPERVISOR_KUBE_NAMESPACE": NAMESPACE,
         }
-        self.proc: ReplicaProcess | None = None
+        # `subprocess.Popen`, or a process a test forked (tests/forked_services.py).
+        self.proc: LocalProcess | None = None
         # One client for all polls: a new one costs ~40 ms (it loads the CA bundle).
         self.http = httpx.Client(base_url=self.url, timeout=2)
 

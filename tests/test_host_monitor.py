@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from supervisor.local.cluster_state import free_port
+from supervisor.local.processes import LocalProcess
 from tests.forked_ranks import RankProcess
 from tests.forked_services import start_service
 from tests.http import http
@@ -184,9 +185,7 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]
 
 
 class Agent:
-    def __init__(
-        self, node: str, proc: subprocess.Popen[bytes] | RankProcess, url: str, log: Path
-    ) -> None:
+    def __init__(self, node: str, proc: LocalProcess, url: str, log: Path) -> None:
         self.node = node
         self.proc = proc
         self.url = url
@@ -269,7 +268,7 @@ class Cluster:
         log = self.tmp / f"{node}.agent.log"
         # A node's host monitor started again appends to its file: its own lines only.
         start = log.stat().st_size if log.exists() else 0
-        proc: subprocess.Popen[bytes] | RankProcess
+        proc: LocalProcess
         if fresh:
             with log.open("ab") as out:
                 command = [sys.executable, "-m", "host_monitor.cli", *args]
