@@ -23,6 +23,7 @@ import pytest
 from supervisor.actuator.backend import ActionError
 from supervisor.domain import ActionRecord, ActionStatus, ActionType
 from supervisor.local.backend import LocalBackend
+from supervisor.local.cluster_state import ClusterState
 from supervisor.local.demo import LocalDemo
 from tests.conftest import SettingsFactory
 from tests.http import http
@@ -207,10 +208,15 @@ def test_a_swap_retried_after_its_full_restart_failed_starts_that_world_again(
     without faults. (It used to try in-process again, in one more world, and sent the
     spare another start under the same request id: 409, failed again.)"""
     expected = reference_weights(tmp_path, 2, 1, STEPS, "torch")
-    demo = start_demo()
+    # The supervisor only tells the step, then is killed: it must not act on its own
+    # first. With the fixture's 1 s timeouts, a heartbeat late on a loaded machine had it
+    # swap a node for the spare before the kill, which left the test's swap no spare.
+    demo = start_demo(heartbeat_timeout_s=120.0, worker_heartbeat_timeout_s=120.0)
     wait_for(lambda: job_step(demo) >= 20, what="training to reach step 20")
     survivor, victim, spare = demo.options.nodes
     demo.kill_supervisor()  # the test's backend acts instead, one try at a time
+    booted = ClusterState.load(demo.run_dir)
+    assert (booted.job and booted.job.placement, booted.cordoned) == ([survivor, victim], [])
     settings = make_settings(
         backend="local",
         local_run_dir=str(demo.run_dir),
