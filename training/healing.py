@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 from resiliency_protocol import worker_env
 from training.errors import TrainingError
@@ -148,12 +150,12 @@ class InProcessHealing:
         attempt, env = assigned
         os.environ.update(env)
         wait_for_master(self.rank, wait_s)
-        self._join()
+        self._join(wait_s)  # the others may start later still: as long as it waits for them
         self.client.joined(attempt)
         return World(attempt, rejoined)
 
-    def _join(self) -> None:
-        dist.init_process_group(self.backend, timeout=self.timeout)
+    def _join(self, join_timeout_s: float = 0.0) -> None:
+        join_process_group(self.backend, self.timeout, join_timeout_s)
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if dist.get_rank() != self.rank or dist.get_world_size() != size:
             raise TrainingError(
@@ -175,6 +177,31 @@ def _seconds(name: str, given: float | None, variable: str, default: float) -> f
     if value < 0:
         raise ValueError(f"{name} ({variable}) must be >= 0, got {value:g}")
     return value
+
+
+def join_process_group(backend: str, timeout: timedelta | None, join_timeout_s: float) -> None:
+    """`dist.init_process_group(backend, timeout=timeout)` from the environment, as `env://`
+    joins (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; torchrun's agent store under
+    torchrun), but rank 0's store waits up to `join_timeout_s` for the other ranks to
+    connect when that is longer than `timeout`. In a new world the survivors wait there for
+    a replacement that starts a new process and imports torch first (a new pod is
+    scheduled and started before that): a collective's timeout, short so that a hang shows
+    early, had the survivors give up on it and the heal fall back to a full restart.
+    `timeout` stays the collectives' (None: torch's default, which is long)."""
+    if timeout is None or timeout.total_seconds() >= join_timeout_s:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    joined = rendezvous("env://", timeout=timedelta(seconds=join_timeout_s))
+    store, rank, world_size = next(joined)
+    store.set_timeout(timeout)
+    dist.init_process_group(
+        backend,
+        # The key prefix `env://` gives the default group's store.
+        store=PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
 def wait_for_master(rank: int, timeout_s: float) -> None:

@@ -34,7 +34,12 @@ import torch.distributed as dist
 
 from resiliency_protocol.logs import configure_worker_logging
 from training.checkpoint import Checkpointer, CheckpointSettings
-from training.healing import abandon_process_group, first_line, wait_for_master
+from training.healing import (
+    abandon_process_group,
+    first_line,
+    join_process_group,
+    wait_for_master,
+)
 from training.torch_workload.config import ConfigError, TorchWorkloadConfig
 from training.torch_workload.elastic import (
     batch_loss,
@@ -78,7 +83,8 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
             return EXIT_NO_WORLD
         cfg = enter_world(cfg, *world)
         wait_for_master(cfg.rank, cfg.world_wait_s)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
+    collectives = timedelta(seconds=cfg.collective_timeout_s)
+    join_process_group(backend, collectives, cfg.world_wait_s if assigned else 0.0)
     if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
         raise ConfigError("RANK / WORLD_SIZE differ from the process group's")
     if assigned:
@@ -143,7 +149,9 @@ def run(cfg: TorchWorkloadConfig, settings: CheckpointSettings) -> int:
                 return EXIT_PEER_LOST
             cfg = enter_world(cfg, *world)
             wait_for_master(cfg.rank, cfg.peer_loss_wait_s)
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.collective_timeout_s))
+            # A replacement imports torch before it joins: waited for as long as this rank
+            # stays up for a new world, not the collectives' timeout.
+            join_process_group(backend, collectives, cfg.peer_loss_wait_s)
             if dist.get_rank() != cfg.rank or dist.get_world_size() != cfg.world_size:
                 raise ConfigError("the new world gives this process another RANK / WORLD_SIZE")
             client.joined(cfg.attempt)
