@@ -13,11 +13,14 @@ install step cannot pass as green. Only the skips in `CI_MAY_SKIP` stay skips.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.mark.expression import Expression  # how pytest reads `-m`
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -245,14 +248,34 @@ def _module(item: pytest.Item) -> str:
     return module.__name__.rsplit(".", 1)[-1] if module is not None else item.nodeid
 
 
+#: Each mark the lists above give a whole module's tests.
+MODULE_MARKS = {"fast": FAST_MODULES, "heavy": HEAVY_MODULES, "solo": SOLO_MODULES}
+
+
+def _module_marks(name: str) -> set[str]:
+    return {mark for mark, modules in MODULE_MARKS.items() if name in modules}
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
-    name = _module(item)
-    if name in FAST_MODULES:
-        item.add_marker(pytest.mark.fast)
-    if name in HEAVY_MODULES:
-        item.add_marker(pytest.mark.heavy)
-    if name in SOLO_MODULES:
-        item.add_marker(pytest.mark.solo)
+    for mark in _module_marks(_module(item)):
+        item.add_marker(getattr(pytest.mark, mark))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A test module none of whose tests a `-m` of the marks above selects is not even
+    imported: each of `make test`'s sessions and `make check` imported every module to
+    deselect most of them (torch, the service, the plane's helpers: about 20 s of CPU in
+    each worker). Any other `-m` (a mark of pytest's, a parameter's) leaves it to pytest."""
+    expression = config.getoption("markexpr")
+    if not expression or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py":
+        return None
+    if not set(re.findall(r"\w+", expression)) <= {"and", "or", "not", "(", ")", *MODULE_MARKS}:
+        return None
+    marks = _module_marks(collection_path.stem)
+    selected = Expression.compile(expression).evaluate(lambda name, **_: name in marks)
+    return None if selected else True
 
 
 @pytest.hookimpl(tryfirst=True)
