@@ -31,6 +31,16 @@ class PeerCopy(BaseModel):
 
     step: int
     manifest: Manifest
+    older: list[PeerCopy] = Field(
+        default_factory=list,
+        description="The other copies of the rank kept (the save before the newest, of its "
+        "world: ranks in lockstep can end one save apart), newest first; each one's files "
+        "are fetched by its step as the newest's are.",
+    )
+
+    def by_step(self, step: int) -> PeerCopy | None:
+        """This copy or the older one of `step`, if kept."""
+        return next((c for c in (self, *self.older) if c.step == step), None)
 
 
 class CommitResult(BaseModel):

@@ -1096,7 +1096,7 @@ def test_the_peer_tier_adds_its_directories_its_token_and_two_capabilities() -> 
 
 def test_the_host_monitor_is_sized_from_its_peer_store() -> None:
     """The rule of templates/_host-monitor-resources.tpl: the base resources, plus 32Mi of
-    transfer buffers, the CPU to move one copy (half the store) within copyWithinSeconds,
+    transfer buffers, the CPU to move one copy (a third of the store) within copyWithinSeconds,
     and with the store on tmpfs the store itself, in the memory request and limit."""
     base = {"hostMonitor": {"kernelLog": {"source": "off"}}}
     peer = {"storeSizeGiB": 48, "copyWithinSeconds": 60, "cpuMillisecondsPerGiB": 1000}
@@ -1107,7 +1107,7 @@ def test_the_host_monitor_is_sized_from_its_peer_store() -> None:
         values = {"hostMonitor": {"peerTier": {**peer, "storeMedium": medium}}}
         docs = render(merged(POSTGRES, base, values))
         c = container(docs, "DaemonSet")
-        copy_cpu = 48 * 1000 // (2 * 60) + 1
+        copy_cpu = 48 * 1000 // (3 * 60) + 1
         assert c["resources"] == {
             "requests": {"cpu": "50m", "memory": f"{96 + store_mi}Mi"},
             "limits": {"cpu": f"{500 + copy_cpu}m", "memory": f"{256 + 32 + store_mi}Mi"},
@@ -1124,7 +1124,7 @@ def test_the_host_monitor_is_sized_from_its_peer_store() -> None:
     values = {"hostMonitor": {"resources": {"limits": {"cpu": "2", "memory": "1Gi"}}}}
     c = container(render(merged(POSTGRES, base, values)), "DaemonSet")
     assert c["resources"]["limits"] == {
-        "cpu": f"{2000 + 64 * 1000 // 240 + 1}m",
+        "cpu": f"{2000 + 64 * 1000 // 360 + 1}m",
         "memory": f"{1024 + 32}Mi",
     }
     # The peer tier off: the resources as given.

@@ -39,8 +39,9 @@ from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import ReplicateRequest
 from supervisor.local.cluster import checkpoint_partner
 from supervisor.local.cluster_state import JobSpec, free_port
-from tests.test_host_monitor import ACTUATOR, WORKER, Agent, Cluster, wait_for
+from tests.test_host_monitor import ACTUATOR, WORKER, WORKER_TOKEN, Agent, Cluster, wait_for
 from tests.timing import scaled
+from training.checkpoint.peer import PeerTier as WorkerPeerTier
 
 PEER_TOKEN = "hm-test-peer-token"
 PEER = {"Authorization": f"Bearer {PEER_TOKEN}"}
@@ -261,6 +262,34 @@ def test_a_replicated_step_is_restored_on_a_spare_byte_for_byte(peers: Peers) ->
     assert report["bytes"] == total and report["total_s"] >= 0
 
 
+def test_a_spares_worker_sees_and_restores_the_save_before_the_newest(peers: Peers) -> None:
+    """A's rank saved steps 130 and 131 and both were copied to B; its replacement on the
+    spare (the training side's peer tier, over the worker API) is told of both and
+    restores the older one, as a new world does when another rank's newest is 130."""
+    a, s = peers.a, peers.s
+    saved = {}
+    for step in (130, 131):
+        files = {"__0_0.distcp": shard(1024 * 1024 + step, step)}
+        path = make_checkpoint(a.root / "tier", step, 0, files, created=time.time() + step)
+        saved[step] = files
+        a.replicate(0, step, path)
+        assert a.wait_pushed(0, step)["state"] == "done"
+    tier = WorkerPeerTier(s.url, WORKER_TOKEN, 0, fetch_timeout_s=15)
+    try:
+        assert [step for step, _ in tier.copies()] == [131, 130]
+        fetched = tier.fetch(130, s.root / "tier")
+    finally:
+        tier.close()
+    restored = s.root / "tier" / "step-0000000130" / "rank-0"
+    assert fetched == (restored, True)
+    assert (restored / "__0_0.distcp").read_bytes() == saved[130]["__0_0.distcp"]
+    # Through the host monitor's own download too (a worker without the data channel).
+    r = s.agent.worker_api.post(
+        "/v1/workers/0/checkpoints/fetch-peer", json={"step": 130, "dest": str(s.root / "http")}
+    )
+    assert r.status_code == 200 and r.json()["bytes"] == 1024 * 1024 + 130, r.text
+
+
 def test_a_checkpoint_of_the_previous_format_is_copied_and_checked(peers: Peers) -> None:
     """Format 1 (zlib crc32 per file), as saved before an upgrade: pushed, verified by the
     partner, fetched; its manifest unchanged. A manifest that mixes the two is refused."""
@@ -452,28 +481,69 @@ def test_bad_names_ranks_and_steps_are_refused_naming_the_field(peers: Peers) ->
     assert r.status_code == 422, r.text
 
 
-def test_only_the_newest_save_per_rank_is_kept(peers: Peers) -> None:
+def test_the_two_newest_saves_per_rank_are_kept(peers: Peers) -> None:
+    """The newest save of a rank and the one before it: ranks in lockstep can end one save
+    apart, and a new world restores the newest step every rank holds."""
     b = peers.b
     now = time.time()
-    for step, salt in ((5, 5), (7, 7)):
-        files = {"__0_0.distcp": shard(1000, salt)}
+    for step in (5, 7, 9):
+        files = {"__0_0.distcp": shard(1000, step)}
         b.upload(3, step, files)
         r = b.commit(3, step, manifest(step, 3, files, created=now + step))
         assert r.status_code == 200 and r.json()["committed"] is True, r.text
     rank_dir = b.store / JOB / "rank-3"
-    assert [p.name for p in rank_dir.iterdir()] == ["step-0000000007"]
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["step-0000000007", "step-0000000009"]
+    newest = b.newest(3).json()
+    assert (newest["step"], [c["step"] for c in newest["older"]]) == (9, [7])
     # An older save committing after a newer one (uploads that overlapped): dropped.
-    files = {"__0_0.distcp": shard(1000, 6)}
-    b.upload(3, 6, files)
-    r = b.commit(3, 6, manifest(6, 3, files, created=now + 6))
+    files = {"__0_0.distcp": shard(1000, 8)}
+    b.upload(3, 8, files)
+    r = b.commit(3, 8, manifest(8, 3, files, created=now + 8))
     assert r.status_code == 200, r.text
-    assert r.json()["committed"] is False and r.json()["kept_step"] == 7
-    assert b.newest(3).json()["step"] == 7
-    assert [p.name for p in rank_dir.iterdir()] == ["step-0000000007"]
-    # A file of the copy, streamed out.
-    r = b.peer_api.get(f"/v1/peer/checkpoints/{JOB}/3/7/files/__0_0.distcp")
-    assert r.status_code == 200 and r.content == shard(1000, 7)
+    assert r.json()["committed"] is False and r.json()["kept_step"] == 9
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["step-0000000007", "step-0000000009"]
+    # A file of either copy, streamed out; not of one gone.
+    for step in (7, 9):
+        r = b.peer_api.get(f"/v1/peer/checkpoints/{JOB}/3/{step}/files/__0_0.distcp")
+        assert r.status_code == 200 and r.content == shard(1000, step)
     assert b.peer_api.get(f"/v1/peer/checkpoints/{JOB}/3/5/files/__0_0.distcp").status_code == 404
+
+
+async def test_a_new_worlds_save_and_a_full_store_keep_the_newest_alone(tmp_path: Path) -> None:
+    """The save before the newest is kept only within the newest's world (a new world
+    restored from a step no later than its first save), and only with room beside the next
+    copy under the store's cap."""
+    store = PeerStore(tmp_path / "store", max_file_bytes=1 << 20)
+    store.start()
+
+    async def save(store: PeerStore, step: int, world: int) -> None:
+        data = shard(1000, step)
+        await store.receive(JOB, 0, step, "a.distcp", _chunks(data))
+        body = Manifest.model_validate({**manifest(step, 0, {"a.distcp": data}), "world": world})
+        assert (await store.commit(JOB, 0, step, body)).committed
+
+    def kept(store: PeerStore) -> list[int]:
+        copy = store.newest(JOB, 0)
+        return [] if copy is None else [c.step for c in (copy, *copy.older)]
+
+    await save(store, 20, 1)
+    await save(store, 21, 1)
+    assert kept(store) == [21, 20]
+    await save(store, 21, 2)  # the new world resumed from step 20
+    newest = store.newest(JOB, 0)
+    assert kept(store) == [21] and newest is not None and newest.manifest.world == 2
+    # A cap with room for two copies (the newest, and the next as it arrives): one kept;
+    # with room for three, two.
+    capped = PeerStore(tmp_path / "capped", max_file_bytes=1 << 20, max_bytes=2500)
+    capped.start()
+    await save(capped, 1, 1)
+    await save(capped, 2, 1)
+    assert kept(capped) == [2]
+    roomy = PeerStore(tmp_path / "roomy", max_file_bytes=1 << 20, max_bytes=6000)
+    roomy.start()
+    await save(roomy, 1, 1)
+    await save(roomy, 2, 1)
+    assert kept(roomy) == [2, 1]
 
 
 def test_a_newer_request_replaces_a_queued_one(peers: Peers) -> None:
@@ -577,18 +647,20 @@ async def test_a_missing_file_is_named_and_leftovers_go_at_start(tmp_path: Path)
     assert err.value.name == "b.distcp" and "not uploaded" in str(err.value)
     await store.receive(JOB, 1, 4, "b.distcp", _chunks(files["b.distcp"]))
     assert (await store.commit(JOB, 1, 4, body)).committed
-    # A crash: an upload in progress, trash, and an older copy left beside the newest.
+    # A crash: an upload in progress, trash, and two older copies left beside the newest.
     await store.receive(JOB, 1, 9, "a.distcp", _chunks(b"partial"))
-    older = store.root / JOB / "rank-1" / "step-0000000002"
-    older.mkdir()
-    (older / "manifest.json").write_text(json.dumps(manifest(2, 1, {}, created=0.0)))
+    for step in (1, 2):
+        older = store.root / JOB / "rank-1" / f"step-000000000{step}"
+        older.mkdir()
+        (older / "manifest.json").write_text(json.dumps(manifest(step, 1, {}, created=step)))
     (store.root / ".trash" / "x").mkdir(parents=True)
     restarted = PeerStore(store.root, max_file_bytes=1 << 20)
     restarted.start()
     assert sorted(p.name for p in store.root.iterdir()) == [JOB]
-    assert [p.name for p in (store.root / JOB / "rank-1").iterdir()] == ["step-0000000004"]
+    kept = sorted(p.name for p in (store.root / JOB / "rank-1").iterdir())
+    assert kept == ["step-0000000002", "step-0000000004"]  # the newest and the save before
     copy = restarted.newest(JOB, 1)
-    assert copy is not None and copy.step == 4
+    assert copy is not None and (copy.step, [c.step for c in copy.older]) == (4, [2])
     fd, size = restarted.open_file(JOB, 1, 4, "b.distcp")
     try:
         assert size == 4 and os.read(fd, 10) == b"bbbb"

@@ -117,12 +117,12 @@ class Fetch:
         """Download into a temporary directory of `step_fd`, renamed to rank-<rank> once
         complete: the bytes downloaded, None when rank-<rank> was committed meanwhile."""
         peer, rank, step = self.peer, self.rank, self.req.step
-        copy = await self.client.lookup(peer, self.http, self.job, rank)
-        if copy.step != step:
+        newest = await self.client.lookup(peer, self.http, self.job, rank)
+        copy = newest.by_step(step)
+        if copy is None:
+            kept = [c.step for c in (newest, *newest.older)]
             raise PeerTierError(
-                404,
-                "step",
-                f"partner {peer.node} keeps step {copy.step} of rank {rank}, not {step}",
+                404, "step", f"partner {peer.node} keeps steps {kept} of rank {rank}, not {step}"
             )
         rank_name = rank_dir_name(rank)
         tmp_name = f".{rank_name}.tmp-{uuid.uuid4().hex[:12]}"

@@ -4,6 +4,7 @@ this node keeps (store.py).
     PUT  /v1/peer/checkpoints/{job}/{rank}/{step}/files/{name}   raw body, streamed to disk
     POST /v1/peer/checkpoints/{job}/{rank}/{step}/commit         body: the manifest
     GET  /v1/peer/checkpoints/{job}/{rank}                       the newest copy, or 404
+                                                                 (the older one kept within)
     GET  /v1/peer/checkpoints/{job}/{rank}/{step}/files/{name}   a file of it, streamed
     GET  /v1/peer/channel                                        the data channel's port
 

@@ -9,9 +9,10 @@ Layout under the store directory:
 An uploaded file is written to a part file (`~<hex>.part`: `~` is in no checkpoint file
 name) and renamed to its name once complete. A commit verifies every file of the
 manifest (size and checksum, streamed), writes `manifest.json`, renames the upload
-directory into place, and then deletes every other copy of that rank: one copy per (job,
-rank), the newest save. Copies of other jobs, and of ranks the new copy's world size no
-longer has, go too: a node holds its partner's newest shards, nothing older.
+directory into place, and then deletes every other copy of that rank but the save before
+it in its world (retention.py: ranks in lockstep can end one save apart). Copies of other
+jobs, and of ranks the new copy's world size no longer has, go too: a node holds its
+partner's two newest shards, nothing older.
 
 Commits of one (job, rank) are serialized; a commit of an older save than the one kept
 (uploads of two steps overlapping) is dropped. Uploads and commits of an older world than
@@ -29,8 +30,7 @@ import os
 import shutil
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,11 +44,11 @@ from host_monitor.peer.files import (
     parse_rank,
     parse_step,
     rank_dir_name,
-    read_manifest,
     step_dir_name,
     verify_files,
     write_all,
 )
+from host_monitor.peer.retention import Kept, committed, to_keep
 from resiliency_protocol.checkpoint_manifest import CHECKSUMS, FORMAT, MANIFEST, Checksum, Manifest
 from resiliency_protocol.peer_checkpoints import CommitResult, PeerCopy
 
@@ -105,12 +105,6 @@ class Full(PeerStoreError):
     """The file would take the store over its `max_bytes`."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Kept:
-    step: int
-    manifest: Manifest
-
-
 class PeerStore:
     def __init__(
         self,
@@ -155,13 +149,14 @@ class PeerStore:
             for rank_dir in job_dir.iterdir():
                 if parse_rank(rank_dir.name) is None:
                     continue
-                newest = self._scan(rank_dir)
-                if newest is not None and self.worlds is not None:
-                    self.worlds.seen(job_dir.name, newest.manifest.world)
+                copies = committed(rank_dir)
+                if copies and self.worlds is not None:
+                    self.worlds.seen(job_dir.name, copies[0].manifest.world)
+                keep = {c.path.name for c in to_keep(copies, self._room_beside(copies))}
                 for entry in rank_dir.iterdir():
-                    if newest is None or entry.name != step_dir_name(newest.step):
+                    if entry.name not in keep:
                         _remove(entry)
-                kept += newest is not None
+                kept += len(keep)
         log.info("peer store %s: %d copies kept from before", self.root, kept)
 
     def _job_dirs(self) -> list[Path]:
@@ -169,27 +164,28 @@ class PeerStore:
 
     # --- reads --------------------------------------------------------------------------
 
-    def _scan(self, rank_dir: Path) -> _Kept | None:
-        """The newest committed copy in `rank_dir` (one, but two after a crash mid-commit)."""
-        best: _Kept | None = None
-        try:
-            entries = list(rank_dir.iterdir())
-        except FileNotFoundError:
-            return None
-        for entry in entries:
-            step = parse_step(entry.name)
-            if step is None:
-                continue
-            manifest = read_manifest(entry)
-            if manifest is None or manifest.step != step:
-                continue  # not committed (or not ours)
-            if best is None or manifest.newer_than(best.manifest):
-                best = _Kept(step, manifest)
-        return best
+    def _scan(self, rank_dir: Path) -> Kept | None:
+        """The newest committed copy in `rank_dir`."""
+        return next(iter(committed(rank_dir)), None)
+
+    def _room_beside(self, copies: list[Kept]) -> Callable[[Kept], bool]:
+        """Whether the store's cap leaves room for an older copy beside the newest of
+        `copies` (a rank's, newest first) and the next copy of its size as it arrives."""
+
+        def room_for(older: Kept) -> bool:
+            if self.max_bytes is None:
+                return True
+            others = self.used_bytes() - sum(c.manifest.total_bytes for c in copies)
+            newest = copies[0].manifest.total_bytes
+            return others + 2 * newest + older.manifest.total_bytes <= self.max_bytes
+
+        return room_for
 
     def newest(self, job: str, rank: int) -> PeerCopy | None:
-        kept = self._scan(self._rank_dir(job, rank))
-        return None if kept is None else PeerCopy(step=kept.step, manifest=kept.manifest)
+        """The newest copy of (job, rank), with the older one kept (retention.py)."""
+        kept = committed(self._rank_dir(job, rank))
+        copies = [PeerCopy(step=c.step, manifest=c.manifest) for c in kept]
+        return copies[0].model_copy(update={"older": copies[1:]}) if copies else None
 
     def open_file(self, job: str, rank: int, step: int, name: str) -> tuple[int, int]:
         """(fd, size) of a file of the committed copy; opened now, so deleting the copy
@@ -377,8 +373,10 @@ class PeerStore:
             # No await from here to the end of the renames: no request sees a half state.
             doomed = [self._to_trash(final)] if final.exists() else []
             os.rename(upload, final)
+            copies = committed(rank_dir)
+            keep = {c.path.name for c in to_keep(copies, self._room_beside(copies))}
             for entry in list(rank_dir.iterdir()):
-                if entry.name != final.name:
+                if entry.name not in keep | {final.name}:
                     doomed.append(self._to_trash(entry))
             doomed.extend(self._superseded_by(job, rank, step, manifest))
             if self.worlds is not None:

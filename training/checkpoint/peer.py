@@ -129,8 +129,17 @@ class PeerTier:
 
     def newest_copy(self) -> tuple[int, int | None] | None:
         """(step, world it was written in; None: not known) of the partner's copy."""
+        copies = self.copies()
+        return copies[0] if copies else None
+
+    def copies(self) -> list[tuple[int, int | None]]:
+        """(step, world it was written in; None: not known) of each copy of this rank the
+        partner keeps, the newest first (the save before it too: host_monitor/peer/
+        retention.py)."""
         copy = self._partner_copy()
-        return None if copy is None else (copy.step, copy.manifest.world)
+        if copy is None:
+            return []
+        return [(c.step, c.manifest.world) for c in (copy, *copy.older)]
 
     def _partner_copy(self) -> PeerCopy | None:
         """The partner's newest copy of this rank, as the host monitor answers it."""
@@ -179,8 +188,9 @@ class PeerTier:
         channel = self._call("GET", "channel")
         if not isinstance(channel, dict) or not isinstance(channel.get("port"), int):
             return None
-        copy = self._partner_copy()
-        if copy is None or copy.step != step:
+        newest = self._partner_copy()
+        copy = None if newest is None else newest.by_step(step)
+        if copy is None:
             return None
         manifest = copy.manifest
         final = fmt.rank_dir(ram_root, step, self.rank)

@@ -326,8 +326,9 @@ class DurableTier:
 
 
 class PeerCopyTier:
-    """The partner node's copy of this rank's newest RAM step (peer.py): a save asks the
-    host monitor to copy a RAM commit; a load fetches the copy into the RAM tier."""
+    """The partner node's copies of this rank's newest RAM steps (peer.py: the newest save
+    and the one before it): a save asks the host monitor to copy a RAM commit; a load
+    fetches a copy into the RAM tier."""
 
     kind = Tier.PEER
     lazy = True
@@ -338,24 +339,23 @@ class PeerCopyTier:
         """`saves`: ask for a copy of each RAM commit; `loads`: restores may read it."""
         self.client, self.ram = client, ram
         self._saves, self._loads = saves, loads
-        self._newest: tuple[int, int | None] | None = None
+        self._copies: list[tuple[int, int | None]] | None = None
 
-    def _copy(self, rank: int) -> tuple[int, int | None] | None:
+    def _kept(self, rank: int) -> list[tuple[int, int | None]]:
         if not self._loads or rank != self.client.rank:
-            return None
-        self._newest = self.client.newest_copy()
-        return self._newest
+            return []
+        self._copies = self.client.copies()
+        return self._copies
 
     def steps(self, rank: int) -> list[int]:
-        copy = self._copy(rank)
-        return [] if copy is None else [copy[0]]
+        return [step for step, _ in self._kept(rank)]
 
     def ranks(self) -> list[int]:
         return [self.client.rank] if self._loads else []
 
     def world(self, step: int, rank: int) -> int | None:
-        copy = self._newest if self._newest is not None else self._copy(rank)
-        return copy[1] if copy is not None and copy[0] == step else None
+        copies = self._copies if self._copies is not None else self._kept(rank)
+        return next((world for kept, world in copies if kept == step), None)
 
     def save(self, source: Path, manifest: Manifest) -> None:
         if self._saves:

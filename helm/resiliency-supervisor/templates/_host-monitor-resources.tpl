@@ -6,8 +6,8 @@ tier; with the peer tier on:
   with storeMedium memory + storeSizeGiB: tmpfs pages are charged to the writer's memory
   cgroup. The memory request grows by storeSizeGiB too (the scheduler must count it).
   With storeMedium disk the copies' page cache is reclaimed under the limit: no more.
-- CPU limit: base + what moving one copy (half the store: the copy kept and the next one
-  arriving) within copyWithinSeconds takes, at cpuMillisecondsPerGiB.
+- CPU limit: base + what moving one copy (a third of the store: the two copies kept and
+  the next one arriving) within copyWithinSeconds takes, at cpuMillisecondsPerGiB.
 Quantities: memory in Mi or Gi, CPU in millicores (500m) or cores (2).
 */}}
 
@@ -33,7 +33,7 @@ Quantities: memory in Mi or Gi, CPU in millicores (500m) or cores (2).
 {{- $out := deepCopy ($h.resources | default dict) -}}
 {{- if $p.enabled -}}
 {{- $store := ternary (mul (int $p.storeSizeGiB) 1024) 0 (eq $p.storeMedium "memory") -}}
-{{- $copyCpu := add1 (div (mul (int $p.storeSizeGiB) (int $p.cpuMillisecondsPerGiB)) (mul 2 (int $p.copyWithinSeconds))) -}}
+{{- $copyCpu := add1 (div (mul (int $p.storeSizeGiB) (int $p.cpuMillisecondsPerGiB)) (mul 3 (int $p.copyWithinSeconds))) -}}
 {{- $limits := $out.limits | default dict -}}
 {{- $requests := $out.requests | default dict -}}
 {{- with $limits.memory -}}
