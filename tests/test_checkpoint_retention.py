@@ -86,3 +86,14 @@ def test_a_periodic_save_after_an_emergency_save_keeps_the_periodic_steps_before
     train_to(30, 21)
     assert (steps("ram"), steps("durable")) == ([30], [20, 30])
     ckpt.close()
+
+
+def test_a_rank_of_several_keeps_three_ram_steps_whatever_it_is_told(tmp_path: Path) -> None:
+    """With saves written in the background a rank can end two saves behind the others
+    (its save of s+1 still being written while they committed s+1 and s+2): each keeps
+    s, which every rank then shares. One process alone keeps what it is told."""
+    from training.checkpoint.tiers import RamTier
+
+    for told, alone, several in ((1, 1, 3), (2, 2, 3), (5, 5, 5)):
+        ram = RamTier(tmp_path / "ram", keep=told, sync=False, threads=1)
+        assert (ram.keep(1), ram.keep(4)) == (alone, several), told

@@ -117,7 +117,9 @@ class Run:
         response = http.request(
             method, f"{self.url}{path}", headers=headers, json=body or None, timeout=5
         )
-        assert response.status_code < 300, response.text
+        # With the run's output: a fault refused once in CI (its rank not running) said
+        # nothing of why.
+        assert response.status_code < 300, "\n".join([response.text, *self.lines[-80:]])
         return response.json()
 
     def wait_step(self, step: int, within: float = 180) -> None:

@@ -65,9 +65,10 @@ class CheckpointSettings:
     ckpt_threads_per_rank: int = 2
     #: Committed checkpoints kept per tier (the newest ones), durable tier.
     topk_ckpt: int = 2
-    #: Committed checkpoints kept in the RAM tier (at least 2 in a job of several ranks:
+    #: Committed checkpoints kept in the RAM tier (at least 3 in a job of several ranks:
     #: a rank killed mid-save, or a node lost before its newest step reached the partner,
-    #: shares the step before with the others).
+    #: shares an older step with the others, up to two saves back with saves written in
+    #: the background).
     #: With the partner's copy the ramdisk holds (the steps kept + 1 while a save is
     #: written + 1 partner) x shard size.
     ram_topk_ckpt: int = 1

@@ -162,6 +162,10 @@ class StoredTier(CheckpointTier, Protocol):
         ...
 
 
+#: The RAM steps a rank of a job of several ranks keeps at least (RamTier.keep).
+MIN_KEPT_WITH_PEERS = 3
+
+
 class RamTier:
     """A tmpfs directory on the node."""
 
@@ -218,11 +222,14 @@ class RamTier:
         return fmt.read_manifest(fmt.rank_dir(self.root, step, rank), step=step, rank=rank)
 
     def keep(self, world_size: int) -> int:
-        # Several ranks keep one step more: a rank killed while writing the newest step,
-        # or a node lost while its newest step was still on its way to the partner (whose
-        # copy its ranks then restore from), shares only the step before it with the
-        # ranks that committed.
-        return max(self._keep, 2) if world_size > 1 else self._keep
+        # Several ranks keep two steps more. A rank killed while writing a step, or a node
+        # lost while its newest step was still on its way to the partner (whose copy its
+        # ranks then restore from), shares only an older step with the ranks that
+        # committed; and with saves written in the background that rank can be two saves
+        # behind them: its save of step s+1 still being written (its next one waits for
+        # it) while the others committed s+1 and s+2. The step every rank shares is then s
+        # (seen in CI: a survivor kept 22 and 23, the cut-off rank's partner had 21).
+        return max(self._keep, MIN_KEPT_WITH_PEERS) if world_size > 1 else self._keep
 
     def retain(
         self, rank: int, keep: int, *, aside: Iterable[int], protect: Iterable[int]
