@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 RaiseEvents = Callable[[list[Event]], None]
 
 
+#: How often a JobSet seen before the pods' first list is looked at again.
+UNLISTED_RECHECK_S = 0.2
+
+
 class KubeSensing:
     def __init__(
         self, discovery: Discovery, settings: KubernetesSettings, raise_events: RaiseEvents
@@ -183,6 +187,14 @@ class KubeSensing:
 
     def _check_jobset(self, name: str) -> None:
         key = ("jobset", name)
+        pods = self.discovery.informers.get("Pod")
+        if pods is not None and not pods.synced.is_set():
+            # Its pods are not known yet, not missing: judged once their first list is in
+            # (a JobSet listed first, on a loaded machine, was reported down with none).
+            self._arm(
+                ("jobset-unlisted", name), UNLISTED_RECHECK_S, lambda: self._check_jobset(name)
+            )
+            return
         if self.jobset_health(name) is None:
             self._down_since.pop(name, None)
             self._end(key)
