@@ -322,6 +322,8 @@ def _demo(args: argparse.Namespace) -> None:
             demo.start()
         except run_folder.RunFolderError as exc:  # taken since the check
             raise SystemExit(f"supervisor demo: --run-dir {exc}") from None
+        except RuntimeError as exc:  # a part that did not come up: which, and its log
+            raise SystemExit(f"supervisor demo: {exc}") from None
         _print_banner(demo)
         last, printed = "", 0.0
         while not stopping:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,6 +136,27 @@ def test_demo_refuses_a_torch_job_sharded_over_nodes(tmp_path: Path) -> None:
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("supervisor demo: --nodes-per-dp must be 1 with the torch workload")
     assert not (tmp_path / "d").exists()  # nothing was started
+
+
+def test_demo_refuses_a_port_in_use_and_starts_nothing(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "supervisor.cli", "demo", "--run-dir", str(tmp_path / "d")]
+        done = subprocess.run(
+            [*argv, "--port", str(port)], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        f"supervisor demo: the supervisor's port {port} on 127.0.0.1 is in use "
+        "(Address already in use) (the demo's --port)"
+    )
+    assert not (tmp_path / "d").exists()  # nothing was started
+    assert leftover_processes(tmp_path / "d") == []
 
 
 QUIET_POLICY = '''

@@ -52,6 +52,21 @@ def free_port() -> int:
         return chosen
 
 
+def hold_port(address: str, port: int) -> socket.socket:
+    """A socket bound to `address:port`, not listening, that keeps the port ours until it
+    is closed: `free_port` (a plain bind) skips it in every process, while a server of
+    ours binds it beside the hold (SO_REUSEADDR on both, as asyncio's servers set). An
+    OSError naming the port when it is in use already."""
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        hold.bind((address, port))
+    except OSError as exc:
+        hold.close()
+        raise OSError(exc.errno, f"port {port} on {address} is in use ({exc.strerror})") from exc
+    return hold
+
+
 class NodeInfo(BaseModel):
     address: str
     # The `checkpoint_root` its host monitor runs with; None: the host monitor's default.

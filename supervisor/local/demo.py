@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ import httpx
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.shared_settings import host_monitor_env
 from supervisor.local.cluster import LocalCluster
-from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
+from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port, hold_port
 from supervisor.local.demo_options import DemoOptions
 from supervisor.local.processes import LocalProcess, ProcessStarter, start_process
 from supervisor.local.run_folder import claim
@@ -64,6 +65,7 @@ class LocalDemo:
         self._down_since: dict[str, float] = {}
         self._folder: IO[bytes] | None = None  # the run folder's marker, locked while we run
         self._client: httpx.Client | None = None
+        self._port_hold: socket.socket | None = None
 
     @property
     def http(self) -> httpx.Client:
@@ -161,15 +163,23 @@ class LocalDemo:
             self.supervisor.kill()
             self.supervisor.wait()
         self.start_supervisor()
-        self.wait_ready(f"{self.url}/readyz")
+        self.wait_ready(f"{self.url}/readyz", process=("supervisor", self.supervisor))
         assert self.supervisor is not None
         return self.supervisor.pid
 
     def wait_ready(
-        self, url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        headers: dict[str, str] | None = None,
+        process: tuple[str, LocalProcess | None] | None = None,
     ) -> None:
+        """Until `url` answers 200; `process`, (its log's name, the process) that serves it:
+        one that exited is said at once, with its log, rather than waited on."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if process is not None:
+                self._check_running(*process)
             try:
                 if self.http.get(url, timeout=1, headers=headers).status_code == 200:
                     return
@@ -180,6 +190,11 @@ class LocalDemo:
             f"{url} did not answer within {timeout_s:g}s (logs in {self.run_dir}/logs)"
         )
 
+    def _check_running(self, name: str, proc: LocalProcess | None) -> None:
+        code = None if proc is None else proc.poll()
+        if code is not None:
+            raise RuntimeError(f"{name} exited with code {code} (its log: {self._log(name)})")
+
     def _node_url(self, node: str) -> str:
         return f"http://{self.options.host(node)[1]}:{self.node_ports[node]}"
 
@@ -187,6 +202,16 @@ class LocalDemo:
 
     def start(self) -> None:
         o = self.options
+        prefix, address = o.host("supervisor")
+        if not prefix:
+            # The supervisor's port is ours from now on, through its restarts: chosen by
+            # the caller, it was free when chosen, and the supervisor binds it only after
+            # the nodes and the job have started, tens of seconds later on a loaded
+            # machine, when another program may have taken it and answered for it.
+            try:
+                self._port_hold = hold_port(address, o.port)
+            except OSError as exc:
+                raise RuntimeError(f"the supervisor's {exc.strerror} (the demo's --port)") from exc
         # Only a new or empty folder, or a previous run's (RunFolderError else).
         self._folder = claim(self.run_dir)
         (self.run_dir / "logs").mkdir()
@@ -194,7 +219,8 @@ class LocalDemo:
             self.start_monitor(node)
         auth = {"Authorization": f"Bearer {self.actuator_token}"}
         for node in o.nodes:
-            self.wait_ready(f"{self._node_url(node)}/v1/status", headers=auth)
+            monitor = (f"host-monitor-{node}", self.monitors[node])
+            self.wait_ready(f"{self._node_url(node)}/v1/status", headers=auth, process=monitor)
         placement = o.nodes[: o.replicas * o.nodes_per_dp]
         state = ClusterState(
             run_dir=str(self.run_dir),
@@ -211,7 +237,7 @@ class LocalDemo:
         state.save()
         asyncio.run(self._start_job(state))
         self.start_supervisor()
-        self.wait_ready(f"{self.url}/readyz")
+        self.wait_ready(f"{self.url}/readyz", process=("supervisor", self.supervisor))
         self.wait_known()
 
     def wait_known(self, within_s: float = 30.0) -> None:
@@ -221,17 +247,22 @@ class LocalDemo:
         a ready supervisor may not know a spare yet."""
         deadline = time.monotonic() + within_s
         wanted = set(self.options.nodes)
+        known: set[str] = set()
+        problem = ""
         while time.monotonic() < deadline:
+            self._check_running("supervisor", self.supervisor)
             try:
                 known = {node["name"] for node in self.api("/api/v1/nodes")}
-            except (httpx.HTTPError, ValueError):
-                known = set()  # restarting: asked again
-            if wanted <= known:
-                return
-            time.sleep(0.1)
+            except (httpx.HTTPError, ValueError) as exc:
+                problem = f"; its API last answered {type(exc).__name__}: {exc}"
+            else:
+                if wanted <= known:
+                    return
+                problem = ""
+            time.sleep(0.1)  # restarting, or not heard yet: asked again
         raise RuntimeError(
-            f"the supervisor did not hear from every node within {within_s:g}s "
-            f"(logs in {self.run_dir}/logs)"
+            f"the supervisor did not hear from every node within {within_s:g}s: "
+            f"{', '.join(sorted(wanted - known))} unheard{problem} (logs in {self.run_dir}/logs)"
         )
 
     async def _start_job(self, state: ClusterState) -> None:
@@ -337,6 +368,9 @@ class LocalDemo:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
+        if self._port_hold is not None:
+            self._port_hold.close()
+            self._port_hold = None
         if self._folder is not None:
             self._folder.close()  # another run may take the folder now
             self._folder = None
