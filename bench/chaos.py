@@ -54,9 +54,9 @@ from bench.chaos_network import NetworkChaos, NetworkFault
 from bench.stall import Stalled, StallWatch
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
-from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo, leftover_processes
 from supervisor.local.demo_options import DemoOptions
+from supervisor.local.ports import free_port
 
 SEED = 7
 #: The torch workload, small enough for two ranks on two cores.

@@ -171,7 +171,7 @@ class Served:
 @contextmanager
 def serving(workdir: Path) -> Iterator[Served]:
     """`supervisor serve` (the real process, SQLite), timeouts as a cluster's."""
-    from supervisor.local.cluster_state import free_port
+    from supervisor.local.ports import free_port
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUPERVISOR_")}

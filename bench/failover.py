@@ -47,7 +47,7 @@ import yaml
 from bench.table import Row, render, verdict
 from resiliency_protocol.faults import FaultKind
 from supervisor.kube.leader import JITTER
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from supervisor.local.processes import LocalProcess
 from tests.kube import FakeKube
 

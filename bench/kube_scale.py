@@ -58,7 +58,7 @@ from bench.kube_requests import (
     request_totals,
 )
 from bench.table import Row, verdict
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 
 POOL = "scale"
 JOBSET = "scale"

@@ -44,9 +44,9 @@ import httpx
 
 from bench.mttr_progress import CollectiveProgress, LogProgress, Stuck, WorkerLogs
 from resiliency_protocol.faults import RESTART_KINDS, FaultKind
-from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo
 from supervisor.local.demo_options import DemoOptions
+from supervisor.local.ports import free_port
 
 DEFAULT_POLICY = "policies.default:DefaultPolicy"
 BASELINE_POLICY = "policies.examples.periodic_checkpoints_only:PeriodicCheckpointsOnly"

@@ -49,7 +49,7 @@ from resiliency_protocol import worker_env
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.faults import RESTART_KINDS, FaultKind
 from resiliency_protocol.shared_settings import HOST_MONITOR_ENV_PREFIX
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 
 START = re.compile(
     r"start attempt=\S+ world_size=(\d+): (?:resumed step=(\d+) tier=(\w+)|starting)"

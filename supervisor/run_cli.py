@@ -17,8 +17,8 @@ from typing import Any
 
 from resiliency_protocol.launch import CommandNotFound, resolve_command
 from supervisor.config import Settings
-from supervisor.local.cluster_state import free_port
 from supervisor.local.demo_options import DemoOptions
+from supervisor.local.ports import free_port
 from supervisor.local.run_folder import RunFolderError, check, default_run_dir
 from supervisor.torchrun_flags import FlagRefused, TorchrunFlags, add_flags, flags_of
 from training.auto_progress import startup_env

@@ -206,6 +206,7 @@ FAST_MODULES = frozenset(
         "test_kube_journal",
         "test_leader_epochs",
         "test_loader",
+        "test_local_ports",
         "test_local_preload",
         "test_module_size",
         "test_node_status",

@@ -30,7 +30,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tools" / "control-plane" / "build.sh"

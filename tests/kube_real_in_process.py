@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from supervisor.kube import objects as o
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.control_plane import ControlPlane, Identity
 from tests.http import http
 from tests.kube_real_fixtures import (

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 
 ACCESS_KEY = "test-access-key"
 SECRET_KEY = "test-secret-key-not-a-real-one"

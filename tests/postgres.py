@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 
 MISSING = "no PostgreSQL binaries under /usr/lib/postgresql (make test installs Debian's)"
 

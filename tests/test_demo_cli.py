@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import leftover_processes
+from supervisor.local.ports import free_port
 from tests.http import http
 
 

@@ -47,7 +47,7 @@ from supervisor.domain import (
     ProgressSample,
 )
 from supervisor.goodput.service import ResultCache
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from supervisor.runtime import Supervisor
 from supervisor.store import Store, open_store
 from supervisor.store.models import ActionRow, JobRow

@@ -34,7 +34,7 @@ from resiliency_protocol.heartbeat import URGENT_HEADER
 from resiliency_protocol.heartbeat_batch import MAX_BATCH, encode_batch
 from resiliency_protocol.tls import client_context
 from supervisor.identity.node_keys import node_credential
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.http import http
 from tests.test_host_monitor import NODE_KEY, Agent, Cluster, Supervisor, wait_for
 from tests.timing import scaled, wait_until_async

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from supervisor.local.processes import LocalProcess
 from tests.forked_ranks import RankProcess
 from tests.forked_services import start_service

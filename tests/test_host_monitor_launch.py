@@ -29,7 +29,7 @@ from host_monitor.config import HostMonitorSettings, load_settings
 from host_monitor.launch import add_arguments, launch_defaults, launch_of
 from supervisor import cli as supervisor_cli
 from supervisor.config import Settings
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.http import http
 from tests.timing import scaled
 

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from supervisor.kube import objects as kube_objects
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.test_host_monitor import (
     AGENT_TOKEN,
     WORKER_TOKEN,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.http import http
 from tests.test_host_monitor import ACTUATOR_TOKEN, Cluster, Supervisor, wait_for
 from tests.test_host_monitor import supervisor as supervisor  # the fixture

@@ -38,7 +38,8 @@ from resiliency_protocol.checkpoint_manifest import Manifest
 from resiliency_protocol.node_commands import CheckpointPeer
 from resiliency_protocol.peer_checkpoints import ReplicateRequest
 from supervisor.local.cluster import checkpoint_partner
-from supervisor.local.cluster_state import JobSpec, free_port
+from supervisor.local.cluster_state import JobSpec
+from supervisor.local.ports import free_port
 from tests.test_host_monitor import ACTUATOR, WORKER, WORKER_TOKEN, Agent, Cluster, wait_for
 from tests.timing import scaled
 from training.checkpoint.peer import PeerTier as WorkerPeerTier

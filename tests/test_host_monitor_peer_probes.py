@@ -17,7 +17,7 @@ import pytest
 
 from host_monitor.credentials import BearerCredential
 from host_monitor.peer.probes import PROBE_MISSES, PeerProbes
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -21,7 +21,7 @@ import yaml
 
 from supervisor.kube import failure_policy
 from supervisor.kube import objects as kube_objects
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.test_helm_chart import CHART, K8S_VERSION
 
 pytest.importorskip("torch")

@@ -20,7 +20,7 @@ from supervisor.actuator.backend import ActionError
 from supervisor.domain import ActionType
 from supervisor.kube import objects as o
 from supervisor.kube.backend import KubeBackend
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.conftest import SettingsFactory
 from tests.control_plane import ControlPlane, Identity
 from tests.kube.harness import Hooks, action

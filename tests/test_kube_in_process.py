@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from supervisor.kube import objects as o
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.control_plane import ControlPlane, Identity
 from tests.kube_real_fixtures import REPO, started, tags, wait_for
 from tests.kube_real_in_process import TOTAL_STEPS, RealInProcess, training

@@ -23,9 +23,9 @@ import httpx
 import numpy as np
 import pytest
 
-from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo, leftover_processes
 from supervisor.local.demo_options import DemoOptions
+from supervisor.local.ports import free_port
 from tests.forked_ranks import RankProcess, log_path, start_rank
 from tests.forked_services import start_local_process
 from tests.http import http

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from supervisor.ops import output
 from supervisor.ops.client import parse_event_stream
 from supervisor.ops.config import resolve

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.local.cluster_state import free_port
 from supervisor.local.demo import LocalDemo
+from supervisor.local.ports import free_port
 from tests.forked_ranks import log_path, start_rank
 from tests.test_local_cluster import (
     SEED,

@@ -25,7 +25,7 @@ from supervisor.api.app import create_app
 from supervisor.config import Settings
 from supervisor.domain import Event, EventType, utcnow
 from supervisor.live_hub import Hub, Message, Resync
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from supervisor.runtime import Supervisor
 from tests.conftest import AGENT_TOKEN, OPERATOR_TOKEN, SettingsFactory
 from tests.http import http

@@ -32,7 +32,8 @@ from host_monitor.config import load_settings as load_host_monitor_settings
 from resiliency_protocol.tls import client_context
 from supervisor.config import ConfigError, load_settings
 from supervisor.local.backend import LocalBackend
-from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port
+from supervisor.local.cluster_state import ClusterState, NodeInfo
+from supervisor.local.ports import free_port
 from supervisor.ops.errors import ExitCode
 from tests.conftest import SettingsFactory
 from tests.forked_services import start_service

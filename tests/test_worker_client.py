@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.local.cluster_state import free_port
+from supervisor.local.ports import free_port
 from tests.timing import scaled
 from training.npz_format import (
     checkpoint_file,

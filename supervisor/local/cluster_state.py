@@ -5,66 +5,15 @@ run directory, written atomically (supervisor/local/cluster.py acts on it)."""
 from __future__ import annotations
 
 import os
-import random
-import socket
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from resiliency_protocol.launch import master_port, ranks_of
+from supervisor.local.ports import free_port
 
 STATE_FILE = "cluster.json"
 MAX_REMEMBERED_KEYS = 1000
-
-
-#: Ports chosen here lie in [LOWEST_PORT, the ephemeral range's start - PORT_HEADROOM):
-#: the kernel hands none of them to a connection's local end or to a bind to port 0, so
-#: a port chosen now is still free when its server binds it seconds later (a torch rank's
-#: rendezvous store after its imports); above, any outgoing connection may take it. The
-#: headroom keeps the ports of the worlds that follow a first MASTER_PORT below it too.
-LOWEST_PORT = 20000
-PORT_HEADROOM = 128
-_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
-def _ephemeral_start() -> int:
-    try:
-        return int(_EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, below the ephemeral range (see
-    LOWEST_PORT); one the kernel picks where that range leaves no room below it."""
-    top = _ephemeral_start() - PORT_HEADROOM
-    for _ in range(64) if top - LOWEST_PORT >= 1024 else ():
-        port = random.randrange(LOWEST_PORT, top)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        chosen: int = s.getsockname()[1]
-        return chosen
-
-
-def hold_port(address: str, port: int) -> socket.socket:
-    """A socket bound to `address:port`, not listening, that keeps the port ours until it
-    is closed: `free_port` (a plain bind) skips it in every process, while a server of
-    ours binds it beside the hold (SO_REUSEADDR on both, as asyncio's servers set). An
-    OSError naming the port when it is in use already."""
-    hold = socket.socket()
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        hold.bind((address, port))
-    except OSError as exc:
-        hold.close()
-        raise OSError(exc.errno, f"port {port} on {address} is in use ({exc.strerror})") from exc
-    return hold
 
 
 class NodeInfo(BaseModel):

@@ -27,8 +27,9 @@ import httpx
 from resiliency_protocol.checkpoint_reports import Tier
 from resiliency_protocol.shared_settings import host_monitor_env
 from supervisor.local.cluster import LocalCluster
-from supervisor.local.cluster_state import ClusterState, NodeInfo, free_port, hold_port
+from supervisor.local.cluster_state import ClusterState, NodeInfo
 from supervisor.local.demo_options import DemoOptions
+from supervisor.local.ports import free_port, hold_port
 from supervisor.local.processes import LocalProcess, ProcessStarter, start_process
 from supervisor.local.run_folder import claim
 
