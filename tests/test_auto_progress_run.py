@@ -30,12 +30,14 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Linear(16, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-print(f"rank {rank}: attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"rank {rank}: attempt {attempt}", flush=True)
 for step in range(int(os.environ["STEPS"])):
     model(torch.randn(8, 16)).sum().backward()
     opt.step()
     opt.zero_grad()
-    time.sleep(float(os.environ["STEP_TIME_S"]))
+    if attempt == 0:  # paced until the freeze; the healed attempt runs to its end at once
+        time.sleep(float(os.environ["STEP_TIME_S"]))
 dist.destroy_process_group()
 print(f"rank {rank}: done", flush=True)
 """
@@ -57,8 +59,9 @@ def test_a_frozen_rank_of_a_plain_ddp_script_is_detected_and_healed(tmp_path: Pa
     (tmp_path / "train.py").write_text(DDP_SCRIPT)
     args = ["--nnodes", "2", "--nproc-per-node", "1"]
     args += ["--set", f"hang_timeout_s={HANG_TIMEOUT_S}", "train.py"]
-    # 30 s of training per attempt: the job starts first, the supervisor after it, and on a
-    # loaded machine the supervisor took 10 s to be up, by when 150 steps had all run.
+    # 30 s of training in the first attempt: the job starts first, the supervisor after
+    # it, and on a loaded machine the supervisor took 10 s to be up, by when 150 steps had
+    # all run.
     run = Run(tmp_path, args, user_env(tmp_path, STEPS="600", STEP_TIME_S="0.05"))
     frozen: int | None = None
     try:
