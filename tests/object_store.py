@@ -326,9 +326,19 @@ class FakeGcs:
         self.proc = None
 
 
+#: The error answers FaultProxy gives, with S3's bodies: SlowDown (a bucket under load,
+#: retried by every client) and NoSuchUpload (a multipart upload aborted before its
+#: completion, by a lifecycle rule or another client: final).
+_ERRORS = {
+    "503": (503, b"SlowDown", b"Please reduce your request rate."),
+    "no_such_upload": (404, b"NoSuchUpload", b"The specified upload does not exist."),
+}
+
+
 class FaultProxy:
     """A loopback HTTP proxy in front of an S3 endpoint. `fault(method, path)` decides
-    per request: "503" answers 503 SlowDown (the body S3 sends under load), "drop"
+    per request: "503" answers 503 SlowDown (the body S3 sends under load),
+    "no_such_upload" 404 NoSuchUpload (see _ERRORS), "drop"
     closes the connection without an answer, "slow" passes it on `delay_s` late (a
     congested bucket: the real server cannot be made slow on demand), "unconditional"
     passes it on without its `If-Match` and `If-None-Match` headers (an S3-compatible
@@ -357,12 +367,13 @@ class FaultProxy:
                 with proxy._lock:
                     action = proxy.fault(self.command, self.path) or "pass"
                     proxy.seen.append((self.command, self.path, action))
-                if action == "503":
+                if action in _ERRORS:
+                    status, code, message = _ERRORS[action]
                     payload = (
-                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-                        b"<Message>Please reduce your request rate.</Message></Error>"
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>%s</Code>'
+                        b"<Message>%s</Message></Error>" % (code, message)
                     )
-                    self.send_response(503)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()

@@ -22,12 +22,9 @@ from typing import Any, NamedTuple, Protocol
 
 from tests.timing import scaled
 
-#: Each rank writes a marker and waits for the test's release, once per rank and point: a
-#: step run again after a resume does not stop there again.
-PAUSE = """
-current_step = [0]
-
-
+#: Each rank writes a marker (its process id) and waits for the test's release, once per
+#: rank and point: a step run again after a resume does not stop there again.
+PAUSE_FUNCTION = """
 def pause(step: int, point: str) -> None:
     if f"{step}:{point}" not in os.environ.get("PAUSES", "").split(","):
         return
@@ -42,7 +39,8 @@ def pause(step: int, point: str) -> None:
         time.sleep(0.02)
 
 
-class DataPosition:"""
+"""
+PAUSE = "\ncurrent_step = [0]\n\n" + PAUSE_FUNCTION + "class DataPosition:"
 
 #: The edits that put the points into an example of docs/training.md (with a sleep of
 #: STEP_TIME_S per step after the optimizer's, so that the run lasts).
@@ -169,3 +167,12 @@ def wait_until(condition: Callable[[], bool], within: float, what: str, run: Use
             break
         time.sleep(0.05)
     raise AssertionError(f"not seen: {what}\n" + "\n".join(run.lines[-80:]))
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie not yet reaped by its parent counts)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -142,7 +142,7 @@ def _sample(metrics: str, name: str, job: str, tier: str) -> float:
 
 
 def _free_port() -> int:
-    from tests.test_worker_client import free_port
+    from supervisor.local.ports import free_port
 
     return free_port()
 

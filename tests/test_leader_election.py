@@ -276,7 +276,9 @@ async def test_only_the_lease_holder_runs_the_supervisor(
 # --- two real processes ------------------------------------------------------------------
 
 
-TIMING = Timing(lease_duration_s=2.0, renew_deadline_s=1.5, retry_period_s=0.25)
+#: The Lease's periods, scaled with the machine's margins: at 1.5 s to renew, a leader of
+#: the loaded suite gave up its lead before the test's first step (the API too slow).
+TIMING = Timing(lease_duration_s=scaled(2.0), renew_deadline_s=scaled(1.5), retry_period_s=0.25)
 #: A replica's start (its imports) and the first election: under two CPU burners beside
 #: the suite a replica printed nothing within the bench's unscaled 30 s.
 START_S = scaled(30)

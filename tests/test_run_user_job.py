@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,16 @@ import pytest
 
 from supervisor.local.demo import leftover_processes
 from tests.http import http
-from tests.step_points import EDITS, FaultAt, assert_saved_and_resumed, env_of, inject_at_points
+from tests.step_points import (
+    EDITS,
+    PAUSE_FUNCTION,
+    FaultAt,
+    assert_saved_and_resumed,
+    env_of,
+    inject_at_points,
+    process_gone,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"the supervisor at (\S+) \(operator token (\S+)\)")
@@ -241,14 +251,31 @@ def test_a_hung_worker_of_the_ddp_example_is_healed_losing_at_most_one_step(
     code = script.read_text()
     report = "    client.report_step(step)\n"
     code = code.replace(report, '    print(f"rank {rank}: step {step}", flush=True)\n' + report)
+    # Both ranks are held after step 20 while rank 1 is stopped, then released: the hang
+    # lands mid-run however slow the machine (polled for the job's step, the run could
+    # reach its end before the fault).
+    edits = {
+        "import os\n": "import os\nimport pathlib\n",
+        "class DataPosition:": PAUSE_FUNCTION.lstrip("\n") + "class DataPosition:",
+        "    ckpt.step_done(step)": '    pause(step, "after")\n    ckpt.step_done(step)',
+    }
+    for old, new in edits.items():
+        assert code.count(old) == 1, f"the example changed: {old!r}"
+        code = code.replace(old, new)
     script.write_text(code)
     want = reference_weights(tmp_path, script, nproc=2)
     weights = tmp_path / "weights.sha256"
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    held = FaultAt(20, "after", "worker_hang", 1, (0,), 20)
+    extra = {"STEP_TIME_S": "0.05", "WEIGHTS_FILE": str(weights), **env_of(pauses, [held])}
     args = ["--nnodes", "2", "--nproc-per-node", "1", "train.py"]
-    run = Run(tmp_path, args, user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights)))
+    run = Run(tmp_path, args, user_env(tmp_path, **extra))
     try:
-        run.wait_step(20)
+        at = [pauses / f"at-20-after-rank{rank}" for rank in range(2)]
+        wait_until(lambda: all(marker.exists() for marker in at), 240, "every rank held", run)
         run.api("POST", "/api/v1/faults", kind="worker_hang", node="node-1", rank=1)
+        (pauses / "release-20-after").touch()
         code_of_run = run.finish()
     finally:
         run.kill()
@@ -267,12 +294,16 @@ def test_a_hung_worker_of_the_ddp_example_is_healed_losing_at_most_one_step(
 
 
 def healing_example(tmp: Path) -> Path:
-    """The in-process example of docs/training.md as a user saves it: a pause per step,
-    its process id in the line each world prints, rank 0's final weights' hash."""
+    """The in-process example of docs/training.md as a user saves it: a pause per step and
+    the points where the test holds its ranks (tests/step_points.py), its process id in
+    the line each world prints, rank 0's final weights' hash."""
     edits = {
-        "import os\n": "import hashlib\nimport os\nimport time\n",
+        "import os\n": "import hashlib\nimport os\nimport pathlib\nimport time\n",
+        "client = WorkerClient.from_env()": PAUSE_FUNCTION.lstrip("\n")
+        + "client = WorkerClient.from_env()",
         "            ckpt.step_done(step)\n": "            ckpt.step_done(step)\n"
-        '            time.sleep(float(os.environ["STEP_TIME_S"]))\n',
+        '            time.sleep(float(os.environ["STEP_TIME_S"]))\n'
+        '            pause(step, "after")\n',
         'after step {start}"': 'after step {start} pid {os.getpid()}"',
         "ckpt.close()": WEIGHTS_OUT,
     }
@@ -293,11 +324,21 @@ def test_the_in_process_example_heals_a_crashed_rank_keeping_the_other_nodes_pro
     # takes tens of seconds on a loaded 2-core machine, and what is checked is the path.
     args = ["--in-process", "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1"]
     args += ["--set", "in_process_restart_timeout_s=120"]
-    env = user_env(tmp_path, STEP_TIME_S="0.05", WEIGHTS_FILE=str(weights))
-    run = Run(tmp_path, [*args, "train.py"], env)
+    # Every rank is held after step 20 while rank 3 is crashed, and released once its
+    # process is gone: the crash lands mid-run however slow the machine (polled for the
+    # job's step, it had reached the run's end first, the supervisor gone with it).
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    held = FaultAt(20, "after", "worker_crash", 3, (), 20)
+    extra = {"STEP_TIME_S": "0.05", "WEIGHTS_FILE": str(weights), **env_of(pauses, [held])}
+    run = Run(tmp_path, [*args, "train.py"], user_env(tmp_path, **extra))
     try:
-        run.wait_step(20)
+        at = [pauses / f"at-20-after-rank{rank}" for rank in range(4)]
+        wait_until(lambda: all(marker.exists() for marker in at), 240, "every rank held", run)
+        crashed = int(at[3].read_text())
         run.api("POST", "/api/v1/faults", kind="worker_crash", node="node-1", rank=3)
+        wait_until(partial(process_gone, crashed), 60, f"rank 3 (pid {crashed}) ended", run)
+        (pauses / "release-20-after").touch()
         code = run.finish()
     finally:
         run.kill()
