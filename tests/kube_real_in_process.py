@@ -65,8 +65,10 @@ def jobset(tmp: Path, name: str, master_port: int, nproc: int = 1) -> dict[str, 
         "S3_CHECKPOINTING_FREQ": "50",
         "STEP_TIME_S": "0.05",
         "LOG_EVERY_STEPS": "10",
-        "PEER_LOSS_WAIT_S": "60",
-        "WORLD_WAIT_S": "60",
+        # How long a rank waits for its new world, scaled as a margin: a replacement's
+        # rank that gives up first ends the in-process heal (a full restart instead).
+        "PEER_LOSS_WAIT_S": str(scaled(60)),
+        "WORLD_WAIT_S": str(scaled(60)),
         "EMERGENCY_CHECKPOINT_TIMEOUT_S": str(RANK_EMERGENCY_TIMEOUT_S),
         "SYNC_FILES": "false",
         "OMP_NUM_THREADS": "1",

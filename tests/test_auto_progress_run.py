@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.test_run_user_job import Run, user_env
+from tests.timing import scaled
 
 #: Nothing of this project: torch only, as a user writes it for torchrun.
 DDP_SCRIPT = """\
@@ -41,9 +42,14 @@ for step in range(int(os.environ["STEPS"])):
 dist.destroy_process_group()
 print(f"rank {rank}: done", flush=True)
 """
-HANG_TIMEOUT_S = 4.0
+#: The product's timeouts, scaled with the machine's margins: they are short only so that
+#: the test sees the freeze soon, and a loaded machine (CI: four sessions on two cores)
+#: left a healed rank over 3 s between its last optimizer step and its exit, which a
+#: 3 s worker heartbeat timeout took for a second hang.
+HANG_TIMEOUT_S = scaled(4.0)
+WORKER_HEARTBEAT_TIMEOUT_S = scaled(3.0)
 #: What detecting the frozen rank may take besides: the heartbeats' periods, the sensor's.
-SLACK_S = 6.0
+SLACK_S = scaled(6.0)
 
 
 def detections(run: Run) -> list[dict[str, Any]]:
@@ -58,7 +64,8 @@ def test_a_frozen_rank_of_a_plain_ddp_script_is_detected_and_healed(tmp_path: Pa
     pytest.importorskip("torch")
     (tmp_path / "train.py").write_text(DDP_SCRIPT)
     args = ["--nnodes", "2", "--nproc-per-node", "1"]
-    args += ["--set", f"hang_timeout_s={HANG_TIMEOUT_S}", "train.py"]
+    args += ["--heartbeat-timeout-s", f"{WORKER_HEARTBEAT_TIMEOUT_S:g}"]
+    args += ["--set", f"hang_timeout_s={HANG_TIMEOUT_S:g}", "train.py"]
     # 30 s of training in the first attempt: the job starts first, the supervisor after
     # it, and on a loaded machine the supervisor took 10 s to be up, by when 150 steps had
     # all run.

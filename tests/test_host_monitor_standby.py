@@ -378,3 +378,38 @@ def test_a_forked_worker_counts_its_own_steps(tmp_path: Path) -> None:
     (ran,) = scripts(out)
     assert ran["counting"] is True
     assert ran["pythonpath"] == str(ROOT)
+
+
+#: A script whose exit hook and whose object's end say when they ran. No function of its
+#: own: one would hold its namespace in a cycle, left to the collector at the end.
+EXIT_ORDER_SCRIPT = """\
+import atexit, functools, os
+
+out = os.open(os.environ["EXIT_ORDER"], os.O_WRONLY | os.O_CREAT)
+
+class Model:  # not a descriptor: called with no argument
+    __del__ = functools.partial(os.write, out, b"the script's objects destroyed\\n")
+
+model = Model()
+atexit.register(os.write, out, b"the exit hooks ran\\n")
+os.write(out, b"the script ended\\n")
+"""
+
+
+def test_a_forked_scripts_objects_outlive_its_exit_hooks_as_with_python(tmp_path: Path) -> None:
+    """`python train.py` keeps its `__main__` until the interpreter ends: its exit hooks
+    (the automatic step count's `finishing`) run before its objects are destroyed (a DDP
+    model and its process group, whose destruction can block). A forked worker ends in
+    the same order, not with its objects destroyed as the script returns."""
+    script = tmp_path / "train.py"
+    script.write_text(EXIT_ORDER_SCRIPT)
+    plain, forked = tmp_path / "plain.txt", tmp_path / "forked.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(script)], env={**env, "EXIT_ORDER": str(plain)}, check=True)
+    with bare_standby(env, []) as (proc, pipe):
+        assert parse_reply(pipe.readline()) == Ready()
+        order = WorkerOrder((str(script),), {**env, "EXIT_ORDER": str(forked)}, str(tmp_path), None)
+        run_to_its_end(proc, pipe, order)
+    expected = ["the script ended", "the exit hooks ran", "the script's objects destroyed"]
+    assert plain.read_text().splitlines() == expected
+    assert forked.read_text().splitlines() == expected

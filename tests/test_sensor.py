@@ -1006,6 +1006,37 @@ async def test_two_ranks_are_too_few_to_tell_a_straggler(make_sensor: SensorFact
     assert emitted.events == []
 
 
+async def test_a_stalled_job_makes_no_straggler_of_a_rank_whose_last_step_was_slow(
+    make_sensor: SensorFactory,
+) -> None:
+    """The job stops stepping (its ranks wait for a new world) just after one slow
+    forward on rank 2, a preemption on a busy machine: its heartbeats go on saying that
+    step's time for windows on end, which is one sample, not a rank that stays slow."""
+    sensor, emitted = make_sensor(
+        heartbeat_polling_period_s=0.02,
+        heartbeat_timeout_s=5.0,
+        straggler_window_s=0.1,
+        straggler_threshold=1.2,
+    )
+    pace = {"tick": 0, "stalled_at": -1}
+
+    def beat(tick: int) -> list[HostHeartbeat]:
+        pace["tick"] = tick
+        stalled = pace["stalled_at"] >= 0
+        step = pace["stalled_at"] if stalled else tick  # the last step, said again
+        return [computing(f"n{r}", r, 1.5 if stalled and r == 2 else 0.1, step) for r in range(4)]
+
+    pump = Pump(sensor, beat).start()
+    try:
+        await asyncio.sleep(0.3)
+        pace["stalled_at"] = pace["tick"] + 1  # a new step: rank 2's slow one, the last
+        await asyncio.sleep(0.6)  # six windows of the stall
+        assert sensor.stragglers.scores("j1", now()) == {}  # nothing stepped to score
+    finally:
+        await pump.stop()
+    assert emitted.events == []
+
+
 # --- fault injection ----------------------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ import runpy
 import select
 import signal
 import sys
+import types
 
 from resiliency_protocol.standby_orders import (
     Exited,
@@ -165,14 +166,27 @@ def _run(order: WorkerOrder) -> None:
     program = order.program
     if program.module is not None:
         sys.argv = [program.module, *program.args]
-        runpy.run_module(program.module, run_name="__main__", alter_sys=True)
+        _keep_as_main(runpy.run_module(program.module, run_name="__main__", alter_sys=True))
         return
     script = os.path.abspath(program.script or "")
     sys.argv = [program.script or "", *program.args]
     # As `python script.py`: the script's directory first on the path, not the standby's
     # working directory.
     sys.path[0] = os.path.dirname(script)
-    runpy.run_path(script, run_name="__main__")
+    _keep_as_main(runpy.run_path(script, run_name="__main__"))
+
+
+def _keep_as_main(namespace: dict[str, object]) -> None:
+    """The worker's namespace, as `runpy` returns it, kept as `__main__` until the
+    interpreter ends, as `python script.py` keeps its own: its objects (a DDP model, its
+    process group) are destroyed after the exit hooks, where the automatic step count says
+    the worker is finishing. Dropped here, they were destroyed first, and such a
+    destruction that blocked left a worker with no step and no `finishing` said: a hang
+    to its host monitor. A module of its own: the standby's was frozen before the fork
+    (`gc.freeze`), and what it holds would never be collected."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(namespace)
+    sys.modules["__main__"] = main
 
 
 def _count_progress_afresh() -> None:

@@ -141,7 +141,8 @@ class DeadlineHandlers(SensorClock):
 
     def _check_stragglers(self, changes: Changes) -> None:
         """Every heartbeat period: one sample per running rank that reports its compute
-        time, then the stragglers and recoveries that became due (see stragglers.py)."""
+        time and stepped since, then the stragglers and recoveries that became due (see
+        stragglers.py)."""
         now = self._deadlines.time()
         self._deadlines.arm((STRAGGLERS, ""), now + self.settings.heartbeat_polling_period_s)
         for node in self._nodes.values():
@@ -153,7 +154,9 @@ class DeadlineHandlers(SensorClock):
                 continue
             for worker in node.workers:
                 if worker.state is WorkerState.RUNNING and worker.compute_s is not None:
-                    self.stragglers.observe(node.job, worker.rank, node.name, worker.compute_s, now)
+                    self.stragglers.observe(
+                        node.job, worker.rank, node.name, worker.compute_s, now, worker.step
+                    )
         params = self.stragglers.params
         for verdict in self.stragglers.evaluate(now):
             record = self._nodes.get(verdict.node)

@@ -5,7 +5,10 @@ backward, data), before it waits for the others in a collective. In a synchronou
 every rank steps at the pace of the slowest, so step rates cannot tell a straggler; the
 time before the collective can: the straggler's grows, the others' does not.
 
-Every check (one heartbeat period), each rank's newest report is one sample. A rank's
+Every check (one heartbeat period), each rank that stepped since the last check gives its
+newest report as one sample: a rank that did not step (a stalled job, ranks waiting for a
+new world) gives none, or its last step's time, one preempted forward on a busy machine,
+would fill its window while the job waits and make it a straggler. A rank's
 score is the median of its samples within `window_s`, over the median of those medians
 across the job's ranks: a whole job that slows down (a slow data loader, a shared file
 system) keeps every score near 1, and one noisy sample moves no median. A rank whose score
@@ -33,6 +36,7 @@ class StragglerParams:
 class _Rank:
     node: str
     samples: deque[tuple[float, float]] = field(default_factory=deque)  # (time, compute_s)
+    last_step: int | None = None  # the step of the newest sample
     slow_since: float | None = None
     fast_since: float | None = None
     reported: bool = False  # a straggler event is out and no recovery since
@@ -64,11 +68,17 @@ class StragglerScorer:
         self.params = params
         self._jobs: dict[str, dict[int, _Rank]] = {}
 
-    def observe(self, job: str, rank: int, node: str, compute_s: float, now: float) -> None:
+    def observe(
+        self, job: str, rank: int, node: str, compute_s: float, now: float, step: int | None
+    ) -> None:
+        """The rank's newest report, of `step`: a sample unless it is that of the last one."""
         ranks = self._jobs.setdefault(job, {})
         record = ranks.get(rank)
         if record is None or record.node != node:  # a new rank, or moved to a new node
             record = ranks[rank] = _Rank(node)
+        if step is not None and step == record.last_step:
+            return  # no step since: the same report again
+        record.last_step = step
         record.samples.append((now, compute_s))
 
     def forget(self, job: str, rank: int | None = None) -> None:
@@ -103,6 +113,10 @@ class StragglerScorer:
         for job in list(self._jobs):
             medians, typical = self._medians(job, now)
             if typical is None:
+                # Too few ranks stepping to score (the job stalled): a rank stays slow, or
+                # fast again, only while it is seen to.
+                for record in self._jobs[job].values():
+                    record.slow_since = record.fast_since = None
                 continue
             for rank, median in medians.items():
                 record = self._jobs[job][rank]
