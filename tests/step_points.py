@@ -1,7 +1,8 @@
 """Faults that land at a chosen point of a training step of a user's script: the script,
 edited as a test saves it, holds each rank at `pause(step, point)` until the test releases
 it; the test injects the fault through the supervisor's API while every rank is held there
-and releases them once the emergency request reached the ranks that save.
+and releases them once the emergency request reached the ranks that save (before the
+optimizer's step: once the remedy is done).
 
 Points: "before" the optimizer's step (the rank's state is still the previous step's),
 "inside" it (a step pre-hook registered after the Checkpointer's own: the step has begun,
@@ -111,9 +112,20 @@ def inject_at_points(
         run.api("POST", "/api/v1/faults", **fault)
         delivered = partial(requests_delivered, run.run_dir, f.saving, injected)
         wait_until(delivered, 120, f"the emergency request handed to ranks {f.saving}", run)
-        time.sleep(0.5)  # the ranks' client threads take the request meanwhile
-        (pauses / f"release-{f.step}-{f.point}").touch()
         said.append(f"[supervisor]: {f.remedy()} {node} succeeded")
+        release = pauses / f"release-{f.step}-{f.point}"
+        if f.point == "before":
+            # Held until the remedy is done: their save holds the step before, at once.
+            # Released sooner, the survivors could take the optimizer's step before the
+            # remedy stopped them, and their collective raising then saved that step on
+            # their way out, one past the one asked (seen on a loaded machine).
+            wait_until(partial(_said, run, said[-1]), 240, said[-1], run)
+            release.touch()
+            continue
+        # Inside or after the optimizer's step, the save waits for the step's end: released
+        # once the ranks' client threads took the request.
+        time.sleep(0.5)
+        release.touch()
         # The next fault targets a node by the ranks it runs once the remedy is done.
         wait_until(partial(_said, run, said[-1]), 240, said[-1], run)
     return said
