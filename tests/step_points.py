@@ -179,12 +179,3 @@ def wait_until(condition: Callable[[], bool], within: float, what: str, run: Use
             break
         time.sleep(0.05)
     raise AssertionError(f"not seen: {what}\n" + "\n".join(run.lines[-80:]))
-
-
-def process_gone(pid: int) -> bool:
-    """Whether process `pid` has ended (a zombie not yet reaped by its parent counts)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -32,9 +32,9 @@ from tests.step_points import (
     assert_saved_and_resumed,
     env_of,
     inject_at_points,
-    process_gone,
     wait_until,
 )
+from tests.test_host_monitor import _pid_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"the supervisor at (\S+) \(operator token (\S+)\)")
@@ -45,13 +45,17 @@ def saved_example(tmp: Path, marker: str, edits: dict[str, str]) -> Path:
     it, with `edits` (each must match once: the example changed otherwise)."""
     text = (ROOT / "docs" / "training.md").read_text()
     start = text.index(marker)
-    code = text[start : text.index("```", start)]
+    script = tmp / "train.py"
+    script.write_text(edited(text[start : text.index("```", start)], edits))
+    return script
+
+
+def edited(code: str, edits: dict[str, str]) -> str:
+    """`code` with `edits`, each of which must match once (the example changed otherwise)."""
     for old, new in edits.items():
         assert code.count(old) == 1, f"the example changed: {old!r}"
         code = code.replace(old, new)
-    script = tmp / "train.py"
-    script.write_text(code)
-    return script
+    return code
 
 
 #: What each rank 0 adds at its end: the hash of its final weights.
@@ -259,10 +263,7 @@ def test_a_hung_worker_of_the_ddp_example_is_healed_losing_at_most_one_step(
         "class DataPosition:": PAUSE_FUNCTION.lstrip("\n") + "class DataPosition:",
         "    ckpt.step_done(step)": '    pause(step, "after")\n    ckpt.step_done(step)',
     }
-    for old, new in edits.items():
-        assert code.count(old) == 1, f"the example changed: {old!r}"
-        code = code.replace(old, new)
-    script.write_text(code)
+    script.write_text(edited(code, edits))
     want = reference_weights(tmp_path, script, nproc=2)
     weights = tmp_path / "weights.sha256"
     pauses = tmp_path / "pauses"
@@ -337,7 +338,7 @@ def test_the_in_process_example_heals_a_crashed_rank_keeping_the_other_nodes_pro
         wait_until(lambda: all(marker.exists() for marker in at), 240, "every rank held", run)
         crashed = int(at[3].read_text())
         run.api("POST", "/api/v1/faults", kind="worker_crash", node="node-1", rank=3)
-        wait_until(partial(process_gone, crashed), 60, f"rank 3 (pid {crashed}) ended", run)
+        wait_until(partial(_pid_gone, crashed), 60, f"rank 3 (pid {crashed}) ended", run)
         (pauses / "release-20-after").touch()
         code = run.finish()
     finally:
