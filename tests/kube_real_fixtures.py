@@ -46,6 +46,12 @@ WORKER_HEARTBEAT_TIMEOUT_S = scaled(10.0)
 #: Each poll is an HTTP request the service answers from its store: four a second is fine
 #: enough for every wait here; ten took CPU the jobs need on a 2-core machine.
 POLL_S = 0.25
+#: How much of each pod's log, and how many lines of each host monitor's and the
+#: supervisor's (those with one of STORY_WORDS), a failed test's report carries: the
+#: end, where a process says why it ended.
+STORY_POD_LOG_CHARS = 1500
+STORY_LOG_LINES = 15
+STORY_WORDS = (" WARNING ", " ERROR ", "exit", "stopped")
 #: A tag per environment of the session: its nodes', pool's and JobSet's names.
 tags = itertools.count()
 E = TypeVar("E", bound="RealPlaneEnv")
@@ -285,6 +291,17 @@ class RealPlaneEnv:
             f"{e['reason']}: {e.get('message', '')}"
             for at, e in sorted(kept, key=lambda pair: pair[0])
         ]
+        # Why a process ended shows only in its own output, which is gone with the run.
+        for log in sorted((self.tmp / "pods").glob("*.log")):
+            tail = log.read_text(errors="replace")[-STORY_POD_LOG_CHARS:]
+            lines.append(f"the end of pod {log.stem}'s log:")
+            lines += [f"  {line}" for line in tail.splitlines()]
+        logs = [(f"host monitor of {n}", a.log) for n, a in sorted(self.agents.items())]
+        for who, path in [*logs, ("supervisor", self.supervisor.log)]:
+            said = path.read_text(errors="replace").splitlines() if path.exists() else []
+            told = [line for line in said if any(word in line for word in STORY_WORDS)]
+            lines.append(f"the {who}: its last warnings, errors and workers' ends:")
+            lines += [f"  {line}" for line in told[-STORY_LOG_LINES:]]
         return "\n".join(lines)
 
     # --- faults ---------------------------------------------------------------------------

@@ -34,6 +34,9 @@ from tests.timing import scaled
 EXAMPLE = REPO / "helm" / "resiliency-supervisor" / "examples" / "jobset-pytorch.yaml"
 PEER_TOKEN = "in-process-peer-token"
 TOTAL_STEPS = 110  # the last fault is near step 70; the rest only trains to the end
+#: The ports kept for the JobSet's rendezvous: world n's is MASTER_PORT + n (a test reaches
+#: world 3 at most), and one of them handed to another test's server failed a heal.
+WORLD_PORTS = 8
 #: The label of the test's JobSet, which its supervisor selects (and no other test's).
 SELECTOR = "in-process-test"
 #: How long a rank may take for its emergency save, and the supervisor for the whole
@@ -133,7 +136,8 @@ class RealInProcess(RealPlaneEnv):
     def jobset(self) -> dict[str, Any]:
         """The example as a user applies it (tests/kube_real_fixtures.py), selected by
         the test's supervisor alone."""
-        body = jobset(self.tmp, self.job, master_port=free_port(), nproc=self.nproc)
+        port = free_port(span=WORLD_PORTS)
+        body = jobset(self.tmp, self.job, master_port=port, nproc=self.nproc)
         body = as_applied(body, self.job, self.pool, self.tmp)
         body["metadata"]["labels"][SELECTOR] = self.pool
         return body

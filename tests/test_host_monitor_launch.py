@@ -38,6 +38,9 @@ AGENT = "agent-token-for-launch-tests"
 OPERATOR = "operator-token-for-launch-tests"
 ACTUATOR = "actuator-token-for-launch-tests"
 HOST_MONITOR = [sys.executable, "-m", "host_monitor.cli"]
+#: The ports kept for a job's rendezvous: attempt n's is --master-port + n - 1 (the tests
+#: reach attempt 2), each kept from the other tests' servers.
+WORLD_PORTS = 8
 TORCHRUN_ENV = (
     "RANK",
     "LOCAL_RANK",
@@ -232,7 +235,7 @@ def test_two_hosts_launch_the_user_script_with_torchrun_env_and_a_killed_worker_
 ) -> None:
     (hosts.tmp / "train.py").write_text(SCRIPT)
     hosts.serve(nnodes=2)
-    master_port = free_port()
+    master_port = free_port(span=WORLD_PORTS)
     shape = ["--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
     for rank in range(2):
         flags = [*shape, "--node-rank", str(rank), "--master-port", str(master_port)]
@@ -306,7 +309,7 @@ def test_a_shell_loop_is_launched_restarted_and_a_missing_command_refused(
 ) -> None:
     (hosts.tmp / "loop.sh").write_text(SHELL_LOOP)
     hosts.serve(nnodes=2)
-    master_port = free_port()
+    master_port = free_port(span=WORLD_PORTS)
     for rank in range(2):
         flags = ["--nnodes", "2", "--node-rank", str(rank), "--master-port", str(master_port)]
         hosts.launch(f"node-{rank}", flags, ["bash", "loop.sh"])
@@ -389,7 +392,7 @@ def test_a_lost_host_is_swapped_for_a_spare_host_and_every_host_left_exits_at_th
     included (so that `srun` returns)."""
     (hosts.tmp / "train.py").write_text(SCRIPT)
     hosts.serve(nnodes=2)
-    master_port = free_port()
+    master_port = free_port(span=WORLD_PORTS)
     shape = ["--nnodes", "2", "--spares", "2", "--master-port", str(master_port)]
     for rank in range(4):
         flags = [*shape, "--node-rank", str(rank)]

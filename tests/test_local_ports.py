@@ -84,3 +84,39 @@ def test_holding_a_port_in_use_says_which() -> None:
         port = server.getsockname()[1]
         with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 is in use"):
             hold_port("127.0.0.1", port)
+
+
+def _unused_block(span: int, after: int) -> int:
+    """The first of `span` consecutive ports above `after`, each free now."""
+    first = after
+    while True:
+        first += span + 1
+        if all(ports._bindable(port) for port in range(first, first + span)):
+            return first
+
+
+def test_a_span_is_handed_out_whole_and_never_over_a_port_in_use_or_handed_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    taken = _unused_block(4, ports.LOWEST_PORT + 600)
+    given = _unused_block(4, taken + 4)
+    chosen = _unused_block(4, given + 4)
+    _picks(monkeypatch, [given + 2])  # a port of `given`, handed out alone
+    assert free_port() == given + 2
+    with socket.socket() as server:  # another program's server on `taken`'s third port
+        server.bind(("127.0.0.1", taken + 2))
+        server.listen()
+        _picks(monkeypatch, [taken, given, chosen])
+        assert free_port(span=4) == chosen
+    handed = ports._handed_out()
+    assert all((handed / str(port)).exists() for port in range(chosen, chosen + 4))
+    assert not (handed / str(taken)).exists() and not (handed / str(given)).exists()
+    # Each port of the span is kept from the next chooser too.
+    after = _unused_block(1, chosen + 4)
+    _picks(monkeypatch, [chosen + 3, after])
+    assert free_port() == after
+
+
+def test_a_span_below_one_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="span must be at least 1, got 0"):
+        free_port(span=0)

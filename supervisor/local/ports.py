@@ -57,29 +57,44 @@ def _recent(folder: Path, port: int, now: float) -> bool:
         return False
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
     """A TCP port free on 127.0.0.1 right now, below the ephemeral range (see
     LOWEST_PORT) and not handed out here in the last RESERVED_S; one the kernel picks
-    where that range leaves no room below it."""
+    where that range leaves no room below it (its neighbours then unchecked).
+
+    `span`: the first of that many consecutive such ports, all handed out: a job given
+    one MASTER_PORT takes the ports above it for its later worlds (an in-process heal's
+    rendezvous), and one of those handed to another server made the heal's new world
+    fail to form (EADDRINUSE)."""
+    if span < 1:
+        raise ValueError(f"span must be at least 1, got {span}")
     top = _ephemeral_start() - PORT_HEADROOM
-    if top - LOWEST_PORT >= 1024:
+    if top - LOWEST_PORT >= 1024 + span:
         with _choosing() as folder:
             now = time.time()
             for _ in range(256):
-                port = random.randrange(LOWEST_PORT, top)
-                if _recent(folder, port, now):
+                first = random.randrange(LOWEST_PORT, top - span + 1)
+                chosen = range(first, first + span)
+                if any(_recent(folder, port, now) for port in chosen):
                     continue
-                with socket.socket() as s:
-                    try:
-                        s.bind(("127.0.0.1", port))
-                    except OSError:
-                        continue
-                (folder / str(port)).touch()
-                return port
+                if not all(_bindable(port) for port in chosen):
+                    continue
+                for port in chosen:
+                    (folder / str(port)).touch()
+                return first
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        chosen: int = s.getsockname()[1]
-        return chosen
+        picked: int = s.getsockname()[1]
+        return picked
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def hold_port(address: str, port: int) -> socket.socket:
