@@ -114,20 +114,19 @@ def inject_at_points(
         wait_until(delivered, 120, f"the emergency request handed to ranks {f.saving}", run)
         said.append(f"[supervisor]: {f.remedy()} {node} succeeded")
         release = pauses / f"release-{f.step}-{f.point}"
-        if f.point == "before":
-            # Held until the remedy is done: their save holds the step before, at once.
-            # Released sooner, the survivors could take the optimizer's step before the
-            # remedy stopped them, and their collective raising then saved that step on
-            # their way out, one past the one asked (seen on a loaded machine).
-            wait_until(partial(_said, run, said[-1]), 240, said[-1], run)
-            release.touch()
-            continue
         # Inside or after the optimizer's step, the save waits for the step's end: released
-        # once the ranks' client threads took the request.
-        time.sleep(0.5)
-        release.touch()
+        # once the ranks' client threads took the request. Before it, held until the
+        # remedy is done: their save holds the step before, at once; released sooner, the
+        # survivors could take the optimizer's step before the remedy stopped them, and
+        # their collective raising then saved that step on their way out, one past the one
+        # asked (seen on a loaded machine).
+        if f.point != "before":
+            time.sleep(0.5)
+            release.touch()
         # The next fault targets a node by the ranks it runs once the remedy is done.
         wait_until(partial(_said, run, said[-1]), 240, said[-1], run)
+        if f.point == "before":
+            release.touch()
     return said
 
 
