@@ -89,7 +89,8 @@ $(ZSH):
 # two pytest sessions side by side: the modules that train with several torch processes
 # (`-m heavy`) on two xdist workers, each running one group of them one after another
 # (HEAVY_GROUPS in tests/session_groups.py: one bound by CPU beside one that mostly
-# waits), and all the others on two more, each module whole on one worker (`--dist
+# waits; then a few modules that train nothing, HEAVY_SESSION_FILL, so that both sessions
+# end together), and all the others on two more, each module whole on one worker (`--dist
 # loadgroup`; the modules on the control plane share one worker and its plane, the small
 # torch modules share another, one at a time). The suite is bound by the machine's two
 # cores (docs/testing.md): workers that each take any module pushed several heavy modules

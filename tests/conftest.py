@@ -27,7 +27,7 @@ from sqlalchemy.engine import make_url
 from supervisor.config import Settings
 from tests.control_plane import ControlPlane, Identity
 from tests.postgres import running_postgres
-from tests.session_groups import HEAVY_GROUPS, PLANE_MODULES, order_of
+from tests.session_groups import HEAVY_SESSION, PLANE_MODULES, order_of
 from tests.timing import scaled
 
 #: Each test's CPU, its processes' included (var/junit-*.xml, and the most at the end).
@@ -233,8 +233,9 @@ FAST_MODULES = frozenset(
 #: cores. `make test` runs them (`-m heavy`) in a session of their own, beside a second
 #: session that runs every other module, two at a time at most (HEAVY_GROUPS in
 #: tests/session_groups.py): more side by side pushed a 2-core machine's load past 8 and
-#: broke their timing margins.
-HEAVY_MODULES = frozenset[str]().union(*HEAVY_GROUPS.values())
+#: broke their timing margins. That session's workers then run a few modules that mostly
+#: wait (HEAVY_SESSION_FILL), so that both sessions end together.
+HEAVY_MODULES = frozenset[str]().union(*HEAVY_SESSION.values())
 
 
 #: The modules that measure the service at fleet scale (2,000 nodes heartbeating against
