@@ -45,6 +45,7 @@ from host_monitor.watchdogs.nvml import NvmlWatchdog
 from host_monitor.watchdogs.xid import XidWatchdog, open_kernel_log
 from host_monitor.wire import GpuReport
 from resiliency_protocol.node_commands import StopWorkersRequest
+from resiliency_protocol.shared_settings import SERVER_KEEP_ALIVE_S
 from resiliency_protocol.worlds import StaleWorld
 
 log = logging.getLogger("host_monitor")
@@ -158,6 +159,7 @@ class Agent:
                 lifespan="off",
                 server_header=False,
                 timeout_graceful_shutdown=2,
+                timeout_keep_alive=SERVER_KEEP_ALIVE_S,
                 # Both or neither (checked by the settings): HTTPS with them.
                 ssl_certfile=s.tls_cert_file,
                 ssl_keyfile=s.tls_key_file,

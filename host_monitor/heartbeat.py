@@ -41,6 +41,7 @@ from host_monitor.wire import GpuReport, HostHeartbeat, WorkerReport, check_hear
 from resiliency_protocol.backoff import attempt_delay
 from resiliency_protocol.error_reading import error_message
 from resiliency_protocol.heartbeat import HEARTBEAT_PATH, URGENT_HEADER
+from resiliency_protocol.shared_settings import CLIENT_KEEP_ALIVE_S
 from resiliency_protocol.states import NodeState
 from resiliency_protocol.tls import client_context
 from resiliency_protocol.worlds import (
@@ -155,7 +156,11 @@ class HeartbeatSender:
         timeout = httpx.Timeout(min(max(self.period_s, 1.0), 5.0), connect=1.0)
         # One connection to the supervisor, and one to the relay if any.
         connections = 1 if self.relay_url is None else 2
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        limits = httpx.Limits(
+            max_connections=connections,
+            max_keepalive_connections=connections,
+            keepalive_expiry=CLIENT_KEEP_ALIVE_S,
+        )
         mirroring = [
             asyncio.create_task(m.run(timeout), name=f"heartbeat-mirror:{m.url}")
             for m in self.mirrors
@@ -355,7 +360,9 @@ class HeartbeatMirror:
         self._ready.set()
 
     async def run(self, timeout: httpx.Timeout) -> None:
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        limits = httpx.Limits(
+            max_connections=1, max_keepalive_connections=1, keepalive_expiry=CLIENT_KEEP_ALIVE_S
+        )
         async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self._ssl) as client:
             while True:
                 await self._ready.wait()

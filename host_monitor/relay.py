@@ -58,6 +58,7 @@ from resiliency_protocol.heartbeat_batch import (
     refused,
 )
 from resiliency_protocol.logs import configure_logging
+from resiliency_protocol.shared_settings import SERVER_KEEP_ALIVE_S
 from resiliency_protocol.tls import TLSError, client_context, half_key_pair, server_context
 from resiliency_protocol.worlds import job_world_header
 
@@ -268,6 +269,7 @@ async def _serve(args: argparse.Namespace, supervisor_tls: ssl.SSLContext) -> No
         port=args.port,
         lifespan="off",
         log_level="warning",
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         ssl_certfile=args.tls_cert_file,
         ssl_keyfile=args.tls_key_file,
     )

@@ -22,6 +22,15 @@ DEFAULT_HOST_MONITOR_PORT = 9400
 #: the supervisor derives its waits from it).
 DEFAULT_HEARTBEAT_POLLING_PERIOD_S = 5.0
 
+#: How long a server of ours (the supervisor's API, a host monitor's, the heartbeat
+#: relay) keeps an idle HTTP connection open, and how long our clients reuse one. The
+#: client's is the shorter, so that no request goes out on a connection the server is
+#: closing at that moment, which fails it ("Server disconnected without sending a
+#: response"): uvicorn's and httpx's defaults are both 5 s, which a heartbeat every 5 s
+#: meets head on. A connection reused between heartbeats also spares a TLS handshake.
+SERVER_KEEP_ALIVE_S = 75
+CLIENT_KEEP_ALIVE_S = 60.0
+
 #: Repeats of the same GPU error within this are dropped (`gpu_report_cooldown_s`: the
 #: host monitor does not send them, the supervisor does not act on them).
 DEFAULT_GPU_REPORT_COOLDOWN_S = 60.0

@@ -181,6 +181,7 @@ def _node_credential(args: argparse.Namespace) -> None:
 def _serve(settings: Settings) -> None:
     import uvicorn
 
+    from resiliency_protocol.shared_settings import SERVER_KEEP_ALIVE_S
     from supervisor.api.app import with_tokens
     from supervisor.api.uvicorn_server import StreamEndingServer
     from supervisor.controller import PolicyLoadError, load_policy
@@ -201,6 +202,7 @@ def _serve(settings: Settings) -> None:
         log_level=settings.log_level,
         access_log=False,
         lifespan="on",
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         # Both or neither (checked by the settings): HTTPS with them, HTTP without.
         ssl_certfile=settings.tls_cert_file,
         ssl_keyfile=settings.tls_key_file,
