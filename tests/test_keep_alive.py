@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import h11
 import httpx
-import pytest
 
 from resiliency_protocol.shared_settings import CLIENT_KEEP_ALIVE_S, SERVER_KEEP_ALIVE_S
 from tests.test_e2e import serving
@@ -61,15 +59,10 @@ def test_the_supervisor_keeps_an_idle_connection_open(tmp_path: Path) -> None:
         assert statuses_on_one_connection(server.url, "/healthz", IDLE_S) == [200, 200]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
+def test_a_host_monitor_keeps_an_idle_connection_open(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path)
     try:
-        yield c
+        url = cluster.start_agent(None).url
+        assert statuses_on_one_connection(url, "/healthz", IDLE_S) == [200, 200]
     finally:
-        c.teardown()
-
-
-def test_a_host_monitor_keeps_an_idle_connection_open(cluster: Cluster) -> None:
-    agent = cluster.start_agent(None)
-    assert statuses_on_one_connection(agent.url, "/healthz", IDLE_S) == [200, 200]
+        cluster.teardown()
