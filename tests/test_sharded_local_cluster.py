@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,29 @@ def decisions(demo: LocalDemo) -> list[str]:
     return [line for line in lines if "controller.controller: event" in line]
 
 
+SAVED = re.compile(
+    r"^(\S+ \S+) INFO\s+host_monitor\.node: rank (\d+) saved \w+ checkpoint of step (\d+) "
+)
+LOADED = re.compile(r"^(\S+ \S+) INFO\s+host_monitor\.node: rank \d+ loaded ")
+
+
+def steps_saved_before_the_heal(demo: LocalDemo) -> dict[int, set[int]]:
+    """The steps each rank's host monitor heard it had saved (any tier) before a rank
+    first loaded a checkpoint: what the old world left, as its reports say. A save
+    reported late only lowers what a test asks of the resume."""
+    lines = [
+        line
+        for log in (demo.run_dir / "logs").glob("host-monitor-*.log")
+        for line in log.read_text(errors="replace").splitlines()
+    ]
+    first_load = min((m[1] for line in lines if (m := LOADED.match(line))), default="~")
+    held: dict[int, set[int]] = {}
+    for line in lines:
+        if (m := SAVED.match(line)) and m[1] < first_load:
+            held.setdefault(int(m[2]), set()).add(int(m[3]))
+    return held
+
+
 def heal(
     start_demo: Callable[..., LocalDemo],
     tmp_path: Path,
@@ -150,9 +174,15 @@ def test_fsdp_worker_crash_is_healed_in_process_bit_exactly(
     saved = actions[0]["result"]["step"]
     resumes = resumed_steps(demo)
     # Without replicas, the crashed rank's shard of the step the survivor saved exists
-    # nowhere: the ranks agree on the newest step every shard has (a periodic save).
+    # nowhere: the ranks agree on the newest step every shard has (a periodic save). That
+    # is not always the last periodic step: a save is written in the background, and the
+    # crash can land while the crashed rank's newest is still being written (seen beside
+    # two CPU burners: rank 0 killed with step 20 in flight, the ranks resumed from 15).
+    held = steps_saved_before_the_heal(demo)
+    assert sorted(held) == [0, 1], held
+    every_shard = max(held[0] & held[1])
     steps = {step for step, _ in resumes}
-    assert len(steps) == 1 and saved - 5 <= steps.pop() <= saved, (saved, resumes)
+    assert len(steps) == 1 and every_shard <= steps.pop() <= saved, (saved, resumes, held)
 
 
 @pytest.mark.parametrize(
