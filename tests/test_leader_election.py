@@ -190,17 +190,20 @@ async def test_a_transient_api_error_does_not_cost_the_lease(
     kube: FakeKube, elector: ElectorFactory, status: int
 ) -> None:
     """A 500, or a 409 from a write that left us the holder (someone edited a label),
-    loses a round, not the Lease: the next read shows it is still ours."""
-    a = elector("a", duration=3.0, deadline=1.0, retry=0.1)
+    loses a round, not the Lease: the next read shows it is still ours, and the next
+    renewal goes through."""
+    # A renew deadline of 3 s: the two refused writes and the renewal after them took
+    # more than 1 s on two cores beside two CPU burners, which is a loss by the deadline,
+    # not by the errors this test is about.
+    a = elector("a", duration=6.0, deadline=3.0, retry=0.1)
     assert await a.try_acquire_or_renew()
+    renewed = spec(kube)["renewTime"]
     fault = kube.fail_next("update", LEASE_PATH, status=status, times=2)
     holding = asyncio.create_task(a.hold())
-    for _ in range(200):
-        if fault.hits >= 2:
-            break
+    until = time.monotonic() + scaled(10)
+    while not (fault.hits == 2 and spec(kube)["renewTime"] != renewed):
+        assert not holding.done() and time.monotonic() < until, (fault.hits, holding)
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)
-    assert fault.hits == 2
     assert not holding.done() and a.is_leader
     holding.cancel()
     assert spec(kube)["holderIdentity"] == "a"
