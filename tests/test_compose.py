@@ -305,7 +305,9 @@ def test_bootstrap_starts_your_own_command_with_torchruns_environment(
         "names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_RANK', 'LOCAL_WORLD_SIZE')\n"
         "seen = {n: os.environ[n] for n in names} | {'args': sys.argv[1:]}\n"
         f"path = os.path.join({str(out)!r}, 'rank' + os.environ['RANK'])\n"
-        "open(path, 'w').write(json.dumps(seen))\n"
+        # Whole or absent: the test reads a rank's file once it exists.
+        "open(path + '.tmp', 'w').write(json.dumps(seen))\n"
+        "os.replace(path + '.tmp', path)\n"
     )
     cluster = Cluster(tmp_path)
     try:
@@ -322,8 +324,12 @@ def test_bootstrap_starts_your_own_command_with_torchruns_environment(
         state = ClusterState.load(run_dir)
         assert state.job is not None and state.job.placement == ["n0", "n1"]
         assert state.spares() == ["n2"]
-        wait_for(lambda: len(list(out.iterdir())) == 4, 60, "every rank to start")
-        seen = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
+
+        def ranks() -> list[Path]:
+            return [p for p in out.iterdir() if p.suffix != ".tmp"]
+
+        wait_for(lambda: len(ranks()) == 4, 60, "every rank to start")
+        seen = {p.name: json.loads(p.read_text()) for p in ranks()}
         for rank in range(4):
             env = seen[f"rank{rank}"]
             assert (env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(rank % 2), str(rank // 2))
